@@ -1,0 +1,43 @@
+# Two commands for a fresh machine: `make demo` (the embedded default) and `make test` (the suite).
+# Each creates .venv with the locked dependencies on first use.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LOCK := requirements/lock-cpu.txt
+DEMO_DIR ?= runs/demo
+# DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
+export DS_BUILD_OPS := 0
+
+.PHONY: demo test lint format lock clean
+
+$(STAMP): pyproject.toml $(LOCK)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -c $(LOCK) -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/kubealign data-split --output $(DEMO_DIR)/data-split
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -m "not gpu and not slow"
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# Re-resolve the newest releases inside pyproject's ranges and write them to the lock file.
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install 'torch==2.13.0' -e '.[dev]'
+	{ sed -n '1,4p' $(LOCK); .venv-lock/bin/pip freeze --exclude-editable | grep -v -E '^(pip|wheel)=='; } > $(LOCK).new
+	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+
+clean:
+	rm -rf $(VENV) runs build *.egg-info

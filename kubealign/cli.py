@@ -1,0 +1,151 @@
+"""The `kubealign` command: one subcommand per stage, plus tiny-model and config.
+
+Every stage command takes --config (a YAML file or a preset name; default: the tiny-cpu preset),
+repeated --set section.key=value overrides, its input paths and --output DIR, and writes
+DIR/result.json. Bad input exits with code 2 and one line naming the file, line or field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from kubealign import __version__
+from kubealign.errors import UserError
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="YAML config file or preset name (default: the tiny-cpu preset, configs/tiny-cpu.yaml)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config field (repeatable); VALUE is YAML, e.g. --set data.split_ratios=[1,1,1]",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kubealign",
+        description="RLHF (SFT, reward model, PPO with DeepSpeed's Hybrid Engine) as a Kubeflow pipeline.",
+    )
+    parser.add_argument("--version", action="version", version=f"kubealign {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    split = sub.add_parser(
+        "data-split",
+        help="stage 0: normalize, validate, deduplicate and split data into the three phases",
+        description="Read data.sources, normalize rows to {prompt, chosen, rejected}, drop bad rows, split "
+        "unique prompts into phase1_sft / phase2_reward / phase3_prompts and write a manifest.",
+    )
+    _add_config_options(split)
+    split.add_argument(
+        "--source",
+        dest="sources",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="input file, dataset dir or hub name (repeatable); replaces data.sources",
+    )
+    split.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
+    split.add_argument("--force", action="store_true", help="recompute even when the cache key matches")
+
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
+        description="Build tiny-opt or tiny-llama from config (no download) into an HF model dir.",
+    )
+    tiny.add_argument("--arch", required=True, choices=["opt", "llama"], help="architecture")
+    tiny.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
+    tiny.add_argument("--seed", type=int, default=0, help="seed of the weights and tokenizer (default 0)")
+
+    config = sub.add_parser("config", help="inspect configurations")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    show = config_sub.add_parser("show", help="print the resolved config (defaults, file, --set)")
+    _add_config_options(show)
+    config_sub.add_parser("presets", help="list the shipped presets")
+    return parser
+
+
+def _print_split_summary(result: dict[str, Any]) -> None:
+    import json
+
+    manifest = json.loads((Path(result["output"]) / "manifest.json").read_text(encoding="utf-8"))
+    status = "cache hit (reused)" if result["cache_hit"] else "computed"
+    print(f"data-split: {status} -> {result['output']}  ({result['wall_time_s']:.1f} s)")
+    print(f"  rows: {manifest['rows']['read']} read, {manifest['rows']['kept']} kept")
+    print(f"  {'phase':<16}{'train rows':>11}{'eval rows':>11}{'prompts':>9}")
+    for phase, entry in manifest["phases"].items():
+        splits = entry["splits"]
+        prompts = splits["train"]["prompts"] + splits["eval"]["prompts"]
+        print(f"  {phase:<16}{splits['train']['rows']:>11}{splits['eval']['rows']:>11}{prompts:>9}")
+    for reason, entry in sorted(manifest["dropped"].items()):
+        print(f"  dropped {entry['count']:>5} {reason} (first: {', '.join(entry['examples'][:2])})")
+    if manifest["invalid"]["count"]:
+        print(f"  skipped {manifest['invalid']['count']:>5} malformed rows (on_error: skip)")
+    if result.get("tracking_uri"):
+        print(f"  MLflow run {result['run_id']} in {result['tracking_uri']}")
+        if result["tracking_uri"].startswith("sqlite:"):
+            print(f"  open the UI: mlflow ui --backend-store-uri {result['tracking_uri']}")
+
+
+def _data_split(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import data_split
+
+    overrides = list(args.overrides)
+    if args.sources:
+        import json
+
+        overrides.append("data.sources=" + json.dumps([{"path": p} for p in args.sources]))
+    config = load_config(args.config, overrides)
+    _print_split_summary(data_split.run(config, args.output, force=args.force))
+
+
+def _tiny_model(args: argparse.Namespace) -> None:
+    from kubealign.models import tiny
+    from kubealign.outputs import check_output_path, write_result
+
+    check_output_path(args.output)
+    path = tiny.build(args.arch, args.output, args.seed)
+    write_result(path, "tiny-model", {}, {"model": "."}, arch=args.arch, seed=args.seed)
+    print(f"tiny-{args.arch} (seed {args.seed}) -> {path}")
+
+
+def _config(args: argparse.Namespace) -> None:
+    from kubealign.config import config_to_yaml, load_config, preset_names
+
+    if args.config_command == "presets":
+        print("\n".join(preset_names()))
+        return
+    sys.stdout.write(config_to_yaml(load_config(args.config, args.overrides)))
+
+
+COMMANDS = {"data-split": _data_split, "tiny-model": _tiny_model, "config": _config}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except UserError as exc:
+        print(f"kubealign: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kubealign: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,15 @@
+"""Configuration: typed sections (schema) and the YAML loader with --set overrides (load)."""
+
+from kubealign.config.load import config_to_yaml, flatten, load_config, preset_names, section_sha256
+from kubealign.config.schema import DataConfig, DataSource, KubealignConfig
+
+__all__ = [
+    "DataConfig",
+    "DataSource",
+    "KubealignConfig",
+    "config_to_yaml",
+    "flatten",
+    "load_config",
+    "preset_names",
+    "section_sha256",
+]

@@ -1,0 +1,242 @@
+"""Typed, frozen configuration: one section per stage, one YAML file for all of them.
+
+Every field has a default and a description with its unit. Models forbid unknown keys, so a typo in
+a YAML file or a --set override is an error that names the field instead of a silently ignored knob.
+Stages that later issues build (sft, reward, ppo, evaluate, promote) already have their sections here so
+that presets can be written and validated once; their fields follow DeepSpeed-Chat's flags.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+SourceFormat = Literal["auto", "prompt_chosen_rejected", "hh", "prompt_response", "messages"]
+DType = Literal["fp32", "bf16", "fp16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DataSource(Section):
+    path: str = Field(
+        description="'synthetic' (built-in generator), a local .jsonl/.jsonl.gz/.json/.parquet file, a "
+        "datasets save_to_disk dir, a local dataset dir, or a Hugging Face hub dataset name "
+        "(loaded with datasets.load_dataset). Relative paths are resolved against the working directory."
+    )
+    format: SourceFormat = Field(
+        "auto",
+        description="Row schema; 'auto' detects it per row from the keys. prompt_chosen_rejected: "
+        "Dahoas rm-static style; hh: HH-RLHF full chosen/rejected dialogues; prompt_response: SFT-only "
+        "rows; messages: chat-message lists.",
+    )
+    limit: int | None = Field(None, gt=0, description="Use at most this many rows (the first ones), rows.")
+    weight: float = Field(
+        1.0,
+        gt=0,
+        description="Mixing weight for the train splits: this source's train rows are subsampled (<1) "
+        "or repeated (>1) to weight x their count. Eval splits are never reweighted.",
+    )
+    split: str = Field("train", description="Split to read from hub / save_to_disk datasets.")
+    name: str | None = Field(None, description="Dataset configuration name for hub datasets.")
+
+
+class DataConfig(Section):
+    sources: list[DataSource] = Field(
+        default_factory=lambda: [DataSource(path="synthetic")],
+        description="Where rows come from; all sources are normalized and pooled before the split.",
+        min_length=1,
+    )
+    split_ratios: tuple[float, float, float] = Field(
+        (2.0, 4.0, 4.0),
+        description="Relative sizes of phase 1 (SFT), 2 (reward) and 3 (PPO prompts), over unique "
+        "preference prompts; '2,4,4' = 20/40/40 %. Accepts a list or a comma-separated string.",
+    )
+    eval_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of each phase's prompts held out as its eval split."
+    )
+    seed: int = Field(1234, description="Seed of the split permutation and of the synthetic generator.")
+    on_error: Literal["raise", "skip"] = Field(
+        "raise",
+        description="A malformed row (bad JSON/UTF-8, wrong type, unknown schema): 'raise' stops with "
+        "an error naming file, line and field; 'skip' drops it and reports it in the manifest.",
+    )
+    synthetic_pairs: int = Field(
+        1000, ge=1, description="Preference rows the 'synthetic' source generates, rows."
+    )
+    synthetic_sft_rows: int = Field(
+        200, ge=0, description="Extra SFT-only (prompt/response) rows of 'synthetic', rows."
+    )
+    report_examples: int = Field(
+        5, ge=0, description="How many example locations the manifest keeps per drop reason."
+    )
+
+    @field_validator("split_ratios", mode="before")
+    @classmethod
+    def _parse_ratios(cls, value: object) -> object:
+        if isinstance(value, str):
+            parts = [p.strip() for p in value.split(",")]
+            try:
+                return tuple(float(p) for p in parts)
+            except ValueError:
+                raise ValueError(
+                    f"expected three comma-separated numbers like '2,4,4', got {value!r}"
+                ) from None
+        return value
+
+    @field_validator("split_ratios")
+    @classmethod
+    def _check_ratios(cls, value: tuple[float, float, float]) -> tuple[float, float, float]:
+        if any(r < 0 for r in value) or sum(value) <= 0:
+            raise ValueError(f"ratios must be >= 0 with a positive sum, got {list(value)}")
+        return value
+
+
+class LoraConfig(Section):
+    r: int = Field(0, ge=0, description="LoRA rank; 0 disables LoRA (full fine-tuning).")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input, probability.")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2"],
+        description="Module-name suffixes that get adapters (PEFT target_modules).",
+    )
+    only_lora: bool = Field(False, description="Train only the adapters; base weights stay frozen.")
+    learning_rate: float | None = Field(
+        None, gt=0, description="Learning rate of the adapter parameters; None = the stage's rate."
+    )
+
+
+class TrainConfig(Section):
+    """Engine options shared by the SFT and reward stages (DeepSpeed-Chat step 1/2 flags)."""
+
+    model: str = Field("tiny-opt", description="tiny-opt, tiny-llama, a hub model id or a local HF dir.")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model repo/dir.")
+    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
+    offload: bool = Field(False, description="Offload optimizer state and (ZeRO-3) params to CPU.")
+    dtype: DType = Field("fp32", description="Training precision; fp32 on CPU.")
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per device per micro-step.")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="HF schedule.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup, optimizer steps.")
+    num_train_epochs: float = Field(1.0, gt=0, description="Passes over the train split, epochs.")
+    max_seq_len: int = Field(128, ge=8, description="Prompt + response length cap, tokens.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
+    seed: int = Field(1234, description="Seed of model init, data order and dropout.")
+    eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = end only.")
+    save_every_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 = never.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="PEFT LoRA adapters.")
+
+
+class SFTConfig(TrainConfig):
+    include_prompt_in_loss: bool = Field(
+        False, description="Also train on prompt tokens (DeepSpeed-Chat does); default: response only."
+    )
+
+
+class RewardConfig(TrainConfig):
+    learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate.")
+
+
+class HybridEngineConfig(Section):
+    """DeepSpeed's `hybrid_engine` block for the actor (deepspeed.runtime.hybrid_engine)."""
+
+    enabled: bool = Field(True, description="Create the actor as a DeepSpeedHybridEngine.")
+    max_out_tokens: int = Field(512, ge=1, description="Inference KV-cache budget, tokens.")
+    inference_tp_size: int = Field(1, ge=1, description="Tensor-parallel degree for generation.")
+    release_inference_cache: bool = Field(False, description="Free the KV cache after each rollout.")
+    pin_parameters: bool = Field(True, description="Pin gathered ZeRO-3 params during generation.")
+    tp_gather_partition_size: int = Field(8, ge=1, description="Layers gathered at once for TP.")
+
+
+class PPOConfig(Section):
+    actor_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the actor.")
+    critic_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the critic.")
+    reference_zero_stage: int | None = Field(None, ge=0, le=3, description="None = actor's stage.")
+    reward_zero_stage: int | None = Field(None, ge=0, le=3, description="None = actor's stage.")
+    offload_reference: bool = Field(False, description="Offload reference and reward models to CPU.")
+    dtype: DType = Field("fp32", description="Precision of all four models.")
+    actor_learning_rate: float = Field(1e-4, gt=0, description="Actor peak learning rate.")
+    critic_learning_rate: float = Field(5e-5, gt=0, description="Critic peak learning rate.")
+    actor_gradient_checkpointing: bool = Field(False, description="Recompute actor activations.")
+    critic_gradient_checkpointing: bool = Field(False, description="Recompute critic activations.")
+    actor_lora: LoraConfig = Field(default_factory=LoraConfig, description="Actor LoRA adapters.")
+    critic_lora: LoraConfig = Field(default_factory=LoraConfig, description="Critic LoRA adapters.")
+    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig, description="Actor HE.")
+    generation_batch_size: int = Field(8, ge=1, description="Prompts per device per rollout.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per device per PPO micro-step.")
+    samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt.")
+    max_prompt_len: int = Field(64, ge=1, description="Prompt cap (left-truncated), tokens.")
+    max_new_tokens: int = Field(32, ge=1, description="Response cap, tokens.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    num_iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
+    kl_coef: float = Field(0.1, ge=0, description="beta: per-token KL penalty coefficient.")
+    kl_target: float | None = Field(None, gt=0, description="Adaptive KL target, nats; None = fixed beta.")
+    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, samples.")
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip epsilon.")
+    cliprange_value: float = Field(0.2, gt=0, description="Value clip epsilon.")
+    reward_clip: float = Field(5.0, gt=0, description="Reward score clipped to [-c, c].")
+    whiten_advantages: bool = Field(True, description="Normalize advantages per batch.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    unsup_coef: float = Field(0.0, ge=0, description="Unsupervised LM loss coefficient (phase-1 data).")
+    ema_coef: float | None = Field(None, gt=0, lt=1, description="Actor EMA decay; None disables EMA.")
+    gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
+    save_every_iterations: int = Field(0, ge=0, description="Checkpoint every N iterations; 0 = never.")
+    sample_every_iterations: int = Field(5, ge=0, description="Log sample responses every N iterations.")
+    seed: int = Field(1234, description="Seed of sampling and data order.")
+
+
+class EvaluateConfig(Section):
+    max_prompts: int = Field(64, ge=1, description="Phase-3 eval prompts to generate for.")
+    batch_size: int = Field(8, ge=1, description="Prompts per generation batch.")
+    max_new_tokens: int = Field(32, ge=1, description="Response cap, tokens.")
+    temperature: float = Field(0.7, gt=0, description="Sampling temperature (same for both models).")
+    top_p: float = Field(0.9, gt=0, le=1, description="Nucleus sampling mass.")
+    seed: int = Field(1234, description="Sampling seed shared by baseline and candidate.")
+    sample_rows: int = Field(20, ge=0, description="Rows in the HTML/Markdown sample table.")
+
+
+class PromoteConfig(Section):
+    registered_model: str = Field("kubealign-actor", min_length=1, description="Registry model name.")
+    min_win_rate: float = Field(0.5, ge=0, le=1, description="Gate: candidate win-rate over baseline.")
+    min_reward_gain: float = Field(0.0, description="Gate: mean reward gain over baseline, reward units.")
+    max_kl: float | None = Field(None, gt=0, description="Gate: max KL to baseline, nats; None = no cap.")
+    require_beat_champion: bool = Field(True, description="Also beat the current @champion's metrics.")
+
+
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log params, metrics and artifacts to MLflow.")
+    uri: str | None = Field(
+        None,
+        description="Tracking URI; None = $MLFLOW_TRACKING_URI, else sqlite:///<output root>/mlflow.db.",
+    )
+    experiment: str = Field(
+        "kubealign", min_length=1, description="Experiment name unless $MLFLOW_EXPERIMENT_NAME/_ID is set."
+    )
+
+
+class KubealignConfig(Section):
+    data: DataConfig = Field(default_factory=DataConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    ppo: PPOConfig = Field(default_factory=PPOConfig)
+    evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
+    promote: PromoteConfig = Field(default_factory=PromoteConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> KubealignConfig:
+        for name in ("sft", "reward"):
+            section: TrainConfig = getattr(self, name)
+            if section.lora.only_lora and section.lora.r == 0:
+                raise ValueError(f"{name}.lora.only_lora needs {name}.lora.r > 0")
+        return self

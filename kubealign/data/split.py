@@ -1,0 +1,119 @@
+"""Split normalized rows into the three RLHF phases — pure functions of rows, ratios and a seed.
+
+DeepSpeed-Chat's data_split "2,4,4" splits *rows*; a prompt with several responses can then land in
+two phases (the reward model and PPO would see the same prompts). Here the unit is the unique prompt:
+
+1. Group rows by prompt. Prompts with at least one preference row (rejected not None) are permuted
+   once with the seed and cut at the cumulative ratio boundaries; SFT-only prompts join phase 1.
+2. Inside each phase, `eval_fraction` of its prompts (at least one when the fraction > 0 and the phase
+   has two or more prompts, never all of them) form the eval split.
+3. Phase 2 keeps only preference rows; phase 3 keeps one row per prompt (the prompt is what PPO uses).
+4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+PHASES = ("phase1_sft", "phase2_reward", "phase3_prompts")
+SPLITS = ("train", "eval")
+Row = dict[str, Any]  # keys: prompt, chosen, rejected (str | None), source, origin
+
+
+def round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def phase_boundaries(n: int, ratios: Sequence[float]) -> tuple[int, int]:
+    """Cut points of n permuted prompts: phase k gets [b_{k-1}, b_k). Each phase is within one prompt
+    of n * r_k / sum(r), because the boundaries are rounded cumulative sums."""
+    total = sum(ratios)
+    b1 = round_half_up(n * ratios[0] / total)
+    b2 = round_half_up(n * (ratios[0] + ratios[1]) / total)
+    return b1, b2
+
+
+def assign_prompts(
+    preference_prompts: Sequence[str], sft_prompts: Sequence[str], ratios: Sequence[float], seed: int
+) -> list[list[str]]:
+    """Prompts of each phase. preference_prompts are unique and in a fixed (first-seen) order."""
+    order = list(preference_prompts)
+    random.Random(seed).shuffle(order)
+    b1, b2 = phase_boundaries(len(order), ratios)
+    return [order[:b1] + list(sft_prompts), order[b1:b2], order[b2:]]
+
+
+def eval_count(n: int, fraction: float) -> int:
+    """How many of a phase's n prompts go to eval."""
+    if fraction <= 0 or n < 2:
+        return 0
+    return min(max(round_half_up(n * fraction), 1), n - 1)
+
+
+def holdout(prompts: Sequence[str], fraction: float, rng: random.Random) -> set[str]:
+    """A seeded random subset of the phase's prompts for the eval split."""
+    return set(rng.sample(list(prompts), eval_count(len(prompts), fraction)))
+
+
+def reweight(rows: list[Row], weights: Mapping[str, float], rng: random.Random) -> list[Row]:
+    """Subsample (weight < 1) or repeat (weight > 1) each source's rows to round(weight * count)."""
+    by_source: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        by_source.setdefault(row["source"], []).append(i)
+    keep: list[int] = []
+    extra: list[int] = []
+    for source, indices in by_source.items():
+        weight = weights.get(source, 1.0)
+        whole, frac = int(weight), weight - int(weight)
+        if weight < 1:
+            keep += rng.sample(indices, round_half_up(len(indices) * weight))
+            continue
+        keep += indices
+        extra += indices * (whole - 1) + rng.sample(indices, round_half_up(len(indices) * frac))
+    return [rows[i] for i in sorted(keep)] + [rows[i] for i in extra]
+
+
+class SplitPlan(NamedTuple):
+    phases: dict[str, dict[str, list[Row]]]  # phase -> split -> rows
+    prompts: dict[str, dict[str, int]]  # phase -> split -> unique prompts (before reweighting)
+    dropped: list[tuple[str, Row]]  # (reason, row): rows that no phase can use
+
+
+def split_rows(
+    rows: Sequence[Row],
+    ratios: Sequence[float],
+    eval_fraction: float,
+    seed: int,
+    weights: Mapping[str, float] | None = None,
+) -> SplitPlan:
+    """Assign every row to a phase and split (see the module docstring for the rules)."""
+    groups: dict[str, list[Row]] = {}
+    for row in rows:
+        groups.setdefault(row["prompt"], []).append(row)
+    preference = [p for p, g in groups.items() if any(r["rejected"] is not None for r in g)]
+    sft_only = [p for p, g in groups.items() if all(r["rejected"] is None for r in g)]
+    phase_prompts = assign_prompts(preference, sft_only, ratios, seed)
+
+    phases: dict[str, dict[str, list[Row]]] = {}
+    counts: dict[str, dict[str, int]] = {}
+    dropped: list[tuple[str, Row]] = []
+    for k, (phase, prompts) in enumerate(zip(PHASES, phase_prompts, strict=True)):
+        rng = random.Random(f"{seed}-{phase}")
+        held = holdout(prompts, eval_fraction, rng)
+        out: dict[str, list[Row]] = {"train": [], "eval": []}
+        for prompt in prompts:
+            group = groups[prompt]
+            if k == 1:  # the reward phase needs pairs
+                dropped += [("unpaired_in_reward_phase", r) for r in group if r["rejected"] is None]
+                group = [r for r in group if r["rejected"] is not None]
+            elif k == 2:  # PPO needs each prompt once; prefer a row that has a rejected response
+                group = [next((r for r in group if r["rejected"] is not None), group[0])]
+            out["eval" if prompt in held else "train"].extend(group)
+        counts[phase] = {"train": len(prompts) - len(held), "eval": len(held)}
+        if weights and any(w != 1.0 for w in weights.values()):
+            out["train"] = reweight(out["train"], weights, rng)
+        phases[phase] = out
+    return SplitPlan(phases, counts, dropped)

@@ -1,0 +1,230 @@
+"""Stage 0, data-split: sources -> normalized, validated, deduplicated rows -> three phase datasets.
+
+Output (appears atomically in --output DIR):
+  DIR/phase1_sft, DIR/phase2_reward, DIR/phase3_prompts   datasets save_to_disk dirs, splits train/eval,
+                                                          columns prompt, chosen, rejected, source, origin
+  DIR/manifest.json   counts per phase and split, sha256 per phase and per source, config hash, cache
+                      key, drop report (count and first locations per reason), skipped malformed rows
+  DIR/result.json     metrics and produced paths
+
+The cache key is the sha256 of the data config AND the sources' content: the same config on the same
+bytes reuses DIR ("cache hit"); a one-row edit recomputes. (DeepSpeed-Chat keys on config strings only,
+so an edited file silently reuses stale splits.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from kubealign import __version__
+from kubealign.config import KubealignConfig, section_sha256
+from kubealign.config.schema import DataConfig
+from kubealign.data.schemas import RowDrop, RowError, normalize, row_problem
+from kubealign.data.sources import SourceRead, read_source
+from kubealign.data.split import PHASES, SPLITS, SplitPlan, split_rows
+from kubealign.errors import UserError
+from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
+from kubealign.tracking import stage_run
+
+STAGE = "data-split"
+FORMAT_VERSION = 1  # bump when the output layout or the split rules change: it is part of the cache key
+MANIFEST = "manifest.json"
+COLUMNS = ("prompt", "chosen", "rejected", "source", "origin")
+
+
+@dataclass
+class Report:
+    """Rows dropped (by reason) and malformed rows skipped, with their first locations."""
+
+    max_examples: int
+    dropped: dict[str, dict[str, Any]] = field(default_factory=dict)
+    invalid: dict[str, Any] = field(default_factory=lambda: {"count": 0, "examples": []})
+
+    def drop(self, reason: str, origin: str) -> None:
+        entry = self.dropped.setdefault(reason, {"count": 0, "examples": []})
+        entry["count"] += 1
+        if len(entry["examples"]) < self.max_examples:
+            entry["examples"].append(origin)
+
+    def skip(self, origin: str, message: str) -> None:
+        self.invalid["count"] += 1
+        if len(self.invalid["examples"]) < self.max_examples:
+            self.invalid["examples"].append({"where": origin, "error": message})
+
+
+def cache_key(data: DataConfig, sources: list[SourceRead]) -> str:
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "config_sha256": section_sha256(data),
+        "sources": [s.sha256 for s in sources],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def clean_rows(data: DataConfig, sources: list[SourceRead], report: Report) -> list[dict[str, Any]]:
+    """Normalize every record, raise or skip malformed ones, drop unusable rows and exact duplicates."""
+    rows: list[dict[str, Any]] = []
+    seen: set[tuple[str, str, str | None]] = set()
+    total = sum(len(s.records) for s in sources)
+    bar = tqdm(total=total, desc="normalize", unit="row", leave=False)
+    for config_source, source in zip(data.sources, sources, strict=True):
+        for record in source.records:
+            bar.update()
+            try:
+                if record.error:
+                    raise RowError(None, record.error)
+                pair = normalize(record.value, config_source.format)
+            except RowError as exc:
+                if data.on_error == "raise":
+                    raise UserError(f"{record.origin}: {exc.describe()}") from None
+                report.skip(record.origin, exc.describe())
+                continue
+            except RowDrop as exc:
+                report.drop(exc.reason, record.origin)
+                continue
+            problem = row_problem(pair)
+            if problem is None and pair in seen:
+                problem = "duplicate"
+            if problem:
+                report.drop(problem, record.origin)
+                continue
+            seen.add(pair)
+            rows.append({**pair._asdict(), "source": source.label, "origin": record.origin})
+    bar.close()
+    return rows
+
+
+def phase_sha256(splits: dict[str, list[dict[str, Any]]]) -> str:
+    """Content hash of a phase: its rows' (prompt, chosen, rejected), split by split, in order."""
+    digest = hashlib.sha256()
+    for split in SPLITS:
+        digest.update(f"[{split}]\n".encode())
+        for row in splits[split]:
+            digest.update(
+                json.dumps([row["prompt"], row["chosen"], row["rejected"]], ensure_ascii=False).encode()
+            )
+            digest.update(b"\n")
+    return digest.hexdigest()
+
+
+def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
+    """Write each phase as a datasets DatasetDict (train/eval); return the manifest's phase entries."""
+    import datasets
+
+    datasets.disable_progress_bars()  # ours already show progress; one bar per arrow shard is noise
+    features = datasets.Features({c: datasets.Value("string") for c in COLUMNS})
+    entries: dict[str, Any] = {}
+    for phase in tqdm(PHASES, desc="save phases", unit="phase", leave=False):
+        splits = plan.phases[phase]
+        dataset = datasets.DatasetDict(
+            {
+                split: datasets.Dataset.from_dict(
+                    {c: [row[c] for row in splits[split]] for c in COLUMNS}, features=features
+                )
+                for split in SPLITS
+            }
+        )
+        dataset.save_to_disk(str(directory / phase))
+        entries[phase] = {
+            "path": phase,
+            "sha256": phase_sha256(splits),
+            "splits": {
+                split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in SPLITS
+            },
+        }
+    return entries
+
+
+def metrics_of(manifest: dict[str, Any]) -> dict[str, float]:
+    metrics: dict[str, float] = {
+        "rows_read": manifest["rows"]["read"],
+        "rows_kept": manifest["rows"]["kept"],
+        "rows_dropped": sum(d["count"] for d in manifest["dropped"].values()),
+        "rows_invalid": manifest["invalid"]["count"],
+    }
+    for phase, entry in manifest["phases"].items():
+        for split, counts in entry["splits"].items():
+            metrics[f"{phase}_{split}_rows"] = counts["rows"]
+            metrics[f"{phase}_{split}_prompts"] = counts["prompts"]
+    return metrics
+
+
+def outputs_of() -> dict[str, str]:
+    return {"manifest": MANIFEST, **{phase: phase for phase in PHASES}}
+
+
+def _cached(output: Path, key: str) -> dict[str, Any] | None:
+    try:
+        manifest = json.loads((output / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    if manifest.get("cache_key") != key or not all((output / p).is_dir() for p in PHASES):
+        return None
+    return manifest
+
+
+def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: Path) -> dict[str, Any]:
+    """Clean, split and write everything into `output` atomically; return the manifest."""
+    data = config.data
+    report = Report(data.report_examples)
+    rows = clean_rows(data, sources, report)
+    if not rows:
+        read = sum(len(s.records) for s in sources)
+        raise UserError(
+            f"data.sources: no usable rows ({read} read; see the drop reasons with on_error: skip)"
+        )
+    weights = {s.label: c.weight for c, s in zip(data.sources, sources, strict=True)}
+    plan = split_rows(rows, data.split_ratios, data.eval_fraction, data.seed, weights)
+    for reason, row in plan.dropped:
+        report.drop(reason, row["origin"])
+    total = sum(data.split_ratios)
+    manifest: dict[str, Any] = {
+        "kubealign_version": __version__,
+        "format_version": FORMAT_VERSION,
+        "cache_key": key,
+        "config_sha256": section_sha256(data),
+        "config": data.model_dump(mode="json"),
+        "ratios": [r / total for r in data.split_ratios],
+        "sources": [
+            {"path": s.label, "kind": s.kind, "sha256": s.sha256, "rows_read": len(s.records)}
+            for s in sources
+        ],
+        "rows": {"read": sum(len(s.records) for s in sources), "kept": len(rows)},
+        "dropped": report.dropped,
+        "invalid": report.invalid,
+    }
+    with atomic_dir(output) as tmp:
+        manifest["phases"] = save_phases(plan, tmp)
+        write_json(tmp / MANIFEST, manifest)
+        write_result(tmp, STAGE, metrics_of(manifest), outputs_of(), cache_hit=False)
+    return manifest
+
+
+def run(config: KubealignConfig, output: Path, force: bool = False) -> dict[str, Any]:
+    """Run the data-split stage; returns the result.json payload (with `cache_hit`)."""
+    check_output_path(output)
+    started = time.perf_counter()
+    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+        sources = [read_source(i, s, config.data) for i, s in enumerate(config.data.sources)]
+        key = cache_key(config.data, sources)
+        manifest = None if force else _cached(output, key)
+        cache_hit = manifest is not None
+        if manifest is None:
+            manifest = build(config, sources, key, output)
+        result = read_result(output)
+        result.update(cache_hit=cache_hit, wall_time_s=round(time.perf_counter() - started, 3))
+        write_json(output / "result.json", result)
+        tracker.set_tags({"kubealign.cache_hit": str(cache_hit).lower(), "kubealign.data_key": key})
+        tracker.log_metrics(result["metrics"])
+        tracker.log_artifact(output / MANIFEST, "data-split")
+        result["tracking_uri"] = tracker.tracking_uri
+        result["run_id"] = tracker.run_id
+    result["output"] = str(output)
+    return result
