@@ -95,7 +95,10 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
     message = err["msg"]
     if err["type"] == "extra_forbidden":
         message = "unknown field"
-    origin = " (from --set)" if field in overridden else ""
+    from_set = any(
+        field == key or field.startswith(key + ".") or key.startswith(field + ".") for key in overridden
+    )
+    origin = " (from --set)" if from_set else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{label}: field '{field}'{origin}: {message}{more}"
 

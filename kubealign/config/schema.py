@@ -77,13 +77,14 @@ class DataConfig(Section):
     @classmethod
     def _parse_ratios(cls, value: object) -> object:
         if isinstance(value, str):
-            parts = [p.strip() for p in value.split(",")]
             try:
-                return tuple(float(p) for p in parts)
+                value = [float(p.strip()) for p in value.split(",")]
             except ValueError:
                 raise ValueError(
                     f"expected three comma-separated numbers like '2,4,4', got {value!r}"
                 ) from None
+        if isinstance(value, list | tuple) and len(value) != 3:
+            raise ValueError(f"expected three ratios (SFT, reward, PPO) like '2,4,4', got {len(value)}")
         return value
 
     @field_validator("split_ratios")

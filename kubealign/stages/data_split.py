@@ -177,9 +177,9 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
     rows = clean_rows(data, sources, report)
     if not rows:
         read = sum(len(s.records) for s in sources)
-        raise UserError(
-            f"data.sources: no usable rows ({read} read; see the drop reasons with on_error: skip)"
-        )
+        reasons = ", ".join(f"{r} {e['count']}" for r, e in sorted(report.dropped.items()))
+        skipped = f", skipped malformed {report.invalid['count']}" if report.invalid["count"] else ""
+        raise UserError(f"data.sources: no usable rows ({read} read; dropped: {reasons or 'none'}{skipped})")
     weights = {s.label: c.weight for c, s in zip(data.sources, sources, strict=True)}
     plan = split_rows(rows, data.split_ratios, data.eval_fraction, data.seed, weights)
     for reason, row in plan.dropped:

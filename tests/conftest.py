@@ -1,0 +1,78 @@
+"""Shared fixtures. Tiny models build into a per-session cache; tracking defaults to a temp store."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from kubealign.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+HH_FILE = SHARED_DATA / "hh-rlhf" / "harmless-base-test.jsonl.gz"
+NO_TRACKING = "tracking.enabled=false"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_environment(tmp_path_factory: pytest.TempPathFactory):
+    """Keep tests off the user's caches and any MLflow server configured in the environment."""
+    saved = dict(os.environ)
+    os.environ["KUBEALIGN_CACHE_DIR"] = str(tmp_path_factory.mktemp("kubealign-cache"))
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"
+    for key in (
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_RUN_ID",
+        "MLFLOW_EXPERIMENT_NAME",
+        "MLFLOW_EXPERIMENT_ID",
+        "RANK",
+    ):
+        os.environ.pop(key, None)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.fixture
+def hh_file() -> Path:
+    if not HH_FILE.exists():
+        pytest.skip(f"real-data file {HH_FILE} is absent (../shared/data is not beside the repo)")
+    return HH_FILE
+
+
+class CliResult:
+    def __init__(self, code: int, out: str, err: str):
+        self.code, self.out, self.err = code, out, err
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]):
+    """Run `kubealign ARGS...` in-process; returns exit code, stdout and stderr."""
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as exc:  # argparse usage errors
+            code = int(exc.code or 0)
+        captured = capsys.readouterr()
+        return CliResult(code, captured.out, captured.err)
+
+    return run
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def pairs(n: int, start: int = 0) -> list[dict[str, str]]:
+    """n distinct, valid prompt/chosen/rejected rows."""
+    return [
+        {"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "chosen": f" good {i}", "rejected": f" bad {i}"}
+        for i in range(start, start + n)
+    ]

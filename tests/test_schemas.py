@@ -1,0 +1,120 @@
+"""Normalization of every recognized row schema to {prompt, chosen, rejected}."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from kubealign.data.schemas import Pair, RowDrop, RowError, detect_format, normalize, row_problem
+
+
+def test_prompt_chosen_rejected_ignores_extra_keys():
+    row = {"prompt": "\n\nHuman: hi\n\nAssistant:", "response": " a", "chosen": " a", "rejected": " b"}
+    assert detect_format(row) == "prompt_chosen_rejected"
+    assert normalize(row) == Pair("\n\nHuman: hi\n\nAssistant:", " a", " b")
+
+
+def test_prompt_chosen_without_rejected_is_sft_only():
+    assert normalize({"prompt": "p", "chosen": "c"}) == Pair("p", "c", None)
+    assert normalize({"prompt": "p", "chosen": "c", "rejected": None}) == Pair("p", "c", None)
+
+
+def test_prompt_response():
+    row = {"prompt": "p", "response": "r"}
+    assert detect_format(row) == "prompt_response"
+    assert normalize(row) == Pair("p", "r", None)
+
+
+def test_hh_dialogues_split_at_the_last_assistant_turn():
+    shared = "\n\nHuman: a?\n\nAssistant: b\n\nHuman: c?\n\nAssistant:"
+    row = {"chosen": shared + " yes", "rejected": shared + " no"}
+    assert detect_format(row) == "hh"
+    assert normalize(row) == Pair(shared, " yes", " no")
+
+
+def test_hh_prompt_mismatch_is_a_drop_not_an_error():
+    row = {"chosen": "\n\nHuman: a\n\nAssistant: x", "rejected": "\n\nHuman: b\n\nAssistant: y"}
+    with pytest.raises(RowDrop) as info:
+        normalize(row, "hh")
+    assert info.value.reason == "prompt_mismatch"
+
+
+def test_hh_without_assistant_turn_names_the_field():
+    with pytest.raises(RowError) as info:
+        normalize({"chosen": "no turns here", "rejected": "\n\nAssistant: x"}, "hh")
+    assert info.value.field == "chosen"
+
+
+def test_messages_sft_row_renders_the_plain_format():
+    row = {
+        "messages": [
+            {"role": "system", "content": "Be kind."},
+            {"role": "user", "content": "Hi?"},
+            {"role": "assistant", "content": "Hello."},
+        ]
+    }
+    assert normalize(row) == Pair("\n\nSystem: Be kind.\n\nHuman: Hi?\n\nAssistant:", " Hello.", None)
+
+
+def test_messages_preference_pair():
+    user = {"role": "user", "content": "Q"}
+    row = {
+        "chosen": [user, {"role": "assistant", "content": "good"}],
+        "rejected": [user, {"role": "assistant", "content": "bad"}],
+    }
+    assert detect_format(row) == "messages"
+    assert normalize(row) == Pair("\n\nHuman: Q\n\nAssistant:", " good", " bad")
+
+
+@pytest.mark.parametrize(
+    ("row", "fmt", "field", "message"),
+    [
+        ({"prompt": "p", "chosen": 5}, "auto", "chosen", "expected a string, got int"),
+        ({"prompt": None, "response": "r"}, "auto", "prompt", "expected a string, got null"),
+        ({"prompt": "p"}, "prompt_response", "response", "missing"),
+        ({"text": "x"}, "auto", None, "no recognizable fields"),
+        ({"messages": [{"role": "user", "content": "q"}]}, "auto", "messages[0].role", "last message"),
+        ({"messages": [{"role": "bot", "content": "q"}]}, "auto", "messages[0].role", "expected one of"),
+        ({"messages": [{"role": "user", "content": 3}]}, "auto", "messages[0].content", "expected a string"),
+        ({"messages": "hi"}, "auto", "messages", "non-empty list"),
+    ],
+)
+def test_malformed_rows_name_the_field(row, fmt, field, message):
+    with pytest.raises(RowError) as info:
+        normalize(row, fmt)
+    assert info.value.field == field
+    assert message in info.value.message
+
+
+def test_non_object_row():
+    with pytest.raises(RowError, match="expected a JSON object, got list"):
+        normalize([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("pair", "reason"),
+    [
+        (Pair(" ", "c", "r"), "empty_prompt"),
+        (Pair("p", "\n", "r"), "empty_chosen"),
+        (Pair("p", "c", "  "), "empty_rejected"),
+        (Pair("p", " same", "same "), "chosen_equals_rejected"),
+        (Pair("p", "c", "r"), None),
+        (Pair("p", "c", None), None),
+    ],
+)
+def test_row_problems(pair, reason):
+    assert row_problem(pair) == reason
+
+
+def test_real_hh_rows_normalize_losslessly(hh_file):
+    with gzip.open(hh_file, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for _, line in zip(range(50), f, strict=False)]
+    for row in rows:
+        pair = normalize(row)
+        assert pair.prompt.endswith("\n\nAssistant:")
+        assert pair.prompt.startswith("\n\nHuman:")
+        assert pair.prompt + pair.chosen == row["chosen"]
+        assert pair.prompt + pair.rejected == row["rejected"]
+        assert "\n\nAssistant:" not in pair.chosen

@@ -1,0 +1,100 @@
+"""The phase split: boundaries by hand, disjoint prompts, eval hold-out, reweighting, determinism."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kubealign.data.split import PHASES, eval_count, phase_boundaries, reweight, split_rows
+
+
+def rows_for(n_pref: int, n_sft: int = 0, source: str = "s") -> list[dict]:
+    rows = [
+        {"prompt": f"p{i}", "chosen": f"c{i}", "rejected": f"r{i}", "source": source, "origin": f"f:{i}"}
+        for i in range(n_pref)
+    ]
+    rows += [
+        {"prompt": f"s{i}", "chosen": f"c{i}", "rejected": None, "source": source, "origin": f"g:{i}"}
+        for i in range(n_sft)
+    ]
+    return rows
+
+
+@pytest.mark.parametrize(
+    ("n", "ratios", "expected"),
+    [
+        (10, (2, 4, 4), (2, 6)),
+        (2301, (2, 4, 4), (460, 1381)),  # 460.2 -> 460, 1380.6 -> 1381: phases 460/921/920
+        (7, (1, 1, 1), (2, 5)),  # 2.33 -> 2, 4.67 -> 5
+        (5, (1, 0, 0), (5, 5)),
+        (3, (0, 0, 1), (0, 0)),
+    ],
+)
+def test_phase_boundaries_by_hand(n, ratios, expected):
+    assert phase_boundaries(n, ratios) == expected
+
+
+@pytest.mark.parametrize(
+    ("n", "fraction", "expected"),
+    [(10, 0.1, 1), (100, 0.1, 10), (3, 0.1, 1), (1, 0.5, 0), (2, 0.9, 1), (10, 0.0, 0)],
+)
+def test_eval_count(n, fraction, expected):
+    assert eval_count(n, fraction) == expected
+
+
+def test_prompts_are_disjoint_and_sizes_follow_ratios():
+    rows = rows_for(1000, n_sft=50)
+    plan = split_rows(rows, (2, 4, 4), 0.1, seed=3)
+    seen: dict[str, str] = {}
+    for phase in PHASES:
+        for split in ("train", "eval"):
+            for row in plan.phases[phase][split]:
+                assert seen.setdefault(row["prompt"], phase) == phase, f"{row['prompt']} in two phases"
+    pref_counts = [sum(1 for p, ph in seen.items() if ph == phase and p.startswith("p")) for phase in PHASES]
+    assert pref_counts == [200, 400, 400]
+    sft_phases = {ph for p, ph in seen.items() if p.startswith("s")}
+    assert sft_phases == {"phase1_sft"}  # SFT-only rows feed phase 1 only
+    assert plan.prompts["phase1_sft"] == {"train": 225, "eval": 25}
+    assert plan.prompts["phase2_reward"] == {"train": 360, "eval": 40}
+
+
+def test_same_seed_same_split_other_seed_other_split():
+    rows = rows_for(200)
+    a = split_rows(rows, (2, 4, 4), 0.1, seed=1)
+    b = split_rows(list(rows), (2, 4, 4), 0.1, seed=1)
+    c = split_rows(rows, (2, 4, 4), 0.1, seed=2)
+    assert a.phases == b.phases
+    assert a.phases["phase1_sft"]["train"] != c.phases["phase1_sft"]["train"]
+
+
+def test_reward_phase_drops_unpaired_rows_and_ppo_phase_keeps_one_row_per_prompt():
+    rows = rows_for(30)
+    extra_sft = {"prompt": "p0", "chosen": "x", "rejected": None, "source": "s", "origin": "h:1"}
+    second = {"prompt": "p0", "chosen": "y", "rejected": "z", "source": "s", "origin": "h:2"}
+    plan = split_rows([*rows, extra_sft, second], (0, 1, 0), 0.0, seed=0)
+    phase2 = plan.phases["phase2_reward"]["train"]
+    assert len(phase2) == 31 and all(r["rejected"] is not None for r in phase2)
+    assert [(reason, row["origin"]) for reason, row in plan.dropped] == [("unpaired_in_reward_phase", "h:1")]
+    plan3 = split_rows([*rows, extra_sft, second], (0, 0, 1), 0.0, seed=0)
+    phase3 = plan3.phases["phase3_prompts"]["train"]
+    assert len(phase3) == 30 and len({r["prompt"] for r in phase3}) == 30
+    assert next(r for r in phase3 if r["prompt"] == "p0")["origin"] == "f:0"
+
+
+def test_reweight_subsamples_and_repeats_by_source():
+    rows = rows_for(10, source="a") + rows_for(10, source="b")
+    out = reweight(rows, {"a": 0.5, "b": 2.5}, random.Random(0))
+    by_source = [r["source"] for r in out]
+    assert by_source.count("a") == 5
+    assert by_source.count("b") == 25
+    assert {r["prompt"] for r in out if r["source"] == "b"} == {f"p{i}" for i in range(10)}
+
+
+def test_weights_touch_train_splits_only():
+    rows = rows_for(100)
+    plain = split_rows(rows, (1, 1, 1), 0.2, seed=5)
+    heavy = split_rows(rows, (1, 1, 1), 0.2, seed=5, weights={"s": 2.0})
+    for phase in PHASES:
+        assert heavy.phases[phase]["eval"] == plain.phases[phase]["eval"]
+        assert len(heavy.phases[phase]["train"]) == 2 * len(plain.phases[phase]["train"])
