@@ -103,10 +103,10 @@ def _data_split(args: argparse.Namespace) -> None:
     from kubealign.stages import data_split
 
     overrides = list(args.overrides)
-    if args.sources:
+    if args.sources:  # first, so that a --set on data.sources still wins
         import json
 
-        overrides.append("data.sources=" + json.dumps([{"path": p} for p in args.sources]))
+        overrides.insert(0, "data.sources=" + json.dumps([{"path": p} for p in args.sources]))
     config = load_config(args.config, overrides)
     _print_split_summary(data_split.run(config, args.output, force=args.force))
 

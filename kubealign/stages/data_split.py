@@ -131,7 +131,10 @@ def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
                 for split in SPLITS
             }
         )
-        dataset.save_to_disk(str(directory / phase))
+        # An empty split saved with the default (zero) shards cannot be loaded back (datasets 5.2), so
+        # empty splits get one empty shard.
+        empty = {split: 1 for split in SPLITS if not splits[split]}
+        dataset.save_to_disk(str(directory / phase), num_shards=empty)
         entries[phase] = {
             "path": phase,
             "sha256": phase_sha256(splits),
