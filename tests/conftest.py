@@ -6,9 +6,14 @@ import json
 import os
 from pathlib import Path
 
-import pytest
+# Set before anything imports tqdm, datasets or huggingface_hub: they read these at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["TQDM_DISABLE"] = "1"
 
-from kubealign.cli import main
+import pytest  # noqa: E402
+
+from kubealign.cli import main  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -21,9 +26,6 @@ def _isolated_environment(tmp_path_factory: pytest.TempPathFactory):
     """Keep tests off the user's caches and any MLflow server configured in the environment."""
     saved = dict(os.environ)
     os.environ["KUBEALIGN_CACHE_DIR"] = str(tmp_path_factory.mktemp("kubealign-cache"))
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"
     for key in (
         "MLFLOW_TRACKING_URI",
         "MLFLOW_RUN_ID",

@@ -166,8 +166,8 @@ def test_console_script_prints_no_traceback(tmp_path: Path):
     )
     assert proc.returncode == 2
     assert (
-        proc.stderr.strip().splitlines()[-1]
-        == f"kubealign: error: {src}:4: invalid JSON: Expecting property name enclosed in double quotes (column 2)"
+        proc.stderr.strip().splitlines()[-1] == f"kubealign: error: {src}:4: invalid JSON: "
+        "Expecting property name enclosed in double quotes (column 2)"
     )
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "o").exists()
