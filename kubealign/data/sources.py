@@ -57,7 +57,9 @@ def _rows_sha256(rows: list[Any]) -> str:
 def _jsonl_records(label: str, data: bytes, limit: int | None) -> list[RawRecord]:
     records: list[RawRecord] = []
     lines = data.split(b"\n")
-    for lineno, line in enumerate(tqdm(lines, desc=f"read {Path(label).name}", unit="line", leave=False), 1):
+    for lineno, line in enumerate(
+        tqdm(lines, desc=f"read {Path(label).name}", unit="line", leave=False, delay=1.0), 1
+    ):
         if limit is not None and len(records) >= limit:
             break
         if not line.strip():

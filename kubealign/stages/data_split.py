@@ -73,7 +73,7 @@ def clean_rows(data: DataConfig, sources: list[SourceRead], report: Report) -> l
     rows: list[dict[str, Any]] = []
     seen: set[tuple[str, str, str | None]] = set()
     total = sum(len(s.records) for s in sources)
-    bar = tqdm(total=total, desc="normalize", unit="row", leave=False)
+    bar = tqdm(total=total, desc="normalize", unit="row", leave=False, delay=1.0)
     for config_source, source in zip(data.sources, sources, strict=True):
         for record in source.records:
             bar.update()
@@ -121,7 +121,7 @@ def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
     datasets.disable_progress_bars()  # ours already show progress; one bar per arrow shard is noise
     features = datasets.Features({c: datasets.Value("string") for c in COLUMNS})
     entries: dict[str, Any] = {}
-    for phase in tqdm(PHASES, desc="save phases", unit="phase", leave=False):
+    for phase in tqdm(PHASES, desc="save phases", unit="phase", leave=False, delay=1.0):
         splits = plan.phases[phase]
         dataset = datasets.DatasetDict(
             {
