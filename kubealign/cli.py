@@ -59,6 +59,25 @@ def build_parser() -> argparse.ArgumentParser:
     split.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
     split.add_argument("--force", action="store_true", help="recompute even when the cache key matches")
 
+    for stage, phase, what in (
+        ("sft", "phase1_sft", "stage 1: supervised fine-tuning on DeepSpeed (ZeRO 0-3, LoRA)"),
+        ("reward", "phase2_reward", "stage 2: reward model (Bradley-Terry) on DeepSpeed (ZeRO 0-3, LoRA)"),
+    ):
+        train = sub.add_parser(stage, help=what, description=what)
+        _add_config_options(train)
+        train.add_argument(
+            "--data",
+            required=True,
+            type=Path,
+            metavar="SPLIT_DIR",
+            help=f"data-split output (or its {phase} dir)",
+        )
+        train.add_argument("--model", metavar="NAME_OR_DIR", help=f"model to train (default: {stage}.model)")
+        train.add_argument("--output", required=True, type=Path, metavar="DIR", help="output model directory")
+        train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+        # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
+        train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
@@ -111,6 +130,22 @@ def _data_split(args: argparse.Namespace) -> None:
     _print_split_summary(data_split.run(config, args.output, force=args.force))
 
 
+def _train(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+
+    if args.command == "sft":
+        from kubealign.stages import sft as stage
+    else:
+        from kubealign.stages import reward as stage
+    config = load_config(args.config, args.overrides)
+    result = stage.run(config, args.data, args.model, args.output, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        metrics = result["metrics"]
+        shown = {k: v for k, v in metrics.items() if k.startswith(("before_", "after_"))}
+        print(f"{args.command}: {result['output']}  ({metrics['steps']} steps, {metrics['tokens_per_s']:.0f} tokens/s)")
+        print("  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
+
+
 def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
@@ -130,7 +165,13 @@ def _config(args: argparse.Namespace) -> None:
     sys.stdout.write(config_to_yaml(load_config(args.config, args.overrides)))
 
 
-COMMANDS = {"data-split": _data_split, "tiny-model": _tiny_model, "config": _config}
+COMMANDS = {
+    "data-split": _data_split,
+    "sft": _train,
+    "reward": _train,
+    "tiny-model": _tiny_model,
+    "config": _config,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

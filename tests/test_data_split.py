@@ -54,9 +54,7 @@ def test_hh_rlhf_real_file_split_20_40_40_and_cache(cli, tmp_path: Path, hh_file
     first = cli("data-split", "--source", hh_file, "--set", NO_TRACKING, "--output", out)
     assert first.code == 0, first.err
     m = manifest(out)
-    unique = sum(
-        e["splits"]["train"]["prompts"] + e["splits"]["eval"]["prompts"] for e in m["phases"].values()
-    )
+    unique = sum(e["splits"]["train"]["prompts"] + e["splits"]["eval"]["prompts"] for e in m["phases"].values())
     prompts = phase_prompts(out)
     assert sum(len(v) for v in prompts.values()) == unique  # no prompt in two phases
     for phase, ratio in zip(PHASES, (0.2, 0.4, 0.4), strict=True):
@@ -87,9 +85,7 @@ def test_one_row_edit_is_a_cache_miss(cli, tmp_path: Path):
     all_chosen = [c for d in load_phases(out).values() for s in d.values() for c in s["chosen"]]
     assert " a better answer" in all_chosen
     # A config change is a miss too.
-    changed = cli(
-        "data-split", "--source", src, "--set", NO_TRACKING, "--set", "data.seed=9", "--output", out
-    )
+    changed = cli("data-split", "--source", src, "--set", NO_TRACKING, "--set", "data.seed=9", "--output", out)
     assert "computed" in changed.out
 
 
@@ -110,9 +106,7 @@ def test_every_file_kind_and_dataset_dirs(cli, tmp_path: Path):
     write_jsonl(hub / "data" / "train.jsonl", rows[35:40])
     config = tmp_path / "c.yaml"
     sources = [str(p) for p in (jsonl, gz, js, tmp_path / "d.parquet", disk, hub)]
-    config.write_text(
-        json.dumps({"data": {"sources": [{"path": s} for s in sources]}, "tracking": {"enabled": False}})
-    )
+    config.write_text(json.dumps({"data": {"sources": [{"path": s} for s in sources]}, "tracking": {"enabled": False}}))
     out = tmp_path / "out"
     result = cli("data-split", "--config", config, "--output", out)
     assert result.code == 0, result.err
@@ -144,9 +138,7 @@ def test_on_error_skip_reports_malformed_rows(cli, tmp_path: Path):
     good = "".join(json.dumps(r) + "\n" for r in pairs(10))
     src.write_bytes(good.encode() + b'{"prompt": "x", \n' + b'{"prompt": "p", "chosen": 3}\n' + b"\xff\xfe\n")
     out = tmp_path / "out"
-    result = cli(
-        "data-split", "--source", src, "--set", NO_TRACKING, "--set", "data.on_error=skip", "--output", out
-    )
+    result = cli("data-split", "--source", src, "--set", NO_TRACKING, "--set", "data.on_error=skip", "--output", out)
     assert result.code == 0, result.err
     invalid = manifest(out)["invalid"]
     assert invalid["count"] == 3

@@ -18,9 +18,7 @@ def test_mapped_packages_import_from_outside_the_repo(tmp_path: Path):
         "print(c.__file__); print(p.__file__); print(k.__file__)\n"
         "print(importlib.util.find_spec('components'), importlib.util.find_spec('pipelines'))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True
-    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     lines = out.stdout.splitlines()
     assert lines[0] == str(REPO / "components" / "__init__.py")
     assert lines[1] == str(REPO / "pipelines" / "__init__.py")
@@ -56,9 +54,7 @@ def test_wheel_holds_only_the_kubealign_namespace(tmp_path: Path):
 
 
 def test_console_script_lists_every_stage():
-    out = subprocess.run(
-        [Path(sys.executable).parent / "kubealign", "--help"], capture_output=True, text=True
-    )
+    out = subprocess.run([Path(sys.executable).parent / "kubealign", "--help"], capture_output=True, text=True)
     assert out.returncode == 0
     for command in ("data-split", "tiny-model", "config"):
         assert command in out.stdout

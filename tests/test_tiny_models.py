@@ -86,9 +86,7 @@ def test_generation_works_and_is_seeded(tiny_opt: Path):
     outs = []
     for _ in range(2):
         torch.manual_seed(0)
-        outs.append(
-            model.generate(**batch, do_sample=True, max_new_tokens=5, pad_token_id=tokenizer.pad_token_id)
-        )
+        outs.append(model.generate(**batch, do_sample=True, max_new_tokens=5, pad_token_id=tokenizer.pad_token_id))
     assert outs[0].shape[1] > batch["input_ids"].shape[1]
     assert torch.equal(outs[0], outs[1])
 

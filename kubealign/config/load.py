@@ -43,9 +43,7 @@ def _read_source(config: str | Path | None) -> tuple[str, str]:
     if "/" not in name and name in preset_names():
         text = resources.files("kubealign.configs").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
         return f"preset {name}", text
-    raise UserError(
-        f"--config {config}: no such file and no such preset (presets: {', '.join(preset_names())})"
-    )
+    raise UserError(f"--config {config}: no such file and no such preset (presets: {', '.join(preset_names())})")
 
 
 def _parse_yaml(label: str, text: str) -> dict[str, Any]:
@@ -95,9 +93,7 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
     message = err["msg"]
     if err["type"] == "extra_forbidden":
         message = "unknown field"
-    from_set = any(
-        field == key or field.startswith(key + ".") or key.startswith(field + ".") for key in overridden
-    )
+    from_set = any(field == key or field.startswith(key + ".") or key.startswith(field + ".") for key in overridden)
     origin = " (from --set)" if from_set else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{label}: field '{field}'{origin}: {message}{more}"

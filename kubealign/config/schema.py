@@ -63,15 +63,11 @@ class DataConfig(Section):
         description="A malformed row (bad JSON/UTF-8, wrong type, unknown schema): 'raise' stops with "
         "an error naming file, line and field; 'skip' drops it and reports it in the manifest.",
     )
-    synthetic_pairs: int = Field(
-        1000, ge=1, description="Preference rows the 'synthetic' source generates, rows."
-    )
+    synthetic_pairs: int = Field(1000, ge=1, description="Preference rows the 'synthetic' source generates, rows.")
     synthetic_sft_rows: int = Field(
         200, ge=0, description="Extra SFT-only (prompt/response) rows of 'synthetic', rows."
     )
-    report_examples: int = Field(
-        5, ge=0, description="How many example locations the manifest keeps per drop reason."
-    )
+    report_examples: int = Field(5, ge=0, description="How many example locations the manifest keeps per drop reason.")
 
     @field_validator("split_ratios", mode="before")
     @classmethod
@@ -80,9 +76,7 @@ class DataConfig(Section):
             try:
                 value = [float(p.strip()) for p in value.split(",")]
             except ValueError:
-                raise ValueError(
-                    f"expected three comma-separated numbers like '2,4,4', got {value!r}"
-                ) from None
+                raise ValueError(f"expected three comma-separated numbers like '2,4,4', got {value!r}") from None
         if isinstance(value, list | tuple) and len(value) != 3:
             raise ValueError(f"expected three ratios (SFT, reward, PPO) like '2,4,4', got {len(value)}")
         return value
@@ -107,6 +101,7 @@ class LoraConfig(Section):
     learning_rate: float | None = Field(
         None, gt=0, description="Learning rate of the adapter parameters; None = the stage's rate."
     )
+    save_adapter: bool = Field(False, description="Also save the unmerged PEFT adapter in DIR/adapter.")
 
 
 class TrainConfig(Section):
@@ -118,6 +113,7 @@ class TrainConfig(Section):
     offload: bool = Field(False, description="Offload optimizer state and (ZeRO-3) params to CPU.")
     dtype: DType = Field("fp32", description="Training precision; fp32 on CPU.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
+    fp32_loss: bool = Field(True, description="Compute the loss from fp32-upcast logits under bf16/fp16.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per micro-step.")
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
@@ -130,6 +126,7 @@ class TrainConfig(Section):
     seed: int = Field(1234, description="Seed of model init, data order and dropout.")
     eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = end only.")
     save_every_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 = never.")
+    keep_checkpoints: bool = Field(False, description="Keep DIR.checkpoints after a successful export.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="PEFT LoRA adapters.")
 
 

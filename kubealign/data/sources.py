@@ -57,9 +57,7 @@ def _rows_sha256(rows: list[Any]) -> str:
 def _jsonl_records(label: str, data: bytes, limit: int | None) -> list[RawRecord]:
     records: list[RawRecord] = []
     lines = data.split(b"\n")
-    for lineno, line in enumerate(
-        tqdm(lines, desc=f"read {Path(label).name}", unit="line", leave=False, delay=1.0), 1
-    ):
+    for lineno, line in enumerate(tqdm(lines, desc=f"read {Path(label).name}", unit="line", leave=False, delay=1.0), 1):
         if limit is not None and len(records) >= limit:
             break
         if not line.strip():
@@ -98,9 +96,7 @@ def _read_file(label: str, path: Path, kind: str, limit: int | None) -> SourceRe
         if not isinstance(items, list):
             raise UserError(f"{label}: expected a JSON list of rows, got {type(items).__name__}")
         items = items[:limit] if limit else items
-        return SourceRead(
-            label, kind, sha, [RawRecord(f"{label}:item {i}", v, None) for i, v in enumerate(items, 1)]
-        )
+        return SourceRead(label, kind, sha, [RawRecord(f"{label}:item {i}", v, None) for i, v in enumerate(items, 1)])
     import pyarrow.parquet as pq  # parquet
 
     try:
@@ -108,9 +104,7 @@ def _read_file(label: str, path: Path, kind: str, limit: int | None) -> SourceRe
     except Exception as exc:  # pyarrow raises several types for a bad file
         raise UserError(f"{label}: not a readable parquet file ({first_line(exc)})") from None
     rows = rows[:limit] if limit else rows
-    return SourceRead(
-        label, kind, sha, [RawRecord(f"{label}:row {i}", v, None) for i, v in enumerate(rows, 1)]
-    )
+    return SourceRead(label, kind, sha, [RawRecord(f"{label}:row {i}", v, None) for i, v in enumerate(rows, 1)])
 
 
 def _dataset_records(label: str, dataset: Any, split: str, limit: int | None) -> list[RawRecord]:
@@ -130,8 +124,7 @@ def _read_dataset(index: int, source: DataSource, path: Path | None) -> SourceRe
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
                     raise UserError(
-                        f"data.sources[{index}].split: {label} has no split {split!r} "
-                        f"(splits: {', '.join(loaded)})"
+                        f"data.sources[{index}].split: {label} has no split {split!r} (splits: {', '.join(loaded)})"
                     )
                 loaded = loaded[split]
         else:
@@ -140,9 +133,7 @@ def _read_dataset(index: int, source: DataSource, path: Path | None) -> SourceRe
     except UserError:
         raise
     except Exception as exc:  # datasets raises many types (not found, offline, bad split, ...)
-        raise UserError(
-            f"data.sources[{index}].path: cannot load dataset {label!r}: {first_line(exc)}"
-        ) from None
+        raise UserError(f"data.sources[{index}].path: cannot load dataset {label!r}: {first_line(exc)}") from None
     records = _dataset_records(label, loaded, split, source.limit)
     return SourceRead(label, kind, _rows_sha256([r.value for r in records]), records)
 

@@ -50,3 +50,10 @@ def load_causal_lm(name: str, trust_remote_code: bool = False, **kwargs: Any) ->
     from transformers import AutoModelForCausalLM
 
     return _load("model", AutoModelForCausalLM, name, trust_remote_code, **kwargs)
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype for a config dtype name (fp32 | bf16 | fp16)."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]

@@ -107,9 +107,7 @@ def phase_sha256(splits: dict[str, list[dict[str, Any]]]) -> str:
     for split in SPLITS:
         digest.update(f"[{split}]\n".encode())
         for row in splits[split]:
-            digest.update(
-                json.dumps([row["prompt"], row["chosen"], row["rejected"]], ensure_ascii=False).encode()
-            )
+            digest.update(json.dumps([row["prompt"], row["chosen"], row["rejected"]], ensure_ascii=False).encode())
             digest.update(b"\n")
     return digest.hexdigest()
 
@@ -138,9 +136,7 @@ def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
         entries[phase] = {
             "path": phase,
             "sha256": phase_sha256(splits),
-            "splits": {
-                split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in SPLITS
-            },
+            "splits": {split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in SPLITS},
         }
     return entries
 
@@ -196,8 +192,7 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
         "config": data.model_dump(mode="json"),
         "ratios": [r / total for r in data.split_ratios],
         "sources": [
-            {"path": s.label, "kind": s.kind, "sha256": s.sha256, "rows_read": len(s.records)}
-            for s in sources
+            {"path": s.label, "kind": s.kind, "sha256": s.sha256, "rows_read": len(s.records)} for s in sources
         ],
         "rows": {"read": sum(len(s.records) for s in sources), "kept": len(rows)},
         "dropped": report.dropped,

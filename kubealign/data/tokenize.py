@@ -1,0 +1,80 @@
+"""Turn normalized (prompt, response) text into token ids — one convention for every stage.
+
+* Prompt: the tokenizer's chat template when it has one (the plain-format dialogue is parsed back into
+  messages and rendered with add_generation_prompt=True); otherwise the plain text as data-split wrote
+  it ("\\n\\nHuman: ...\\n\\nAssistant:"). Encoded with the tokenizer's own special tokens (e.g. BOS).
+* Response: encoded without special tokens, followed by exactly one EOS token. Generation stops at
+  EOS, so SFT teaches the model to emit it, the reward model scores the sequence at it, and PPO's
+  rollouts end with it.
+* Over max_seq_len: the response keeps up to max_seq_len - min_prompt_tokens tokens (cut at its end,
+  EOS kept), and the prompt is cut from the left, keeping the turns nearest to the response.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, NamedTuple
+
+TURN = re.compile(r"\n\n(Human|Assistant|System): ?")
+ROLES = {"Human": "user", "Assistant": "assistant", "System": "system"}
+MIN_PROMPT_TOKENS = 8
+
+
+class Encoded(NamedTuple):
+    input_ids: list[int]
+    prompt_len: int  # tokens of the prompt at the start of input_ids
+
+
+def plain_to_messages(prompt: str) -> list[dict[str, str]]:
+    """Parse "\\n\\nHuman: a\\n\\nAssistant: b\\n\\nHuman: c\\n\\nAssistant:" into chat messages
+    (the trailing empty assistant turn is the generation prompt and is dropped)."""
+    parts = TURN.split(prompt)
+    messages = []
+    for role, content in zip(parts[1::2], parts[2::2], strict=True):
+        messages.append({"role": ROLES[role], "content": content.strip()})
+    if messages and messages[-1]["role"] == "assistant" and not messages[-1]["content"]:
+        messages.pop()
+    if not messages:  # not in the plain dialogue format: the whole text is one user turn
+        messages = [{"role": "user", "content": prompt.strip()}]
+    return messages
+
+
+def prompt_text(tokenizer: Any, prompt: str) -> str:
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(plain_to_messages(prompt), tokenize=False, add_generation_prompt=True)
+    return prompt
+
+
+def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
+    return tokenizer(prompt_text(tokenizer, prompt))["input_ids"]
+
+
+def encode_response(tokenizer: Any, response: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        response = response.strip()
+    return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+def encode_pair(tokenizer: Any, prompt: str, response: str, max_seq_len: int) -> Encoded:
+    """Prompt + response + EOS, truncated to max_seq_len as the module docstring says."""
+    prompt_ids = encode_prompt(tokenizer, prompt)
+    response_ids = encode_response(tokenizer, response)
+    room = max(max_seq_len - MIN_PROMPT_TOKENS, 1)
+    if len(response_ids) > room:
+        response_ids = response_ids[: room - 1] + [tokenizer.eos_token_id]
+    keep = max_seq_len - len(response_ids)
+    if len(prompt_ids) > keep:
+        prompt_ids = prompt_ids[len(prompt_ids) - keep :]
+    return Encoded(prompt_ids + response_ids, len(prompt_ids))
+
+
+def pad_batch(sequences: list[list[int]], pad_id: int, side: str = "right") -> tuple[list[list[int]], list[list[int]]]:
+    """Pad to the longest sequence; returns (ids, attention_mask)."""
+    width = max(len(s) for s in sequences)
+    ids, mask = [], []
+    for seq in sequences:
+        pad = [pad_id] * (width - len(seq))
+        ones, zeros = [1] * len(seq), [0] * len(pad)
+        ids.append(seq + pad if side == "right" else pad + seq)
+        mask.append(ones + zeros if side == "right" else zeros + ones)
+    return ids, mask

@@ -1,0 +1,158 @@
+"""Stage 2, reward: a reward model trained on phase-2 (prompt, chosen, rejected) pairs.
+
+The reward model is a transformer with a scalar head (transformers' AutoModelForSequenceClassification,
+num_labels=1, so the saved dir reloads with plain transformers). The head gives a value per token;
+the score of a sequence is the value at its last non-pad token (the EOS that ends every response),
+whatever the padding side. The PPO stage loads the same dir as critic (per-token values) and reward
+(sequence score). Loss: Bradley-Terry on sequence scores (see training.losses.bradley_terry_loss).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubealign.config import KubealignConfig
+from kubealign.data import phases
+from kubealign.data.tokenize import encode_pair, pad_batch
+from kubealign.models import loading
+from kubealign.models.reward import load_reward_model, token_values
+from kubealign.outputs import check_output_path
+from kubealign.tracking import stage_run
+from kubealign.training import distributed, export, loop
+from kubealign.training.engine import apply_lora
+from kubealign.training.losses import bradley_terry_loss, last_token_scores
+
+STAGE = "reward"
+SCORES_FILE = "eval_scores.json"
+
+
+def tokenize(rows: Any, tokenizer: Any, max_len: int) -> list[tuple[list[int], list[int]]]:
+    return [
+        (encode_pair(tokenizer, p, c, max_len).input_ids, encode_pair(tokenizer, p, r, max_len).input_ids)
+        for p, c, r in zip(rows["prompt"], rows["chosen"], rows["rejected"], strict=True)
+    ]
+
+
+def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen sequences first, then rejected ones, in one right-padded batch (2B rows)."""
+    ids, mask = pad_batch([c for c, _ in pairs] + [r for _, r in pairs], pad_id)
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
+
+
+def pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    device = distributed.device()
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    scores = last_token_scores(token_values(model, ids, mask), mask)
+    half = scores.shape[0] // 2
+    return scores[:half], scores[half:]
+
+
+def evaluate(engine: Any, pairs: list[Any], pad_id: int, batch_size: int) -> tuple[dict[str, float], dict]:
+    """Accuracy (chosen > rejected), mean scores and margin over all ranks, plus ROC data on rank 0."""
+    import torch.distributed as dist
+    from sklearn.metrics import roc_auc_score, roc_curve
+
+    engine.eval()
+    chosen_all: list[float] = []
+    rejected_all: list[float] = []
+    with torch.no_grad():
+        for batch, weight in loop.shard_batches(pairs, batch_size, dist.get_rank(), dist.get_world_size()):
+            chosen, rejected = pair_scores(engine, collate(batch, pad_id))
+            if weight:
+                chosen_all += chosen.float().tolist()
+                rejected_all += rejected.float().tolist()
+    engine.train()
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (chosen_all, rejected_all))
+    chosen_all = [s for c, _ in gathered for s in c]
+    rejected_all = [s for _, r in gathered for s in r]
+    n = max(len(chosen_all), 1)
+    labels = [1] * len(chosen_all) + [0] * len(rejected_all)
+    scores = chosen_all + rejected_all
+    fpr, tpr, thresholds = roc_curve(labels, scores)
+    metrics = {
+        "accuracy": sum(c > r for c, r in zip(chosen_all, rejected_all, strict=True)) / n,
+        "chosen_mean": sum(chosen_all) / n,
+        "rejected_mean": sum(rejected_all) / n,
+        "margin_mean": sum(c - r for c, r in zip(chosen_all, rejected_all, strict=True)) / n,
+        "auc": float(roc_auc_score(labels, scores)),
+    }
+    roc = {
+        "labels": labels,
+        "scores": scores,
+        "fpr": fpr.tolist(),
+        "tpr": tpr.tolist(),
+        "thresholds": [float(t) if abs(t) != float("inf") else None for t in thresholds],
+    }
+    return metrics, roc
+
+
+def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
+    """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
+    cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
+    check_output_path(output)
+    dataset = phases.load(data, "phase2_reward", need_rejected=True)
+    rank, world = distributed.init()
+    distributed.seed_everything(cfg.seed)
+    started = time.perf_counter()
+    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
+        evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len)
+        model = load_reward_model(cfg.model, cfg.trust_remote_code, tokenizer.pad_token_id, cfg.dtype)
+        model = apply_lora(model, cfg.lora, "SEQ_CLS")
+        pad = tokenizer.pad_token_id
+        last_roc: dict[str, Any] = {}
+
+        def evaluate_and_keep(engine: Any) -> dict[str, float]:
+            metrics, roc = evaluate(engine, evals, pad, cfg.micro_batch_size)
+            last_roc.update(roc)
+            return metrics
+
+        task = loop.Task(
+            name=STAGE,
+            cfg=cfg,
+            train=train,
+            collate=lambda b: collate(b, pad),
+            loss=lambda engine, batch: bradley_terry_loss(*pair_scores(engine, batch)),
+            evaluate=evaluate_and_keep,
+            checkpoint_dir=Path(f"{output}.checkpoints"),
+            resume=resume,
+        )
+        engine, summary = loop.run(task, model, tracker)
+        summary["wall_time_s"] = time.perf_counter() - started
+        result = {
+            "stage": STAGE,
+            "metrics": summary,
+            "outputs": {"model": ".", "eval_scores": SCORES_FILE},
+            "base_model": cfg.model,
+            "history": task.history,
+            "train_pairs": len(train),
+            "eval_pairs": len(evals),
+        }
+        from transformers import AutoModelForSequenceClassification
+
+        export.export(
+            engine,
+            AutoModelForSequenceClassification,
+            cfg.lora,
+            "SEQ_CLS",
+            tokenizer,
+            output,
+            result,
+            extra_json={SCORES_FILE: last_roc},
+        )
+        if rank == 0:
+            tracker.log_metrics(summary)
+            tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
+            tracker.log_artifact(output / "result.json", STAGE)
+            tracker.log_artifact(output / SCORES_FILE, STAGE)
+    if not cfg.keep_checkpoints:
+        loop.remove_checkpoints(task)
+    return {**result, "output": str(output), "run_id": tracker.run_id}

@@ -1,0 +1,124 @@
+"""A DeepSpeed engine for one trainable model: ZeRO config, AdamW param groups, LoRA, HF scheduler.
+
+The DeepSpeed config is a pure function of the stage config (ds_config), so it can be tested and
+logged. AdamW comes from DeepSpeed's config block: fused Adam on CUDA, DeepSpeedCPUAdam when the
+optimizer is offloaded, torch's AdamW (`torch_adam`) on CPU, where there is no fused kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from kubealign.config.schema import LoraConfig, TrainConfig
+
+log = logging.getLogger(__name__)
+NO_DECAY = ("bias", "norm", "layernorm", "layer_norm", "ln_")
+
+
+def ds_config(cfg: TrainConfig, world_size: int, cuda: bool) -> dict[str, Any]:
+    """The DeepSpeed JSON config of a training stage."""
+    zero: dict[str, Any] = {"stage": cfg.zero_stage}
+    offload = cfg.offload and cuda
+    if cfg.offload and not cuda:
+        log.warning("offload has no effect without an accelerator: the model is on the CPU already; ignored")
+    if offload and cfg.zero_stage >= 1:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    if offload and cfg.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if cfg.zero_stage == 3:
+        zero.update(stage3_gather_16bit_weights_on_model_save=False, stage3_param_persistence_threshold=1e4)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "train_batch_size": cfg.micro_batch_size * cfg.gradient_accumulation_steps * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.dtype == "bf16"},
+        "fp16": {"enabled": cfg.dtype == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": cfg.learning_rate,
+                "betas": [0.9, 0.95],
+                "eps": 1e-8,
+                "weight_decay": cfg.weight_decay,
+                "torch_adam": not cuda,
+            },
+        },
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if cfg.gradient_clipping > 0:
+        config["gradient_clipping"] = cfg.gradient_clipping
+    return config
+
+
+def param_groups(model: torch.nn.Module, cfg: TrainConfig) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay on biases and norms; LoRA parameters at their own rate."""
+    lora_lr = cfg.lora.learning_rate or cfg.learning_rate
+    groups: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        decay = not any(k in name.lower() for k in NO_DECAY)
+        groups.setdefault(("lora_" in name, decay), []).append(param)
+    return [
+        {
+            "params": params,
+            "weight_decay": cfg.weight_decay if decay else 0.0,
+            "lr": lora_lr if is_lora else cfg.learning_rate,
+        }
+        for (is_lora, decay), params in sorted(groups.items())
+    ]
+
+
+def apply_lora(model: torch.nn.Module, lora: LoraConfig, task_type: str) -> torch.nn.Module:
+    """Wrap with PEFT LoRA adapters. Unless only_lora, the base weights stay trainable too (as in
+    DeepSpeed-Chat with only_optimize_lora off)."""
+    if lora.r == 0:
+        return model
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    targets = [t for t in lora.target_modules if t in present]
+    if not targets:
+        from kubealign.errors import UserError
+
+        raise UserError(
+            f"lora.target_modules {lora.target_modules} match no module of this model "
+            f"(linear layers it has: {sorted(n for n in present if 'proj' in n or n.startswith('fc'))})"
+        )
+    peft_config = PeftLoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type=task_type,
+    )
+    wrapped = get_peft_model(model, peft_config)
+    if not lora.only_lora:
+        for name, param in wrapped.named_parameters():
+            if "lora_" not in name:
+                param.requires_grad_(True)
+    return wrapped
+
+
+def create(model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], total_steps: int) -> Any:
+    """deepspeed.initialize with our param groups and an HF schedule over total_steps optimizer steps."""
+    import deepspeed
+    from transformers import get_scheduler
+
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def scheduler(optimizer: torch.optim.Optimizer) -> Any:
+        name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
+        return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
+
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
+    )
+    return engine

@@ -1,0 +1,94 @@
+"""Export a trained engine's model as a self-contained Hugging Face dir (ZeRO-3 and LoRA aware).
+
+Parameters are gathered one at a time (ZeRO-3 partitions them across ranks), so no rank ever holds a
+second full copy in GPU memory; rank 0 keeps a CPU copy. Every rank hashes the gathered values in
+the same order, which lets a test check that all ranks agree on the model that rank 0 saves. LoRA
+adapters are merged on a fresh CPU model (PEFT merge_and_unload), away from DeepSpeed's hooks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubealign.config.schema import LoraConfig
+
+
+def gather_state(module: torch.nn.Module, keep: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """(full state dict on CPU if keep else {}, sha256 of all gathered parameters and buffers)."""
+    import deepspeed
+
+    digest = hashlib.sha256()
+    state: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
+            value = param.detach().to("cpu", copy=True)
+        digest.update(name.encode())
+        digest.update(value.float().numpy().tobytes())
+        if keep:
+            state[name] = value
+    for name, buffer in module.named_buffers():
+        if keep:
+            state[name] = buffer.detach().to("cpu", copy=True)
+    return state, digest.hexdigest()
+
+
+def build_cpu_model(model_cls: Any, base_config: Any, lora: LoraConfig, task_type: str, state: dict) -> Any:
+    """A fresh CPU model of the trained architecture with `state` loaded (LoRA adapters still separate)."""
+    from kubealign.training.engine import apply_lora
+
+    model = apply_lora(model_cls.from_config(base_config), lora, task_type)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the input embeddings
+    if missing or unexpected:
+        raise RuntimeError(f"exported state does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+def export(
+    engine: Any,
+    model_cls: Any,
+    lora: LoraConfig,
+    task_type: str,
+    tokenizer: Any,
+    output: Path,
+    result: dict,
+    extra_json: dict[str, Any] | None = None,
+) -> list[str]:
+    """Write the trained model (adapters merged) + tokenizer + result.json to `output`, atomically,
+    from rank 0. Returns every rank's parameter hash (they must all be equal)."""
+    import torch.distributed as dist
+
+    from kubealign.outputs import atomic_dir, write_json, write_result
+
+    rank = dist.get_rank()
+    module = engine.module
+    base_config = module.get_base_model().config if hasattr(module, "get_base_model") else module.config
+    state, digest = gather_state(module, keep=rank == 0)
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, digest)
+    if rank == 0:
+        model = build_cpu_model(model_cls, base_config, lora, task_type, state)
+        with atomic_dir(output) as tmp:
+            if lora.r and lora.save_adapter:
+                model.save_pretrained(tmp / "adapter")
+            merged = model.merge_and_unload() if lora.r else model
+            merged.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            for name, payload in (extra_json or {}).items():
+                write_json(tmp / name, payload)
+            write_result(tmp, **result, rank_param_sha256=hashes)
+    dist.barrier()
+    return hashes
+
+
+def state_sha256(model: torch.nn.Module) -> str:
+    """The same hash as gather_state computes, for a plain (non-ZeRO) model."""
+    digest = hashlib.sha256()
+    for name, param in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(param.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()

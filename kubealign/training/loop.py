@@ -1,0 +1,169 @@
+"""The training loop shared by the SFT and reward stages: epochs of micro-batches on a DeepSpeed
+engine, periodic evaluation, checkpoints with an exact resume, metrics to MLflow, a progress bar.
+
+Resume is exact: a checkpoint holds the engine (weights, optimizer, scheduler), the step, the epoch,
+the micro-batch position inside the epoch and every RNG state, and the data order is a function of
+(seed, epoch) through DistributedSampler, so a resumed run sees the same batches in the same order
+with the same dropout masks as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import resource
+import shutil
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from kubealign.config.schema import TrainConfig
+from kubealign.errors import UserError
+from kubealign.training import distributed
+from kubealign.training import engine as engines
+
+log = logging.getLogger(__name__)
+FAULT_ENV = "KUBEALIGN_FAULT_AT_STEP"  # testing hook: SIGKILL this process right after that optimizer step
+
+
+@dataclass
+class Task:
+    """What differs between stages: data, how a batch becomes a loss, how to evaluate."""
+
+    name: str
+    cfg: TrainConfig
+    train: list[Any]
+    collate: Callable[[list[Any]], dict[str, torch.Tensor]]
+    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (engine, batch) -> scalar loss
+    evaluate: Callable[[Any], dict[str, float]]  # engine -> metrics, reduced over ranks
+    checkpoint_dir: Path
+    resume: bool = False
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+def peak_memory_mb() -> float:
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def shard_batches(examples: list[Any], batch_size: int, rank: int, world: int) -> list[tuple[list[Any], float]]:
+    """This rank's share of evaluation batches, as (batch, weight). Every rank gets the same number of
+    batches, because ZeRO-3 gathers parameters collectively in each forward: missing batches are filled
+    with a copy of the last one at weight 0."""
+    batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)] or [[]]
+    weighted = [(b, 1.0) for b in batches]
+    while len(weighted) % world:
+        weighted.append((batches[-1], 0.0))
+    return [(b, w) for b, w in weighted[rank::world] if b]
+
+
+def make_loader(task: Task, rank: int, world: int) -> Any:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    sampler = DistributedSampler(
+        task.train, num_replicas=world, rank=rank, shuffle=True, seed=task.cfg.seed, drop_last=True
+    )
+    return DataLoader(task.train, batch_size=task.cfg.micro_batch_size, sampler=sampler, collate_fn=task.collate)
+
+
+def _restore(engine: Any, task: Task) -> dict[str, Any]:
+    """Load the latest checkpoint when resuming; returns the position to continue from."""
+    if not task.resume:
+        return {"step": 0, "epoch": 0, "micro": 0}
+    if not (task.checkpoint_dir / "latest").is_file():
+        log.warning("--resume: no checkpoint in %s; starting from the beginning", task.checkpoint_dir)
+        return {"step": 0, "epoch": 0, "micro": 0}
+    path, state = engine.load_checkpoint(str(task.checkpoint_dir))
+    if path is None:
+        raise UserError(f"--resume: cannot load the checkpoint in {task.checkpoint_dir}")
+    distributed.set_rng_state(state["rng"])
+    log.info("resumed from %s at step %d", path, state["step"])
+    return state
+
+
+def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
+    state = {**position, "rng": distributed.rng_state()}
+    engine.save_checkpoint(str(task.checkpoint_dir), tag=f"step{position['step']}", client_state=state)
+
+
+def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str, float]]:
+    """Train `model` as `task` says; returns (engine, summary metrics)."""
+    rank, world = distributed.init()
+    cfg = task.cfg
+    if len(task.train) < cfg.micro_batch_size * world:
+        raise UserError(
+            f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) is more than the "
+            f"{len(task.train)} training rows"
+        )
+    loader = make_loader(task, rank, world)
+    steps_per_epoch = max(len(loader) // cfg.gradient_accumulation_steps, 1)
+    total_steps = max(math.ceil(cfg.num_train_epochs * steps_per_epoch), 1)
+    config = engines.ds_config(cfg, world, torch.cuda.is_available())
+    engine = engines.create(model, cfg, config, total_steps)
+    position = _restore(engine, task)
+    before = task.evaluate(engine) if position["step"] == 0 else position["before"]
+    tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
+    started, tokens = time.perf_counter(), 0
+    bar = tqdm(
+        total=total_steps, initial=position["step"], desc=task.name, unit="step", **({"disable": True} if rank else {})
+    )
+    step, epoch = position["step"], position["epoch"]
+    while step < total_steps:
+        loader.sampler.set_epoch(epoch)
+        for micro, batch in enumerate(loader):
+            if epoch == position["epoch"] and micro < position["micro"]:
+                continue  # already trained on before the checkpoint
+            boundary = engine.is_gradient_accumulation_boundary()
+            loss = task.loss(engine, batch)
+            engine.backward(loss)
+            engine.step()
+            tokens += int(batch["attention_mask"].sum())
+            if not boundary:
+                continue
+            step += 1
+            bar.update()
+            record = {"train_loss": loss.item(), "lr": engine.get_lr()[0]}
+            tracker.log_metrics(record, step=step)
+            if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
+                tracker.log_metrics({f"eval_{k}": v for k, v in task.evaluate(engine).items()}, step=step)
+            task.history.append({"step": step, **record})
+            if cfg.save_every_steps and step % cfg.save_every_steps == 0:
+                _save(engine, task, {"step": step, "epoch": epoch, "micro": micro + 1, "before": before})
+            if os.environ.get(FAULT_ENV) == str(step):
+                os.kill(os.getpid(), signal.SIGKILL)
+            if step >= total_steps:
+                break
+        else:
+            epoch += 1
+            continue
+        break
+    bar.close()
+    elapsed = time.perf_counter() - started
+    after = task.evaluate(engine)
+    tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=step)
+    total_tokens, total_time = distributed.all_reduce_sum([tokens, elapsed])
+    summary = {
+        **{f"before_{k}": v for k, v in before.items()},
+        **{f"after_{k}": v for k, v in after.items()},
+        "steps": step,
+        "train_tokens": total_tokens,
+        "tokens_per_s": total_tokens / max(total_time / world, 1e-9),
+        "train_time_s": elapsed,
+        "peak_memory_mb": peak_memory_mb(),
+        "world_size": world,
+    }
+    return engine, summary
+
+
+def remove_checkpoints(task: Task) -> None:
+    distributed.barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        shutil.rmtree(task.checkpoint_dir, ignore_errors=True)
