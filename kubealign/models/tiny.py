@@ -100,8 +100,9 @@ def build(arch: str, output: Path, seed: int = 0) -> Path:
         raise ValueError(f"unknown tiny architecture {arch!r}; expected one of {ARCHS}")
     tokenizer = train_tokenizer(seed)
     config = model_config(arch, tokenizer)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    with torch.random.fork_rng(devices=[]):  # building must not reseed the caller's training RNG
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -114,8 +115,15 @@ def build(arch: str, output: Path, seed: int = 0) -> Path:
 
 
 def ensure(arch: str, seed: int = 0) -> Path:
-    """The cached tiny model dir, built on first use."""
+    """The cached tiny model dir, built on first use. A file lock makes concurrent processes (the ranks
+    of one torchrun job) wait for one builder instead of replacing the dir under each other."""
+    from filelock import FileLock
+
     path = cached_path(arch, seed)
-    if not (path / "config.json").exists():
-        build(arch, path, seed)
+    if (path / "config.json").exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{path}.lock"):
+        if not (path / "config.json").exists():
+            build(arch, path, seed)
     return path

@@ -71,7 +71,12 @@ def make_loader(task: Task, rank: int, world: int) -> Any:
     sampler = DistributedSampler(
         task.train, num_replicas=world, rank=rank, shuffle=True, seed=task.cfg.seed, drop_last=True
     )
-    return DataLoader(task.train, batch_size=task.cfg.micro_batch_size, sampler=sampler, collate_fn=task.collate)
+    # Its own generator: a DataLoader otherwise draws a seed from the global RNG for every new iterator,
+    # which would shift the dropout masks of a resumed run against an uninterrupted one.
+    generator = torch.Generator().manual_seed(task.cfg.seed)
+    return DataLoader(
+        task.train, batch_size=task.cfg.micro_batch_size, sampler=sampler, collate_fn=task.collate, generator=generator
+    )
 
 
 def _restore(engine: Any, task: Task) -> dict[str, Any]:
@@ -92,6 +97,9 @@ def _restore(engine: Any, task: Task) -> dict[str, Any]:
 def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
     state = {**position, "rng": distributed.rng_state()}
     engine.save_checkpoint(str(task.checkpoint_dir), tag=f"step{position['step']}", client_state=state)
+    # Saving draws random numbers inside DeepSpeed; put the RNG back where the checkpoint recorded it, so
+    # the run goes on exactly as a run resumed from this checkpoint will.
+    distributed.set_rng_state(state["rng"])
 
 
 def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str, float]]:
@@ -111,6 +119,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
     position = _restore(engine, task)
     before = task.evaluate(engine) if position["step"] == 0 else position["before"]
     tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
+    engine.train()  # from_pretrained returns eval mode; without this a resumed run would train without dropout
     started, tokens = time.perf_counter(), 0
     bar = tqdm(
         total=total_steps, initial=position["step"], desc=task.name, unit="step", **({"disable": True} if rank else {})
