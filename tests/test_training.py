@@ -39,7 +39,10 @@ def result_of(directory: Path) -> dict:
 
 def kubealign_subprocess(*args: str, env: dict | None = None, launcher: list[str] | None = None):
     exe = [sys.executable, "-m", "kubealign.cli"] if launcher is None else launcher
-    full_env = {**os.environ, "TQDM_DISABLE": "1", **(env or {})}
+    # In-process stages of earlier tests left a one-process group's RANK/MASTER_PORT in os.environ.
+    launch_vars = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+    full_env = {k: v for k, v in os.environ.items() if k not in launch_vars}
+    full_env.update(TQDM_DISABLE="1", **(env or {}))
     return subprocess.run([*exe, *map(str, args)], capture_output=True, text=True, env=full_env, timeout=300)
 
 
@@ -97,7 +100,7 @@ def test_only_lora_changes_only_adapters_and_merged_export_matches(cli, split_di
     args = [a for item in lora for a in ("--set", item)]
     result = cli("sft", "--data", split_dir, *FAST, *args, "--set", "sft.num_train_epochs=1", "--output", out)
     assert result.code == 0, result.err
-    base = load_file(loading.tiny.cached_path("opt") / "model.safetensors")
+    base = load_file(Path(loading.resolve("tiny-opt")) / "model.safetensors")
     merged = load_file(out / "model.safetensors")
     adapter = load_file(out / "adapter" / "adapter_model.safetensors")
     targets = {"q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"}
@@ -219,7 +222,7 @@ def test_bad_training_inputs(cli, split_dir: Path, tmp_path: Path):
         ),
     ]
     no_tokenizer = tmp_path / "model-without-tokenizer"
-    shutil.copytree(loading.tiny.cached_path("opt"), no_tokenizer)
+    shutil.copytree(Path(loading.resolve("tiny-opt")), no_tokenizer)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (no_tokenizer / name).unlink()
     cases.append(

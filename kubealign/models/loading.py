@@ -40,10 +40,20 @@ def _load(kind: str, loader: Any, name: str, trust_remote_code: bool, **kwargs: 
         raise UserError(f"model {name}: cannot load {kind}: {first_line(exc)}{hint}") from None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+
+
 def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    return _load("tokenizer", AutoTokenizer, name, trust_remote_code)
+    target = Path(resolve(name))
+    # transformers 5 builds an empty tokenizer (vocabulary of 1) for a dir without tokenizer files.
+    if target.is_dir() and not any((target / f).is_file() for f in TOKENIZER_FILES):
+        raise UserError(f"model {name}: cannot load tokenizer: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+    tokenizer = _load("tokenizer", AutoTokenizer, name, trust_remote_code)
+    if len(tokenizer) < 2:
+        raise UserError(f"model {name}: cannot load tokenizer: it has an empty vocabulary")
+    return tokenizer
 
 
 def load_causal_lm(name: str, trust_remote_code: bool = False, **kwargs: Any) -> Any:

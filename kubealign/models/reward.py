@@ -22,16 +22,24 @@ HEAD_NAMES = ("score",)
 def load_reward_model(name: str, trust_remote_code: bool, pad_token_id: int, dtype: str) -> Any:
     """Load `name` (a causal-LM or reward-model dir, tiny-*, or hub id) with a 1-output value head."""
     from transformers import AutoModelForSequenceClassification
+    from transformers.utils import logging as hf_logging
 
     target = loading.resolve(name)
-    model = loading._load(
-        "reward model",
-        AutoModelForSequenceClassification,
-        target,
-        trust_remote_code,
-        num_labels=1,
-        dtype=loading.torch_dtype(dtype),
-    )
+    # From a causal-LM dir the head is new by design; transformers' multi-line load report says so
+    # for every such load, which would bury our own messages.
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model = loading._load(
+            "reward model",
+            AutoModelForSequenceClassification,
+            target,
+            trust_remote_code,
+            num_labels=1,
+            dtype=loading.torch_dtype(dtype),
+        )
+    finally:
+        hf_logging.set_verbosity(previous)
     model.config.pad_token_id = pad_token_id  # HF pooling needs it for batches > 1
     return model
 
