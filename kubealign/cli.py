@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="RLHF (SFT, reward model, PPO with DeepSpeed's Hybrid Engine) as a Kubeflow pipeline.",
     )
     parser.add_argument("--version", action="version", version=f"kubealign {__version__}")
+    # The deepspeed launcher puts --local_rank=N right after the script name (torchrun sets LOCAL_RANK).
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     split = sub.add_parser(
@@ -75,8 +77,6 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument("--model", metavar="NAME_OR_DIR", help=f"model to train (default: {stage}.model)")
         train.add_argument("--output", required=True, type=Path, metavar="DIR", help="output model directory")
         train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
-        # The deepspeed launcher appends --local_rank=N; torchrun sets LOCAL_RANK instead.
-        train.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
 
     tiny = sub.add_parser(
         "tiny-model",

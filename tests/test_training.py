@@ -142,17 +142,33 @@ def test_zero_stages_give_the_same_first_losses(cli, split_dir: Path, tmp_path: 
         assert firsts[stage] == pytest.approx(firsts[0], rel=1e-4, abs=1e-4), (stage, firsts)
 
 
-@pytest.mark.parametrize("stage", ["sft", "reward"])
-def test_two_ranks_with_torchrun_at_zero3_save_one_model(split_dir: Path, tmp_path: Path, stage: str):
-    out = tmp_path / stage
-    torchrun = [
-        str(Path(sys.executable).parent / "torchrun"),
-        "--standalone",  # a free rendezvous port per run
-        "--nproc_per_node",
+def launcher(name: str) -> list[str]:
+    bin_dir = Path(sys.executable).parent
+    if name == "torchrun":  # --standalone: a free rendezvous port per run
+        return [str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2", "-m", "kubealign.cli"]
+    # The deepspeed launcher on a CPU machine starts 2 local ranks and passes --local_rank=N.
+    return [
+        str(bin_dir / "deepspeed"),
+        "--num_gpus",
         "2",
-        "-m",
-        "kubealign.cli",
+        "--master_port",
+        str(free_port()),
+        str(bin_dir / "kubealign"),
     ]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize(("launch", "stage"), [("torchrun", "sft"), ("torchrun", "reward"), ("deepspeed", "sft")])
+def test_two_ranks_at_zero3_save_one_model(split_dir: Path, tmp_path: Path, launch: str, stage: str):
+    out = tmp_path / stage
+    torchrun = launcher(launch)
     proc = kubealign_subprocess(
         stage, "--data", split_dir, "--set", NO_TRACKING, "--set", f"{stage}.zero_stage=3",
         "--set", f"{stage}.num_train_epochs=0.3", "--output", out, launcher=torchrun,
@@ -240,3 +256,32 @@ def test_bad_training_inputs(cli, split_dir: Path, tmp_path: Path):
         lines = result.err.strip().splitlines()
         assert len(lines) == 1 and re.search(pattern, lines[0]), (args, lines)
         assert not out.exists()
+
+
+def test_sft_logs_step_metrics_and_the_model_reference_to_mlflow(cli, split_dir: Path, tmp_path: Path):
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.tracking import default_store
+
+    out = tmp_path / "sft"
+    result = cli(
+        "sft",
+        "--data",
+        split_dir,
+        "--set",
+        "sft.num_train_epochs=0.3",
+        "--set",
+        "sft.eval_every_steps=3",
+        "--output",
+        out,
+    )
+    assert result.code == 0, result.err
+    client = MlflowClient(default_store(tmp_path)[0])
+    (run,) = client.search_runs([client.get_experiment_by_name("kubealign-tiny").experiment_id])
+    steps = result_of(out)["metrics"]["steps"]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, steps + 1))
+    ppl_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval_perplexity")]
+    assert ppl_steps == [0, *range(3, steps, 3), steps]  # before, every 3 steps, at the end
+    assert run.data.params["sft.learning_rate"] == "0.001"
+    assert run.data.tags["kubealign.model_dir"] == str(out.resolve())
+    assert "sft/result.json" in {a.path for a in client.list_artifacts(run.info.run_id, "sft")}
