@@ -16,8 +16,11 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --disable-pip-version-check -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
 
+# Until the Kubeflow DAG (kubealign run) exists, the demo chains the stages that are built.
 demo: $(STAMP)
 	$(BIN)/kubealign data-split --output $(DEMO_DIR)/data-split
+	$(BIN)/kubealign sft --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/sft
+	$(BIN)/kubealign reward --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/reward
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -23,7 +23,7 @@ from kubealign.models.reward import load_reward_model, token_values
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
 from kubealign.training import distributed, export, loop
-from kubealign.training.engine import apply_lora
+from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss, last_token_scores
 
 STAGE = "reward"
@@ -105,8 +105,9 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             tokenizer.pad_token = tokenizer.eos_token
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len)
-        model = load_reward_model(cfg.model, cfg.trust_remote_code, tokenizer.pad_token_id, cfg.dtype)
-        model = apply_lora(model, cfg.lora, "SEQ_CLS")
+        with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
+            model = load_reward_model(cfg.model, cfg.trust_remote_code, tokenizer.pad_token_id, cfg.dtype)
+            model = apply_lora(model, cfg.lora, "SEQ_CLS")
         pad = tokenizer.pad_token_id
         last_roc: dict[str, Any] = {}
 

@@ -22,7 +22,7 @@ from kubealign.models import loading
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
 from kubealign.training import distributed, export, loop
-from kubealign.training.engine import apply_lora
+from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import TokenLoss, lm_loss, position_ids
 
 STAGE = "sft"
@@ -91,8 +91,9 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             tokenizer.pad_token = tokenizer.eos_token
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len, cfg.include_prompt_in_loss)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len, include_prompt=False)
-        model = loading.load_causal_lm(cfg.model, cfg.trust_remote_code, dtype=loading.torch_dtype(cfg.dtype))
-        model = apply_lora(model, cfg.lora, "CAUSAL_LM")
+        with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
+            model = loading.load_causal_lm(cfg.model, cfg.trust_remote_code, dtype=loading.torch_dtype(cfg.dtype))
+            model = apply_lora(model, cfg.lora, "CAUSAL_LM")
         pad = tokenizer.pad_token_id
         task = loop.Task(
             name=STAGE,
