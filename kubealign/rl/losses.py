@@ -1,0 +1,74 @@
+"""PPO losses and diagnostics (Schulman et al. 2017). Shapes: [B, A] over actions; see kubealign.rl."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kubealign.rl.advantages import masked_mean, masked_var
+
+
+class PolicyLoss(NamedTuple):
+    loss: torch.Tensor  # scalar
+    clip_fraction: torch.Tensor  # scalar: share of response actions where the clipped term was active
+    approx_kl: torch.Tensor  # scalar: k3 estimate of KL(old || new), mean over response actions
+
+
+class ValueLoss(NamedTuple):
+    loss: torch.Tensor  # scalar
+    clip_fraction: torch.Tensor  # scalar
+
+
+def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] logits and [B, T] ids -> [B, T-1] log-probability of each next token (the actions)."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+) -> PolicyLoss:
+    """Clipped surrogate: mean over response actions of max(-A r, -A clip(r, 1-eps, 1+eps)),
+    r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize)."""
+    log_ratio = logprobs - old_logprobs
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    clip_fraction = masked_mean((clipped > unclipped).to(logprobs.dtype), response_mask)
+    approx_kl = masked_mean((ratio - 1) - log_ratio, response_mask)  # k3: unbiased, always >= 0
+    return PolicyLoss(loss, clip_fraction.detach(), approx_kl.detach())
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float,
+) -> ValueLoss:
+    """0.5 * mean over response actions of max((V - R)^2, (V_clipped - R)^2), with V_clipped =
+    old_V + clip(V - old_V, -eps, eps) (the PPO2 value clipping DeepSpeed-Chat and TRL use)."""
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_error = (values - returns) ** 2
+    clipped_error = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(unclipped_error, clipped_error), response_mask)
+    clip_fraction = masked_mean((clipped_error > unclipped_error).to(values.dtype), response_mask)
+    return ValueLoss(loss, clip_fraction.detach())
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """1 - Var(R - V) / Var(R) over response actions: 1 = perfect critic, 0 = no better than a constant."""
+    return 1 - masked_var(returns - values, response_mask) / masked_var(returns, response_mask).clamp(min=1e-8)
