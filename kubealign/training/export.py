@@ -48,6 +48,31 @@ def build_cpu_model(model_cls: Any, base_config: Any, lora: LoraConfig, task_typ
     return model
 
 
+def gather_model(engine: Any, model_cls: Any, lora: LoraConfig, task_type: str) -> tuple[Any, list[str]]:
+    """All ranks: gather the engine's parameters. Returns (a plain CPU model on rank 0 — adapters not
+    yet merged — or None elsewhere, every rank's parameter hash)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    module = engine.module
+    base_config = module.get_base_model().config if hasattr(module, "get_base_model") else module.config
+    state, digest = gather_state(module, keep=rank == 0)
+    hashes: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hashes, digest)
+    model = build_cpu_model(model_cls, base_config, lora, task_type, state) if rank == 0 else None
+    return model, hashes
+
+
+def write_model(model: Any, lora: LoraConfig, tokenizer: Any, directory: Path) -> None:
+    """save_pretrained (safetensors, adapters merged; the adapter itself too if lora.save_adapter) and
+    the tokenizer into `directory`."""
+    if lora.r and lora.save_adapter:
+        model.save_pretrained(directory / "adapter")
+    merged = model.merge_and_unload() if lora.r else model
+    merged.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+
+
 def export(
     engine: Any,
     model_cls: Any,
@@ -58,30 +83,19 @@ def export(
     result: dict,
     extra_json: dict[str, Any] | None = None,
 ) -> list[str]:
-    """Write the trained model (adapters merged) + tokenizer + result.json to `output`, atomically,
+    """Write the trained model + tokenizer + result.json (+ extra JSON files) to `output`, atomically,
     from rank 0. Returns every rank's parameter hash (they must all be equal)."""
-    import torch.distributed as dist
-
     from kubealign.outputs import atomic_dir, write_json, write_result
+    from kubealign.training import distributed
 
-    rank = dist.get_rank()
-    module = engine.module
-    base_config = module.get_base_model().config if hasattr(module, "get_base_model") else module.config
-    state, digest = gather_state(module, keep=rank == 0)
-    hashes: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(hashes, digest)
-    if rank == 0:
-        model = build_cpu_model(model_cls, base_config, lora, task_type, state)
+    model, hashes = gather_model(engine, model_cls, lora, task_type)
+    if model is not None:
         with atomic_dir(output) as tmp:
-            if lora.r and lora.save_adapter:
-                model.save_pretrained(tmp / "adapter")
-            merged = model.merge_and_unload() if lora.r else model
-            merged.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            write_model(model, lora, tokenizer, tmp)
             for name, payload in (extra_json or {}).items():
                 write_json(tmp / name, payload)
             write_result(tmp, **result, rank_param_sha256=hashes)
-    dist.barrier()
+    distributed.barrier()
     return hashes
 
 
