@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
         train.add_argument("--output", required=True, type=Path, metavar="DIR", help="output model directory")
         train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
 
+    ppo = sub.add_parser(
+        "ppo",
+        help="stage 3: PPO with the DeepSpeed Hybrid Engine (actor, reference, critic, reward)",
+        description="PPO on phase-3 prompts: actor and reference from the SFT dir, critic and reward from the RM dir.",
+    )
+    _add_config_options(ppo)
+    ppo.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output (or phase3)")
+    ppo.add_argument("--actor", required=True, type=Path, metavar="SFT_DIR", help="SFT model dir (actor + reference)")
+    ppo.add_argument("--critic", required=True, type=Path, metavar="RM_DIR", help="reward model dir (critic)")
+    ppo.add_argument("--reward", type=Path, metavar="RM_DIR", help="reward model dir (default: --critic)")
+    ppo.add_argument("--output", required=True, type=Path, metavar="DIR", help="output actor directory")
+    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
@@ -146,6 +159,19 @@ def _train(args: argparse.Namespace) -> None:
         print("  " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()))
 
 
+def _ppo(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import ppo
+
+    config = load_config(args.config, args.overrides)
+    result = ppo.run(config, args.prompts, args.actor, args.critic, args.reward, args.output, resume=args.resume)
+    if int(os.environ.get("RANK", "0")) == 0:
+        m = result["metrics"]
+        print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")
+        print(f"  eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL to reference {m['kl_after']:.3f}")
+        print(f"  time: generation {m['generation_time_s']:.1f} s, training {m['training_time_s']:.1f} s")
+
+
 def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
@@ -169,6 +195,7 @@ COMMANDS = {
     "data-split": _data_split,
     "sft": _train,
     "reward": _train,
+    "ppo": _ppo,
     "tiny-model": _tiny_model,
     "config": _config,
 }

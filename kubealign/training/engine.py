@@ -144,3 +144,48 @@ def create(model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], tot
         model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
     )
     return engine
+
+
+def trainable(
+    model: torch.nn.Module,
+    cfg: TrainConfig,
+    task_type: str,
+    world_size: int,
+    total_steps: int,
+    hybrid_engine: dict[str, Any] | None = None,
+) -> Any:
+    """LoRA (if configured) + a DeepSpeed engine; with a `hybrid_engine` block, a DeepSpeedHybridEngine."""
+    model = apply_lora(model, cfg.lora, task_type)
+    config = ds_config(cfg, world_size, torch.cuda.is_available())
+    if hybrid_engine:
+        config["hybrid_engine"] = hybrid_engine
+    return create(model, cfg, config, total_steps)
+
+
+def frozen(
+    model: torch.nn.Module, zero_stage: int, dtype: str, offload: bool, micro_batch: int, world_size: int
+) -> Any:
+    """A model that only runs forward passes (PPO's reference and reward): partitioned by a DeepSpeed
+    engine without optimizer at ZeRO-3 (parameters offloaded to CPU if asked, with an accelerator),
+    otherwise the plain module on the device."""
+    from kubealign.training import distributed
+
+    model.requires_grad_(False)
+    if zero_stage != 3:
+        return model.to(distributed.device()).eval()
+    import deepspeed
+
+    zero: dict[str, Any] = {"stage": 3}
+    if offload and torch.cuda.is_available():
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "train_batch_size": micro_batch * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+        "steps_per_print": 10**9,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine

@@ -1,0 +1,157 @@
+"""One PPO iteration: rollout, experience, KL-penalized rewards, GAE, then ppo_epochs of clipped
+policy and value updates over minibatches — actor and critic both updated every iteration."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kubealign.config.schema import PPOConfig
+from kubealign.rl.advantages import gae, kl_penalized_rewards, masked_mean, whiten
+from kubealign.rl.experience import Experience, logprobs_and_entropy, make_experience, merged_lora, score_and_value
+from kubealign.rl.kl import KLController
+from kubealign.rl.losses import explained_variance, policy_loss, value_loss
+
+
+class ModuleRollout:
+    """The rollout API's shape over module.generate, for the plain-engine path."""
+
+    def __init__(self, engine: Any, tokenizer: Any, synced_gpus: bool):
+        self.engine, self.tokenizer, self.synced_gpus = engine, tokenizer, synced_gpus
+
+    def generate(self, request: Any, sampling: Any) -> Any:
+        from deepspeed.runtime.rollout import RolloutBatch
+
+        module = self.engine.module
+        module.eval()
+        out = module.generate(
+            input_ids=request.prompt_ids,
+            attention_mask=request.prompt_attention_mask,
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k if sampling.top_k > 0 else None,
+            max_new_tokens=sampling.max_new_tokens,
+            num_return_sequences=sampling.n_samples_per_prompt,
+            pad_token_id=self.tokenizer.pad_token_id,
+            eos_token_id=self.tokenizer.eos_token_id,
+            synced_gpus=self.synced_gpus,
+        )
+        start = torch.full((out.shape[0],), request.prompt_ids.shape[1], dtype=torch.long, device=out.device)
+        return RolloutBatch(out, torch.ones_like(out), start)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """PPO without dropout (as TRL does): the log-probs of the rollout and of the first update pass are
+    then computed by the same function, so the ratio is exactly 1 before any step."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name in ("dropout", "attention_dropout", "activation_dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
+
+
+@dataclass
+class PPOModels:
+    actor: Any  # DeepSpeed engine (hybrid or plain), trainable
+    critic: Any  # DeepSpeed engine, trainable
+    reference: Any  # frozen module or engine
+    reward: Any  # frozen module or engine
+    rollout: Any  # HybridEngineRollout or ModuleRollout
+    tokenizer: Any
+
+
+def sampling_config(cfg: PPOConfig) -> Any:
+    from deepspeed.runtime.rollout import SamplingConfig
+
+    return SamplingConfig(
+        max_new_tokens=cfg.max_new_tokens,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        top_k=cfg.top_k,
+        n_samples_per_prompt=cfg.samples_per_prompt,
+    )
+
+
+def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig) -> Any:
+    """Sample responses with the actor (adapters merged for the duration)."""
+    from deepspeed.runtime.rollout import RolloutRequest
+
+    with merged_lora(models.actor.module):
+        return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
+
+
+def _minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
+    order = torch.randperm(n, generator=generator)
+    return [order[i : i + size] for i in range(0, n, size)]
+
+
+def update(
+    models: PPOModels, exp: Experience, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig, gen: Any
+) -> dict[str, float]:
+    """ppo_epochs passes of clipped policy + value updates; returns the mean of each loss statistic."""
+    stats: dict[str, list[float]] = {}
+    models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
+    models.critic.train()
+    for _ in range(cfg.ppo_epochs):
+        for idx in _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen):
+            ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
+            logprobs, entropy = logprobs_and_entropy(models.actor, ids, mask)
+            pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
+            mean_entropy = masked_mean(entropy, resp)
+            models.actor.backward(pl.loss - cfg.entropy_coef * mean_entropy)
+            models.actor.step()
+            values, _ = score_and_value(models.critic, ids, mask)
+            vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
+            models.critic.backward(vl.loss)
+            models.critic.step()
+            for key, value in {
+                "policy_loss": pl.loss,
+                "value_loss": vl.loss,
+                "clip_fraction": pl.clip_fraction,
+                "value_clip_fraction": vl.clip_fraction,
+                "approx_kl": pl.approx_kl,
+                "entropy": mean_entropy,
+            }.items():
+                stats.setdefault(key, []).append(value.item())
+    return {k: sum(v) / len(v) for k, v in stats.items()}
+
+
+def iteration(
+    models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig, kl: KLController, gen: Any
+) -> tuple[dict[str, float], Experience]:
+    """Rollout + update for one batch of prompts; returns (metrics, experience)."""
+    started = time.perf_counter()
+    batch = generate(models, prompt_ids, prompt_mask, cfg)
+    exp = make_experience(
+        batch, prompt_mask, models.tokenizer.eos_token_id, models.actor, models.reference, models.critic, models.reward
+    )
+    generated = time.perf_counter()
+    rewards = kl_penalized_rewards(
+        exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, kl.value, cfg.reward_clip
+    )
+    adv = gae(exp.values, rewards.rewards, exp.response_mask, cfg.gamma, cfg.lam)
+    advantages = whiten(adv.advantages, exp.response_mask) if cfg.whiten_advantages else adv.advantages
+    losses = update(models, exp, advantages, adv.returns, cfg, gen)
+    trained = time.perf_counter()
+    seq_kl = rewards.kl.sum(-1)
+    kl_coef = kl.value
+    kl.update(float(seq_kl.mean()), exp.input_ids.shape[0])
+    tokens = int(exp.attention_mask.sum())
+    metrics = {
+        "reward_mean": float(exp.scores.mean()),
+        "reward_std": float(exp.scores.std()) if exp.scores.numel() > 1 else 0.0,
+        "kl": float(seq_kl.mean()),
+        "kl_coef": kl_coef,
+        "explained_variance": float(explained_variance(exp.values, adv.returns, exp.response_mask)),
+        "response_length": float(exp.response_mask.sum(-1).float().mean()),
+        "generation_time_s": generated - started,
+        "training_time_s": trained - generated,
+        "tokens_per_s": tokens / max(trained - started, 1e-9),
+        **losses,
+    }
+    return metrics, exp

@@ -1,0 +1,287 @@
+"""Stage 3, ppo: the four-model RLHF engine — actor (DeepSpeed Hybrid Engine when the preflight allows),
+frozen reference, critic (from the RM dir, per-token values) and frozen reward (sequence score).
+
+Output (atomic) in --output DIR: the actor as a self-contained HF dir (adapters merged), DIR/critic,
+DIR/ema (when ppo.ema_coef is set) and result.json: reward and KL on the phase-3 eval prompts before and
+after training, the per-iteration history, the effective rollout path and the time split.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubealign.config import KubealignConfig
+from kubealign.config.schema import PPOConfig, TrainConfig
+from kubealign.data import phases
+from kubealign.data.tokenize import encode_prompt, pad_batch
+from kubealign.errors import UserError
+from kubealign.models import loading
+from kubealign.models.reward import load_reward_model
+from kubealign.outputs import atomic_dir, check_output_path, write_result
+from kubealign.rl import preflight
+from kubealign.rl.experience import make_experience
+from kubealign.rl.kl import KLController
+from kubealign.rl.trainer import ModuleRollout, PPOModels, disable_dropout, generate, iteration
+from kubealign.tracking import stage_run
+from kubealign.training import distributed, export
+from kubealign.training import engine as engines
+from kubealign.training.loop import FAULT_ENV
+
+STAGE = "ppo"
+
+
+def train_config(cfg: PPOConfig, role: str) -> TrainConfig:
+    """The engine options of the actor or the critic, in the shape the DeepSpeed config builder takes."""
+    actor = role == "actor"
+    return TrainConfig(
+        zero_stage=cfg.actor_zero_stage if actor else cfg.critic_zero_stage,
+        dtype=cfg.dtype,
+        gradient_checkpointing=cfg.actor_gradient_checkpointing if actor else cfg.critic_gradient_checkpointing,
+        micro_batch_size=cfg.micro_batch_size,
+        learning_rate=cfg.actor_learning_rate if actor else cfg.critic_learning_rate,
+        lr_scheduler="constant",
+        gradient_clipping=cfg.gradient_clipping,
+        seed=cfg.seed,
+        lora=cfg.actor_lora if actor else cfg.critic_lora,
+    )
+
+
+def encode_prompts(rows: Any, tokenizer: Any, max_len: int) -> list[list[int]]:
+    """Phase-3 prompts, cut from the left to max_len tokens (the end of a dialogue matters most)."""
+    return [encode_prompt(tokenizer, p)[-max_len:] for p in dict.fromkeys(rows["prompt"])]
+
+
+def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int, world: int, pad: int):
+    """Left-padded prompts of iteration `step` for this rank: a seeded permutation per epoch."""
+    per_step = cfg.generation_batch_size * world
+    per_epoch = len(prompts) // per_step
+    epoch, j = divmod(step, per_epoch)
+    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+    start = j * per_step + rank * cfg.generation_batch_size
+    ids, mask = pad_batch([prompts[i] for i in order[start : start + cfg.generation_batch_size]], pad, "left")
+    device = distributed.device()
+    return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
+
+
+@torch.no_grad()
+def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig) -> dict[str, float]:
+    """Mean reward and KL to the reference on the eval prompts, sampled with a fixed seed (the training
+    RNG is left untouched)."""
+    scores, kls = [], []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        for i in range(0, len(prompts), cfg.generation_batch_size):
+            ids, mask = pad_batch(prompts[i : i + cfg.generation_batch_size], models.tokenizer.pad_token_id, "left")
+            ids, mask = torch.tensor(ids, device=distributed.device()), torch.tensor(mask, device=distributed.device())
+            batch = generate(models, ids, mask, cfg)
+            exp = make_experience(
+                batch, mask, models.tokenizer.eos_token_id, models.actor, models.reference, models.critic, models.reward
+            )
+            scores += exp.scores.tolist()
+            kls += ((exp.logprobs - exp.ref_logprobs) * exp.response_mask).sum(-1).tolist()
+    return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls)}
+
+
+def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: str, world: int) -> tuple[PPOModels, Any]:
+    """Load the four models and wrap them in DeepSpeed engines; returns (models, preflight)."""
+    from transformers import __version__ as transformers_version
+
+    tokenizer = loading.load_tokenizer(actor_dir)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    cuda = torch.cuda.is_available()
+    actor_cfg, critic_cfg = train_config(cfg, "actor"), train_config(cfg, "critic")
+    with engines.zero3_loading(engines.ds_config(actor_cfg, world, cuda)):
+        actor = loading.load_causal_lm(actor_dir, dtype=loading.torch_dtype(cfg.dtype))
+    hf = actor.config
+    check = preflight.decide(
+        cfg.hybrid_engine,
+        cfg.actor_zero_stage,
+        hf.model_type,
+        hf.num_attention_heads,
+        getattr(hf, "num_key_value_heads", None),
+        cuda,
+        transformers_version,
+    )
+    with engines.zero3_loading(engines.ds_config(critic_cfg, world, cuda)):
+        critic = load_reward_model(critic_dir, False, tokenizer.pad_token_id, cfg.dtype)
+    reference = loading.load_causal_lm(actor_dir, dtype=loading.torch_dtype(cfg.dtype))
+    reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
+    for model in (actor, critic):
+        disable_dropout(model)
+    samples = cfg.generation_batch_size * cfg.samples_per_prompt
+    total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
+    actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)
+    critic_engine = engines.trainable(critic, critic_cfg, "SEQ_CLS", world, total, None)
+    ref_stage = cfg.actor_zero_stage if cfg.reference_zero_stage is None else cfg.reference_zero_stage
+    reward_stage = cfg.actor_zero_stage if cfg.reward_zero_stage is None else cfg.reward_zero_stage
+    reference = engines.frozen(reference, ref_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
+    reward = engines.frozen(reward, reward_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
+    if check.path == "engine":
+        rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=world > 1 and cfg.actor_zero_stage == 3)
+    else:
+        from deepspeed.runtime.rollout import HybridEngineRollout, RolloutConfig
+
+        rollout = HybridEngineRollout(engine=actor_engine, tokenizer=tokenizer, cfg=RolloutConfig())
+    return PPOModels(actor_engine, critic_engine, reference, reward, rollout, tokenizer), check
+
+
+class EMA:
+    """Exponential moving average of the actor's (gathered) parameters, kept on CPU."""
+
+    def __init__(self, coef: float):
+        self.coef = coef
+        self.state: dict[str, torch.Tensor] = {}
+
+    def update(self, module: torch.nn.Module) -> None:
+        current, _ = export.gather_state(module, keep=True)
+        for name, value in current.items():
+            value = value.float()
+            previous = self.state.get(name)
+            self.state[name] = value if previous is None else self.coef * previous + (1 - self.coef) * value
+
+
+def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLController, ema: EMA | None, extra: dict):
+    tag = f"iter{step}"
+    state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
+    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state)
+    models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
+    if ema is not None and int(os.environ.get("RANK", "0")) == 0:
+        torch.save(ema.state, directory / f"ema-{tag}.pt")
+    distributed.set_rng_state(state["rng"])
+
+
+def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: EMA | None) -> dict[str, Any]:
+    if not (directory / "actor" / "latest").is_file():
+        return {"iteration": 0}
+    path, state = models.actor.load_checkpoint(str(directory / "actor"))
+    critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
+    if path is None or critic_path is None:
+        raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+    distributed.set_rng_state(state["rng"])
+    kl.load_state_dict(state["kl"])
+    if ema is not None:
+        ema.state = torch.load(directory / f"ema-iter{state['iteration']}.pt")
+    return state
+
+
+def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker):
+    """The iteration loop; returns (history, before, after, time split)."""
+    from tqdm import tqdm
+
+    rank, world = distributed.init()
+    if len(prompts) < cfg.generation_batch_size * world:
+        raise UserError(
+            f"ppo.generation_batch_size: {cfg.generation_batch_size} x {world} rank(s) is more than the "
+            f"{len(prompts)} phase-3 training prompts"
+        )
+    kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    ema = EMA(cfg.ema_coef) if cfg.ema_coef else None
+    state = load_checkpoint(models, checkpoints, kl, ema) if resume else {"iteration": 0}
+    start = state["iteration"]
+    before = state.get("before") or evaluate(models, eval_prompts, cfg)
+    history = state.get("history", [])
+    tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    if start:
+        gen.set_state(state["minibatch_rng"])
+    bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
+    for step in range(start + 1, cfg.num_iterations + 1):
+        ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
+        metrics, exp = iteration(models, ids, mask, cfg, kl, gen)
+        if ema is not None:
+            ema.update(models.actor.module)
+        history.append({"iteration": step, **metrics})
+        tracker.log_metrics(metrics, step=step)
+        bar.update()
+        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+        if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
+            texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
+            tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
+        if cfg.save_every_iterations and step % cfg.save_every_iterations == 0:
+            extra = {"before": before, "history": history, "minibatch_rng": gen.get_state()}
+            save_checkpoint(models, checkpoints, step, kl, ema, extra)
+        if os.environ.get(FAULT_ENV) == str(step):
+            os.kill(os.getpid(), signal.SIGKILL)
+    bar.close()
+    after = evaluate(models, eval_prompts, cfg)
+    tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=cfg.num_iterations)
+    return history, before, after, ema
+
+
+def run(
+    config: KubealignConfig, prompts: Path, actor: Path, critic: Path, reward: Path | None, output: Path, resume=False
+) -> dict:
+    """PPO on DATA's phase 3, from the SFT dir (actor + reference) and the RM dir (critic + reward)."""
+    cfg = config.ppo
+    check_output_path(output)
+    for flag, path in (("--actor", actor), ("--critic", critic), ("--reward", reward or critic)):
+        if not (Path(path) / "config.json").is_file():
+            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+    dataset = phases.load(prompts, "phase3_prompts")
+    rank, world = distributed.init()
+    distributed.seed_everything(cfg.seed)
+    started = time.perf_counter()
+    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+        models, check = build_models(cfg, str(actor), str(critic), str(reward or critic), world)
+        tracker.log_params({"ppo.rollout_path": check.path})
+        tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})
+        train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)
+        eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32] or train_prompts[:8]
+        checkpoints = Path(f"{output}.checkpoints")
+        history, before, after, ema = train(models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker)
+        summary = {
+            "reward_before": before["reward"],
+            "reward_after": after["reward"],
+            "kl_before": before["kl"],
+            "kl_after": after["kl"],
+            "train_reward_first": history[0]["reward_mean"],
+            "train_reward_last": history[-1]["reward_mean"],
+            "generation_time_s": sum(h["generation_time_s"] for h in history),
+            "training_time_s": sum(h["training_time_s"] for h in history),
+            "wall_time_s": time.perf_counter() - started,
+            "world_size": world,
+        }
+        result = {
+            "stage": STAGE,
+            "metrics": summary,
+            "outputs": {"model": ".", "critic": "critic", **({"ema": "ema"} if ema else {})},
+            "rollout_path": check.path,
+            "rollout_notes": check.notes,
+            "history": history,
+        }
+        write_outputs(models, cfg, ema, output, result)
+        tracker.log_metrics(summary)
+        tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
+        if rank == 0:
+            tracker.log_artifact(output / "result.json", STAGE)
+    if rank == 0:
+        import shutil
+
+        shutil.rmtree(checkpoints, ignore_errors=True)
+    return {**result, "output": str(output), "run_id": tracker.run_id}
+
+
+def write_outputs(models: PPOModels, cfg: PPOConfig, ema: EMA | None, output: Path, result: dict) -> None:
+    """Actor (adapters merged) at DIR, critic at DIR/critic, EMA at DIR/ema — one atomic output."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    actor, hashes = export.gather_model(models.actor, AutoModelForCausalLM, cfg.actor_lora, "CAUSAL_LM")
+    critic, _ = export.gather_model(models.critic, AutoModelForSequenceClassification, cfg.critic_lora, "SEQ_CLS")
+    if actor is not None:
+        with atomic_dir(output) as tmp:
+            export.write_model(actor, cfg.actor_lora, models.tokenizer, tmp)
+            export.write_model(critic, cfg.critic_lora, models.tokenizer, tmp / "critic")
+            if ema is not None:
+                module = models.actor.module
+                base = module.get_base_model().config if hasattr(module, "get_base_model") else module.config
+                ema_model = export.build_cpu_model(AutoModelForCausalLM, base, cfg.actor_lora, "CAUSAL_LM", ema.state)
+                export.write_model(ema_model, cfg.actor_lora, models.tokenizer, tmp / "ema")
+            write_result(tmp, **result, rank_param_sha256=hashes)
+    distributed.barrier()
