@@ -41,6 +41,8 @@ def build_cpu_model(model_cls: Any, base_config: Any, lora: LoraConfig, task_typ
     from kubealign.training.engine import apply_lora
 
     model = apply_lora(model_cls.from_config(base_config), lora, task_type)
+    buffers = dict(model.named_buffers())  # non-persistent ones (rotary inv_freq) are not in state_dict()
+    state = {k: v for k, v in state.items() if k not in buffers or k in model.state_dict()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the input embeddings
     if missing or unexpected:

@@ -1,0 +1,143 @@
+"""PPO on tiny models on CPU: reward rises, LoRA merge equivalence, exact resume, paths, bad inputs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kubealign.models import loading
+from tests.conftest import NO_TRACKING
+from tests.test_training import kubealign_subprocess, result_of
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, Path]:
+    """data-split -> a half-trained SFT actor (room for PPO to improve) -> a reward model."""
+    from kubealign.cli import main
+
+    root = tmp_path_factory.mktemp("rlhf")
+    fast = ["--set", NO_TRACKING]
+    assert main(["data-split", *fast, "--output", str(root / "split")]) == 0
+    sft = ["--set", "sft.num_train_epochs=6"]
+    assert main(["sft", "--data", str(root / "split"), *fast, *sft, "--output", str(root / "sft")]) == 0
+    assert main(["reward", "--data", str(root / "split"), *fast, "--output", str(root / "rm")]) == 0
+    return {"split": root / "split", "sft": root / "sft", "rm": root / "rm"}
+
+
+def ppo_args(trained: dict[str, Path], *extra: str) -> list[str]:
+    return ["ppo", "--prompts", trained["split"], "--actor", trained["sft"], "--critic", trained["rm"], *extra]
+
+
+def test_ppo_raises_the_reward_with_the_hybrid_engine(cli, trained, tmp_path: Path):
+    out = tmp_path / "ppo"
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=30", "--set", "ppo.actor_learning_rate=3e-4"]
+    result = cli(*ppo_args(trained, *args, "--set", "ppo.ema_coef=0.9", "--output", out))
+    assert result.code == 0, result.err
+    res = result_of(out)
+    assert res["rollout_path"] == "he-plain"  # CPU + OPT: DeepSpeedHybridEngine without kernel injection
+    m = res["metrics"]
+    assert m["reward_after"] > m["reward_before"] + 0.2, m
+    assert m["kl_after"] > 0 and m["kl_before"] == pytest.approx(0, abs=1e-4)  # the actor starts as the reference
+    assert len(res["history"]) == 30
+    first = res["history"][0]
+    for key in ("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "explained_variance"):
+        assert key in first
+    assert first["approx_kl"] >= 0
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    actor = AutoModelForCausalLM.from_pretrained(out)
+    sft = AutoModelForCausalLM.from_pretrained(trained["sft"])
+    assert not torch.equal(actor.model.decoder.layers[0].fc1.weight, sft.model.decoder.layers[0].fc1.weight)
+    AutoModelForSequenceClassification.from_pretrained(out / "critic")
+    ema = AutoModelForCausalLM.from_pretrained(out / "ema")
+    assert not torch.equal(ema.model.decoder.layers[0].fc1.weight, actor.model.decoder.layers[0].fc1.weight)
+
+
+def test_generation_with_lora_equals_generation_with_merged_weights(trained):
+    from peft import LoraConfig, get_peft_model
+
+    from kubealign.rl.experience import merged_lora
+
+    torch.manual_seed(0)
+    model = get_peft_model(
+        loading.load_causal_lm(str(trained["sft"])),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "fc1"], init_lora_weights=False),
+    ).eval()
+    tokenizer = loading.load_tokenizer(str(trained["sft"]))
+    batch = tokenizer(["\n\nHuman: Tell me about owls.\n\nAssistant:"], return_tensors="pt")
+    kwargs = {"do_sample": False, "max_new_tokens": 12, "pad_token_id": tokenizer.pad_token_id}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        with_adapters = model.generate(**batch, **kwargs)
+        with merged_lora(model):
+            # What the hybrid engine's kernels read: the base weights only — now with the adapters merged in.
+            base_weights = {
+                k.replace(".base_layer", ""): v.clone()
+                for k, v in model.get_base_model().state_dict().items()
+                if "lora_" not in k
+            }
+        plain = loading.load_causal_lm(str(trained["sft"])).eval()
+        plain.load_state_dict(base_weights)
+        merged = plain.generate(**batch, **kwargs)
+        with model.disable_adapter():
+            base_only = model.generate(**batch, **kwargs)
+    assert torch.equal(with_adapters, merged)
+    assert not torch.equal(with_adapters, base_only)  # the adapters do change the output
+    for name, param in model.named_parameters():  # unmerged again afterwards
+        assert torch.allclose(param, before[name], atol=1e-6), name
+
+
+def test_ppo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Path):
+    common = [
+        *ppo_args(trained),
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "ppo.num_iterations=6",
+        "--set",
+        "ppo.save_every_iterations=2",
+    ]
+    straight = kubealign_subprocess(*common, "--output", tmp_path / "a")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = kubealign_subprocess(*common, "--output", tmp_path / "b", env={"KUBEALIGN_FAULT_AT_STEP": "3"})
+    assert killed.returncode == -9 and not (tmp_path / "b").exists()
+    resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
+    drop = ("generation_time_s", "training_time_s", "tokens_per_s")
+    strip = lambda h: [{k: v for k, v in row.items() if k not in drop} for row in h]  # noqa: E731
+    assert strip(a["history"]) == strip(b["history"])
+    assert a["rank_param_sha256"] == b["rank_param_sha256"]
+    assert a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
+
+
+def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):
+    llama = loading.resolve("tiny-llama")
+    out = tmp_path / "ppo"
+    args = ["ppo", "--prompts", trained["split"], "--actor", llama, "--critic", llama, "--set", NO_TRACKING]
+    result = cli(*args, "--set", "ppo.num_iterations=2", "--output", out)
+    assert result.code == 0, result.err
+    res = result_of(out)
+    assert res["rollout_path"] == "engine"
+    assert "cannot initialize llama on CPU" in res["rollout_notes"][0]
+
+
+def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
+    out = tmp_path / "out"
+    missing = cli(
+        "ppo", "--prompts", trained["split"], "--actor", tmp_path / "nope", "--critic", trained["rm"], "--output", out
+    )
+    assert missing.code == 2 and "--actor" in missing.err and "not a model directory" in missing.err
+    wrong_phase = cli(
+        "ppo", "--prompts", trained["split"] / "phase1_sft", "--actor", trained["sft"], "--critic", trained["rm"],
+        "--output", out,
+    )  # fmt: skip
+    assert wrong_phase.code == 2 and "trains on phase3_prompts" in wrong_phase.err
+    big = cli(*ppo_args(trained, "--set", NO_TRACKING, "--set", "ppo.generation_batch_size=100000", "--output", out))
+    assert big.code == 2 and "ppo.generation_batch_size" in big.err
+    assert len(big.err.strip().splitlines()) == 1
+    assert not out.exists()
