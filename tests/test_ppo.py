@@ -116,9 +116,12 @@ def test_ppo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path
 
 
 def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):
+    rm = tmp_path / "llama-rm"
+    fast = ["--set", NO_TRACKING, "--set", "reward.num_train_epochs=0.2"]
+    assert cli("reward", "--data", trained["split"], "--model", "tiny-llama", *fast, "--output", rm).code == 0
     llama = loading.resolve("tiny-llama")
     out = tmp_path / "ppo"
-    args = ["ppo", "--prompts", trained["split"], "--actor", llama, "--critic", llama, "--set", NO_TRACKING]
+    args = ["ppo", "--prompts", trained["split"], "--actor", llama, "--critic", rm, "--set", NO_TRACKING]
     result = cli(*args, "--set", "ppo.num_iterations=2", "--output", out)
     assert result.code == 0, result.err
     res = result_of(out)
@@ -126,18 +129,41 @@ def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):
     assert "cannot initialize llama on CPU" in res["rollout_notes"][0]
 
 
+def test_unsupervised_loss_mix_is_applied(cli, trained, tmp_path: Path):
+    out = tmp_path / "ptx"
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", "--set", "ppo.unsup_coef=0.5"]
+    assert cli(*ppo_args(trained, *args, "--output", out)).code == 0
+    history = result_of(out)["history"]
+    assert all(h["unsup_loss"] > 0 for h in history)
+
+
 def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
     out = tmp_path / "out"
-    missing = cli(
-        "ppo", "--prompts", trained["split"], "--actor", tmp_path / "nope", "--critic", trained["rm"], "--output", out
+    split, sft, rm = trained["split"], trained["sft"], trained["rm"]
+    empty = tmp_path / "empty-split"
+    import datasets
+
+    columns = {"prompt": [], "chosen": [], "rejected": [], "source": [], "origin": []}
+    features = datasets.Features({c: datasets.Value("string") for c in columns})
+    empty_split = datasets.Dataset.from_dict(columns, features=features)
+    datasets.DatasetDict({"train": empty_split, "eval": empty_split}).save_to_disk(
+        str(empty / "phase3_prompts"), num_shards={"train": 1, "eval": 1}
     )
-    assert missing.code == 2 and "--actor" in missing.err and "not a model directory" in missing.err
-    wrong_phase = cli(
-        "ppo", "--prompts", trained["split"] / "phase1_sft", "--actor", trained["sft"], "--critic", trained["rm"],
-        "--output", out,
-    )  # fmt: skip
-    assert wrong_phase.code == 2 and "trains on phase3_prompts" in wrong_phase.err
-    big = cli(*ppo_args(trained, "--set", NO_TRACKING, "--set", "ppo.generation_batch_size=100000", "--output", out))
-    assert big.code == 2 and "ppo.generation_batch_size" in big.err
-    assert len(big.err.strip().splitlines()) == 1
-    assert not out.exists()
+    cases = [
+        (["--prompts", split, "--actor", tmp_path / "nope", "--critic", rm], r"--actor .*nope: not a model directory"),
+        (["--prompts", split, "--actor", rm, "--critic", rm], r"--actor .*: is OPTForSequenceClassification, expected a \*ForCausalLM"),
+        (["--prompts", split, "--actor", sft, "--critic", sft], r"--critic .*: is OPTForCausalLM, expected a \*ForSequenceClassification"),
+        (["--prompts", split / "phase1_sft", "--actor", sft, "--critic", rm], r"trains on phase3_prompts"),
+        (["--prompts", empty, "--actor", sft, "--critic", rm], r"the phase3_prompts train split is empty"),
+        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_prompt_len=600"], r"exceeds the actor's max_position_embeddings 512"),
+        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_new_tokens=100"], r"ppo\.hybrid_engine\.max_out_tokens 128 is less than"),
+        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.generation_batch_size=100000"], r"ppo\.generation_batch_size: 100000"),
+        (["--prompts", split / "phase3_prompts", "--actor", sft, "--critic", rm, "--set", "ppo.unsup_coef=0.1"], r"ppo\.unsup_coef > 0 needs --prompts to be the data-split dir"),
+    ]  # fmt: skip
+    import re
+
+    for args, pattern in cases:
+        result = cli("ppo", *args, "--set", NO_TRACKING, "--output", out)
+        lines = result.err.strip().splitlines()
+        assert result.code == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, result.err[-500:])
+        assert not out.exists()

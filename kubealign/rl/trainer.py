@@ -85,13 +85,35 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
 
 
+class UnsupervisedData:
+    """Phase-1 (prompt, chosen) sequences for the PPO-ptx term, served micro-batch by micro-batch in a
+    fixed cyclic order (a function of the number of batches served, so resume needs no extra state)."""
+
+    def __init__(self, examples: list[dict[str, list[int]]], batch_size: int, pad_id: int, served: int = 0):
+        self.examples, self.batch_size, self.pad_id, self.served = examples, batch_size, pad_id, served
+
+    def loss(self, actor: Any) -> torch.Tensor:
+        from kubealign.stages.sft import batch_loss, collate
+
+        start = (self.served * self.batch_size) % len(self.examples)
+        chunk = (self.examples + self.examples)[start : start + self.batch_size]
+        self.served += 1
+        return batch_loss(actor, collate(chunk, self.pad_id), fp32=True).loss
+
+
 def _minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:
     order = torch.randperm(n, generator=generator)
     return [order[i : i + size] for i in range(0, n, size)]
 
 
 def update(
-    models: PPOModels, exp: Experience, advantages: torch.Tensor, returns: torch.Tensor, cfg: PPOConfig, gen: Any
+    models: PPOModels,
+    exp: Experience,
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    cfg: PPOConfig,
+    gen: Any,
+    unsup: UnsupervisedData | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes of clipped policy + value updates; returns the mean of each loss statistic."""
     stats: dict[str, list[float]] = {}
@@ -103,7 +125,12 @@ def update(
             logprobs, entropy = logprobs_and_entropy(models.actor, ids, mask)
             pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
             mean_entropy = masked_mean(entropy, resp)
-            models.actor.backward(pl.loss - cfg.entropy_coef * mean_entropy)
+            actor_loss = pl.loss - cfg.entropy_coef * mean_entropy
+            if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
+                lm = unsup.loss(models.actor)
+                actor_loss = actor_loss + cfg.unsup_coef * lm
+                stats.setdefault("unsup_loss", []).append(lm.item())
+            models.actor.backward(actor_loss)
             models.actor.step()
             values, _ = score_and_value(models.critic, ids, mask)
             vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
@@ -122,21 +149,28 @@ def update(
 
 
 def iteration(
-    models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig, kl: KLController, gen: Any
+    models: PPOModels,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    cfg: PPOConfig,
+    kl: KLController,
+    gen: Any,
+    unsup: UnsupervisedData | None = None,
 ) -> tuple[dict[str, float], Experience]:
     """Rollout + update for one batch of prompts; returns (metrics, experience)."""
     started = time.perf_counter()
     batch = generate(models, prompt_ids, prompt_mask, cfg)
+    generated = time.perf_counter()
     exp = make_experience(
         batch, prompt_mask, models.tokenizer.eos_token_id, models.actor, models.reference, models.critic, models.reward
     )
-    generated = time.perf_counter()
+    experienced = time.perf_counter()
     rewards = kl_penalized_rewards(
         exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, kl.value, cfg.reward_clip
     )
     adv = gae(exp.values, rewards.rewards, exp.response_mask, cfg.gamma, cfg.lam)
     advantages = whiten(adv.advantages, exp.response_mask) if cfg.whiten_advantages else adv.advantages
-    losses = update(models, exp, advantages, adv.returns, cfg, gen)
+    losses = update(models, exp, advantages, adv.returns, cfg, gen, unsup)
     trained = time.perf_counter()
     seq_kl = rewards.kl.sum(-1)
     kl_coef = kl.value
@@ -150,7 +184,9 @@ def iteration(
         "explained_variance": float(explained_variance(exp.values, adv.returns, exp.response_mask)),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
-        "training_time_s": trained - generated,
+        "experience_time_s": experienced - generated,
+        "training_time_s": trained - experienced,
+        "samples_per_s": exp.input_ids.shape[0] / max(trained - started, 1e-9),
         "tokens_per_s": tokens / max(trained - started, 1e-9),
         **losses,
     }

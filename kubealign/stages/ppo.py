@@ -8,6 +8,7 @@ after training, the per-iteration history, the effective rollout path and the ti
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -27,13 +28,40 @@ from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rl import preflight
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
-from kubealign.rl.trainer import ModuleRollout, PPOModels, disable_dropout, generate, iteration
+from kubealign.rl.trainer import ModuleRollout, PPOModels, UnsupervisedData, disable_dropout, generate, iteration
 from kubealign.tracking import stage_run
 from kubealign.training import distributed, export
 from kubealign.training import engine as engines
 from kubealign.training.loop import FAULT_ENV
 
 STAGE = "ppo"
+
+
+def check_inputs(cfg: PPOConfig, actor: Path, critic: Path, reward: Path) -> None:
+    """Model dirs of the right kind, and lengths that fit the actor and the hybrid engine's KV budget."""
+    wanted = (("--actor", actor, "ForCausalLM"), ("--critic", critic, "ForSequenceClassification"),
+              ("--reward", reward, "ForSequenceClassification"))  # fmt: skip
+    configs = {}
+    for flag, path, kind in wanted:
+        config_file = Path(path) / "config.json"
+        if not config_file.is_file():
+            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+        configs[flag] = json.loads(config_file.read_text(encoding="utf-8"))
+        found = configs[flag].get("architectures") or ["an unknown architecture"]
+        if not any(a.endswith(kind) for a in found):
+            hint = "the SFT stage's output" if kind == "ForCausalLM" else "the reward stage's output"
+            raise UserError(f"{flag} {path}: is {', '.join(found)}, expected a *{kind} model ({hint})")
+    total = cfg.max_prompt_len + cfg.max_new_tokens
+    limit = configs["--actor"].get("max_position_embeddings")
+    if limit and total > limit:
+        raise UserError(
+            f"ppo.max_prompt_len + ppo.max_new_tokens = {total} exceeds the actor's max_position_embeddings {limit}"
+        )
+    if cfg.hybrid_engine.enabled and total > cfg.hybrid_engine.max_out_tokens:
+        raise UserError(
+            f"ppo.hybrid_engine.max_out_tokens {cfg.hybrid_engine.max_out_tokens} is less than "
+            f"ppo.max_prompt_len + ppo.max_new_tokens = {total}"
+        )
 
 
 def train_config(cfg: PPOConfig, role: str) -> TrainConfig:
@@ -171,7 +199,20 @@ def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: E
     return state
 
 
-def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker):
+def unsupervised_data(cfg: PPOConfig, config: KubealignConfig, prompts: Path, tokenizer: Any):
+    """Phase-1 SFT sequences for the PPO-ptx loss (ppo.unsup_coef > 0), from the same data-split dir."""
+    if cfg.unsup_coef == 0:
+        return None
+    from kubealign.stages.sft import tokenize
+
+    if not (prompts / "phase1_sft").is_dir():
+        raise UserError(f"ppo.unsup_coef > 0 needs --prompts to be the data-split dir (with phase1_sft), got {prompts}")
+    rows = phases.load(prompts, "phase1_sft")["train"]
+    examples = tokenize(rows, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens, include_prompt=False)
+    return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id)
+
+
+def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup):
     """The iteration loop; returns (history, before, after, time split)."""
     from tqdm import tqdm
 
@@ -191,10 +232,12 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
     gen = torch.Generator().manual_seed(cfg.seed)
     if start:
         gen.set_state(state["minibatch_rng"])
+        if unsup is not None:
+            unsup.served = state["unsup_served"]
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
     for step in range(start + 1, cfg.num_iterations + 1):
         ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
-        metrics, exp = iteration(models, ids, mask, cfg, kl, gen)
+        metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
         if ema is not None:
             ema.update(models.actor.module)
         history.append({"iteration": step, **metrics})
@@ -206,6 +249,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
         if cfg.save_every_iterations and step % cfg.save_every_iterations == 0:
             extra = {"before": before, "history": history, "minibatch_rng": gen.get_state()}
+            extra["unsup_served"] = unsup.served if unsup is not None else 0
             save_checkpoint(models, checkpoints, step, kl, ema, extra)
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
@@ -221,10 +265,10 @@ def run(
     """PPO on DATA's phase 3, from the SFT dir (actor + reference) and the RM dir (critic + reward)."""
     cfg = config.ppo
     check_output_path(output)
-    for flag, path in (("--actor", actor), ("--critic", critic), ("--reward", reward or critic)):
-        if not (Path(path) / "config.json").is_file():
-            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+    check_inputs(cfg, actor, critic, reward or critic)
     dataset = phases.load(prompts, "phase3_prompts")
+    if len(dataset["train"]) == 0:
+        raise UserError(f"--prompts {prompts}: the phase3_prompts train split is empty")
     rank, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
@@ -235,7 +279,10 @@ def run(
         train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)
         eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32] or train_prompts[:8]
         checkpoints = Path(f"{output}.checkpoints")
-        history, before, after, ema = train(models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker)
+        unsup = unsupervised_data(cfg, config, prompts, models.tokenizer)
+        history, before, after, ema = train(
+            models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup
+        )
         summary = {
             "reward_before": before["reward"],
             "reward_after": after["reward"],
@@ -244,6 +291,7 @@ def run(
             "train_reward_first": history[0]["reward_mean"],
             "train_reward_last": history[-1]["reward_mean"],
             "generation_time_s": sum(h["generation_time_s"] for h in history),
+            "experience_time_s": sum(h["experience_time_s"] for h in history),
             "training_time_s": sum(h["training_time_s"] for h in history),
             "wall_time_s": time.perf_counter() - started,
             "world_size": world,
