@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(BIN)/kubealign data-split --output $(DEMO_DIR)/data-split
 	$(BIN)/kubealign sft --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/sft
 	$(BIN)/kubealign reward --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/reward
+	$(BIN)/kubealign ppo --prompts $(DEMO_DIR)/data-split --actor $(DEMO_DIR)/sft --critic $(DEMO_DIR)/reward \
+		--output $(DEMO_DIR)/ppo
 
 test: $(STAMP)
 	$(BIN)/ruff check .

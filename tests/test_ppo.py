@@ -167,3 +167,21 @@ def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
         lines = result.err.strip().splitlines()
         assert result.code == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, result.err[-500:])
         assert not out.exists()
+
+
+def test_two_ranks_with_torchrun_at_zero3(trained, tmp_path: Path):
+    from tests.test_training import launcher
+
+    out = tmp_path / "ppo"
+    zero3 = ["--set", "ppo.actor_zero_stage=3", "--set", "ppo.critic_zero_stage=3", "--set", "ppo.num_iterations=3"]
+    proc = kubealign_subprocess(
+        *ppo_args(trained), "--set", NO_TRACKING, *zero3, "--output", out, launcher=launcher("torchrun")
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = result_of(out)
+    assert res["metrics"]["world_size"] == 2 and res["rollout_path"] == "he-plain"
+    hashes = res["rank_param_sha256"]
+    assert len(hashes) == 2 and hashes[0] == hashes[1]
+    from kubealign.training.export import state_sha256
+
+    assert state_sha256(loading.load_causal_lm(str(out))) == hashes[0]
