@@ -129,12 +129,18 @@ def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):
     assert "cannot initialize llama on CPU" in res["rollout_notes"][0]
 
 
-def test_unsupervised_loss_mix_is_applied(cli, trained, tmp_path: Path):
+def test_unsupervised_loss_mix_and_lora_actor_and_critic(cli, trained, tmp_path: Path):
     out = tmp_path / "ptx"
     args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", "--set", "ppo.unsup_coef=0.5"]
-    assert cli(*ppo_args(trained, *args, "--output", out)).code == 0
+    lora = ["--set", "ppo.actor_lora.r=4", "--set", "ppo.critic_lora.r=4", "--set", "ppo.critic_lora.only_lora=true"]
+    result = cli(*ppo_args(trained, *args, *lora, "--output", out))
+    assert result.code == 0, result.err
     history = result_of(out)["history"]
     assert all(h["unsup_loss"] > 0 for h in history)
+    from safetensors.torch import load_file
+
+    for path in (out / "model.safetensors", out / "critic" / "model.safetensors"):
+        assert not any("lora_" in key for key in load_file(path))  # adapters merged into plain weights
 
 
 def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
