@@ -199,7 +199,7 @@ def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: E
     return state
 
 
-def unsupervised_data(cfg: PPOConfig, config: KubealignConfig, prompts: Path, tokenizer: Any):
+def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     """Phase-1 SFT sequences for the PPO-ptx loss (ppo.unsup_coef > 0), from the same data-split dir."""
     if cfg.unsup_coef == 0:
         return None
@@ -279,7 +279,7 @@ def run(
         train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)
         eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32] or train_prompts[:8]
         checkpoints = Path(f"{output}.checkpoints")
-        unsup = unsupervised_data(cfg, config, prompts, models.tokenizer)
+        unsup = unsupervised_data(cfg, prompts, models.tokenizer)
         history, before, after, ema = train(
             models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup
         )
