@@ -91,6 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     ppo.add_argument("--output", required=True, type=Path, metavar="DIR", help="output actor directory")
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
 
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="stage 4: compare the PPO candidate with the SFT baseline on held-out prompts",
+        description="Sample baseline and candidate on phase-3 eval prompts with the same seed, score both with "
+        "the reward model; win-rate, KL, lengths, perplexity, sample table and plots.",
+    )
+    _add_config_options(evaluate)
+    evaluate.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output")
+    evaluate.add_argument("--baseline", required=True, type=Path, metavar="SFT_DIR", help="baseline model dir")
+    evaluate.add_argument("--candidate", required=True, type=Path, metavar="PPO_DIR", help="candidate model dir")
+    evaluate.add_argument("--reward", required=True, type=Path, metavar="RM_DIR", help="reward model dir")
+    evaluate.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
+
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
@@ -172,6 +185,19 @@ def _ppo(args: argparse.Namespace) -> None:
         print(f"  time: generation {m['generation_time_s']:.1f} s, training {m['training_time_s']:.1f} s")
 
 
+def _evaluate(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import evaluate
+
+    config = load_config(args.config, args.overrides)
+    result = evaluate.run(config, args.prompts, args.baseline, args.candidate, args.reward, args.output)
+    m = result["metrics"]
+    print(f"evaluate: {result['output']}  ({m['prompts']} prompts)")
+    print(f"  reward: baseline {m['baseline_reward_mean']:.3f}, candidate {m['candidate_reward_mean']:.3f}")
+    print(f"  win-rate {m['win_rate']:.2f} (ties {m['tie_rate']:.2f}), KL to baseline {m['kl_to_baseline']:.3f}")
+    print(f"  length drift {m['length_drift']:.2f}, samples: {Path(result['output']) / 'samples.html'}")
+
+
 def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
@@ -196,6 +222,7 @@ COMMANDS = {
     "sft": _train,
     "reward": _train,
     "ppo": _ppo,
+    "evaluate": _evaluate,
     "tiny-model": _tiny_model,
     "config": _config,
 }

@@ -1,0 +1,244 @@
+"""Stage 4, evaluate: the PPO candidate against the SFT baseline on held-out phase-3 prompts.
+
+Both models sample from the same prompts with the same seeded settings (evaluate section); the reward
+model scores every response at its EOS. Metrics: mean reward of each, win-rate of the candidate (ties
+counted separately), KL(candidate || baseline) estimated on the candidate's samples, response lengths,
+phase-1 eval perplexity of each, and reward-hacking signals (length drift, repeated-bigram rate).
+Output (atomic): result.json, samples.html / samples.md (the first `sample_rows` prompts), eval_samples.json
+(every row), reward_distribution.png and, when the candidate's result.json has a PPO history,
+ppo_curves.png.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubealign.config import KubealignConfig
+from kubealign.config.schema import EvaluateConfig
+from kubealign.data import phases
+from kubealign.data.tokenize import encode_prompt, pad_batch
+from kubealign.errors import UserError
+from kubealign.models import loading
+from kubealign.models.reward import load_reward_model
+from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
+from kubealign.rl.experience import response_masks, score_and_value, sequence_logprobs
+from kubealign.tracking import stage_run
+
+STAGE = "evaluate"
+
+
+@torch.no_grad()
+def sample(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: EvaluateConfig) -> list[dict[str, Any]]:
+    """Seeded sampling: the same seed and settings for every model, so the comparison is paired."""
+    rows = []
+    torch.manual_seed(cfg.seed)
+    for i in range(0, len(prompts), cfg.batch_size):
+        ids, mask = (
+            torch.tensor(x) for x in pad_batch(prompts[i : i + cfg.batch_size], tokenizer.pad_token_id, "left")
+        )
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            max_new_tokens=cfg.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        start = torch.full((out.shape[0],), ids.shape[1])
+        attention, response = response_masks(out, mask, start, tokenizer.eos_token_id)
+        for row in range(out.shape[0]):
+            tokens = out[row][attention[row].bool()][int(mask[row].sum()) :].tolist()
+            rows.append({"ids": out[row], "attention": attention[row], "response": response[row], "tokens": tokens})
+    return rows
+
+
+def batched(rows: list[dict[str, Any]], size: int):
+    """(rows, ids, attention, response) batches; rows of one generate call share one width already."""
+
+    def stack(chunk: list[dict[str, Any]], key: str, width: int) -> torch.Tensor:
+        return torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0])) for r in chunk])
+
+    for i in range(0, len(rows), size):
+        chunk = rows[i : i + size]
+        width = max(int(r["attention"].shape[0]) for r in chunk)
+        yield chunk, stack(chunk, "ids", width), stack(chunk, "attention", width), stack(chunk, "response", width - 1)
+
+
+@torch.no_grad()
+def score(reward: Any, rows: list[dict[str, Any]], size: int) -> None:
+    for chunk, ids, attention, _ in batched(rows, size):
+        _, scores = score_and_value(reward, ids, attention)
+        for row, value in zip(chunk, scores.tolist(), strict=True):
+            row["score"] = value
+
+
+@torch.no_grad()
+def kl_to(candidate: Any, baseline: Any, rows: list[dict[str, Any]], size: int) -> float:
+    """Monte-Carlo KL(candidate || baseline): mean over the candidate's samples of the summed
+    log-prob difference on response tokens."""
+    total = 0.0
+    for _chunk, ids, attention, response in batched(rows, size):
+        diff = sequence_logprobs(candidate, ids, attention) - sequence_logprobs(baseline, ids, attention)
+        total += float((diff * response[:, : diff.shape[1]]).sum())
+    return total / max(len(rows), 1)
+
+
+def repetition_rate(tokens: list[int]) -> float:
+    """Share of a response's bigrams that already occurred earlier in it (0 = no repetition)."""
+    bigrams = list(zip(tokens, tokens[1:], strict=False))
+    return 1 - len(set(bigrams)) / len(bigrams) if bigrams else 0.0
+
+
+@torch.no_grad()
+def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_len: int) -> float:
+    from kubealign.stages.sft import batch_loss, collate, tokenize
+
+    examples = tokenize(rows, tokenizer, max_len, include_prompt=False)
+    nll, count = 0.0, 0.0
+    for i in range(0, len(examples), cfg.batch_size):
+        out = batch_loss(model, collate(examples[i : i + cfg.batch_size], tokenizer.pad_token_id), fp32=True)
+        nll, count = nll + float(out.nll_sum), count + float(out.tokens)
+    return math.exp(nll / max(count, 1.0))
+
+
+def compare(base: list[dict], cand: list[dict]) -> dict[str, float]:
+    n = len(base)
+    diffs = [c["score"] - b["score"] for b, c in zip(base, cand, strict=True)]
+    wins, ties = sum(d > 1e-6 for d in diffs), sum(abs(d) <= 1e-6 for d in diffs)
+    metrics = {"win_rate": wins / n, "tie_rate": ties / n, "loss_rate": (n - wins - ties) / n, "prompts": n}
+    for name, rows in (("baseline", base), ("candidate", cand)):
+        lengths = sorted(len(r["tokens"]) for r in rows)
+        metrics[f"{name}_reward_mean"] = sum(r["score"] for r in rows) / n
+        metrics[f"{name}_length_mean"] = sum(lengths) / n
+        metrics[f"{name}_length_median"] = float(lengths[n // 2])
+        metrics[f"{name}_length_max"] = float(lengths[-1])
+        metrics[f"{name}_repetition_rate"] = sum(repetition_rate(r["tokens"]) for r in rows) / n
+    metrics["reward_gain"] = metrics["candidate_reward_mean"] - metrics["baseline_reward_mean"]
+    metrics["length_drift"] = metrics["candidate_length_mean"] / max(metrics["baseline_length_mean"], 1e-9)
+    return metrics
+
+
+def sample_tables(table: list[dict[str, Any]]) -> tuple[str, str]:
+    """(HTML page, Markdown) of the sample table."""
+    head = ["prompt", "baseline", "candidate", "baseline score", "candidate score"]
+    cells = [
+        [r["prompt"], r["baseline"], r["candidate"], f"{r['baseline_score']:.3f}", f"{r['candidate_score']:.3f}"]
+        for r in table
+    ]
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n" for row in cells)
+    page = (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kubealign evaluation samples</title>"
+        "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
+        "padding:4px;vertical-align:top;white-space:pre-wrap}</style></head><body>"
+        "<h1>Evaluation samples</h1><table>\n<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>\n"
+        f"{body}</table></body></html>\n"
+    )
+
+    def md(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(md(c) for c in row) + " |" for row in cells]
+    return page, "\n".join(lines) + "\n"
+
+
+def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dict] | None) -> list[str]:
+    """PNG plots: reward distributions, and the PPO training curves when a history is available."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.hist([r["score"] for r in base], bins=20, alpha=0.6, label="baseline (SFT)")
+    ax.hist([r["score"] for r in cand], bins=20, alpha=0.6, label="candidate (PPO)")
+    ax.set(xlabel="reward-model score", ylabel="responses", title="Reward distribution")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(directory / "reward_distribution.png", dpi=100)
+    plt.close(fig)
+    made = ["reward_distribution.png"]
+    if history:
+        fig, axes = plt.subplots(2, 2, figsize=(9, 6))
+        steps = [h["iteration"] for h in history]
+        for ax, key in zip(axes.flat, ("reward_mean", "kl", "policy_loss", "value_loss"), strict=True):
+            ax.plot(steps, [h[key] for h in history])
+            ax.set(title=key, xlabel="iteration")
+        fig.tight_layout()
+        fig.savefig(directory / "ppo_curves.png", dpi=100)
+        plt.close(fig)
+        made.append("ppo_curves.png")
+    return made
+
+
+def run(
+    config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path, output: Path
+) -> dict[str, Any]:
+    cfg = config.evaluate
+    check_output_path(output)
+    for flag, path in (("--baseline", baseline), ("--candidate", candidate), ("--reward", reward)):
+        if not (Path(path) / "config.json").is_file():
+            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+    split = phases.load(prompts, "phase3_prompts")
+    rows = split["eval"] if len(split["eval"]) else split["train"]
+    started = time.perf_counter()
+    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+        tokenizer = loading.load_tokenizer(str(baseline))
+        texts = list(dict.fromkeys(rows["prompt"]))[: cfg.max_prompts]
+        encoded = [encode_prompt(tokenizer, p)[-config.ppo.max_prompt_len :] for p in texts]
+        base_model = loading.load_causal_lm(str(baseline)).eval()
+        cand_model = loading.load_causal_lm(str(candidate)).eval()
+        reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
+        base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
+        score(reward_model, base, cfg.batch_size)
+        score(reward_model, cand, cfg.batch_size)
+        metrics = compare(base, cand)
+        metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size)
+        if (Path(prompts) / "phase1_sft").is_dir():
+            sft_eval = phases.load(prompts, "phase1_sft")["eval"]
+            metrics["baseline_perplexity"] = perplexity(base_model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
+            metrics["candidate_perplexity"] = perplexity(cand_model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
+        decode = lambda r: tokenizer.decode(r["tokens"], skip_special_tokens=True)  # noqa: E731
+        table = [
+            {
+                "prompt": p,
+                "baseline": decode(b),
+                "candidate": decode(c),
+                "baseline_score": b["score"],
+                "candidate_score": c["score"],
+            }
+            for p, b, c in zip(texts, base, cand, strict=True)
+        ]
+        history = read_history(candidate)
+        metrics["wall_time_s"] = time.perf_counter() - started
+        with atomic_dir(output) as tmp:
+            page, markdown = sample_tables(table[: cfg.sample_rows])
+            (tmp / "samples.html").write_text(page, encoding="utf-8")
+            (tmp / "samples.md").write_text(markdown, encoding="utf-8")
+            write_json(tmp / "eval_samples.json", table)
+            pngs = plots(tmp, base, cand, history)
+            outputs = {"samples_html": "samples.html", "samples_md": "samples.md", "samples": "eval_samples.json"}
+            outputs.update({name.removesuffix(".png"): name for name in pngs})
+            paths = {"baseline": str(baseline), "candidate": str(candidate), "reward": str(reward)}
+            result = write_result(tmp, STAGE, metrics, outputs, models=paths)
+        tracker.log_metrics(metrics)
+        for name in ["samples.html", "samples.md", "eval_samples.json", *pngs]:
+            tracker.log_artifact(output / name, STAGE)
+    return {**result, "output": str(output), "run_id": tracker.run_id}
+
+
+def read_history(candidate: Path) -> list[dict] | None:
+    try:
+        result = json.loads((Path(candidate) / "result.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+    return result.get("history") if result.get("stage") == "ppo" else None  # only a PPO run has these curves
