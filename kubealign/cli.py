@@ -104,6 +104,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--reward", required=True, type=Path, metavar="RM_DIR", help="reward model dir")
     evaluate.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
 
+    promote = sub.add_parser(
+        "promote",
+        help="stage 5: register the actor in the MLflow registry; move aliases if the gate passes",
+        description="Register a model version (challenger); make it champion if it passes promote.* thresholds "
+        "and beats the current champion. The old champion keeps previous-champion.",
+    )
+    _add_config_options(promote)
+    promote.add_argument("--evaluation", required=True, type=Path, metavar="EVAL_DIR", help="evaluate stage output")
+    promote.add_argument("--model-dir", required=True, type=Path, metavar="PPO_DIR", help="the evaluated candidate")
+    promote.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory (result.json)")
+    rollback = sub.add_parser("rollback", help="move the champion alias back to previous-champion")
+    _add_config_options(rollback)
+
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
@@ -198,6 +211,24 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(f"  length drift {m['length_drift']:.2f}, samples: {Path(result['output']) / 'samples.html'}")
 
 
+def _promote(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import promote
+
+    result = promote.run(load_config(args.config, args.overrides), args.evaluation, args.model_dir, args.output)
+    print(f"promote: {result['registered_model']} version {result['version']}; aliases {result['aliases']}")
+    for line in result["gate"]:
+        print(f"  {line}")
+
+
+def _rollback(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import promote
+
+    state = promote.rollback(load_config(args.config, args.overrides))
+    print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
+
+
 def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
@@ -223,6 +254,8 @@ COMMANDS = {
     "reward": _train,
     "ppo": _ppo,
     "evaluate": _evaluate,
+    "promote": _promote,
+    "rollback": _rollback,
     "tiny-model": _tiny_model,
     "config": _config,
 }

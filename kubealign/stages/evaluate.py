@@ -228,7 +228,12 @@ def run(
             pngs = plots(tmp, base, cand, history)
             outputs = {"samples_html": "samples.html", "samples_md": "samples.md", "samples": "eval_samples.json"}
             outputs.update({name.removesuffix(".png"): name for name in pngs})
-            paths = {"baseline": str(baseline), "candidate": str(candidate), "reward": str(reward)}
+            paths = {
+                "baseline": str(baseline),
+                "candidate": str(candidate),
+                "reward": str(reward),
+                "prompts": str(prompts),
+            }
             result = write_result(tmp, STAGE, metrics, outputs, models=paths)
         tracker.log_metrics(metrics)
         for name in ["samples.html", "samples.md", "eval_samples.json", *pngs]:

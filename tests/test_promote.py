@@ -1,0 +1,147 @@
+"""Promotion through a real MLflow registry: a sqlite store and an `mlflow server` on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kubealign.config.schema import PromoteConfig
+from kubealign.models import loading
+from kubealign.stages.promote import gate
+
+pytestmark = pytest.mark.integration
+
+
+def evaluation(root: Path, name: str, win: float, gain: float, reward: float, kl: float = 1.0) -> Path:
+    """An evaluate-stage output (its result.json is promote's whole input contract)."""
+    out = root / name
+    out.mkdir()
+    metrics = {"win_rate": win, "reward_gain": gain, "candidate_reward_mean": reward, "kl_to_baseline": kl}
+    (out / "result.json").write_text(json.dumps({"stage": "evaluate", "metrics": metrics, "outputs": {}}))
+    return out
+
+
+def test_gate_by_hand():
+    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0)
+    good = {"win_rate": 0.6, "reward_gain": 0.2, "kl_to_baseline": 1.0, "candidate_reward_mean": 1.0}
+    assert gate(good, cfg, None)[0] is True
+    assert gate({**good, "win_rate": 0.4}, cfg, None)[0] is False
+    assert gate({**good, "kl_to_baseline": 3.0}, cfg, None)[0] is False
+    passed, lines = gate(good, cfg, {"candidate_reward_mean": 1.5})
+    assert passed is False and lines[-1].startswith("FAIL: candidate_reward_mean 1.000 > champion's 1.500")
+    assert gate(good, cfg.model_copy(update={"require_beat_champion": False}), {"candidate_reward_mean": 1.5})[0]
+
+
+def promote(cli, eval_dir: Path, out: Path, *extra: str):
+    model = loading.resolve("tiny-opt")
+    return cli("promote", "--evaluation", eval_dir, "--model-dir", model, "--output", out, *extra)
+
+
+def aliases(out: Path) -> dict:
+    return json.loads((out / "result.json").read_text())["aliases"]
+
+
+def test_gate_aliases_idempotency_and_rollback_on_sqlite(cli, tmp_path: Path):
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    root = tmp_path / "runs"
+    first = evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0)
+    assert promote(cli, first, root / "p1").code == 0
+    assert aliases(root / "p1") == {"challenger": 1, "champion": 1, "previous-champion": None}
+    again = promote(cli, first, root / "p2")
+    assert again.code == 0 and aliases(root / "p2") == aliases(root / "p1")  # no second version
+    worse = promote(cli, evaluation(evals, "worse", win=0.3, gain=0.3, reward=1.1), root / "p3")
+    assert worse.code == 0 and aliases(root / "p3") == {"challenger": 2, "champion": 1, "previous-champion": None}
+    below_champion = promote(cli, evaluation(evals, "below", win=0.9, gain=0.5, reward=0.9), root / "p4")
+    assert aliases(root / "p4") == {"challenger": 3, "champion": 1, "previous-champion": None}
+    assert "FAIL: candidate_reward_mean 0.900 > champion's 1.000" in below_champion.out
+    better = promote(cli, evaluation(evals, "better", win=0.8, gain=0.4, reward=1.2), root / "p5")
+    assert better.code == 0 and aliases(root / "p5") == {"challenger": 4, "champion": 4, "previous-champion": 1}
+
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    assert len(client.search_model_versions("name = 'kubealign-actor'")) == 4
+    tags = client.get_model_version("kubealign-actor", "4").tags
+    assert tags["kubealign.metric.win_rate"] == "0.8" and tags["kubealign.code_version"]
+
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    try:
+        rolled = cli("rollback")
+        assert rolled.code == 0 and "champion is version 1 again (was 4)" in rolled.out
+        assert str(client.get_model_version_by_alias("kubealign-actor", "champion").version) == "1"
+        nothing = cli("rollback")
+        assert nothing.code == 2 and "no previous-champion alias" in nothing.err
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"]
+
+
+def test_not_an_evaluation_is_a_clean_error(cli, tmp_path: Path):
+    bogus = tmp_path / "sft"
+    bogus.mkdir()
+    (bogus / "result.json").write_text(json.dumps({"stage": "sft", "metrics": {}, "outputs": {}}))
+    result = promote(cli, bogus, tmp_path / "out")
+    assert result.code == 2 and "is from stage 'sft', not evaluate" in result.err and not (tmp_path / "out").exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def mlflow_server(tmp_path: Path):
+    """A real `mlflow server` on 127.0.0.1 for this test, stopped afterwards."""
+    port = free_port()
+    cmd = [
+        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
+        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+        "--artifacts-destination", (tmp_path / "server-artifacts").as_uri(), "--workers", "1",
+    ]  # fmt: skip
+    log = open(tmp_path / "server.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2)
+                break
+            except OSError:
+                if time.time() > deadline or proc.poll() is not None:
+                    raise RuntimeError((tmp_path / "server.log").read_text()[-2000:]) from None
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_promotion_through_an_mlflow_server_and_the_champion_generates(cli, tmp_path: Path, mlflow_server: str):
+    os.environ["MLFLOW_TRACKING_URI"] = mlflow_server
+    try:
+        evals = tmp_path / "evals"
+        evals.mkdir()
+        result = promote(cli, evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0), tmp_path / "out")
+        assert result.code == 0, result.err
+        assert aliases(tmp_path / "out")["champion"] == 1
+        import mlflow
+
+        mlflow.set_tracking_uri(mlflow_server)
+        model = mlflow.pyfunc.load_model("models:/kubealign-actor@champion")
+        replies = model.predict(["\n\nHuman: Tell me about cats.\n\nAssistant:"], params={"max_new_tokens": 4})
+        assert len(replies) == 1 and isinstance(replies[0], str)
+    finally:
+        del os.environ["MLFLOW_TRACKING_URI"]
