@@ -23,7 +23,9 @@ class ActorModel(mlflow.pyfunc.PythonModel):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
 
-    def predict(self, context: Any, model_input: Any, params: dict[str, Any] | None = None) -> list[str]:
+    # No type hints here on purpose: MLflow would try (and fail) to derive a signature from `Any`;
+    # the signature is given explicitly when the model is logged.
+    def predict(self, context, model_input, params=None):  # noqa: ANN001
         import torch
 
         from kubealign.data.tokenize import encode_prompt, pad_batch
