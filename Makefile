@@ -26,6 +26,7 @@ demo: $(STAMP)
 	$(BIN)/kubealign evaluate --prompts $(DEMO_DIR)/data-split --baseline $(DEMO_DIR)/sft \
 		--candidate $(DEMO_DIR)/ppo --reward $(DEMO_DIR)/reward --output $(DEMO_DIR)/evaluate
 	$(BIN)/kubealign promote --evaluation $(DEMO_DIR)/evaluate --model-dir $(DEMO_DIR)/ppo --output $(DEMO_DIR)/promote
+	@echo; $(BIN)/kubealign summary $(DEMO_DIR)
 	@echo "MLflow UI on the demo's store: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(DEMO_DIR))/mlflow.db"
 
 test: $(STAMP)

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="move the champion alias back to previous-champion")
     _add_config_options(rollback)
 
+    summary = sub.add_parser("summary", help="one-screen summary of a run directory (as make demo writes)")
+    summary.add_argument("run_dir", nargs="?", type=Path, default=Path("runs/demo"), help="default: runs/demo")
+
     tiny = sub.add_parser(
         "tiny-model",
         help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
@@ -229,6 +232,15 @@ def _rollback(args: argparse.Namespace) -> None:
     print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
 
 
+def _summary(args: argparse.Namespace) -> None:
+    from kubealign.summary import summarize
+
+    lines = summarize(args.run_dir)
+    if len(lines) == 1:
+        raise UserError(f"{args.run_dir}: no stage results (expected data-split/, sft/, ... with result.json)")
+    print("\n".join(lines))
+
+
 def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
@@ -256,6 +268,7 @@ COMMANDS = {
     "evaluate": _evaluate,
     "promote": _promote,
     "rollback": _rollback,
+    "summary": _summary,
     "tiny-model": _tiny_model,
     "config": _config,
 }

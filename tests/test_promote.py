@@ -145,3 +145,39 @@ def test_promotion_through_an_mlflow_server_and_the_champion_generates(cli, tmp_
         assert len(replies) == 1 and isinstance(replies[0], str)
     finally:
         del os.environ["MLFLOW_TRACKING_URI"]
+
+
+def test_a_failed_alias_move_puts_the_aliases_back(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    root = tmp_path / "runs"
+    assert (
+        promote(cli, evaluation(evals, "first", win=0.3, gain=0.0, reward=1.0), root / "p1").code == 0
+    )  # challenger=1
+    real = MlflowClient.set_registered_model_alias
+
+    def failing(self, name, alias, version):
+        if alias == "champion":
+            raise MlflowException("permission denied: cannot set alias champion")
+        return real(self, name, alias, version)
+
+    monkeypatch.setattr(MlflowClient, "set_registered_model_alias", failing)
+    result = promote(cli, evaluation(evals, "second", win=0.9, gain=0.5, reward=1.5), root / "p2")
+    last = result.err.strip().splitlines()[-1]  # MLflow's own warnings about logging the model come first
+    assert result.code == 2 and last.startswith("kubealign: error: MLflow registry at") and "permission denied" in last
+    monkeypatch.undo()
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    assert str(client.get_model_version_by_alias("kubealign-actor", "challenger").version) == "1"  # restored
+    assert not (root / "p2").exists()
+
+
+def test_registry_server_down_is_a_clean_error(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    result = promote(cli, evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0), tmp_path / "out")
+    assert result.code == 2 and "http://127.0.0.1:9" in result.err and len(result.err.strip().splitlines()) == 1

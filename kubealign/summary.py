@@ -1,0 +1,43 @@
+"""A one-screen summary of a run directory laid out like `make demo`'s (one subdir per stage)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
+
+
+def _headline(stage: str, r: dict[str, Any]) -> str:
+    m = r.get("metrics", {})
+    if stage == "data-split":
+        prompts = "/".join(str(int(m.get(f"{p}_train_prompts", 0) + m.get(f"{p}_eval_prompts", 0)))
+                           for p in ("phase1_sft", "phase2_reward", "phase3_prompts"))  # fmt: skip
+        return f"{int(m.get('rows_kept', 0))} rows kept; prompts per phase {prompts}"
+    if stage == "sft":
+        return f"eval perplexity {m['before_perplexity']:.1f} -> {m['after_perplexity']:.1f}"
+    if stage == "reward":
+        return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
+    if stage == "ppo":
+        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}, "
+                f"rollout path {r.get('rollout_path')}")  # fmt: skip
+    if stage == "evaluate":
+        return (f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} (PPO), "
+                f"win-rate {m['win_rate']:.2f}, ties {m['tie_rate']:.2f}, KL {m['kl_to_baseline']:.3f}")  # fmt: skip
+    aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
+    return f"{r.get('registered_model')} version {r.get('version')}; {aliases}"
+
+
+def summarize(run_dir: Path) -> list[str]:
+    """Lines: stage, wall time, headline metrics — for every stage whose result.json exists."""
+    lines = [f"{'stage':<11}{'time':>8}  result"]
+    for stage in STAGES:
+        path = run_dir / stage / "result.json"
+        if not path.is_file():
+            continue
+        result = json.loads(path.read_text(encoding="utf-8"))
+        seconds = result.get("metrics", {}).get("wall_time_s", result.get("wall_time_s"))
+        shown = f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
+        lines.append(f"{stage:<11}{shown:>8}  {_headline(stage, result)}")
+    return lines
