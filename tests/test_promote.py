@@ -139,8 +139,7 @@ def test_promotion_through_an_mlflow_server_and_the_champion_generates(cli, tmp_
         assert aliases(tmp_path / "out")["champion"] == 1
         import mlflow
 
-        mlflow.set_tracking_uri(mlflow_server)
-        model = mlflow.pyfunc.load_model("models:/kubealign-actor@champion")
+        model = mlflow.pyfunc.load_model("models:/kubealign-actor@champion")  # resolved via MLFLOW_TRACKING_URI
         replies = model.predict(["\n\nHuman: Tell me about cats.\n\nAssistant:"], params={"max_new_tokens": 4})
         assert len(replies) == 1 and isinstance(replies[0], str)
     finally:

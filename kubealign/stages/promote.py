@@ -15,6 +15,7 @@ import contextlib
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -77,34 +78,40 @@ def promotion_key(evaluation: Path, model_dir: Path) -> str:
     return digest.hexdigest()
 
 
-def register(client: Any, uri: str, run_id: str, name: str, model_dir: Path, key: str, tags: dict[str, str]) -> Any:
-    """The version holding this promotion key, registering a new pyfunc model version if there is none."""
-    import mlflow
+def register(client: Any, run_id: str, name: str, model_dir: Path, key: str, tags: dict[str, str]) -> Any:
+    """The version holding this promotion key, registering a new pyfunc model version if there is none.
+    Only MlflowClient calls: the fluent API would leave a process-wide tracking/registry URI behind."""
+    import tempfile
+
+    import mlflow.pyfunc
+    from mlflow.exceptions import MlflowException
+    from mlflow.models import infer_signature
 
     from kubealign.registry import ActorModel
 
-    for version in client.search_model_versions(f"name = '{name}'"):
-        if version.tags.get(KEY_TAG) == key:
-            return version
-    from mlflow.models import infer_signature
-
+    if client.search_registered_models(f"name = '{name}'"):
+        for version in client.search_model_versions(f"name = '{name}'"):
+            if version.tags.get(KEY_TAG) == key:
+                return version
+    else:
+        with contextlib.suppress(MlflowException):  # created concurrently by another promotion
+            client.create_registered_model(name)
     signature = infer_signature(
         ["\n\nHuman: hi\n\nAssistant:"],
         [" hello"],
         params={"max_new_tokens": 32, "do_sample": False, "temperature": 1.0},
     )
-    mlflow.set_tracking_uri(uri)  # log_model and register_model go through the fluent API
-    mlflow.set_registry_uri(uri)
-    with mlflow.start_run(run_id=run_id):
-        info = mlflow.pyfunc.log_model(
-            name="model",
+    with tempfile.TemporaryDirectory() as tmp:
+        mlflow.pyfunc.save_model(
+            path=Path(tmp) / "model",
             python_model=ActorModel(),
             artifacts={"model_dir": str(model_dir)},
             signature=signature,
             pip_requirements=[f"kubealign=={__version__}"],
         )
-    version = mlflow.register_model(info.model_uri, name, tags={KEY_TAG: key, **tags})
-    return client.get_model_version(name, version.version)
+        client.log_artifacts(run_id, str(Path(tmp) / "model"), "model")
+    source = f"{client.get_run(run_id).info.artifact_uri}/model"
+    return client.create_model_version(name, source=source, run_id=run_id, tags={KEY_TAG: key, **tags})
 
 
 def move_aliases(client: Any, name: str, version: str, champion: Any, passed: bool) -> None:
@@ -113,7 +120,7 @@ def move_aliases(client: Any, name: str, version: str, champion: Any, passed: bo
     before = {alias: alias_version(client, name, alias) for alias in (CHALLENGER, PREVIOUS)}
     try:
         client.set_registered_model_alias(name, CHALLENGER, version)
-        if passed and (champion is None or champion.version != version):
+        if passed and (champion is None or str(champion.version) != str(version)):
             if champion is not None:
                 client.set_registered_model_alias(name, PREVIOUS, champion.version)
             client.set_registered_model_alias(name, CHAMPION, version)
@@ -129,6 +136,7 @@ def move_aliases(client: Any, name: str, version: str, champion: Any, passed: bo
 
 def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path) -> dict[str, Any]:
     cfg = config.promote
+    started = time.perf_counter()
     check_output_path(output)
     result = read_result(evaluation)
     if result.get("stage") != "evaluate":
@@ -150,21 +158,21 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
         tags.update({"kubealign.code_version": __version__, "kubealign.evaluation": str(evaluation.resolve())})
         tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
         tags["kubealign.data_sha256"] = data_hash(result)
-        version = register(client, tracker.tracking_uri, tracker.run_id, name, model_dir, key, tags)
+        version = register(client, tracker.run_id, name, model_dir, key, tags)
         champion = alias_version(client, name, CHAMPION)
         champion_metrics = None
-        if champion is not None and champion.version != version.version:
+        if champion is not None and str(champion.version) != str(version.version):
             champion_metrics = {m: float(champion.tags.get(f"kubealign.metric.{m}", "nan")) for m in GATED_METRICS}
         passed, checks = gate(metrics, cfg, champion_metrics)
         move_aliases(client, name, version.version, champion, passed)
-        aliases = {
-            a: getattr(alias_version(client, name, a), "version", None) for a in (CHALLENGER, CHAMPION, PREVIOUS)
-        }
+        found = {a: alias_version(client, name, a) for a in (CHALLENGER, CHAMPION, PREVIOUS)}
+        aliases = {a: None if v is None else int(v.version) for a, v in found.items()}  # str over REST, int on sqlite
         summary = {"gate_passed": float(passed), "version": float(version.version)}
+        summary["wall_time_s"] = time.perf_counter() - started
         tracker.log_metrics(summary)
         with atomic_dir(output) as tmp:
             payload = write_result(
-                tmp, STAGE, summary, {}, registered_model=name, version=version.version, aliases=aliases,
+                tmp, STAGE, summary, {}, registered_model=name, version=int(version.version), aliases=aliases,
                 gate=checks, model_uri=f"models:/{name}/{version.version}",
             )  # fmt: skip
     return {**payload, "output": str(output)}
