@@ -22,7 +22,7 @@ from kubealign.models import loading
 from kubealign.models.reward import load_reward_model, token_values
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, export, loop
+from kubealign.training import distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss, last_token_scores
 
@@ -96,7 +96,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
     check_output_path(output)
     dataset = phases.load(data, "phase2_reward", need_rejected=True)
-    rank, world = distributed.init()
+    _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
     with stage_run(STAGE, config, output.resolve().parent) as tracker:
@@ -139,21 +139,8 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
         }
         from transformers import AutoModelForSequenceClassification
 
-        export.export(
-            engine,
-            AutoModelForSequenceClassification,
-            cfg.lora,
-            "SEQ_CLS",
-            tokenizer,
-            output,
-            result,
-            extra_json={SCORES_FILE: last_roc},
+        scores = {SCORES_FILE: last_roc}
+        loop.finish(
+            task, engine, AutoModelForSequenceClassification, "SEQ_CLS", tokenizer, output, result, tracker, scores
         )
-        if rank == 0:
-            tracker.log_metrics(summary)
-            tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
-            tracker.log_artifact(output / "result.json", STAGE)
-            tracker.log_artifact(output / SCORES_FILE, STAGE)
-    if not cfg.keep_checkpoints:
-        loop.remove_checkpoints(task)
     return {**result, "output": str(output), "run_id": tracker.run_id}

@@ -21,7 +21,7 @@ from kubealign.data.tokenize import encode_pair, pad_batch
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, export, loop
+from kubealign.training import distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import TokenLoss, lm_loss, position_ids
 
@@ -82,7 +82,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
     cfg = config.sft if model_name is None else config.sft.model_copy(update={"model": model_name})
     check_output_path(output)
     dataset = phases.load(data, "phase1_sft")
-    rank, world = distributed.init()
+    _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
     with stage_run(STAGE, config, output.resolve().parent) as tracker:
@@ -118,11 +118,5 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
         }
         from transformers import AutoModelForCausalLM
 
-        export.export(engine, AutoModelForCausalLM, cfg.lora, "CAUSAL_LM", tokenizer, output, result)
-        tracker.log_metrics(summary)
-        tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
-        if rank == 0:
-            tracker.log_artifact(output / "result.json", STAGE)
-    if not cfg.keep_checkpoints:
-        loop.remove_checkpoints(task)
+        loop.finish(task, engine, AutoModelForCausalLM, "CAUSAL_LM", tokenizer, output, result, tracker)
     return {**result, "output": str(output), "run_id": tracker.run_id}

@@ -37,6 +37,13 @@ def init() -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def rank() -> int:
+    """This process's rank (0 when torch.distributed is not initialized)."""
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())

@@ -174,5 +174,31 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
 
 def remove_checkpoints(task: Task) -> None:
     distributed.barrier()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if distributed.rank() == 0:
         shutil.rmtree(task.checkpoint_dir, ignore_errors=True)
+
+
+def finish(
+    task: Task,
+    engine: Any,
+    model_cls: Any,
+    task_type: str,
+    tokenizer: Any,
+    output: Path,
+    result: dict[str, Any],
+    tracker: Any,
+    extra_json: dict[str, Any] | None = None,
+) -> None:
+    """The end every training stage shares: export the model (+ result.json and extra files) atomically,
+    log the final metrics, the model dir and the files to MLflow (rank 0), then drop the checkpoints
+    unless the config keeps them."""
+    from kubealign.training import export
+
+    export.export(engine, model_cls, task.cfg.lora, task_type, tokenizer, output, result, extra_json)
+    if distributed.rank() == 0:
+        tracker.log_metrics(result["metrics"])
+        tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
+        for name in ["result.json", *(extra_json or {})]:
+            tracker.log_artifact(output / name, task.name)
+    if not task.cfg.keep_checkpoints:
+        remove_checkpoints(task)
