@@ -93,7 +93,7 @@ class UnsupervisedData:
         self.examples, self.batch_size, self.pad_id, self.served = examples, batch_size, pad_id, served
 
     def loss(self, actor: Any) -> torch.Tensor:
-        from kubealign.stages.sft import batch_loss, collate
+        from kubealign.training.lm import batch_loss, collate
 
         start = (self.served * self.batch_size) % len(self.examples)
         chunk = (self.examples + self.examples)[start : start + self.batch_size]

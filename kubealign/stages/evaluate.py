@@ -100,7 +100,7 @@ def repetition_rate(tokens: list[int]) -> float:
 
 @torch.no_grad()
 def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_len: int) -> float:
-    from kubealign.stages.sft import batch_loss, collate, tokenize
+    from kubealign.training.lm import batch_loss, collate, tokenize
 
     examples = tokenize(rows, tokenizer, max_len, include_prompt=False)
     nll, count = 0.0, 0.0

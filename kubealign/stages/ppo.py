@@ -203,7 +203,7 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     """Phase-1 SFT sequences for the PPO-ptx loss (ppo.unsup_coef > 0), from the same data-split dir."""
     if cfg.unsup_coef == 0:
         return None
-    from kubealign.stages.sft import tokenize
+    from kubealign.training.lm import tokenize
 
     if not (prompts / "phase1_sft").is_dir():
         raise UserError(f"ppo.unsup_coef > 0 needs --prompts to be the data-split dir (with phase1_sft), got {prompts}")

@@ -17,48 +17,14 @@ import torch
 
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
-from kubealign.data.tokenize import encode_pair, pad_batch
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
 from kubealign.training import distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
-from kubealign.training.losses import TokenLoss, lm_loss, position_ids
+from kubealign.training.lm import batch_loss, collate, tokenize
 
 STAGE = "sft"
-
-
-def tokenize(rows: Any, tokenizer: Any, max_len: int, include_prompt: bool) -> list[dict[str, list[int]]]:
-    examples = []
-    for prompt, chosen in zip(rows["prompt"], rows["chosen"], strict=True):
-        enc = encode_pair(tokenizer, prompt, chosen, max_len)
-        mask = [1] * len(enc.input_ids)
-        if not include_prompt:
-            mask[: enc.prompt_len] = [0] * enc.prompt_len
-        examples.append({"input_ids": enc.input_ids, "loss_mask": mask})
-    return examples
-
-
-def collate(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
-    ids, attention = pad_batch([e["input_ids"] for e in examples], pad_id)
-    loss_mask, _ = pad_batch([e["loss_mask"] for e in examples], 0)
-    return {
-        "input_ids": torch.tensor(ids),
-        "attention_mask": torch.tensor(attention),
-        "loss_mask": torch.tensor(loss_mask),
-    }
-
-
-def batch_loss(model: Any, batch: dict[str, torch.Tensor], fp32: bool) -> TokenLoss:
-    device = distributed.device()
-    batch = {k: v.to(device) for k, v in batch.items()}
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids(batch["attention_mask"]),
-        use_cache=False,
-    ).logits
-    return lm_loss(logits, batch["input_ids"], batch["loss_mask"], fp32)
 
 
 def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -> dict[str, float]:
