@@ -1,7 +1,12 @@
 """KFP component declarations (installed as kubealign.components).
 
-Thin @dsl.component wrappers around kubealign.stages: typed inputs/outputs, the base image from one
-module, a call into a stage and no logic. The wrappers arrive with the Kubeflow pipeline issue; the
-package exists now so that its install location (kubealign.components, never a top-level
-`components`) is fixed and tested from the start.
+One lightweight Python component per stage: typed inputs/outputs (Dataset, Model, Metrics,
+ClassificationMetrics, HTML, Markdown), the base image from kubealign.images, and a body that is one
+call into kubealign.tasks (which runs the stage) plus the lines that hand its result to KFP's artifact
+types. No packages_to_install and no pip install at start-up (install_kfp_package=False): the images
+carry kubealign and kfp, and kfp.local's SubprocessRunner runs the same bodies in this environment.
 """
+
+from kubealign.components.stages import data_split, evaluate, ppo, promote, reward, sft
+
+__all__ = ["data_split", "evaluate", "ppo", "promote", "reward", "sft"]

@@ -117,6 +117,46 @@ def build_parser() -> argparse.ArgumentParser:
     rollback = sub.add_parser("rollback", help="move the champion alias back to previous-champion")
     _add_config_options(rollback)
 
+    run = sub.add_parser(
+        "run",
+        help="the whole DAG on this machine through kfp.local (the embedded default: tiny models, synthetic data)",
+        description="Run data-split -> sft || reward -> ppo -> evaluate -> promote as the KFP pipeline, each task a "
+        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI).",
+    )
+    run.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="override one config field (repeatable)")  # fmt: skip
+    run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
+    run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
+
+    compile_ = sub.add_parser("compile", help="write the pipeline as KFP IR YAML (for the UI or kfp.Client)")
+    compile_.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    compile_.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                          help="override one config field (repeatable)")  # fmt: skip
+    compile_.add_argument("-o", "--output", type=Path, default=Path("pipeline.yaml"), metavar="FILE")
+
+    submit = sub.add_parser("submit", help="compile and start a run on a Kubeflow Pipelines API (kfp.Client)")
+    submit.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config field (repeatable)")  # fmt: skip
+    submit.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint, e.g. http://localhost:8080")
+    submit.add_argument("--experiment", help="KFP experiment (default: tracking.experiment)")
+    submit.add_argument("--run-name", help="run name (default: kubealign-<timestamp>)")
+    submit.add_argument("--namespace", help="profile namespace on multi-user Kubeflow")
+    submit.add_argument("--no-cache", action="store_true", help="run every task even if KFP has a cached result")
+    submit.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
+    submit.add_argument("--no-parent-run", action="store_true",
+                        help="do not create a parent MLflow run for the pipeline run")  # fmt: skip
+
+    rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
+    rerun.add_argument("stage", choices=["data-split", "sft", "reward", "ppo", "evaluate", "promote"])
+    rerun.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR",
+                       help="--output of an earlier `kubealign run`")  # fmt: skip
+    rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                       help="override one field of that run's config (repeatable)")  # fmt: skip
+    rerun.add_argument("--downstream", action="store_true", help="also rerun every stage that depends on it")
+    rerun.add_argument("--output", type=Path, metavar="DIR", help="default: RUN_DIR-rerun-STAGE-<timestamp>")
+
     summary = sub.add_parser("summary", help="one-screen summary of a run directory (as make demo writes)")
     summary.add_argument("run_dir", nargs="?", type=Path, default=Path("runs/demo"), help="default: runs/demo")
 
@@ -232,6 +272,56 @@ def _rollback(args: argparse.Namespace) -> None:
     print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
 
 
+def _run(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines import local
+    from kubealign.summary import summarize
+
+    config = load_config(args.config, args.overrides)
+    try:
+        index = local.run(config, args.output, caching=args.cache)
+    except local.PipelineFailed as exc:
+        raise UserError(str(exc)) from None
+    print()
+    print("\n".join(summarize(args.output)))
+    mlflow = index["mlflow"]
+    print(f"\npipeline run: {index['wall_time_s']:.0f} s; artifacts indexed in {args.output.resolve() / 'run.json'}")
+    print(f"MLflow: parent run {mlflow['parent_run_id']} in {mlflow['tracking_uri']}")
+    if mlflow["tracking_uri"].startswith("sqlite:"):
+        print(f"  open the UI: mlflow ui --backend-store-uri {mlflow['tracking_uri']}")
+
+
+def _compile(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import compile_pipeline
+
+    path = compile_pipeline(load_config(args.config, args.overrides), args.output)
+    print(f"compiled pipeline -> {path}")
+
+
+def _submit(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import submit
+
+    result = submit(
+        load_config(args.config, args.overrides), args.host, args.experiment, args.run_name, args.namespace,
+        enable_caching=not args.no_cache, token=args.token, parent_run=not args.no_parent_run,
+    )  # fmt: skip
+    print(f"submitted run {result['run_name']} ({result['run_id']}): {result['url']}")
+    if result["mlflow_parent_run_id"]:
+        print(f"MLflow parent run: {result['mlflow_parent_run_id']}")
+
+
+def _rerun(args: argparse.Namespace) -> None:
+    from kubealign.pipelines.rerun import rerun
+    from kubealign.summary import summarize
+
+    index = rerun(args.stage, args.run, args.overrides, downstream=args.downstream, output=args.output)
+    out = Path(index["stages"][index["rerun"][0]]["dir"]).parent
+    print(f"reran {', '.join(index['rerun'])}; reused {', '.join(index['reused']) or 'nothing'} from {args.run}")
+    print("\n".join(summarize(out)))
+
+
 def _summary(args: argparse.Namespace) -> None:
     from kubealign.summary import summarize
 
@@ -268,6 +358,10 @@ COMMANDS = {
     "evaluate": _evaluate,
     "promote": _promote,
     "rollback": _rollback,
+    "run": _run,
+    "compile": _compile,
+    "submit": _submit,
+    "rerun": _rerun,
     "summary": _summary,
     "tiny-model": _tiny_model,
     "config": _config,

@@ -76,3 +76,21 @@ def read_result(directory: Path) -> dict[str, Any]:
         raise UserError(f"{directory}: no {RESULT_FILE}; is this a kubealign stage output?") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+
+
+def tree_sha256(directory: Path) -> str:
+    """Content hash of a directory: relative paths and file bytes, in sorted order (hidden temp files
+    of an in-progress atomic write excluded)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(p for p in Path(directory).rglob("*") if p.is_file()):
+        rel = path.relative_to(directory).as_posix()
+        if any(part.startswith(".") for part in Path(rel).parts):
+            continue
+        digest.update(rel.encode() + b"\0")
+        with path.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()

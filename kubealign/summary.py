@@ -1,4 +1,5 @@
-"""A one-screen summary of a run directory laid out like `make demo`'s (one subdir per stage)."""
+"""A one-screen summary of a run: the OUTPUT of `kubealign run` (its run.json names each stage's
+directory) or a directory with one subdirectory per stage (the stage commands run by hand)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def _headline(stage: str, r: dict[str, Any]) -> str:
 def summarize(run_dir: Path) -> list[str]:
     """Lines: stage, wall time, headline metrics — for every stage whose result.json exists."""
     lines = [f"{'stage':<11}{'time':>8}  result"]
+    index = run_dir / "run.json"
+    dirs = {stage: run_dir / stage for stage in STAGES}
+    if index.is_file():
+        dirs.update({k: Path(v["dir"]) for k, v in json.loads(index.read_text(encoding="utf-8"))["stages"].items()})
     for stage in STAGES:
-        path = run_dir / stage / "result.json"
+        path = dirs[stage] / "result.json"
         if not path.is_file():
             continue
         result = json.loads(path.read_text(encoding="utf-8"))

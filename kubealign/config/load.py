@@ -102,7 +102,28 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
 def load_config(config: str | Path | None = None, overrides: list[str] | None = None) -> KubealignConfig:
     """Resolve a config: file or preset (default: the tiny-cpu preset), then overrides, then validate."""
     label, text = _read_source(config)
-    data = _parse_yaml(label, text)
+    return _validate(label, _parse_yaml(label, text), overrides)
+
+
+def config_to_json(config: KubealignConfig) -> str:
+    """The resolved config as canonical JSON: the pipeline parameter `config_json` (stable text, so
+    KFP cache keys built from it change only when the config does)."""
+    return json.dumps(config.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def config_from_json(text: str, overrides: list[str] | None = None) -> KubealignConfig:
+    """Inverse of config_to_json, with --set style overrides (how a KFP task gets its config)."""
+    label = "pipeline parameter config_json"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{label}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{label}: expected a JSON object of sections, got {type(data).__name__}")
+    return _validate(label, data, overrides)
+
+
+def _validate(label: str, data: dict[str, Any], overrides: list[str] | None) -> KubealignConfig:
     overridden: set[str] = set()
     for override in overrides or []:
         apply_override(data, override)

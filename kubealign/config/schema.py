@@ -222,6 +222,62 @@ class TrackingConfig(Section):
     )
 
 
+class Toleration(Section):
+    key: str | None = Field(None, description="Taint key to tolerate; None with operator Exists = all taints.")
+    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal (key=value) or Exists (key only).")
+    value: str | None = Field(None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        None, description="Taint effect; None = every effect."
+    )
+
+
+class KubernetesConfig(Section):
+    """How the compiled pipeline asks the cluster for resources. Read when compiling / submitting (and by
+    the ppo task for multi-node runs); `kubealign run` on a laptop ignores it."""
+
+    accelerator_type: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource of a GPU.")
+    sft_gpus: int = Field(1, ge=0, description="GPUs of the sft pod (torchrun nproc = this); 0 = CPU pod.")
+    reward_gpus: int = Field(1, ge=0, description="GPUs of the reward pod; 0 = CPU pod.")
+    ppo_gpus: int = Field(1, ge=0, description="GPUs per ppo node (pod); 0 = CPU pod.")
+    ppo_nodes: int = Field(1, ge=1, description="PPO nodes; > 1 runs PPO as a Kubeflow Trainer TrainJob (needs `pvc`).")
+    evaluate_gpus: int = Field(0, ge=0, description="GPUs of the evaluate pod; 0 = CPU pod.")
+    cpu_request: str = Field("2", description="CPU request of every task pod (Kubernetes quantity).")
+    memory_request: str = Field("8Gi", description="Memory request of the training pods (Kubernetes quantity).")
+    shm_size: str = Field("16Gi", description="Size of the /dev/shm memory emptyDir on training pods (NCCL).")
+    pvc: str | None = Field(
+        None, description="Existing PVC mounted at `pvc_mount` on every task; required when ppo_nodes > 1."
+    )
+    pvc_mount: str = Field("/mnt/kubealign", description="Mount path of `pvc`.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels for training pods.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of training pods.")
+    mlflow_secret: str | None = Field(
+        "kubealign-mlflow",
+        description="Secret whose keys become env (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/PASSWORD ...);"
+        " None = none.",
+    )
+    object_store_secret: str | None = Field(
+        "kubealign-object-store",
+        description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL; None = none.",
+    )
+    namespace: str = Field("kubeflow", min_length=1, description="Namespace of TrainJobs the ppo task creates.")
+    trainjob_runtime: str = Field(
+        "kubealign-deepspeed", min_length=1, description="ClusterTrainingRuntime a multi-node TrainJob uses."
+    )
+    trainjob_timeout_s: float | None = Field(
+        None, gt=0, description="Give up on a TrainJob after this many seconds; None = wait as long as it runs."
+    )
+    train_image: str | None = Field(None, description="Override of the training image (default: kubealign.images).")
+    cpu_image: str | None = Field(None, description="Override of the CPU image (default: kubealign.images).")
+
+    @model_validator(mode="after")
+    def _check_multinode(self) -> KubernetesConfig:
+        if self.ppo_nodes > 1 and not self.pvc:
+            raise ValueError("kubernetes.ppo_nodes > 1 needs kubernetes.pvc (the TrainJob's nodes share it)")
+        if self.ppo_nodes > 1 and self.ppo_gpus == 0:
+            raise ValueError("kubernetes.ppo_nodes > 1 needs kubernetes.ppo_gpus >= 1")
+        return self
+
+
 class KubealignConfig(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
@@ -230,6 +286,7 @@ class KubealignConfig(Section):
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:

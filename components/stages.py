@@ -1,0 +1,121 @@
+"""The six stage components. Each body imports kubealign inside the function: KFP ships only the
+function's source to the pod, where the image provides the package.
+
+Parameters shared by all: `config_json` (the resolved config, canonical JSON) and, per stage, the
+pipeline's common knobs, passed on as `--set`-style overrides.
+"""
+
+from kfp import dsl
+from kfp.dsl import HTML, Artifact, ClassificationMetrics, Dataset, Input, Markdown, Metrics, Model, Output
+
+from kubealign.images import CPU_IMAGE, TRAIN_IMAGE
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def data_split(config_json: str, data_fingerprint: str, dataset: Output[Dataset], metrics: Output[Metrics]):
+    """data-split: normalize, validate, deduplicate and split the sources into the three phases.
+
+    data_fingerprint (the sources' content hash, computed at compile time) is not read: it is an input
+    so that KFP's cache key changes whenever the data does.
+    """
+    from kubealign import tasks
+
+    result = tasks.data_split(config_json, [], dataset.path)
+    tasks.to_kfp(result, metrics, dataset)
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def sft(
+    config_json: str,
+    model_name: str,
+    model_fingerprint: str,
+    data: Input[Dataset],
+    model: Output[Model],
+    metrics: Output[Metrics],
+):
+    """sft: supervised fine-tuning of model_name on phase 1 (DeepSpeed; torchrun on a multi-GPU pod).
+
+    model_fingerprint (content hash of a local base model dir) is only part of the cache key."""
+    from kubealign import tasks
+
+    result = tasks.train("sft", config_json, [], data.path, model_name, model.path)
+    tasks.to_kfp(result, metrics, model)
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def reward(
+    config_json: str,
+    model_name: str,
+    model_fingerprint: str,
+    data: Input[Dataset],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    roc: Output[ClassificationMetrics],
+):
+    """reward: Bradley-Terry reward model on phase 2; ROC and pairwise confusion matrix for the UI."""
+    from kubealign import tasks
+
+    result = tasks.train("reward", config_json, [], data.path, model_name, model.path)
+    tasks.to_kfp(result, metrics, model)
+    fpr, tpr, thresholds, matrix = tasks.roc(model.path)
+    roc.log_roc_curve(fpr, tpr, thresholds)
+    roc.log_confusion_matrix(["rejected", "chosen"], matrix)
+    tasks.persist(roc)
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def ppo(
+    config_json: str,
+    num_iterations: int,
+    prompts: Input[Dataset],
+    actor: Input[Model],
+    critic: Input[Model],
+    model: Output[Model],
+    metrics: Output[Metrics],
+):
+    """ppo: PPO with the DeepSpeed Hybrid Engine; torchrun on a multi-GPU pod, a TrainJob on several nodes."""
+    from kubealign import tasks
+
+    overrides = [f"ppo.num_iterations={num_iterations}"]
+    result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path)
+    tasks.to_kfp(result, metrics, model)
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def evaluate(
+    config_json: str,
+    prompts: Input[Dataset],
+    baseline: Input[Model],
+    candidate: Input[Model],
+    reward_model: Input[Model],
+    evaluation: Output[Artifact],
+    metrics: Output[Metrics],
+    report: Output[HTML],
+    samples: Output[Markdown],
+):
+    """evaluate: PPO candidate vs SFT baseline on held-out prompts; report = samples + plots in one page."""
+    from kubealign import tasks
+
+    result = tasks.evaluate(
+        config_json, [], prompts.path, baseline.path, candidate.path, reward_model.path, evaluation.path
+    )
+    tasks.to_kfp(result, metrics, evaluation)
+    tasks.write_report(evaluation.path, report.path, samples.path)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def promote(
+    config_json: str,
+    evaluation: Input[Artifact],
+    candidate: Input[Model],
+    promotion: Output[Artifact],
+    metrics: Output[Metrics],
+) -> str:
+    """promote: register the candidate in the MLflow registry; the gate decides its aliases.
+
+    Returns the aliases the new version holds, e.g. "challenger" or "challenger,champion"."""
+    from kubealign import tasks
+
+    result = tasks.promote(config_json, [], evaluation.path, candidate.path, promotion.path)
+    tasks.to_kfp(result, metrics, promotion)
+    return tasks.held_aliases(result)

@@ -1,0 +1,170 @@
+"""Multi-node PPO as a Kubeflow Trainer TrainJob (trainer.kubeflow.org/v1alpha1).
+
+When `kubernetes.ppo_nodes > 1`, the ppo KFP task does not train itself: it copies its inputs to the
+shared PVC, creates a TrainJob that runs `torchrun -m kubealign.cli ppo ...` on every node (the Trainer's
+torch plugin sets the PET_* variables torchrun reads: nnodes, node rank, master address), follows the
+first node's log, waits for a terminal condition and maps it onto the task: Complete -> success (the
+output is copied back from the PVC into the task's artifact), Failed -> the task fails with the Trainer's
+message, over `trainjob_timeout_s` -> the TrainJob is deleted and the task fails.
+
+`manifest()` is pure (tested against ../shared/k8s-schemas); `wait()` takes the kubernetes API objects so
+that a test can drive it with recorded status objects.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kubealign.config.schema import KubernetesConfig
+
+GROUP = "trainer.kubeflow.org"
+VERSION = "v1alpha1"
+PLURAL = "trainjobs"
+SHM_VOLUME = "dshm"
+DATA_VOLUME = "kubealign-data"
+TRAINER_JOB = "node"  # the replicated job name of the torch ClusterTrainingRuntime the chart ships
+
+
+class TrainJobFailed(RuntimeError):
+    """The TrainJob ended Failed, or ran past its timeout."""
+
+
+def manifest(
+    name: str,
+    k8s: KubernetesConfig,
+    image: str,
+    command: list[str],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """The TrainJob for `command` on k8s.ppo_nodes nodes x k8s.ppo_gpus GPUs, sharing k8s.pvc."""
+    resources = {
+        "requests": {"cpu": k8s.cpu_request, "memory": k8s.memory_request, k8s.accelerator_type: str(k8s.ppo_gpus)},
+        "limits": {k8s.accelerator_type: str(k8s.ppo_gpus)},
+    }
+    pod_spec: dict[str, Any] = {
+        "volumes": [
+            {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}},
+            {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": k8s.pvc}},
+        ],
+        "containers": [
+            {
+                "name": TRAINER_JOB,
+                "volumeMounts": [
+                    {"name": SHM_VOLUME, "mountPath": "/dev/shm"},
+                    {"name": DATA_VOLUME, "mountPath": k8s.pvc_mount},
+                ],
+            }
+        ],
+    }
+    if k8s.node_selector:
+        pod_spec["nodeSelector"] = dict(k8s.node_selector)
+    if k8s.tolerations:
+        pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in k8s.tolerations]
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": k8s.namespace, "labels": {"app.kubernetes.io/part-of": "kubealign"}},
+        "spec": {
+            "runtimeRef": {"name": k8s.trainjob_runtime, "kind": "ClusterTrainingRuntime", "apiGroup": GROUP},
+            "trainer": {
+                "image": image,
+                "command": command,
+                "numNodes": k8s.ppo_nodes,
+                "numProcPerNode": k8s.ppo_gpus,
+                "resourcesPerNode": resources,
+                "env": [{"name": key, "value": value} for key, value in sorted((env or {}).items())],
+            },
+            "runtimePatches": [
+                {
+                    "manager": "kubealign",
+                    "trainingRuntimeSpec": {
+                        "template": {
+                            "spec": {
+                                "replicatedJobs": [
+                                    {"name": TRAINER_JOB, "template": {"spec": {"template": {"spec": pod_spec}}}}
+                                ]
+                            }
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+def terminal_state(trainjob: dict[str, Any]) -> tuple[str, str] | None:
+    """('Complete'|'Failed', message) once a condition of that type is True; None while running."""
+    for condition in (trainjob.get("status") or {}).get("conditions") or []:
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return condition["type"], condition.get("message") or condition.get("reason") or ""
+    return None
+
+
+def wait(
+    custom: Any,
+    name: str,
+    namespace: str,
+    timeout_s: float | None,
+    poll_s: float = 10.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
+    """Poll the TrainJob until Complete (returns its message) or Failed / past timeout (raises).
+
+    `custom` is a kubernetes.client.CustomObjectsApi. A timeout deletes the TrainJob so that its GPUs
+    are released; there is no built-in cap: None waits as long as the job runs (the KFP task's own
+    timeout, if any, still applies).
+    """
+    start = clock()
+    while True:
+        job = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        state = terminal_state(job)
+        if state is not None:
+            kind, message = state
+            if kind == "Failed":
+                raise TrainJobFailed(f"TrainJob {namespace}/{name} failed: {message}")
+            return message
+        if timeout_s is not None and clock() - start > timeout_s:
+            custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+            raise TrainJobFailed(f"TrainJob {namespace}/{name} still running after {timeout_s:.0f} s; deleted it")
+        sleep(poll_s)
+
+
+def follow_logs(core: Any, name: str, namespace: str, write: Callable[[str], None] = print) -> threading.Thread:
+    """Stream the first node's log into this task's log (daemon thread; ends with the pod)."""
+
+    def run() -> None:
+        selector = f"jobset.sigs.k8s.io/jobset-name={name},batch.kubernetes.io/job-completion-index=0"
+        for _ in range(120):  # the pod appears once the JobSet is admitted
+            pods = core.list_namespaced_pod(namespace, label_selector=selector).items
+            if pods and pods[0].status.phase in ("Running", "Succeeded", "Failed"):
+                stream = core.read_namespaced_pod_log(
+                    pods[0].metadata.name, namespace, container=TRAINER_JOB, follow=True, _preload_content=False
+                )
+                for line in stream:
+                    write(line.decode(errors="replace").rstrip("\n"))
+                return
+            time.sleep(5)
+
+    thread = threading.Thread(target=run, name=f"logs-{name}", daemon=True)
+    thread.start()
+    return thread
+
+
+def submit_and_wait(body: dict[str, Any], timeout_s: float | None) -> str:
+    """Create the TrainJob in the cluster this pod runs in, follow its log, wait for the end."""
+    from kubernetes import client, config
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:  # running outside a pod (a developer's kubeconfig)
+        config.load_kube_config()
+    custom = client.CustomObjectsApi()
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    print(f"created TrainJob {namespace}/{name}: {body['spec']['trainer']['numNodes']} nodes", flush=True)
+    follow_logs(client.CoreV1Api(), name, namespace)
+    return wait(custom, name, namespace, timeout_s)

@@ -1,0 +1,38 @@
+"""The container images kubealign's KFP components and TrainJobs run in: the one place they are named.
+
+Both are built from images/ (see README "Deploy on Kubernetes") and tagged with the package version, so
+a compiled pipeline always points at the image that carries the same kubealign code. A registry mirror
+is one environment variable away (KUBEALIGN_IMAGE_REGISTRY), or override a single image per config
+(kubernetes.train_image / kubernetes.cpu_image).
+"""
+
+from __future__ import annotations
+
+import os
+
+from kubealign import __version__
+
+REGISTRY_ENV = "KUBEALIGN_IMAGE_REGISTRY"
+DEFAULT_REGISTRY = "ghcr.io/kubealign"
+
+# Versions baked into the images; tests/test_images.py checks them against images/*/Dockerfile and the lock.
+CUDA_BASE_IMAGE = "nvcr.io/nvidia/pytorch:25.08-py3"
+CPU_BASE_IMAGE = "python:3.11.7-slim-bookworm"
+
+
+def _registry() -> str:
+    return os.environ.get(REGISTRY_ENV, DEFAULT_REGISTRY).rstrip("/")
+
+
+def train_image() -> str:
+    """CUDA image: torch + deepspeed with prebuilt ops + kubealign (sft, reward, ppo on GPUs)."""
+    return f"{_registry()}/kubealign-train:{__version__}"
+
+
+def cpu_image() -> str:
+    """Slim CPU image: CPU torch + kubealign (data-split, evaluate, promote; CPU-only clusters)."""
+    return f"{_registry()}/kubealign-cpu:{__version__}"
+
+
+TRAIN_IMAGE = train_image()
+CPU_IMAGE = cpu_image()

@@ -1,0 +1,210 @@
+"""What each Kubeflow task runs, in plain paths and strings (the library still never imports kfp).
+
+The components in kubealign.components are declarations only: typed KFP inputs/outputs and one call
+into a function here, which takes the pipeline parameter `config_json` plus overrides for the
+pipeline's common knobs, runs the stage and returns its result.json. `kubealign rerun` calls the same
+functions, so a stage rerun on a laptop does exactly what the task does in a pod.
+
+Training stages run in-process on one device; in a pod with several GPUs they run under
+`torchrun --standalone --nproc_per_node <GPUs>` (DeepSpeed picks the ranks up from torchrun's
+environment); PPO with `kubernetes.ppo_nodes > 1` becomes a Kubeflow Trainer TrainJob
+(kubealign.cluster.trainjob).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kubealign.config import KubealignConfig, config_from_json, config_to_yaml
+from kubealign.errors import UserError
+from kubealign.outputs import read_result
+
+
+def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfig:
+    return config_from_json(config_json, overrides)
+
+
+def device_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def torchrun_command(nproc: int, cli_args: list[str], nnodes_from_env: bool = False) -> list[str]:
+    """`torchrun ... -m kubealign.cli ARGS`: standalone on one pod, or from PET_* env on a TrainJob node."""
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
+    if nnodes_from_env:  # the Trainer's torch plugin sets PET_NNODES, PET_NODE_RANK, PET_MASTER_ADDR ...
+        return [*launcher, "-m", "kubealign.cli", *cli_args]
+    return [*launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "kubealign.cli", *cli_args]
+
+
+def _run_distributed(config: KubealignConfig, nproc: int, cli_args: list[str], output: Path) -> dict[str, Any]:
+    """Run `kubealign <cli_args> --config <resolved yaml>` on nproc local ranks and read its result."""
+    with tempfile.TemporaryDirectory(prefix="kubealign-task-") as tmp:
+        config_file = Path(tmp) / "config.yaml"
+        config_file.write_text(config_to_yaml(config), encoding="utf-8")
+        command = torchrun_command(nproc, [*cli_args, "--config", str(config_file)])
+        print("launching:", " ".join(command), flush=True)
+        code = subprocess.run(command, check=False).returncode
+    if code != 0:
+        raise RuntimeError(f"{cli_args[0]} on {nproc} ranks exited with code {code}")
+    return read_result(output)
+
+
+def data_split(config_json: str, overrides: list[str], output: str) -> dict[str, Any]:
+    from kubealign.stages import data_split as stage
+
+    return stage.run(load(config_json, overrides), Path(output))
+
+
+def train(stage_name: str, config_json: str, overrides: list[str], data: str, model: str, output: str) -> dict:
+    """sft or reward: in-process on <= 1 GPU, under torchrun on a multi-GPU pod."""
+    config = load(config_json, overrides)
+    nproc = device_count()
+    if nproc > 1:
+        args = [stage_name, "--data", data, "--output", output] + (["--model", model] if model else [])
+        return _run_distributed(config, nproc, args, Path(output))
+    if stage_name == "sft":
+        from kubealign.stages import sft as stage
+    elif stage_name == "reward":
+        from kubealign.stages import reward as stage
+    else:
+        raise UserError(f"unknown training stage {stage_name!r} (expected sft or reward)")
+    return stage.run(config, Path(data), model or None, Path(output))
+
+
+def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic: str, output: str) -> dict:
+    """PPO in-process, under torchrun on a multi-GPU pod, or as a multi-node TrainJob."""
+    config = load(config_json, overrides)
+    if config.kubernetes.ppo_nodes > 1:
+        return ppo_trainjob(config, prompts, actor, critic, output)
+    nproc = device_count()
+    if nproc > 1:
+        args = ["ppo", "--prompts", prompts, "--actor", actor, "--critic", critic, "--output", output]
+        return _run_distributed(config, nproc, args, Path(output))
+    from kubealign.stages import ppo as stage
+
+    return stage.run(config, Path(prompts), Path(actor), Path(critic), None, Path(output))
+
+
+def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str) -> dict:
+    """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back."""
+    from kubealign.cluster import trainjob
+    from kubealign.images import train_image
+
+    k8s = config.kubernetes
+    digest = hashlib.sha256(f"{output}{os.getpid()}".encode()).hexdigest()[:10]
+    name = f"kubealign-ppo-{digest}"
+    shared = Path(k8s.pvc_mount) / "trainjobs" / name
+    for label, source in (("prompts", prompts), ("actor", actor), ("critic", critic)):
+        shutil.copytree(source, shared / label)
+    (shared / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
+    cli_args = ["ppo", "--config", str(shared / "config.yaml"), "--output", str(shared / "output")]
+    for label in ("prompts", "actor", "critic"):
+        cli_args += [f"--{label}", str(shared / label)]
+    env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
+    body = trainjob.manifest(name, k8s, k8s.train_image or train_image(), torchrun_command(0, cli_args, True), env)
+    trainjob.submit_and_wait(body, k8s.trainjob_timeout_s)
+    shutil.copytree(shared / "output", output, dirs_exist_ok=True)
+    shutil.rmtree(shared, ignore_errors=True)
+    return read_result(Path(output))
+
+
+# MLflow location and nesting travel from the task's pod into the TrainJob's pods.
+_FORWARDED_ENV = (
+    "MLFLOW_TRACKING_URI",
+    "MLFLOW_EXPERIMENT_ID",
+    "MLFLOW_EXPERIMENT_NAME",
+    "MLFLOW_RUN_ID",
+    "KUBEALIGN_PARENT_RUN_ID",
+)
+
+
+def evaluate(
+    config_json: str, overrides: list[str], prompts: str, baseline: str, candidate: str, reward: str, output: str
+) -> dict[str, Any]:
+    from kubealign.stages import evaluate as stage
+
+    return stage.run(
+        load(config_json, overrides), Path(prompts), Path(baseline), Path(candidate), Path(reward), Path(output)
+    )
+
+
+def promote(config_json: str, overrides: list[str], evaluation: str, model_dir: str, output: str) -> dict[str, Any]:
+    from kubealign.stages import promote as stage
+
+    return stage.run(load(config_json, overrides), Path(evaluation), Path(model_dir), Path(output))
+
+
+def roc(reward_dir: str) -> tuple[list[float], list[float], list[float], list[list[int]]]:
+    """(fpr, tpr, thresholds, confusion matrix) of the RM's held-out pairs, for a KFP ClassificationMetrics.
+
+    The ROC treats every response alone (label: was it the chosen one). The confusion matrix is pairwise,
+    which is what a reward model is trained for: in each pair the higher-scored response is predicted
+    "chosen", so rows [rejected, chosen] x predicted [rejected, chosen] hold accuracy on the diagonal.
+    """
+    import json
+
+    scores = json.loads((Path(reward_dir) / "eval_scores.json").read_text(encoding="utf-8"))
+    labels, values = scores["labels"], scores["scores"]
+    half = len(labels) // 2  # chosen scores first, then the rejected ones in the same pair order
+    right = sum(c > r for c, r in zip(values[:half], values[half:], strict=True))
+    matrix = [[right, half - right], [half - right, right]]
+    # sklearn's first threshold is +inf, stored as null; KFP wants finite numbers
+    top = max(values) + 1.0
+    thresholds = [top if t is None else t for t in scores["thresholds"]]
+    return scores["fpr"], scores["tpr"], thresholds, matrix
+
+
+def to_kfp(result: dict[str, Any], metrics: Any, artifact: Any) -> None:
+    """Hand a stage result to KFP: numeric metrics into the Metrics artifact (the UI's metrics table)
+    and onto the output artifact's metadata, with the stage name."""
+    numeric = {k: float(v) for k, v in result.get("metrics", {}).items() if isinstance(v, int | float)}
+    for key, value in numeric.items():
+        metrics.log_metric(key, value)
+    artifact.metadata.update({"stage": result.get("stage", ""), **numeric})
+    persist(metrics)
+
+
+def persist(*artifacts: Any) -> None:
+    """Write metadata-only artifacts (Metrics, ClassificationMetrics) to their path as JSON.
+
+    KFP keeps their content in metadata and never writes a file, and kfp.local's cache treats an
+    artifact without a file as missing, so every rerun would miss the cache. A file also gives the
+    artifact store a copy of the numbers."""
+    import json
+
+    for artifact in artifacts:
+        path = Path(artifact.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(artifact.metadata, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def held_aliases(promote_result: dict[str, Any]) -> str:
+    """The registry aliases the new version holds after promotion, e.g. "challenger,champion"."""
+    version = promote_result["version"]
+    return ",".join(sorted(a for a, v in promote_result["aliases"].items() if v == version))
+
+
+def write_report(evaluation_dir: str, html_path: str, markdown_path: str) -> None:
+    """One self-contained HTML page (the samples table with the plots inlined as data: URIs, since the
+    KFP UI shows a single file) and the Markdown sample table."""
+    import base64
+
+    directory = Path(evaluation_dir)
+    page = (directory / "samples.html").read_text(encoding="utf-8")
+    images = "".join(
+        f"<h2>{png.stem.replace('_', ' ')}</h2><img alt='{png.stem}' "
+        f"src='data:image/png;base64,{base64.b64encode(png.read_bytes()).decode()}'>\n"
+        for png in sorted(directory.glob("*.png"))
+    )
+    Path(html_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(html_path).write_text(page.replace("</body>", images + "</body>"), encoding="utf-8")
+    shutil.copyfile(directory / "samples.md", markdown_path)

@@ -1,0 +1,154 @@
+"""The kubealign DAG: data-split -> sft || reward -> ppo -> evaluate -> promote.
+
+`build(config)` returns the @dsl.pipeline function for one resolved config. The config becomes the
+pipeline parameter `config_json` (editable in the Kubeflow UI), next to the common knobs:
+
+| pipeline parameter   | config field            | task(s)                       |
+|----------------------|-------------------------|-------------------------------|
+| config_json          | the whole config        | all                           |
+| sft_model            | sft.model               | sft                           |
+| reward_model         | reward.model            | reward                        |
+| ppo_num_iterations   | ppo.num_iterations      | ppo                           |
+| data_fingerprint     | (sources' content hash) | data_split (cache key only)   |
+| sft_model_fingerprint / reward_model_fingerprint | (base models' hashes) | sft / reward (cache key only) |
+
+Everything about the cluster is set here, from `config.kubernetes`, never in the components: GPUs per
+stage, CPU/memory requests, /dev/shm as a memory emptyDir on training pods, MLflow and object-store
+credentials from Secrets, an optional PVC, node selectors and tolerations. The promotion gate is inside
+the promote task (it always registers a challenger; only a candidate that passes moves @champion).
+"""
+
+# No `from __future__ import annotations` here: KFP reads the pipeline function's annotations as objects.
+from collections.abc import Callable
+from typing import NamedTuple
+
+from kfp import dsl, kubernetes
+from kfp.dsl import Artifact, Dataset, Model
+from kubealign.components import stages
+
+from kubealign.config import KubealignConfig, config_to_json
+from kubealign.config.schema import KubernetesConfig
+from kubealign.fingerprint import data_fingerprint, model_fingerprint
+from kubealign.images import cpu_image, train_image
+
+PIPELINE_NAME = "kubealign-rlhf"
+
+
+class Outputs(NamedTuple):
+    """What a pipeline run returns: each stage's output directory (kfp.local hands them to `kubealign run`)."""
+
+    data_split: Dataset
+    sft: Model
+    reward: Model
+    ppo: Model
+    evaluate: Artifact
+    promote: Artifact
+
+
+MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+OBJECT_STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")
+
+
+def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool) -> None:
+    """Image, requests, accelerators, shm, node placement, secrets and PVC of one task."""
+    task.set_container_image(image)
+    task.set_cpu_request(k8s.cpu_request)
+    if training:
+        task.set_memory_request(k8s.memory_request)
+        # NCCL and DataLoader workers need more shared memory than the container runtime's 64 MiB.
+        kubernetes.empty_dir_mount(task, "dshm", "/dev/shm", medium="Memory", size_limit=k8s.shm_size)
+    if gpus:
+        task.set_accelerator_type(k8s.accelerator_type).set_accelerator_limit(gpus)
+        for key, value in k8s.node_selector.items():
+            kubernetes.add_node_selector(task, key, value)
+        for tol in k8s.tolerations:
+            kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect)
+    if k8s.mlflow_secret:
+        keys = {key: key for key in MLFLOW_SECRET_KEYS}
+        kubernetes.use_secret_as_env(task, k8s.mlflow_secret, keys, optional=True)
+    if k8s.object_store_secret:
+        keys = {key: key for key in OBJECT_STORE_SECRET_KEYS}
+        kubernetes.use_secret_as_env(task, k8s.object_store_secret, keys, optional=True)
+    if k8s.pvc:
+        kubernetes.mount_pvc(task, k8s.pvc, k8s.pvc_mount)
+
+
+def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
+    """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run)."""
+    k8s = config.kubernetes
+    train, cpu = k8s.train_image or train_image(), k8s.cpu_image or cpu_image()
+    defaults = {
+        "config_json": config_to_json(config),
+        "data_fingerprint": data_fingerprint(config),
+        "sft_model_fingerprint": model_fingerprint(config.sft.model),
+        "reward_model_fingerprint": model_fingerprint(config.reward.model),
+    }
+
+    def place(task: dsl.PipelineTask, name: str, gpus: int, image: str, training: bool) -> dsl.PipelineTask:
+        task.set_display_name(name)
+        _resources(task, k8s, gpus, image, training)
+        for key, value in sorted((env or {}).items()):
+            task.set_env_variable(key, value)
+        return task
+
+    @dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="RLHF: data split, SFT, reward model, PPO (DeepSpeed Hybrid Engine), evaluation, "
+        "MLflow registry promotion.",
+    )
+    def kubealign_pipeline(
+        config_json: str = defaults["config_json"],
+        sft_model: str = config.sft.model,
+        reward_model: str = config.reward.model,
+        ppo_num_iterations: int = config.ppo.num_iterations,
+        data_fingerprint: str = defaults["data_fingerprint"],
+        sft_model_fingerprint: str = defaults["sft_model_fingerprint"],
+        reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
+    ) -> Outputs:
+        split = stages.data_split(config_json=config_json, data_fingerprint=data_fingerprint)
+        place(split, "data split", 0, cpu, training=False)
+        dataset = split.outputs["dataset"]
+        sft = stages.sft(
+            config_json=config_json, model_name=sft_model, model_fingerprint=sft_model_fingerprint, data=dataset
+        )
+        place(sft, "supervised fine-tuning", k8s.sft_gpus, train, training=True)
+        reward = stages.reward(
+            config_json=config_json,
+            model_name=reward_model,
+            model_fingerprint=reward_model_fingerprint,
+            data=dataset,
+        )
+        place(reward, "reward model", k8s.reward_gpus, train, training=True)
+        ppo = stages.ppo(
+            config_json=config_json,
+            num_iterations=ppo_num_iterations,
+            prompts=dataset,
+            actor=sft.outputs["model"],
+            critic=reward.outputs["model"],
+        )
+        place(ppo, "PPO (hybrid engine)", k8s.ppo_gpus, train, training=True)
+        evaluation = stages.evaluate(
+            config_json=config_json,
+            prompts=dataset,
+            baseline=sft.outputs["model"],
+            candidate=ppo.outputs["model"],
+            reward_model=reward.outputs["model"],
+        )
+        place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
+        promote = stages.promote(
+            config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=ppo.outputs["model"]
+        )
+        place(promote, "promote (MLflow registry)", 0, cpu, training=False)
+        # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
+        # skip the gate against a champion that may have changed since.
+        promote.set_caching_options(False)
+        return Outputs(
+            data_split=dataset,
+            sft=sft.outputs["model"],
+            reward=reward.outputs["model"],
+            ppo=ppo.outputs["model"],
+            evaluate=evaluation.outputs["evaluation"],
+            promote=promote.outputs["promotion"],
+        )
+
+    return kubealign_pipeline

@@ -1,0 +1,132 @@
+"""`kubealign run`: the whole DAG on this machine through kfp.local's SubprocessRunner.
+
+The same compiled DAG a cluster runs, executed task by task as subprocesses of this Python (no
+containers, no pip installs: use_venv=False). Around it, this module does what the cluster's MLflow
+integration would: one parent MLflow run for the pipeline run, handed to every task through the
+environment (KUBEALIGN_PARENT_RUN_ID, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID), so each stage's run
+nests under it. Environment variables set this way are not part of kfp.local's cache key, so a second
+`kubealign run --cache` still reuses unchanged tasks.
+
+When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory and its content hash.
+`kubealign summary OUTPUT` and `kubealign rerun STAGE --from OUTPUT` read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kubealign.config import KubealignConfig, config_to_json
+from kubealign.errors import UserError, first_line
+from kubealign.outputs import tree_sha256, write_json
+from kubealign.tracking import PARENT_RUN_ENV, default_store
+
+INDEX_FILE = "run.json"
+STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, str]:
+    """(client, tracking URI, experiment id, run id) of a new parent run for this pipeline run."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.tracking import _experiment_id
+
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    artifact_location = None
+    if not uri:
+        uri, artifact_location = default_store(output)
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        experiment_id = _experiment_id(client, config.tracking.experiment, artifact_location)
+        run_name = f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
+        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kfp.local"}
+        run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+        client.log_text(run_id, config_to_json(config), "config/resolved.json")
+    except Exception as exc:
+        raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}") from None
+    return client, uri, experiment_id, run_id
+
+
+def write_index(output: Path, stages: dict[str, Path], extra: dict[str, Any]) -> dict:
+    """OUTPUT/run.json: stage -> {dir, sha256}, plus where the run came from."""
+    index = {
+        "stages": {name: {"dir": str(path), "sha256": tree_sha256(path)} for name, path in stages.items()},
+        **extra,
+    }
+    write_json(output / INDEX_FILE, index)
+    return index
+
+
+def read_index(run: Path) -> dict[str, Any]:
+    path = run / INDEX_FILE
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{run}: no {INDEX_FILE}; expected the --output of `kubealign run`") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+
+
+def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[str, Any]:
+    """Run the DAG locally into OUTPUT; returns the run index (also written to OUTPUT/run.json)."""
+    from kfp import local
+    from kubealign.pipelines.dag import build
+
+    output = output.resolve()
+    pipeline_root = output / "kfp"
+    pipeline_root.mkdir(parents=True, exist_ok=True)
+    client, uri, experiment_id, parent = parent_run(config, output)
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    local.init(
+        runner=local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(pipeline_root),
+        raise_on_error=False,
+        enable_caching=caching,
+        cache_root=str(output / "kfp-cache"),
+    )
+    started = time.perf_counter()
+    with _environ(env), warnings.catch_warnings():
+        # kfp.local warns that our image names do not say "python": here the image is this environment.
+        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        outputs = build(config)().outputs
+    wall = time.perf_counter() - started
+    # cached tasks point into the run that computed them: take the directories from the outputs
+    stages = {}
+    for stage in STAGES:
+        artifact = outputs.get(stage.replace("-", "_"))
+        if artifact is not None and (Path(artifact.path) / "result.json").is_file():
+            stages[stage] = Path(artifact.path)
+    ok = len(stages) == len(STAGES)
+    mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
+    extra = {"config_json": config_to_json(config), "wall_time_s": wall, "succeeded": ok, "mlflow": mlflow}
+    index = write_index(output, stages, extra)
+    client.log_metric(parent, "wall_time_s", wall)
+    client.set_terminated(parent, "FINISHED" if ok else "FAILED")
+    if not ok:
+        missing = [s for s in STAGES if s not in stages]
+        raise PipelineFailed(f"pipeline run failed: no result from {', '.join(missing)} (task logs above)")
+    return index
+
+
+class PipelineFailed(RuntimeError):
+    """A task of the local run failed; its log is above this message."""

@@ -1,0 +1,98 @@
+"""`kubealign compile` and `kubealign submit`: the DAG as KFP IR YAML, and a run on a Kubeflow cluster.
+
+Submission goes through kfp.Client with its standard authentication: in-cluster service-account
+tokens (KF_PIPELINES_SA_TOKEN_PATH), `--token` / KFP_TOKEN for a bearer token, or the cookie and
+context settings kfp keeps in ~/.config/kfp/context.json.
+
+MLflow: when this machine can reach the tracking server (MLFLOW_TRACKING_URI or tracking.uri), submit
+creates the pipeline run's parent MLflow run and bakes KUBEALIGN_PARENT_RUN_ID and
+MLFLOW_EXPERIMENT_ID into every task's environment, so each stage's run nests under it. Environment
+variables are not part of KFP's cache fingerprint (image, command, arguments, inputs), so cached tasks
+are still reused. Where KFP's MLflow integration injects MLFLOW_RUN_ID into the task instead, the stage
+logs into that run (see kubealign.tracking); `--no-parent-run` leaves nesting to it entirely.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kubealign.config import KubealignConfig
+from kubealign.errors import UserError, first_line
+from kubealign.tracking import PARENT_RUN_ENV
+
+
+def compile_pipeline(config: KubealignConfig, output: Path, env: dict[str, str] | None = None) -> Path:
+    """Write the KFP IR YAML of the DAG for `config` (atomically) and return its path."""
+    from kfp import compiler
+
+    from kubealign.pipelines.dag import build
+
+    output = output.resolve()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output.with_name(f".{output.name}.tmp-{os.getpid()}.yaml")
+    try:
+        compiler.Compiler().compile(build(config, env), str(tmp))
+        os.replace(tmp, output)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return output
+
+
+def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
+    """Create the parent MLflow run on a reachable tracking server; {} when there is none to reach."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    if not uri or uri.startswith(("sqlite:", "file:")) or "://" not in uri:
+        return {}  # a local store here is not the store the cluster's tasks write to
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.tracking import _experiment_id
+
+    try:
+        client = MlflowClient(tracking_uri=uri)
+        experiment_id = _experiment_id(client, config.tracking.experiment, None)
+        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow"}
+        run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
+    except Exception as exc:
+        raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}") from None
+    return {"MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: run_id}
+
+
+def submit(
+    config: KubealignConfig,
+    host: str,
+    experiment: str | None = None,
+    run_name: str | None = None,
+    namespace: str | None = None,
+    enable_caching: bool = True,
+    token: str | None = None,
+    parent_run: bool = True,
+) -> dict[str, Any]:
+    """Compile for `config` and create a run on the KFP API at `host`; returns run id, URL, parent run."""
+    import kfp
+
+    run_name = run_name or f"kubealign-{time.strftime('%Y%m%d-%H%M%S')}"
+    env = remote_parent_run(config, run_name) if parent_run else {}
+    with tempfile.TemporaryDirectory(prefix="kubealign-submit-") as tmp:
+        package = compile_pipeline(config, Path(tmp) / "pipeline.yaml", env)
+        try:
+            client = kfp.Client(host=host, namespace=namespace, existing_token=token or os.environ.get("KFP_TOKEN"))
+            result = client.create_run_from_pipeline_package(
+                str(package),
+                arguments={},
+                run_name=run_name,
+                experiment_name=experiment or config.tracking.experiment,
+                namespace=namespace,
+                enable_caching=enable_caching,
+            )
+        except Exception as exc:  # connection refused, 401/403, a rejected spec: one line, not a traceback
+            raise UserError(f"KFP API at {host}: {first_line(exc)}") from None
+    return {
+        "run_id": result.run_id,
+        "run_name": run_name,
+        "url": f"{host.rstrip('/')}/#/runs/details/{result.run_id}",
+        "mlflow_parent_run_id": env.get(PARENT_RUN_ENV),
+    }

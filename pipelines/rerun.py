@@ -1,0 +1,96 @@
+"""`kubealign rerun STAGE --from RUN_DIR`: one stage (and optionally what follows it) again, on the
+artifacts of an earlier `kubealign run`.
+
+The earlier run's index (RUN_DIR/run.json) names each stage's directory and its content hash. The
+rerun checks that the inputs it takes from there are unchanged (same hash), runs the stage through the
+same kubealign.tasks function its KFP component calls, with the earlier run's config plus any --set,
+and writes a new run directory whose index points at the reused upstream directories and the new
+ones. Nothing of the earlier run is modified.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from kubealign import tasks
+from kubealign.config import config_from_json, config_to_json
+from kubealign.errors import UserError
+from kubealign.outputs import tree_sha256
+from kubealign.pipelines.local import STAGES, _environ, parent_run, read_index, write_index
+from kubealign.tracking import PARENT_RUN_ENV
+
+# stage -> the stages whose outputs it reads, in the DAG
+UPSTREAM = {
+    "data-split": (),
+    "sft": ("data-split",),
+    "reward": ("data-split",),
+    "ppo": ("data-split", "sft", "reward"),
+    "evaluate": ("data-split", "sft", "reward", "ppo"),
+    "promote": ("evaluate", "ppo"),
+}
+
+
+def downstream_of(stage: str) -> list[str]:
+    """Every stage that reads `stage`'s output, directly or not, in DAG order."""
+    found = {stage}
+    for candidate in STAGES:
+        if any(up in found for up in UPSTREAM[candidate]):
+            found.add(candidate)
+    return [s for s in STAGES if s in found and s != stage]
+
+
+def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path) -> dict[str, Any]:
+    d = {name: str(path) for name, path in dirs.items()}
+    if stage == "data-split":
+        return tasks.data_split(config_json, [], str(out))
+    if stage in ("sft", "reward"):
+        return tasks.train(stage, config_json, [], d["data-split"], "", str(out))
+    if stage == "ppo":
+        return tasks.ppo(config_json, [], d["data-split"], d["sft"], d["reward"], str(out))
+    if stage == "evaluate":
+        return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d["ppo"], d["reward"], str(out))
+    return tasks.promote(config_json, [], d["evaluate"], d["ppo"], str(out))
+
+
+def rerun(
+    stage: str, run: Path, overrides: list[str], downstream: bool = False, output: Path | None = None
+) -> dict[str, Any]:
+    """Rerun `stage` (plus its downstream stages) from RUN's artifacts into OUTPUT; returns the new index."""
+    if stage not in STAGES:
+        raise UserError(f"rerun: unknown stage {stage!r}; one of {', '.join(STAGES)}")
+    index = read_index(run)
+    if "config_json" not in index:
+        raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
+    config = config_from_json(index["config_json"], overrides)
+    todo = [stage, *downstream_of(stage)] if downstream else [stage]
+    dirs: dict[str, Path] = {}
+    for name in {up for s in todo for up in UPSTREAM[s]} - set(todo):
+        entry = index["stages"].get(name)
+        if entry is None:
+            raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {stage} needs")
+        path = Path(entry["dir"])
+        if not path.is_dir() or tree_sha256(path) != entry["sha256"]:
+            raise UserError(f"{path}: the {name} output changed or vanished since the run; cannot reuse it")
+        dirs[name] = path
+    output = (output or run.parent / f"{run.name}-rerun-{stage}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output}: exists and is not empty")
+    client, uri, experiment_id, parent = parent_run(config, output)
+    client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    config_json = config_to_json(config)
+    status = "FAILED"
+    try:
+        with _environ(env):
+            for name in todo:
+                _run_stage(name, config_json, dirs, output / name)
+                dirs[name] = output / name
+        status = "FINISHED"
+    finally:
+        client.set_terminated(parent, status)
+    reused = sorted(set(dirs) - set(todo))
+    extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
+    extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
+    return write_index(output, dirs, extra)
