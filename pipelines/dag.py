@@ -24,8 +24,8 @@ from typing import NamedTuple
 
 from kfp import dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Model
-from kubealign.components import stages
 
+from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint

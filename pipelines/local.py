@@ -90,6 +90,7 @@ def read_index(run: Path) -> dict[str, Any]:
 def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[str, Any]:
     """Run the DAG locally into OUTPUT; returns the run index (also written to OUTPUT/run.json)."""
     from kfp import local
+
     from kubealign.pipelines.dag import build
 
     output = output.resolve()
