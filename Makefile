@@ -16,18 +16,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	$(BIN)/pip install --disable-pip-version-check -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
 
-# Until the Kubeflow DAG (kubealign run) exists, the demo chains the stages one command at a time.
+# The embedded default: the whole KFP DAG through kfp.local on the tiny-cpu preset (kubealign run).
 demo: $(STAMP)
-	$(BIN)/kubealign data-split --output $(DEMO_DIR)/data-split
-	$(BIN)/kubealign sft --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/sft
-	$(BIN)/kubealign reward --data $(DEMO_DIR)/data-split --output $(DEMO_DIR)/reward
-	$(BIN)/kubealign ppo --prompts $(DEMO_DIR)/data-split --actor $(DEMO_DIR)/sft --critic $(DEMO_DIR)/reward \
-		--output $(DEMO_DIR)/ppo
-	$(BIN)/kubealign evaluate --prompts $(DEMO_DIR)/data-split --baseline $(DEMO_DIR)/sft \
-		--candidate $(DEMO_DIR)/ppo --reward $(DEMO_DIR)/reward --output $(DEMO_DIR)/evaluate
-	$(BIN)/kubealign promote --evaluation $(DEMO_DIR)/evaluate --model-dir $(DEMO_DIR)/ppo --output $(DEMO_DIR)/promote
-	@echo; $(BIN)/kubealign summary $(DEMO_DIR)
-	@echo "MLflow UI on the demo's store: $(BIN)/mlflow ui --backend-store-uri sqlite:///$(abspath $(DEMO_DIR))/mlflow.db"
+	$(BIN)/kubealign run --output $(DEMO_DIR)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

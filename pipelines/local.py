@@ -24,6 +24,7 @@ from typing import Any
 
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
+from kubealign.models.tiny import cache_root
 from kubealign.outputs import tree_sha256, write_json
 from kubealign.tracking import PARENT_RUN_ENV, default_store
 
@@ -103,12 +104,16 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
         pipeline_root=str(pipeline_root),
         raise_on_error=False,
         enable_caching=caching,
-        cache_root=str(output / "kfp-cache"),
+        # one cache for every run on this machine, like KFP's own: a run into another --output still
+        # reuses tasks whose inputs are unchanged (entries whose artifacts were deleted are misses)
+        cache_root=str(cache_root() / "kfp-local"),
     )
     started = time.perf_counter()
     with _environ(env), warnings.catch_warnings():
         # kfp.local warns that our image names do not say "python": here the image is this environment.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+        # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
+        warnings.filterwarnings("ignore", message=".*have no effect.*")
         outputs = build(config)().outputs
     wall = time.perf_counter() - started
     # cached tasks point into the run that computed them: take the directories from the outputs

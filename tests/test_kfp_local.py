@@ -1,0 +1,129 @@
+"""The whole DAG through kfp.local (SubprocessRunner) on the tiny preset, shortened: a champion in a
+temporary MLflow registry, one parent run with a nested run per task, the local cache, and
+`kubealign rerun` on the run's artifacts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from kubealign.cli import main
+from kubealign.outputs import tree_sha256
+from kubealign.pipelines.rerun import downstream_of
+
+pytestmark = [pytest.mark.kfp, pytest.mark.integration]
+
+SHORT = [
+    "sft.num_train_epochs=2",
+    "reward.num_train_epochs=1",
+    "ppo.num_iterations=3",
+    "evaluate.max_prompts=8",
+    # a gate any candidate passes: this test is about the wiring to the registry, not about quality
+    "promote.min_win_rate=0",
+    "promote.min_reward_gain=-100",
+]
+STAGES = ["data-split", "sft", "reward", "ppo", "evaluate", "promote"]
+
+
+def overrides() -> list[str]:
+    return [arg for item in SHORT for arg in ("--set", item)]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    out = tmp_path_factory.mktemp("kfp-local") / "run"
+    assert main(["run", *overrides(), "--output", str(out), "--cache"]) == 0
+    return out, json.loads((out / "run.json").read_text(encoding="utf-8"))
+
+
+def test_local_run_registers_a_champion(first_run) -> None:
+    out, index = first_run
+    assert index["succeeded"] and list(index["stages"]) == STAGES
+    promote = json.loads((Path(index["stages"]["promote"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    assert promote["aliases"]["champion"] == promote["version"] == 1
+    client = MlflowClient(index["mlflow"]["tracking_uri"])
+    assert index["mlflow"]["tracking_uri"] == f"sqlite:///{out.resolve() / 'mlflow.db'}"
+    assert client.get_model_version_by_alias("kubealign-actor", "champion").version in (1, "1")
+    # every stage wrote its result where the index says, and the hash is of what is there now
+    for stage, entry in index["stages"].items():
+        assert json.loads((Path(entry["dir"]) / "result.json").read_text(encoding="utf-8"))["stage"] == stage
+        assert tree_sha256(Path(entry["dir"])) == entry["sha256"]
+
+
+def test_one_parent_mlflow_run_with_a_nested_run_per_task(first_run) -> None:
+    _, index = first_run
+    client = MlflowClient(index["mlflow"]["tracking_uri"])
+    parent = client.get_run(index["mlflow"]["parent_run_id"])
+    assert parent.info.status == "FINISHED" and parent.data.tags["kubealign.stage"] == "pipeline"
+    children = client.search_runs(
+        [index["mlflow"]["experiment_id"]], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    assert sorted(r.data.tags["kubealign.stage"] for r in children) == sorted(STAGES)
+    sft = next(r for r in children if r.data.tags["kubealign.stage"] == "sft")
+    assert sft.data.params["sft.num_train_epochs"] == "2.0"  # the task got the run's config
+    assert sft.data.metrics["after_perplexity"] < sft.data.metrics["before_perplexity"]
+
+
+def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path) -> None:
+    out, index = first_run
+    again = tmp_path / "again"
+    assert main(["run", *overrides(), "--output", str(again), "--cache"]) == 0
+    second = json.loads((again / "run.json").read_text(encoding="utf-8"))
+    for stage in STAGES[:-1]:  # same inputs -> the same artifact directories, not recomputed
+        assert second["stages"][stage]["dir"] == index["stages"][stage]["dir"], stage
+    assert second["stages"]["promote"]["dir"] != index["stages"]["promote"]["dir"]
+    assert second["wall_time_s"] < index["wall_time_s"] / 3
+
+
+def test_rerun_ppo_reuses_that_runs_sft_and_reward(first_run, tmp_path: Path, capsys) -> None:
+    out, index = first_run
+    target = tmp_path / "ppo-again"
+    code = main(["rerun", "ppo", "--from", str(out), "--set", "ppo.num_iterations=2", "--output", str(target)])
+    assert code == 0
+    assert "reused data-split, reward, sft" in capsys.readouterr().out
+    new = json.loads((target / "run.json").read_text(encoding="utf-8"))
+    assert new["rerun"] == ["ppo"] and new["reused"] == ["data-split", "reward", "sft"]
+    for stage in ("data-split", "sft", "reward"):  # the very same inputs, byte for byte
+        assert new["stages"][stage] == index["stages"][stage]
+        assert tree_sha256(Path(new["stages"][stage]["dir"])) == index["stages"][stage]["sha256"]
+    ppo = json.loads((target / "ppo" / "result.json").read_text(encoding="utf-8"))
+    assert len(ppo["history"]) == 2  # the override applied
+    assert new["stages"]["ppo"]["sha256"] != index["stages"]["ppo"]["sha256"]
+    assert tree_sha256(Path(index["stages"]["ppo"]["dir"])) == index["stages"]["ppo"]["sha256"]  # old run untouched
+    client = MlflowClient(new["mlflow"]["tracking_uri"])
+    assert (
+        client.get_run(new["mlflow"]["parent_run_id"]).data.tags["kubealign.rerun_of"]
+        == index["mlflow"]["parent_run_id"]
+    )
+
+
+def test_rerun_refuses_inputs_that_changed(cli, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    dirs = {}
+    for stage in ("data-split", "sft", "reward"):
+        (tmp_path / stage).mkdir()
+        (tmp_path / stage / "result.json").write_text("{}", encoding="utf-8")
+        dirs[stage] = {"dir": str(tmp_path / stage), "sha256": tree_sha256(tmp_path / stage)}
+    (run / "run.json").write_text(json.dumps({"config_json": "{}", "stages": dirs}), encoding="utf-8")
+    (tmp_path / "sft" / "model.safetensors").write_bytes(b"edited after the run")
+    result = cli("rerun", "ppo", "--from", run)
+    assert result.code == 2 and "sft output changed or vanished" in result.err
+    assert cli("rerun", "ppo", "--from", tmp_path / "nowhere").code == 2
+
+
+def test_downstream_order() -> None:
+    assert downstream_of("sft") == ["ppo", "evaluate", "promote"]
+    assert downstream_of("data-split") == STAGES[1:]
+    assert downstream_of("promote") == []
+
+
+def test_a_failing_task_fails_the_run_in_one_line(cli, tmp_path: Path) -> None:
+    result = cli("run", "--set", f"data.sources=[{{path: {tmp_path / 'missing.jsonl'}}}]", "--output", tmp_path / "r")
+    assert result.code == 2
+    assert result.err.strip().splitlines()[-1].startswith("kubealign: error: pipeline run failed: no result from")
+    index = json.loads((tmp_path / "r" / "run.json").read_text(encoding="utf-8"))
+    assert index["succeeded"] is False and index["stages"] == {}

@@ -1,0 +1,124 @@
+"""The compiled DAG: KFP IR that parses into the PipelineSpec proto, with the tasks, edges, GPUs,
+secrets, volumes and cache-relevant inputs the cluster needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from google.protobuf import json_format
+from kfp.kubernetes import kubernetes_executor_config_pb2 as k8s_pb
+from kfp.pipeline_spec import pipeline_spec_pb2
+
+from kubealign.config import load_config
+from kubealign.pipelines.remote import compile_pipeline
+from tests.conftest import write_jsonl
+
+pytestmark = pytest.mark.kfp
+
+GPU_CLUSTER = [
+    "kubernetes.sft_gpus=2",
+    "kubernetes.reward_gpus=1",
+    "kubernetes.ppo_gpus=8",
+    "kubernetes.pvc=rlhf-data",
+    "kubernetes.node_selector={pool: a100}",
+    "kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+    "kubernetes.shm_size=32Gi",
+]
+
+
+def compiled(
+    tmp_path: Path, overrides: list[str]
+) -> tuple[pipeline_spec_pb2.PipelineSpec, k8s_pb.KubernetesExecutorConfig]:
+    path = compile_pipeline(load_config(None, overrides), tmp_path / "pipeline.yaml")
+    pipeline_doc, platform_doc = yaml.safe_load_all(path.read_text(encoding="utf-8"))
+    spec = json_format.ParseDict(pipeline_doc, pipeline_spec_pb2.PipelineSpec())
+    executors = platform_doc["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    return spec, {
+        name: json_format.ParseDict(cfg, k8s_pb.KubernetesExecutorConfig()) for name, cfg in executors.items()
+    }
+
+
+def test_six_tasks_with_their_edges(tmp_path: Path) -> None:
+    spec, _ = compiled(tmp_path, [])
+    tasks = spec.root.dag.tasks
+    assert set(tasks) == {"data-split", "sft", "reward", "ppo", "evaluate", "promote"}
+
+    def producers(task: str) -> set[str]:
+        inputs = tasks[task].inputs.artifacts.values()
+        return {a.task_output_artifact.producer_task for a in inputs}
+
+    assert producers("sft") == producers("reward") == {"data-split"}  # sft || reward
+    assert producers("ppo") == {"data-split", "sft", "reward"}
+    assert producers("evaluate") == {"data-split", "sft", "reward", "ppo"}
+    assert producers("promote") == {"evaluate", "ppo"}
+    assert tasks["ppo"].task_info.name == "PPO (hybrid engine)"
+    # the pipeline parameters and their defaults: the resolved config and the common knobs
+    params = spec.root.input_definitions.parameters
+    assert set(params) >= {"config_json", "sft_model", "reward_model", "ppo_num_iterations", "data_fingerprint"}
+    assert params["ppo_num_iterations"].default_value.number_value == 30  # tiny-cpu's ppo.num_iterations
+    # promote always re-checks the registry; the other tasks may be served from KFP's cache
+    assert not tasks["promote"].caching_options.enable_cache
+    assert tasks["sft"].caching_options.enable_cache
+
+
+def test_gpus_shm_secrets_pvc_and_placement_are_set_in_the_pipeline(tmp_path: Path) -> None:
+    spec, platform = compiled(tmp_path, GPU_CLUSTER)
+    executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+    containers = {name: executors[f"exec-{name}"]["container"] for name in ("sft", "reward", "ppo", "data-split")}
+    gpus = {name: c.get("resources", {}).get("accelerator", {}) for name, c in containers.items()}
+    assert (gpus["sft"]["resourceCount"], gpus["sft"]["resourceType"]) == ("2", "nvidia.com/gpu")
+    assert gpus["reward"]["resourceCount"] == "1"
+    assert gpus["ppo"]["resourceCount"] == "8"
+    assert gpus["data-split"] == {}  # CPU task
+    assert containers["sft"]["image"].endswith(":0.1.0") and "kubealign-train" in containers["sft"]["image"]
+    assert "kubealign-cpu" in containers["data-split"]["image"]
+
+    ppo = platform["exec-ppo"]
+    assert [(v.mount_path, v.medium, v.size_limit) for v in ppo.empty_dir_mounts] == [("/dev/shm", "Memory", "32Gi")]
+    assert [(p.constant, p.mount_path) for p in ppo.pvc_mount] == [("rlhf-data", "/mnt/kubealign")]
+    assert dict(ppo.node_selector.labels) == {"pool": "a100"}
+    assert [(t.key, t.operator, t.effect) for t in ppo.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
+    secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in ppo.secret_as_env}
+    assert secrets["kubealign-mlflow"] == {
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+    }
+    assert "AWS_SECRET_ACCESS_KEY" in secrets["kubealign-object-store"]
+    # no shm, GPUs or node pinning for the CPU-only data split, but the same credentials
+    split = platform["exec-data-split"]
+    assert not split.empty_dir_mounts and not split.node_selector.labels
+    assert {s.secret_name for s in split.secret_as_env} == {"kubealign-mlflow", "kubealign-object-store"}
+
+
+def test_components_hold_no_install_step(tmp_path: Path) -> None:
+    spec, _ = compiled(tmp_path, [])
+    for name, executor in json_format.MessageToDict(spec.deployment_spec)["executors"].items():
+        command = " ".join(executor["container"]["command"])
+        assert "pip install" not in command, name
+        assert "kubealign import tasks" in command, name  # the body is a call into kubealign.tasks
+
+
+def test_data_fingerprint_follows_the_content_of_a_local_source(tmp_path: Path) -> None:
+    source = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "p", "chosen": "a", "rejected": "b"}])
+    overrides = [f"data.sources=[{{path: {source}}}]"]
+
+    def fingerprint() -> str:
+        spec, _ = compiled(tmp_path, overrides)
+        return spec.root.input_definitions.parameters["data_fingerprint"].default_value.string_value
+
+    first, again = fingerprint(), fingerprint()
+    write_jsonl(source, [{"prompt": "p", "chosen": "a", "rejected": "c"}])  # same path, new content
+    assert first == again
+    assert fingerprint() != first  # so KFP's cache cannot serve the old split for the new data
+
+
+def test_compile_cli_and_bad_config(cli, tmp_path: Path) -> None:
+    out = tmp_path / "p.yaml"
+    result = cli("compile", "--set", "kubernetes.ppo_gpus=4", "-o", out)
+    assert result.code == 0 and out.is_file(), result.err
+    bad = cli("compile", "--set", "kubernetes.ppo_nodes=2", "-o", tmp_path / "q.yaml")
+    assert bad.code == 2 and "kubernetes.pvc" in bad.err and len(bad.err.strip().splitlines()) == 1
+    assert not (tmp_path / "q.yaml").exists()

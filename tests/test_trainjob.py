@@ -1,0 +1,101 @@
+"""Multi-node PPO: the TrainJob manifest against the Kubeflow Trainer CRD, and how its status maps
+onto the KFP task (driven with recorded status objects: no cluster runs here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubealign.cluster import trainjob
+from kubealign.config import load_config
+from kubealign.tasks import torchrun_command
+from tests.k8s_schemas import errors
+
+TWO_BY_EIGHT = [
+    "kubernetes.ppo_nodes=2",
+    "kubernetes.ppo_gpus=8",
+    "kubernetes.pvc=rlhf-shared",
+    "kubernetes.namespace=team-a",
+    "kubernetes.node_selector={gpu: h100}",
+    "kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
+    "kubernetes.trainjob_timeout_s=7200",
+]
+
+
+def two_by_eight() -> dict:
+    k8s = load_config("opt-13b-8gpu", TWO_BY_EIGHT).kubernetes
+    command = torchrun_command(0, ["ppo", "--config", "/mnt/kubealign/x/config.yaml"], nnodes_from_env=True)
+    return trainjob.manifest("kubealign-ppo-abc", k8s, "registry/kubealign-train:0.1.0", command, {"A": "1"})
+
+
+def test_two_nodes_by_eight_gpus_validates_against_the_crd() -> None:
+    body = two_by_eight()
+    assert errors(body) == []
+    trainer = body["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 8)
+    assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8"}
+    assert body["metadata"]["namespace"] == "team-a"
+    assert body["spec"]["runtimeRef"] == {
+        "name": "kubealign-deepspeed",
+        "kind": "ClusterTrainingRuntime",
+        "apiGroup": "trainer.kubeflow.org",
+    }
+    pod = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    spec = pod["template"]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in spec["volumes"]
+    assert spec["nodeSelector"] == {"gpu": "h100"}
+    # torchrun takes nnodes / node rank / master from the PET_* variables the Trainer sets: no --standalone
+    assert "--standalone" not in trainer["command"] and trainer["command"][-4:-2] == ["kubealign.cli", "ppo"]
+
+
+def test_the_schema_check_catches_a_misspelled_field() -> None:
+    body = two_by_eight()
+    body["spec"]["trainer"]["numNode"] = body["spec"]["trainer"].pop("numNodes")
+    assert any("numNode" in e for e in errors(body))
+    body = two_by_eight()
+    body["spec"]["trainer"]["numNodes"] = "2"
+    assert any("numNodes" in e and "integer" in e for e in errors(body))
+
+
+class FakeCustomObjects:
+    """Returns one recorded TrainJob status per poll; records deletes."""
+
+    def __init__(self, statuses: list[dict]):
+        self.statuses, self.deleted = list(statuses), []
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        assert (group, version, plural) == ("trainer.kubeflow.org", "v1alpha1", "trainjobs")
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        return {"metadata": {"name": name}, "status": status}
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name):
+        self.deleted.append((namespace, name))
+
+
+def cond(kind: str, status: str = "True", message: str = "") -> dict:
+    return {"conditions": [{"type": kind, "status": status, "message": message, "reason": kind}]}
+
+
+def test_complete_after_running_succeeds() -> None:
+    api = FakeCustomObjects([{}, cond("Complete", "False"), cond("Complete", message="jobset completed")])
+    assert trainjob.wait(api, "j", "ns", timeout_s=None, sleep=lambda s: None) == "jobset completed"
+    assert api.statuses == [cond("Complete", message="jobset completed")]  # polled through both running states
+
+
+def test_failed_fails_the_task_with_the_trainers_message() -> None:
+    api = FakeCustomObjects([{}, cond("Failed", message="node-1 OOMKilled")])
+    with pytest.raises(trainjob.TrainJobFailed, match="ns/j failed: node-1 OOMKilled"):
+        trainjob.wait(api, "j", "ns", timeout_s=None, sleep=lambda s: None)
+    assert api.deleted == []  # a failed job is left for inspection
+
+
+def test_timeout_deletes_the_job() -> None:
+    api = FakeCustomObjects([{}])
+    now = iter(range(0, 10_000, 60))
+    with pytest.raises(trainjob.TrainJobFailed, match="still running after 300 s"):
+        trainjob.wait(api, "j", "ns", timeout_s=300, clock=lambda: next(now), sleep=lambda s: None)
+    assert api.deleted == [("ns", "j")]
+
+
+def test_multi_node_needs_a_shared_volume(cli) -> None:
+    result = cli("config", "show", "--set", "kubernetes.ppo_nodes=2")
+    assert result.code == 2 and "kubernetes.pvc" in result.err
