@@ -148,6 +148,16 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--no-parent-run", action="store_true",
                         help="do not create a parent MLflow run for the pipeline run")  # fmt: skip
 
+    upload = sub.add_parser("upload", help="compile and upload the pipeline to KFP (new pipeline or new version)")
+    upload.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    upload.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config field (repeatable)")  # fmt: skip
+    upload.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint")
+    upload.add_argument(
+        "--pipeline-name", default="kubealign-rlhf", help="pipeline name in KFP (default: kubealign-rlhf)"
+    )
+    upload.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
+
     rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
     rerun.add_argument("stage", choices=["data-split", "sft", "reward", "ppo", "evaluate", "promote"])
     rerun.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR",
@@ -312,6 +322,14 @@ def _submit(args: argparse.Namespace) -> None:
         print(f"MLflow parent run: {result['mlflow_parent_run_id']}")
 
 
+def _upload(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import upload
+
+    result = upload(load_config(args.config, args.overrides), args.host, args.pipeline_name, token=args.token)
+    print(f"uploaded {args.pipeline_name} version {result['version']} (pipeline id {result['pipeline_id']})")
+
+
 def _rerun(args: argparse.Namespace) -> None:
     from kubealign.pipelines.rerun import rerun
     from kubealign.summary import summarize
@@ -361,6 +379,7 @@ COMMANDS = {
     "run": _run,
     "compile": _compile,
     "submit": _submit,
+    "upload": _upload,
     "rerun": _rerun,
     "summary": _summary,
     "tiny-model": _tiny_model,

@@ -15,8 +15,9 @@ from kubealign import __version__
 REGISTRY_ENV = "KUBEALIGN_IMAGE_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/kubealign"
 
-# Versions baked into the images; tests/test_images.py checks them against images/*/Dockerfile and the lock.
-CUDA_BASE_IMAGE = "nvcr.io/nvidia/pytorch:25.08-py3"
+# The bases images/*/Dockerfile build FROM; tests/test_images.py checks them (and the torch, deepspeed and
+# Python versions) against the Dockerfiles and requirements/lock-cpu.txt.
+CUDA_BASE_IMAGE = "pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"
 CPU_BASE_IMAGE = "python:3.11.7-slim-bookworm"
 
 

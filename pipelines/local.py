@@ -32,10 +32,21 @@ INDEX_FILE = "run.json"
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 
 
+# A task is a job of its own: rendezvous settings of a process that runs `kubealign run` (torchrun, or a
+# test process whose in-process stage set them) must not leak into the tasks, or they all try to bind
+# the parent's MASTER_PORT.
+DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def _environ(values: dict[str, str | None]) -> Iterator[None]:
+    """Set (or, for None, remove) environment variables for the duration of the block."""
     saved = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:
@@ -98,7 +109,8 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
     pipeline_root = output / "kfp"
     pipeline_root.mkdir(parents=True, exist_ok=True)
     client, uri, experiment_id, parent = parent_run(config, output)
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    env: dict[str, str | None] = dict.fromkeys(DISTRIBUTED_ENV)
+    env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent})
     local.init(
         runner=local.SubprocessRunner(use_venv=False),
         pipeline_root=str(pipeline_root),
@@ -129,8 +141,8 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:
-        missing = [s for s in STAGES if s not in stages]
-        raise PipelineFailed(f"pipeline run failed: no result from {', '.join(missing)} (task logs above)")
+        # kfp.local returns no outputs from a failed run, so which stages did finish is not known here
+        raise PipelineFailed("pipeline run failed: a task failed (its log and kfp.local's FAILURE line are above)")
     return index
 
 

@@ -96,3 +96,22 @@ def submit(
         "url": f"{host.rstrip('/')}/#/runs/details/{result.run_id}",
         "mlflow_parent_run_id": env.get(PARENT_RUN_ENV),
     }
+
+
+def upload(config: KubealignConfig, host: str, pipeline_name: str, token: str | None = None) -> dict[str, str]:
+    """Compile for `config` and upload it to KFP: a new pipeline, or a new version of an existing one
+    (what the Helm chart's upload Job runs on install and upgrade)."""
+    import kfp
+
+    version = f"{pipeline_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with tempfile.TemporaryDirectory(prefix="kubealign-upload-") as tmp:
+        package = str(compile_pipeline(config, Path(tmp) / "pipeline.yaml"))
+        try:
+            client = kfp.Client(host=host, existing_token=token or os.environ.get("KFP_TOKEN"))
+            pipeline_id = client.get_pipeline_id(pipeline_name)
+            if pipeline_id is None:
+                pipeline_id = client.upload_pipeline(package, pipeline_name=pipeline_name).pipeline_id
+            client.upload_pipeline_version(package, pipeline_version_name=version, pipeline_id=pipeline_id)
+        except Exception as exc:
+            raise UserError(f"KFP API at {host}: {first_line(exc)}") from None
+    return {"pipeline_id": pipeline_id, "version": version}

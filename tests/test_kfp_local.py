@@ -5,6 +5,7 @@ temporary MLflow registry, one parent run with a nested run per task, the local 
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,15 @@ def overrides() -> list[str]:
 @pytest.fixture(scope="module")
 def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("kfp-local") / "run"
-    assert main(["run", *overrides(), "--output", str(out), "--cache"]) == 0
+    # Run from a process that holds a rendezvous port (as one that ran a stage in-process, or runs under
+    # torchrun, does): the tasks must not inherit MASTER_PORT and fail to bind it.
+    with socket.socket() as busy, pytest.MonkeyPatch.context() as env:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "1", "RANK": "0"}.items():
+            env.setenv(key, value)
+        assert main(["run", *overrides(), "--output", str(out), "--cache"]) == 0
     return out, json.loads((out / "run.json").read_text(encoding="utf-8"))
 
 
@@ -124,6 +133,6 @@ def test_downstream_order() -> None:
 def test_a_failing_task_fails_the_run_in_one_line(cli, tmp_path: Path) -> None:
     result = cli("run", "--set", f"data.sources=[{{path: {tmp_path / 'missing.jsonl'}}}]", "--output", tmp_path / "r")
     assert result.code == 2
-    assert result.err.strip().splitlines()[-1].startswith("kubealign: error: pipeline run failed: no result from")
+    assert result.err.strip().splitlines()[-1].startswith("kubealign: error: pipeline run failed: a task failed")
     index = json.loads((tmp_path / "r" / "run.json").read_text(encoding="utf-8"))
     assert index["succeeded"] is False and index["stages"] == {}

@@ -1,0 +1,162 @@
+"""charts/kubealign rendered offline by the real Helm engine (helm-python-sdk), for the default values and
+several value sets; every manifest validated with kubernetes-validate --strict, the Kubeflow Trainer
+resources against ../shared/k8s-schemas; helm lint; the values schema; the hardened pod settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.k8s_schemas import errors as trainer_errors
+
+pytestmark = pytest.mark.chart
+
+CHART = Path(__file__).resolve().parents[1] / "charts" / "kubealign"
+KUBE_VERSION = "1.33.0"
+VALUE_SETS = {
+    "default": {},
+    "postgres-s3-networkpolicy-upload": {
+        "mlflow": {
+            "replicas": 2,
+            "backendStore": {"type": "postgresql", "existingSecret": "mlflow-db"},
+            "artifactStore": {
+                "type": "s3",
+                "s3Uri": "s3://mlflow",
+                "s3EndpointUrl": "http://minio:9000",
+                "existingSecret": "minio",
+            },
+        },
+        "networkPolicy": {"enabled": True, "allowedNamespaces": ["kubeflow", "team-a"]},
+        "uploadJob": {"enabled": True},
+        "image": {"registry": "registry.internal/ml", "tag": "0.1.0-rc1", "pullSecrets": ["regcred"]},
+        "nodeSelector": {"pool": "system"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+    },  # fmt: skip
+    "external-mlflow-no-runtime": {
+        "mlflow": {"enabled": False},
+        "pipelineDefaults": {"mlflowTrackingUri": "https://mlflow.example.com"},
+        "trainingRuntime": {"create": False},
+        "rbac": {"namespace": "team-a"},
+    },
+}
+
+
+def render(values: dict) -> list[dict]:
+    chart = helm.Chart.load(CHART)
+    out = chart.render(values, name="ka", namespace="kubeflow", is_install=True)
+    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_every_manifest_validates_strictly(name: str) -> None:
+    docs = render(VALUE_SETS[name])
+    assert docs
+    for doc in docs:
+        if doc["apiVersion"].startswith("trainer.kubeflow.org/"):
+            assert trainer_errors(doc) == [], doc["kind"]
+        else:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def test_value_sets_change_what_is_rendered() -> None:
+    kinds = {name: sorted(d["kind"] for d in render(values)) for name, values in VALUE_SETS.items()}
+    assert kinds["default"] == sorted(
+        ["ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "Role", "RoleBinding", "ClusterTrainingRuntime"]
+    )
+    assert "NetworkPolicy" in kinds["postgres-s3-networkpolicy-upload"]
+    assert "Job" in kinds["postgres-s3-networkpolicy-upload"]
+    assert "PersistentVolumeClaim" not in kinds["postgres-s3-networkpolicy-upload"]  # nothing on a PVC
+    assert "Deployment" not in kinds["external-mlflow-no-runtime"]
+    config = next(d for d in render(VALUE_SETS["external-mlflow-no-runtime"]) if d["kind"] == "ConfigMap")
+    assert config["data"]["MLFLOW_TRACKING_URI"] == "https://mlflow.example.com"
+    role = next(d for d in render(VALUE_SETS["external-mlflow-no-runtime"]) if d["kind"] == "Role")
+    assert role["metadata"]["namespace"] == "team-a"
+    assert {"create", "watch", "delete"} <= set(role["rules"][0]["verbs"])
+
+
+def test_mlflow_server_settings() -> None:
+    deploy = next(d for d in render({}) if d["kind"] == "Deployment")
+    container = deploy["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "ghcr.io/kubealign/kubealign-cpu:0.1.0"  # appVersion = kubealign.__version__
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert "--artifacts-destination=/data/artifacts" in container["args"]
+    assert deploy["spec"]["strategy"]["type"] == "Recreate"  # sqlite: one writer
+    s3 = next(d for d in render(VALUE_SETS["postgres-s3-networkpolicy-upload"]) if d["kind"] == "Deployment")
+    env = {e["name"]: e for e in s3["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_BACKEND_STORE_URI"]["valueFrom"]["secretKeyRef"] == {"name": "mlflow-db", "key": "uri"}
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "minio"
+
+
+def test_pods_are_hardened() -> None:
+    docs = render(VALUE_SETS["postgres-s3-networkpolicy-upload"]) + render({})
+    pods = []
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "Job"):
+            pods.append(doc["spec"]["template"]["spec"])
+        elif doc["kind"] == "ClusterTrainingRuntime":
+            pods.append(doc["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
+    assert len(pods) >= 4
+    for pod in pods:
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for container in pod["containers"]:
+            ctx = container["securityContext"]
+            assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
+            assert ctx["capabilities"]["drop"] == ["ALL"]
+            assert any(m["mountPath"] == "/tmp" for m in container["volumeMounts"])  # writable scratch
+
+
+def test_training_runtime_has_shm_as_memory() -> None:
+    runtime = next(
+        d for d in render({"trainingRuntime": {"shmSize": "128Gi"}}) if d["kind"] == "ClusterTrainingRuntime"
+    )
+    pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
+    assert runtime["metadata"]["name"] == "kubealign-deepspeed"  # = kubernetes.trainjob_runtime's default
+
+
+def test_helm_lint_is_clean() -> None:
+    for values in VALUE_SETS.values():
+        report = helm.lint(CHART, values, strict=True)
+        assert report["errors"] == [] and report["messages"] == [], report
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"mlflow": {"replicaz": 2}}, "replicaz"),
+        ({"mlflow": {"port": "5000"}}, "/mlflow/port"),
+        ({"mlflow": {"backendStore": {"type": "mysql"}}}, "/mlflow/backendStore/type"),
+        ({"mlflow": {"backendStore": {"type": "postgresql"}}}, "/mlflow/backendStore/existingSecret"),
+        (
+            {"securityContext": {"runAsNonRoot": False, "allowPrivilegeEscalation": False}},
+            "/securityContext/runAsNonRoot",
+        ),
+        ({"uploadJob": {"kfpHost": "ml-pipeline:8888"}}, "/uploadJob/kfpHost"),
+        ({"extra": 1}, "extra"),
+    ],
+)
+def test_bad_values_are_rejected_naming_the_key(values: dict, named: str) -> None:
+    with pytest.raises(helm.HelmValuesError, match=named):
+        helm.Chart.load(CHART).render(values, name="ka", namespace="kubeflow")
+
+
+def test_every_value_is_documented() -> None:
+    """Every key has a `# --` comment on the line above, except the fields of plain Kubernetes objects
+    (resources, security contexts), which their block's comment covers."""
+    kubernetes_objects = {"resources", "podSecurityContext", "securityContext"}
+    lines = (CHART / "values.yaml").read_text(encoding="utf-8").splitlines()
+    parents: list[tuple[int, str]] = []  # (indent, key) of the enclosing mappings
+    for i, line in enumerate(lines):
+        stripped = line.strip()
+        if not stripped or stripped.startswith(("#", "- ")) or ":" not in stripped:
+            continue
+        indent, key = len(line) - len(line.lstrip()), stripped.split(":")[0]
+        parents = [(d, k) for d, k in parents if d < indent]
+        if not any(k in kubernetes_objects for _, k in parents):
+            assert lines[i - 1].strip().startswith("# --"), f"values.yaml:{i + 1}: {key} has no '# --' comment"
+        parents.append((indent, key))
