@@ -5,11 +5,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCK := requirements/lock-cpu.txt
+# checkov pins versions that conflict with the project's lock: it gets a venv of its own.
+TOOLS := .venv-tools
+TOOLS_STAMP := $(TOOLS)/.installed
+TOOLS_LOCK := requirements/lock-tools.txt
 DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint format lock clean
+.PHONY: demo test lint format lock lock-tools clean
 
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +24,12 @@ $(STAMP): pyproject.toml $(LOCK)
 demo: $(STAMP)
 	$(BIN)/kubealign run --output $(DEMO_DIR)
 
-test: $(STAMP)
+$(TOOLS_STAMP): $(TOOLS_LOCK)
+	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/pip install --disable-pip-version-check -r $(TOOLS_LOCK)
+	touch $(TOOLS_STAMP)
+
+test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -m "not gpu and not slow"
@@ -40,5 +49,10 @@ lock:
 	{ sed -n '1,4p' $(LOCK); .venv-lock/bin/pip freeze --exclude-editable | grep -v -E '^(pip|wheel)=='; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
 
+lock-tools:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install checkov
+	{ sed -n '1,2p' $(TOOLS_LOCK); .venv-lock/bin/pip freeze | grep -v -E '^(pip|setuptools|wheel)=='; } > $(TOOLS_LOCK).new
+	mv $(TOOLS_LOCK).new $(TOOLS_LOCK) && rm -rf .venv-lock
+
 clean:
-	rm -rf $(VENV) runs build *.egg-info
+	rm -rf $(VENV) $(TOOLS) runs build *.egg-info
