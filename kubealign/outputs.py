@@ -67,15 +67,20 @@ def write_result(
     return payload
 
 
-def read_result(directory: Path) -> dict[str, Any]:
-    """Read DIR/result.json written by an earlier stage."""
-    path = directory / RESULT_FILE
+def read_json(directory: Path, name: str, what: str) -> dict[str, Any]:
+    """Read DIR/NAME, a JSON file kubealign wrote; `what` says what DIR should be when it is missing."""
+    path = directory / name
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise UserError(f"{directory}: no {RESULT_FILE}; is this a kubealign stage output?") from None
+        raise UserError(f"{directory}: no {name}; {what}") from None
     except json.JSONDecodeError as exc:
         raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+
+
+def read_result(directory: Path) -> dict[str, Any]:
+    """Read DIR/result.json written by an earlier stage."""
+    return read_json(directory, RESULT_FILE, "is this a kubealign stage output?")
 
 
 def tree_sha256(directory: Path) -> str:

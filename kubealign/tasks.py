@@ -117,7 +117,8 @@ def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str,
     return read_result(Path(output))
 
 
-# MLflow location and nesting travel from the task's pod into the TrainJob's pods.
+# MLflow location and nesting travel from the task's pod into the TrainJob's pods (credentials do not:
+# the nodes read them from the same Secrets, see trainjob.secret_env).
 _FORWARDED_ENV = (
     "MLFLOW_TRACKING_URI",
     "MLFLOW_EXPERIMENT_ID",

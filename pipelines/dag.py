@@ -25,6 +25,7 @@ from typing import NamedTuple
 from kfp import dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Model
 
+from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig
@@ -43,10 +44,6 @@ class Outputs(NamedTuple):
     ppo: Model
     evaluate: Artifact
     promote: Artifact
-
-
-MLFLOW_SECRET_KEYS = ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-OBJECT_STORE_SECRET_KEYS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "MLFLOW_S3_ENDPOINT_URL")
 
 
 def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool) -> None:

@@ -14,7 +14,6 @@ When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory a
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 import warnings
@@ -25,7 +24,7 @@ from typing import Any
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
 from kubealign.models.tiny import cache_root
-from kubealign.outputs import tree_sha256, write_json
+from kubealign.outputs import read_json, tree_sha256, write_json
 from kubealign.tracking import PARENT_RUN_ENV, default_store
 
 INDEX_FILE = "run.json"
@@ -90,13 +89,7 @@ def write_index(output: Path, stages: dict[str, Path], extra: dict[str, Any]) ->
 
 
 def read_index(run: Path) -> dict[str, Any]:
-    path = run / INDEX_FILE
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"{run}: no {INDEX_FILE}; expected the --output of `kubealign run`") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{exc.lineno}: invalid JSON: {exc.msg}") from None
+    return read_json(run, INDEX_FILE, "expected the --output of `kubealign run`")
 
 
 def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[str, Any]:
@@ -105,6 +98,8 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
 
     from kubealign.pipelines.dag import build
 
+    if not config.tracking.enabled:
+        raise UserError("tracking.enabled is false: the pipeline ends by promoting into the MLflow registry")
     output = output.resolve()
     pipeline_root = output / "kfp"
     pipeline_root.mkdir(parents=True, exist_ok=True)

@@ -136,3 +136,9 @@ def test_a_failing_task_fails_the_run_in_one_line(cli, tmp_path: Path) -> None:
     assert result.err.strip().splitlines()[-1].startswith("kubealign: error: pipeline run failed: a task failed")
     index = json.loads((tmp_path / "r" / "run.json").read_text(encoding="utf-8"))
     assert index["succeeded"] is False and index["stages"] == {}
+
+
+def test_run_without_tracking_is_refused_before_anything_is_written(cli, tmp_path: Path) -> None:
+    result = cli("run", "--set", "tracking.enabled=false", "--output", tmp_path / "r")
+    assert result.code == 2 and "tracking.enabled is false" in result.err
+    assert not (tmp_path / "r").exists()

@@ -33,15 +33,23 @@ class FakeKfpApi(BaseHTTPRequestHandler):
         self.calls.append(("GET", self.path, {}))
         if self.path.startswith("/apis/v2beta1/experiments"):
             self._reply(200, {"experiments": [], "total_size": 0})  # none yet: the client creates one
+        elif self.path.startswith("/apis/v2beta1/pipelines?"):
+            self._reply(200, {"pipelines": [], "total_size": 0})  # no pipeline of that name yet
         elif self.path.startswith("/apis/v2beta1/healthz"):
             self._reply(200, {"multi_user": False})
         else:
             self._reply(404, {"error": f"not in the fake: {self.path}"})
 
     def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+        raw = self.rfile.read(int(self.headers["Content-Length"]))
+        multipart = self.headers.get("Content-Type", "").startswith("multipart/form-data")
+        body = {"multipart": raw} if multipart else json.loads(raw or b"{}")
         self.calls.append(("POST", self.path, body))
-        if self.path == "/apis/v2beta1/experiments":
+        if self.path.startswith("/apis/v2beta1/pipelines/upload_version"):
+            self._reply(200, {"pipeline_id": "p-1", "pipeline_version_id": "v-1", "display_name": "v"})
+        elif self.path.startswith("/apis/v2beta1/pipelines/upload"):
+            self._reply(200, {"pipeline_id": "p-1", "display_name": "kubealign-rlhf"})
+        elif self.path == "/apis/v2beta1/experiments":
             self._reply(200, {"experiment_id": "exp-7", "display_name": body["display_name"]})
         elif self.path == "/apis/v2beta1/runs":
             self._reply(200, {"run_id": "run-42", "display_name": body["display_name"], "state": "PENDING"})
@@ -99,6 +107,21 @@ def test_no_cache_turns_caching_off_for_every_task(cli, kfp_api) -> None:
     assert {name: t.get("cachingOptions", {}).get("enableCache", False) for name, t in tasks.items()} == dict.fromkeys(
         tasks, False
     )
+
+
+def test_upload_creates_the_pipeline_and_a_version(cli, kfp_api) -> None:
+    host, calls = kfp_api
+    result = cli("upload", "--host", host, "--pipeline-name", "rlhf-prod", "--set", "ppo.num_iterations=7")
+    assert result.code == 0, result.err
+    posts = [(path, body) for method, path, body in calls if method == "POST"]
+    assert [p.split("?")[0] for p, _ in posts] == [
+        "/apis/v2beta1/pipelines/upload",
+        "/apis/v2beta1/pipelines/upload_version",
+    ]
+    assert "name=rlhf-prod" in posts[0][0] and "pipelineid=p-1" in posts[1][0]
+    package = posts[1][1]["multipart"]  # the compiled IR YAML, as a file upload
+    assert b"pipelineInfo" in package and b"ppo_num_iterations" in package and b"defaultValue: 7" in package
+    assert "pipeline id p-1" in result.out
 
 
 def test_unreachable_host_is_one_line(cli) -> None:

@@ -34,6 +34,11 @@ def test_two_nodes_by_eight_gpus_validates_against_the_crd() -> None:
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 8)
     assert trainer["resourcesPerNode"]["limits"] == {"nvidia.com/gpu": "8"}
     assert body["metadata"]["namespace"] == "team-a"
+    env = {e["name"]: e for e in trainer["env"]}
+    assert env["A"] == {"name": "A", "value": "1"}
+    # credentials as Secret references, never copied as values into the TrainJob object
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kubealign-object-store"
+    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "kubealign-mlflow"
     assert body["spec"]["runtimeRef"] == {
         "name": "kubealign-deepspeed",
         "kind": "ClusterTrainingRuntime",

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.config.schema import KubernetesConfig
 
 GROUP = "trainer.kubeflow.org"
@@ -75,7 +76,7 @@ def manifest(
                 "numNodes": k8s.ppo_nodes,
                 "numProcPerNode": k8s.ppo_gpus,
                 "resourcesPerNode": resources,
-                "env": [{"name": key, "value": value} for key, value in sorted((env or {}).items())],
+                "env": [{"name": key, "value": value} for key, value in sorted((env or {}).items())] + secret_env(k8s),
             },
             "runtimePatches": [
                 {
@@ -93,6 +94,18 @@ def manifest(
             ],
         },
     }
+
+
+def secret_env(k8s: KubernetesConfig) -> list[dict[str, Any]]:
+    """The same MLflow / object-store Secret keys the pipeline's tasks get, as secretKeyRefs (never as
+    values copied into the TrainJob object)."""
+    refs = []
+    for secret, keys in ((k8s.mlflow_secret, MLFLOW_SECRET_KEYS), (k8s.object_store_secret, OBJECT_STORE_SECRET_KEYS)):
+        if secret:
+            for key in keys:
+                ref = {"name": secret, "key": key, "optional": True}
+                refs.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    return refs
 
 
 def terminal_state(trainjob: dict[str, Any]) -> tuple[str, str] | None:
