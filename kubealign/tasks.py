@@ -25,6 +25,7 @@ from typing import Any
 from kubealign.config import KubealignConfig, config_from_json, config_to_yaml
 from kubealign.errors import UserError
 from kubealign.outputs import read_result
+from kubealign.training.distributed import RENDEZVOUS_ENV
 
 
 def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfig:
@@ -52,7 +53,8 @@ def _run_distributed(config: KubealignConfig, nproc: int, cli_args: list[str], o
         config_file.write_text(config_to_yaml(config), encoding="utf-8")
         command = torchrun_command(nproc, [*cli_args, "--config", str(config_file)])
         print("launching:", " ".join(command), flush=True)
-        code = subprocess.run(command, check=False).returncode
+        env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}  # a job of its own
+        code = subprocess.run(command, check=False, env=env).returncode
     if code != 0:
         raise RuntimeError(f"{cli_args[0]} on {nproc} ranks exited with code {code}")
     return read_result(output)

@@ -26,15 +26,10 @@ from kubealign.errors import UserError, first_line
 from kubealign.models.tiny import cache_root
 from kubealign.outputs import read_json, tree_sha256, write_json
 from kubealign.tracking import PARENT_RUN_ENV, default_store
+from kubealign.training.distributed import RENDEZVOUS_ENV
 
 INDEX_FILE = "run.json"
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
-
-
-# A task is a job of its own: rendezvous settings of a process that runs `kubealign run` (torchrun, or a
-# test process whose in-process stage set them) must not leak into the tasks, or they all try to bind
-# the parent's MASTER_PORT.
-DISTRIBUTED_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @contextlib.contextmanager
@@ -104,7 +99,9 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
     pipeline_root = output / "kfp"
     pipeline_root.mkdir(parents=True, exist_ok=True)
     client, uri, experiment_id, parent = parent_run(config, output)
-    env: dict[str, str | None] = dict.fromkeys(DISTRIBUTED_ENV)
+    # A task is a job of its own: rendezvous settings of the process that runs `kubealign run` (torchrun,
+    # or one whose in-process stage set them) must not reach the tasks, or they all bind its MASTER_PORT.
+    env: dict[str, str | None] = dict.fromkeys(RENDEZVOUS_ENV)
     env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent})
     local.init(
         runner=local.SubprocessRunner(use_venv=False),

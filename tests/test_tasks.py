@@ -83,3 +83,26 @@ def test_config_json_round_trip_and_errors() -> None:
         config_from_json(json.dumps({"ppo": {"kl_coef": -1}}))
     with pytest.raises(UserError, match="unknown training stage 'ppo'"):
         tasks.train("ppo", config_to_json(config), [], "d", "", "o")
+
+
+@pytest.mark.integration
+def test_a_multi_gpu_pod_runs_the_stage_under_torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a task does on a pod with 2 GPUs, on 2 CPU ranks: the stage under torchrun with the task's
+    config, the result read back. The caller's own rendezvous settings (a busy port) must not leak in."""
+    import socket
+
+    config_json = config_to_json(load_config(None, ["tracking.enabled=false", "reward.num_train_epochs=0.3"]))
+    split = tmp_path / "split"
+    tasks.data_split(config_json, [], str(split))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        monkeypatch.setattr(tasks, "device_count", lambda: 2)
+        result = tasks.train("reward", config_json, ["reward.seed=7"], str(split), "", str(tmp_path / "rm"))
+    assert result["stage"] == "reward"
+    hashes = result["rank_param_sha256"]
+    assert len(hashes) == 2 and len(set(hashes)) == 1  # two ranks, one model
+    assert (tmp_path / "rm" / "model.safetensors").is_file()
