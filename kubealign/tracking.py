@@ -91,7 +91,7 @@ def default_store(output_root: Path) -> tuple[str, str]:
     return f"sqlite:///{root / 'mlflow.db'}", (root / "mlartifacts").as_uri()
 
 
-def _experiment_id(client: Any, name: str, artifact_location: str | None) -> str:
+def resolve_experiment(client: Any, name: str, artifact_location: str | None) -> str:
     if os.environ.get("MLFLOW_EXPERIMENT_ID"):
         return os.environ["MLFLOW_EXPERIMENT_ID"]
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or name
@@ -121,7 +121,7 @@ def stage_run(stage: str, config: KubealignConfig, output_root: Path) -> Iterato
         if attached:
             run_id = client.get_run(attached).info.run_id
         else:
-            experiment_id = _experiment_id(client, config.tracking.experiment, artifact_location)
+            experiment_id = resolve_experiment(client, config.tracking.experiment, artifact_location)
             parent = os.environ.get(PARENT_RUN_ENV)
             tags = {"mlflow.parentRunId": parent} if parent else {}
             run_id = client.create_run(experiment_id, run_name=stage, tags=tags).info.run_id

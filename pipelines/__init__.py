@@ -1,5 +1,3 @@
-"""The KFP v2 DAG and its compile/submit/local-run glue (installed as kubealign.pipelines).
-
-The DAG arrives with the Kubeflow pipeline issue; the package exists now so that its install location
-(kubealign.pipelines, never a top-level `pipelines`) is fixed and tested from the start.
-"""
+"""The KFP v2 DAG and its glue (installed as kubealign.pipelines): dag (the @dsl.pipeline), local
+(`kubealign run` through kfp.local), remote (`compile`, `submit`, `upload` through kfp.Client) and rerun
+(`kubealign rerun`). See docs/pipeline.md."""

@@ -33,7 +33,7 @@ STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str | None]) -> Iterator[None]:
+def scoped_environ(values: dict[str, str | None]) -> Iterator[None]:
     """Set (or, for None, remove) environment variables for the duration of the block."""
     saved = {key: os.environ.get(key) for key in values}
     for key, value in values.items():
@@ -55,7 +55,7 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
     """(client, tracking URI, experiment id, run id) of a new parent run for this pipeline run."""
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import _experiment_id
+    from kubealign.tracking import resolve_experiment
 
     uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
     artifact_location = None
@@ -63,7 +63,7 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
         uri, artifact_location = default_store(output)
     try:
         client = MlflowClient(tracking_uri=uri)
-        experiment_id = _experiment_id(client, config.tracking.experiment, artifact_location)
+        experiment_id = resolve_experiment(client, config.tracking.experiment, artifact_location)
         run_name = f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
         tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kfp.local"}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
@@ -113,7 +113,7 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
         cache_root=str(cache_root() / "kfp-local"),
     )
     started = time.perf_counter()
-    with _environ(env), warnings.catch_warnings():
+    with scoped_environ(env), warnings.catch_warnings():
         # kfp.local warns that our image names do not say "python": here the image is this environment.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.

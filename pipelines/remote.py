@@ -49,11 +49,11 @@ def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
         return {}  # a local store here is not the store the cluster's tasks write to
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import _experiment_id
+    from kubealign.tracking import resolve_experiment
 
     try:
         client = MlflowClient(tracking_uri=uri)
-        experiment_id = _experiment_id(client, config.tracking.experiment, None)
+        experiment_id = resolve_experiment(client, config.tracking.experiment, None)
         tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow"}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     except Exception as exc:

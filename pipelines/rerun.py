@@ -18,7 +18,7 @@ from kubealign import tasks
 from kubealign.config import config_from_json, config_to_json
 from kubealign.errors import UserError
 from kubealign.outputs import tree_sha256
-from kubealign.pipelines.local import STAGES, _environ, parent_run, read_index, write_index
+from kubealign.pipelines.local import STAGES, parent_run, read_index, scoped_environ, write_index
 from kubealign.tracking import PARENT_RUN_ENV
 
 # stage -> the stages whose outputs it reads, in the DAG
@@ -83,7 +83,7 @@ def rerun(
     config_json = config_to_json(config)
     status = "FAILED"
     try:
-        with _environ(env):
+        with scoped_environ(env):
             for name in todo:
                 _run_stage(name, config_json, dirs, output / name)
                 dirs[name] = output / name

@@ -2,8 +2,8 @@
 
 Every field has a default and a description with its unit. Models forbid unknown keys, so a typo in
 a YAML file or a --set override is an error that names the field instead of a silently ignored knob.
-Stages that later issues build (sft, reward, ppo, evaluate, promote) already have their sections here so
-that presets can be written and validated once; their fields follow DeepSpeed-Chat's flags.
+Training fields follow DeepSpeed-Chat's flags; the `kubernetes` section is read only where the pipeline is
+compiled (and by the ppo task for a multi-node TrainJob).
 """
 
 from __future__ import annotations
