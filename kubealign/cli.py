@@ -23,6 +23,10 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         metavar="FILE",
         help="YAML config file or preset name (default: the tiny-cpu preset, configs/tiny-cpu.yaml)",
     )
+    _add_set_option(parser)
+
+
+def _add_set_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--set",
         dest="overrides",
@@ -31,6 +35,12 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config field (repeatable); VALUE is YAML, e.g. --set data.split_ratios=[1,1,1]",
     )
+
+
+def _add_pipeline_config(parser: argparse.ArgumentParser) -> None:
+    """The pipeline commands take the config as a positional (`kubealign run [CONFIG]`) plus --set."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    _add_set_option(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,22 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run data-split -> sft || reward -> ppo -> evaluate -> promote as the KFP pipeline, each task a "
         "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI).",
     )
-    run.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                     help="override one config field (repeatable)")  # fmt: skip
+    _add_pipeline_config(run)
     run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
     run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
 
     compile_ = sub.add_parser("compile", help="write the pipeline as KFP IR YAML (for the UI or kfp.Client)")
-    compile_.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
-    compile_.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                          help="override one config field (repeatable)")  # fmt: skip
+    _add_pipeline_config(compile_)
     compile_.add_argument("-o", "--output", type=Path, default=Path("pipeline.yaml"), metavar="FILE")
 
     submit = sub.add_parser("submit", help="compile and start a run on a Kubeflow Pipelines API (kfp.Client)")
-    submit.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field (repeatable)")  # fmt: skip
+    _add_pipeline_config(submit)
     submit.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint, e.g. http://localhost:8080")
     submit.add_argument("--experiment", help="KFP experiment (default: tracking.experiment)")
     submit.add_argument("--run-name", help="run name (default: kubealign-<timestamp>)")
@@ -149,9 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="do not create a parent MLflow run for the pipeline run")  # fmt: skip
 
     upload = sub.add_parser("upload", help="compile and upload the pipeline to KFP (new pipeline or new version)")
-    upload.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
-    upload.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                        help="override one config field (repeatable)")  # fmt: skip
+    _add_pipeline_config(upload)
     upload.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint")
     upload.add_argument(
         "--pipeline-name", default="kubealign-rlhf", help="pipeline name in KFP (default: kubealign-rlhf)"
