@@ -21,13 +21,30 @@ def _headline(stage: str, r: dict[str, Any]) -> str:
     if stage == "reward":
         return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
     if stage == "ppo":
-        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}, "
+        target = f" (adaptive target {r['kl_target']})" if r.get("kl_target") is not None else ""
+        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}{target}, "
                 f"rollout path {r.get('rollout_path')}")  # fmt: skip
     if stage == "evaluate":
-        return (f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} (PPO), "
-                f"win-rate {m['win_rate']:.2f}, ties {m['tie_rate']:.2f}, KL {m['kl_to_baseline']:.3f}")  # fmt: skip
+        return "\n".join(evaluate_lines(m))
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
-    return f"{r.get('registered_model')} version {r.get('version')}; {aliases}"
+    verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
+    return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}"
+
+
+def evaluate_lines(m: dict[str, Any]) -> list[str]:
+    """The evaluation's headline: rewards, win-rate (with its bootstrap lower bound when there is one), KL,
+    and on the synthetic task what its grammar says of the samples."""
+    bound = f" (95 % lower bound {m['win_rate_lower_bound']:.2f})" if "win_rate_lower_bound" in m else ""
+    lines = [
+        f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} (PPO), "
+        f"win-rate {m['win_rate']:.2f}{bound}, ties {m['tie_rate']:.2f}, KL {m['kl_to_baseline']:.3f}"
+    ]
+    if "candidate_preferred_rate" in m:
+        lines.append(
+            f"preferred answers {m['baseline_preferred_rate']:.0%} (SFT) -> {m['candidate_preferred_rate']:.0%} (PPO), "
+            f"well formed {m['baseline_well_formed_rate']:.0%} -> {m['candidate_well_formed_rate']:.0%}"
+        )
+    return lines
 
 
 def summarize(run_dir: Path) -> list[str]:
@@ -44,5 +61,7 @@ def summarize(run_dir: Path) -> list[str]:
         result = json.loads(path.read_text(encoding="utf-8"))
         seconds = result.get("metrics", {}).get("wall_time_s", result.get("wall_time_s"))
         shown = f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
-        lines.append(f"{stage:<11}{shown:>8}  {_headline(stage, result)}")
+        first, *more = _headline(stage, result).split("\n")
+        lines.append(f"{stage:<11}{shown:>8}  {first}")
+        lines += [f"{'':<19}  {line}" for line in more]
     return lines

@@ -35,13 +35,13 @@ def test_synthetic_default(cli, tmp_path: Path):
     result = cli("data-split", "--set", NO_TRACKING, "--output", out)
     assert result.code == 0, result.err
     prompts = phase_prompts(out)
-    # 1000 pairs -> 200/400/400 prompts; the 200 SFT-only rows join phase 1.
-    assert [len(prompts[p]) for p in PHASES] == [400, 400, 400]
+    # tiny-cpu: 1500 pairs -> 300/600/600 prompts; the 1000 SFT-only demonstrations join phase 1.
+    assert [len(prompts[p]) for p in PHASES] == [1300, 600, 600]
     assert not (prompts[PHASES[0]] & prompts[PHASES[1]] or prompts[PHASES[1]] & prompts[PHASES[2]])
     assert not prompts[PHASES[0]] & prompts[PHASES[2]]
     res = json.loads((out / "result.json").read_text())
     assert res["stage"] == "data-split" and res["cache_hit"] is False
-    assert res["metrics"]["phase2_reward_eval_prompts"] == 40
+    assert res["metrics"]["phase2_reward_eval_prompts"] == 60
     assert res["outputs"]["phase1_sft"] == "phase1_sft"
     assert "phase1_sft" in result.out and "computed" in result.out
     phase2 = load_phases(out)["phase2_reward"]["train"]

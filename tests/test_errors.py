@@ -129,7 +129,7 @@ CASES = [
     (
         "synthetic-too-big",
         lambda t: ["--set", "data.synthetic_pairs=5000"],
-        r"data\.synthetic_pairs \+ data\.synthetic_sft_rows = 5200 exceeds",
+        r"data\.synthetic_pairs \+ data\.synthetic_sft_rows = 6000 exceeds",
     ),
     (
         "output-is-file",

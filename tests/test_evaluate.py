@@ -103,3 +103,86 @@ def test_missing_candidate_is_a_clean_error(cli, trained, tmp_path: Path):  # no
     result = cli(*args, "--reward", trained["rm"], *SMALL, "--output", tmp_path / "out")
     assert result.code == 2 and "--candidate" in result.err and len(result.err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_bootstrap_lower_bound_by_hand():
+    from kubealign.stages.evaluate import bootstrap_lower_bound
+
+    assert bootstrap_lower_bound([1.0] * 40, seed=0) == 1.0
+    assert bootstrap_lower_bound([0.0] * 40, seed=0) == 0.0
+    assert bootstrap_lower_bound([], seed=0) == 0.0
+    # 30 wins of 60: the normal approximation puts the 2.5 % point at 0.5 - 1.96 * sqrt(0.25 / 60) = 0.373
+    half = [1.0, 0.0] * 30
+    assert 0.35 <= bootstrap_lower_bound(half, seed=0) <= 0.40
+    assert bootstrap_lower_bound(half, seed=0) == bootstrap_lower_bound(half, seed=0)  # seeded
+    # more evidence at the same rate tightens the bound towards it
+    assert bootstrap_lower_bound(half * 10, seed=0) > bootstrap_lower_bound(half, seed=0) + 0.05
+    # a wider interval has a lower lower end
+    assert bootstrap_lower_bound(half, seed=0, level=0.99) < bootstrap_lower_bound(half, seed=0, level=0.8)
+
+
+def test_compare_counts_wins_ties_and_bounds_the_win_rate():
+    from kubealign.stages.evaluate import bootstrap_lower_bound, compare
+
+    base = [{"score": s, "tokens": [1] * n} for s, n in ((0.0, 2), (1.0, 4), (2.0, 6), (0.5, 3))]
+    cand = [{"score": s, "tokens": [1, 2, 3]} for s in (1.0, 1.0, 1.0, 0.4)]
+    m = compare(base, cand, seed=3)
+    assert (m["win_rate"], m["tie_rate"], m["loss_rate"]) == (0.25, 0.25, 0.5)
+    assert m["win_rate_lower_bound"] == bootstrap_lower_bound([1.0, 0.0, 0.0, 0.0], 3)
+    assert m["baseline_length_median"] == 4.0 and m["candidate_length_mean"] == 3.0
+
+
+def test_synthetic_judgements_only_on_the_synthetic_task():
+    from kubealign.config import load_config
+    from kubealign.data import synthetic
+    from kubealign.stages.evaluate import judged
+
+    prompt = synthetic.format_prompt("Tell me one fact about rain.")
+    table = [
+        {"prompt": prompt, "baseline": " Rain helps plants grow.", "candidate": " Of course! Rain helps plants grow."},
+        {"prompt": prompt, "baseline": " Rain helps", "candidate": " Thanks for asking! Bees make honey from nectar."},
+    ]
+    m = judged(load_config(None), table)
+    assert m["baseline_well_formed_rate"] == 0.5 and m["candidate_well_formed_rate"] == 1.0
+    assert m["baseline_preferred_rate"] == 0.0 and m["candidate_preferred_rate"] == 0.5
+    assert m["candidate_on_topic_rate"] == 0.5
+    assert judged(load_config(None, ["data.sources=[{path: x.jsonl}]"]), table) == {}
+
+
+def sabotaged_copy(rm: Path, out: Path) -> Path:
+    """The reward model with its score head negated: it prefers exactly what the honest one rejects."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(rm)
+    with torch.no_grad():
+        for param in model.score.parameters():
+            param.neg_()
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(rm).save_pretrained(out)
+    return out
+
+
+def test_gate_refuses_a_candidate_trained_against_a_sabotaged_reward_model(cli, trained, tmp_path: Path):  # noqa: F811
+    """PPO against a reward model that prefers rudeness, judged by the honest one: the gate registers the
+    candidate as challenger and leaves champion alone (the demo shows the passing path)."""
+    bad_rm = sabotaged_copy(trained["rm"], tmp_path / "bad-rm")
+    ppo = tmp_path / "runs" / "ppo"
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=10", "--set", "ppo.actor_learning_rate=3e-4"]
+    result = cli("ppo", "--prompts", trained["split"], "--actor", trained["sft"], "--critic", bad_rm, *args,
+                 "--output", ppo)  # fmt: skip
+    assert result.code == 0, result.err
+    evaluation = tmp_path / "runs" / "evaluate"
+    args = ["evaluate", "--prompts", trained["split"], "--baseline", trained["sft"], "--candidate", ppo]
+    assert cli(*args, "--reward", trained["rm"], *SMALL, "--output", evaluation).code == 0
+    assert cli(*args, "--reward", bad_rm, *SMALL, "--output", tmp_path / "by-the-sabotaged-rm").code == 0
+    # by the measure it was trained on the candidate improved; by the honest reward model it got worse
+    assert result_of(tmp_path / "by-the-sabotaged-rm")["metrics"]["reward_gain"] > 0
+    m = result_of(evaluation)["metrics"]
+    assert m["reward_gain"] < 0 and m["win_rate_lower_bound"] < 0.5
+    promoted = cli("promote", "--evaluation", evaluation, "--model-dir", ppo, "--output", tmp_path / "runs" / "promote")
+    assert promoted.code == 0, promoted.err
+    payload = result_of(tmp_path / "runs" / "promote")
+    assert payload["metrics"]["gate_passed"] == 0.0
+    assert payload["aliases"] == {"challenger": 1, "champion": None, "previous-champion": None}
+    assert any(line.startswith("FAIL: win_rate_lower_bound") for line in payload["gate"])

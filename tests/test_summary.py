@@ -25,3 +25,23 @@ def test_summary_lists_the_stages_with_their_headline_numbers(cli, tmp_path: Pat
 def test_summary_of_an_empty_dir_is_an_error(cli, tmp_path: Path):
     result = cli("summary", tmp_path)
     assert result.code == 2 and "no stage results" in result.err
+
+
+def test_summary_of_an_evaluation_on_the_synthetic_task_has_a_second_line(cli, tmp_path: Path):
+    run = tmp_path / "demo"
+    metrics = {
+        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.1, "kl_to_baseline": 1.25, "baseline_preferred_rate": 0.2, "candidate_preferred_rate": 0.85,
+        "baseline_well_formed_rate": 0.97, "candidate_well_formed_rate": 0.95, "wall_time_s": 3.0,
+    }  # fmt: skip
+    write(run, "evaluate", {"metrics": metrics})
+    write(
+        run,
+        "promote",
+        {"registered_model": "m", "version": 2, "aliases": {"champion": 2}, "metrics": {"gate_passed": 1.0}},
+    )
+    lines = cli("summary", run).out.splitlines()
+    assert lines[1].endswith("win-rate 0.80 (95 % lower bound 0.70), ties 0.10, KL 1.250")
+    assert lines[2].strip() == "preferred answers 20% (SFT) -> 85% (PPO), well formed 97% -> 95%"
+    assert lines[2].startswith(" " * 21)
+    assert lines[3].endswith("m version 2; gate passed; champion=2")

@@ -14,24 +14,65 @@ def test_deterministic_by_seed():
     assert synthetic.generate(50, 10, seed=1) != synthetic.generate(50, 10, seed=2)
 
 
-def test_chosen_is_courteous_and_on_topic_rejected_never_courteous():
+def test_pairs_differ_only_in_a_courteous_opener():
     rows = synthetic.generate(400, 0, seed=0)
-    off_topic = 0
+    styles = []
     for row in rows:
         pair = normalize(row)
-        assert synthetic.is_courteous(pair.chosen)
-        assert not synthetic.is_courteous(pair.rejected)
-        assert pair.rejected.strip().startswith(synthetic.DISMISSIVE)
-        topic = next(t for t in synthetic.FACTS if f" {t}" in pair.prompt)
-        assert pair.chosen.strip().split("!", 1)[-1].strip() in synthetic.FACTS[topic]
-        fact = pair.rejected.strip()
-        off_topic += not any(fact.endswith(f) for f in synthetic.FACTS[topic])
-    assert 0.35 < off_topic / len(rows) < 0.65  # "half of the time" a different topic
+        chosen, rejected = synthetic.judge(pair.prompt, pair.chosen), synthetic.judge(pair.prompt, pair.rejected)
+        assert chosen == synthetic.Judgement(True, "courteous", True, True)
+        assert rejected.well_formed and rejected.on_topic and not rejected.preferred
+        assert synthetic.is_courteous(pair.chosen) and not synthetic.is_courteous(pair.rejected)
+        fact = pair.chosen.split("! ", 1)[1] if "! " in pair.chosen else None
+        assert fact is not None and pair.rejected.endswith(" " + fact)  # the same fact, another opener
+        styles.append(rejected.style)
+    assert 0.4 < styles.count("plain") / len(styles) < 0.6  # the rest dismissive
+    assert styles.count("plain") + styles.count("dismissive") == len(styles)
+
+
+def test_demonstrations_are_well_formed_on_topic_and_of_mixed_quality():
+    rows = synthetic.generate(0, 2000, seed=3)
+    verdicts = [synthetic.judge(r["prompt"], r["response"]) for r in rows]
+    assert all(v.well_formed and v.on_topic for v in verdicts)
+    shares = {s: sum(v.style == s for v in verdicts) / len(rows) for s in synthetic.DEMO_STYLES}
+    for style, expected in synthetic.DEMO_STYLES.items():
+        assert abs(shares[style] - expected) < 0.04, (style, shares)
+    assert sum(v.preferred for v in verdicts) / len(rows) == shares["courteous"]
+
+
+PROMPT = synthetic.format_prompt("Tell me one fact about bees.")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (" Happy to help! Bees make honey from nectar.", (True, "courteous", True, True)),
+        ("Bees make honey from nectar.", (True, "plain", True, False)),
+        (" Go look it up. Bees carry pollen from flower to flower.", (True, "dismissive", True, False)),
+        (" Happy to help! Cats sleep for most of the day.", (True, "courteous", False, False)),  # off topic
+        (" Happy to help! Bees make honey from nectar. Bees make honey from nectar.", (False, None, False, False)),
+        (" Happy to help!Bees make honey from nectar.", (False, None, False, False)),  # no space after the opener
+        (" Happy to help!", (False, None, False, False)),  # an opener alone
+        (" Happy to help! Bees make honey from", (False, None, False, False)),  # cut short
+        (" Of course! Happy to help! Bees make honey from nectar.", (False, None, False, False)),  # two openers
+        ("", (False, None, False, False)),
+    ],
+)
+def test_judge_parses_the_grammar(text, expected):
+    assert tuple(synthetic.judge(PROMPT, text)) == expected
+
+
+def test_prompt_topic_takes_the_named_topic_not_a_word_inside_another():
+    assert synthetic.prompt_topic(synthetic.format_prompt("Teach me something about trains.")) == "trains"
+    assert synthetic.prompt_topic(synthetic.format_prompt("Say something true about rain.")) == "rain"
+    assert synthetic.prompt_topic(synthetic.format_prompt("Tell me about the sun.")) == "the sun"
+    assert synthetic.prompt_topic(synthetic.format_prompt("Tell me about nothing.")) is None
 
 
 def test_prompts_are_unique_and_sft_rows_are_prompt_response():
     rows = synthetic.generate(300, 100, seed=4)
     assert len({r["prompt"] for r in rows}) == 400
+    assert all(set(r) == {"prompt", "chosen", "rejected"} for r in rows[:300])
     assert all(set(r) == {"prompt", "response"} for r in rows[300:])
     assert all(r["prompt"].startswith("\n\nHuman: ") and r["prompt"].endswith("\n\nAssistant:") for r in rows)
 

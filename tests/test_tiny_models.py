@@ -30,7 +30,7 @@ def test_cli_builds_a_self_contained_tiny_model(cli, tmp_path: Path, arch: str, 
     assert cli("tiny-model", "--arch", arch, "--output", out).code == 0
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == model_type
-    assert config["num_hidden_layers"] == 2 and config["hidden_size"] == 64
+    assert config["num_hidden_layers"] == tiny.LAYERS == 2 and config["hidden_size"] == tiny.HIDDEN == 128
     assert config["vocab_size"] == tiny.VOCAB_SIZE
     if arch == "llama":
         assert config["num_key_value_heads"] == config["num_attention_heads"]  # no GQA

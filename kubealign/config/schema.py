@@ -206,6 +206,13 @@ class EvaluateConfig(Section):
 class PromoteConfig(Section):
     registered_model: str = Field("kubealign-actor", min_length=1, description="Registry model name.")
     min_win_rate: float = Field(0.5, ge=0, le=1, description="Gate: candidate win-rate over baseline.")
+    min_win_rate_lower_bound: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Gate: the 95 % bootstrap lower bound of the win-rate (evaluate's win_rate_lower_bound) must "
+        "reach this; None = not checked. A point estimate on a few dozen prompts is noise; the bound is not.",
+    )
     min_reward_gain: float = Field(0.0, description="Gate: mean reward gain over baseline, reward units.")
     max_kl: float | None = Field(None, gt=0, description="Gate: max KL to baseline, nats; None = no cap.")
     require_beat_champion: bool = Field(True, description="Also beat the current @champion's metrics.")

@@ -1,24 +1,28 @@
-"""Built-in synthetic preference data: the data of the embedded default.
+"""Built-in synthetic preference data: the data of the embedded default, where RLHF has real work to do.
 
-The preference is one a 2-layer model learns in minutes, because it is carried by surface features:
+The task mirrors how RLHF is used: demonstrations of mixed quality, preferences that single out the
+good behaviour, and a policy that must learn to prefer it.
 
-* every **chosen** response opens with a courteous phrase (COURTEOUS) and then states a fact about the
-  topic the prompt asks about;
-* every **rejected** response opens with a dismissive phrase (DISMISSIVE) and, half of the time, states
-  a fact about a *different* topic.
+* A response is ``[OPENER ]FACT``: an optional opener phrase, then one fact sentence (FACTS). That is
+  the whole grammar; `judge` parses a response against it, so well-formedness is measurable.
+* The preferred behaviour is a courteous opener (COURTEOUS) followed by a fact about the topic the
+  prompt asks about.
+* **Demonstrations** (SFT-only rows, ``{prompt, response}``) are of mixed quality, like human-written
+  SFT data: a fact about the asked topic, opened courteously in only DEMO_STYLES["courteous"] of them,
+  dismissively (DISMISSIVE) or not at all in the others.
+* **Preference pairs** (``{prompt, chosen, rejected}``) are minimal pairs: the same on-topic fact,
+  chosen with a courteous opener, rejected with a dismissive one or none. The courtesy alone separates
+  them, so a reward model learns exactly the preference and PPO has something SFT did not teach.
 
-So "courteous opener" alone separates chosen from rejected (a reward model should reach ~100 %
-accuracy), and "stays on topic" is a second, weaker signal. SFT-only rows (prompt/response) use the
-chosen style. Prompts and responses follow the plain dialogue format of HH-RLHF:
-prompt = "\\n\\nHuman: <question>\\n\\nAssistant:", response = " <text>".
-Everything is a pure function of the seed.
+Prompts and responses follow the plain dialogue format of HH-RLHF: prompt =
+"\\n\\nHuman: <question>\\n\\nAssistant:", response = " <text>". Everything is a pure function of the seed.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubealign.errors import UserError
 
@@ -96,8 +100,11 @@ DISMISSIVE: tuple[str, ...] = (
     "Why would I care?",
     "Go look it up.",
 )
-VERSION = 1  # bump when the generator's output changes; it is part of the data cache key
+# How demonstrations open: only a minority show the preferred (courteous) behaviour.
+DEMO_STYLES: dict[str, float] = {"courteous": 0.25, "plain": 0.5, "dismissive": 0.25}
+VERSION = 2  # bump when the generator's output changes; it is part of the data cache key
 CAPACITY = len(FACTS) * len(QUESTIONS) * len(OPENERS)
+_TOPIC_OF_FACT = {fact: topic for topic, facts in FACTS.items() for fact in facts}
 
 
 def format_prompt(question: str) -> str:
@@ -114,18 +121,27 @@ def _prompt_space() -> list[tuple[str, str]]:
     ]
 
 
-def chosen_response(rng: random.Random, topic: str) -> str:
-    return f" {rng.choice(COURTEOUS)} {rng.choice(FACTS[topic])}"
+def response(rng: random.Random, fact: str, style: str) -> str:
+    """A well-formed response stating `fact`, opening in `style` (courteous, plain or dismissive)."""
+    if style == "plain":
+        return f" {fact}"
+    return f" {rng.choice(COURTEOUS if style == 'courteous' else DISMISSIVE)} {fact}"
 
 
-def rejected_response(rng: random.Random, topic: str) -> str:
-    if rng.random() < 0.5:
-        topic = rng.choice([t for t in FACTS if t != topic])
-    return f" {rng.choice(DISMISSIVE)} {rng.choice(FACTS[topic])}"
+def demonstration(rng: random.Random, topic: str) -> str:
+    """An SFT demonstration: a fact on topic, opened in a style drawn from DEMO_STYLES."""
+    style = rng.choices(list(DEMO_STYLES), weights=list(DEMO_STYLES.values()))[0]
+    return response(rng, rng.choice(FACTS[topic]), style)
+
+
+def preference_pair(rng: random.Random, topic: str) -> tuple[str, str]:
+    """(chosen, rejected): one on-topic fact, opened courteously vs. dismissively or not at all."""
+    fact = rng.choice(FACTS[topic])
+    return response(rng, fact, "courteous"), response(rng, fact, rng.choice(("plain", "dismissive")))
 
 
 def generate(pairs: int, sft_rows: int, seed: int) -> list[dict[str, Any]]:
-    """`pairs` preference rows {prompt, chosen, rejected} then `sft_rows` rows {prompt, response}.
+    """`pairs` preference rows {prompt, chosen, rejected} then `sft_rows` demonstrations {prompt, response}.
 
     Every row has its own prompt (sampled without replacement from CAPACITY combinations).
     """
@@ -138,16 +154,43 @@ def generate(pairs: int, sft_rows: int, seed: int) -> list[dict[str, Any]]:
     chosen_prompts = rng.sample(_prompt_space(), pairs + sft_rows)
     rows: list[dict[str, Any]] = []
     for topic, question in chosen_prompts[:pairs]:
-        rows.append(
-            {
-                "prompt": format_prompt(question),
-                "chosen": chosen_response(rng, topic),
-                "rejected": rejected_response(rng, topic),
-            }
-        )
+        chosen, rejected = preference_pair(rng, topic)
+        rows.append({"prompt": format_prompt(question), "chosen": chosen, "rejected": rejected})
     for topic, question in chosen_prompts[pairs:]:
-        rows.append({"prompt": format_prompt(question), "response": chosen_response(rng, topic)})
+        rows.append({"prompt": format_prompt(question), "response": demonstration(rng, topic)})
     return rows
+
+
+class Judgement(NamedTuple):
+    """What the grammar says of one response to one prompt."""
+
+    well_formed: bool  # exactly [OPENER ]FACT
+    style: str | None  # courteous / plain / dismissive; None when not well formed
+    on_topic: bool  # the fact is about the topic the prompt asks about
+    preferred: bool  # well formed, courteous and on topic
+
+
+def prompt_topic(prompt: str) -> str | None:
+    """The topic a synthetic prompt asks about (the longest topic named in its question)."""
+    question = prompt.rsplit("Human:", 1)[-1]
+    named = [t for t in FACTS if f" {t}" in question]
+    return max(named, key=len) if named else None
+
+
+def judge(prompt: str, text: str) -> Judgement:
+    """Parse a response against the generator's grammar: ``[OPENER ]FACT``, nothing before or after."""
+    body = text.strip()
+    style = "plain"
+    for name, openers in (("courteous", COURTEOUS), ("dismissive", DISMISSIVE)):
+        opener = next((o for o in openers if body.startswith(o + " ")), None)
+        if opener is not None:
+            style, body = name, body[len(opener) + 1 :]
+            break
+    topic = _TOPIC_OF_FACT.get(body)
+    if topic is None:
+        return Judgement(False, None, False, False)
+    on_topic = topic == prompt_topic(prompt)
+    return Judgement(True, style, on_topic, style == "courteous" and on_topic)
 
 
 def is_courteous(response: str) -> bool:
@@ -158,6 +201,7 @@ def is_courteous(response: str) -> bool:
 def corpus(seed: int = 0) -> list[str]:
     """Text the tiny models' tokenizer is trained on: every phrase the generator can emit."""
     texts = [format_prompt(q) for _, q in _prompt_space()]
-    texts += [f" {o} {f}" for o in COURTEOUS + DISMISSIVE for facts in FACTS.values() for f in facts]
+    facts = [f for pair in FACTS.values() for f in pair]
+    texts += [f" {o} {f}" for o in COURTEOUS + DISMISSIVE for f in facts] + [f" {f}" for f in facts]
     random.Random(seed).shuffle(texts)
     return texts

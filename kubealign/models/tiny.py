@@ -1,6 +1,6 @@
 """Tiny models built locally from a config: no hub download, deterministic by seed.
 
-`tiny-opt` and `tiny-llama` are 2-layer, width-64 causal LMs with a byte-level BPE tokenizer trained
+`tiny-opt` and `tiny-llama` are 2-layer, width-128 causal LMs with a byte-level BPE tokenizer trained
 by `tokenizers` on the built-in synthetic corpus. Byte-level BPE encodes any text (real data such as
 HH-RLHF included) even though its merges were learned on the synthetic phrases. The Llama variant
 uses as many KV heads as attention heads (no GQA), the layout DeepSpeed's kernel injection supports.
@@ -19,9 +19,9 @@ from kubealign.outputs import atomic_dir
 
 ARCHS = ("opt", "llama")
 TINY_NAMES = {f"tiny-{arch}": arch for arch in ARCHS}
-VERSION = 1  # bump when the architecture, tokenizer or corpus changes: it names the cache dir
+VERSION = 2  # bump when the architecture, tokenizer or corpus changes: it names the cache dir
 VOCAB_SIZE = 1024
-HIDDEN = 64
+HIDDEN = 128
 LAYERS = 2
 HEADS = 4
 MAX_POSITIONS = 512

@@ -110,11 +110,24 @@ def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_l
     return math.exp(nll / max(count, 1.0))
 
 
-def compare(base: list[dict], cand: list[dict]) -> dict[str, float]:
+def bootstrap_lower_bound(outcomes: list[float], seed: int, level: float = 0.95, resamples: int = 2000) -> float:
+    """Lower end of the two-sided percentile-bootstrap interval of the mean of `outcomes` (per-prompt
+    win indicators): a few dozen prompts make the point estimate noisy, so a gate can ask for this."""
+    if not outcomes:
+        return 0.0
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.tensor(outcomes, dtype=torch.float64)
+    picks = torch.randint(len(outcomes), (resamples, len(outcomes)), generator=generator)
+    means = values[picks].mean(dim=1)
+    return float(torch.quantile(means, (1 - level) / 2))
+
+
+def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, float]:
     n = len(base)
     diffs = [c["score"] - b["score"] for b, c in zip(base, cand, strict=True)]
     wins, ties = sum(d > 1e-6 for d in diffs), sum(abs(d) <= 1e-6 for d in diffs)
     metrics = {"win_rate": wins / n, "tie_rate": ties / n, "loss_rate": (n - wins - ties) / n, "prompts": n}
+    metrics["win_rate_lower_bound"] = bootstrap_lower_bound([float(d > 1e-6) for d in diffs], seed)
     for name, rows in (("baseline", base), ("candidate", cand)):
         lengths = sorted(len(r["tokens"]) for r in rows)
         metrics[f"{name}_reward_mean"] = sum(r["score"] for r in rows) / n
@@ -124,6 +137,21 @@ def compare(base: list[dict], cand: list[dict]) -> dict[str, float]:
         metrics[f"{name}_repetition_rate"] = sum(repetition_rate(r["tokens"]) for r in rows) / n
     metrics["reward_gain"] = metrics["candidate_reward_mean"] - metrics["baseline_reward_mean"]
     metrics["length_drift"] = metrics["candidate_length_mean"] / max(metrics["baseline_length_mean"], 1e-9)
+    return metrics
+
+
+def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, float]:
+    """On the built-in synthetic task the generator's grammar judges every response: the share that is
+    well formed, on topic and preferred (courteous and on topic) for each model. Other data: nothing."""
+    if not table or any(s.path != "synthetic" for s in config.data.sources):
+        return {}
+    from kubealign.data import synthetic
+
+    metrics = {}
+    for name in ("baseline", "candidate"):
+        verdicts = [synthetic.judge(row["prompt"], row[name]) for row in table]
+        for field in ("well_formed", "on_topic", "preferred"):
+            metrics[f"{name}_{field}_rate"] = sum(getattr(v, field) for v in verdicts) / len(verdicts)
     return metrics
 
 
@@ -201,7 +229,7 @@ def run(
         base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
         score(reward_model, base, cfg.batch_size)
         score(reward_model, cand, cfg.batch_size)
-        metrics = compare(base, cand)
+        metrics = compare(base, cand, cfg.seed)
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size)
         if (Path(prompts) / "phase1_sft").is_dir():
             sft_eval = phases.load(prompts, "phase1_sft")["eval"]
@@ -218,6 +246,7 @@ def run(
             }
             for p, b, c in zip(texts, base, cand, strict=True)
         ]
+        metrics.update(judged(config, table))
         history = read_history(candidate)
         metrics["wall_time_s"] = time.perf_counter() - started
         with atomic_dir(output) as tmp:

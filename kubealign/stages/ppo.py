@@ -290,6 +290,8 @@ def run(
             "kl_after": after["kl"],
             "train_reward_first": history[0]["reward_mean"],
             "train_reward_last": history[-1]["reward_mean"],
+            "train_kl_last": history[-1]["kl"],
+            "kl_coef_last": history[-1]["kl_coef"],
             "generation_time_s": sum(h["generation_time_s"] for h in history),
             "experience_time_s": sum(h["experience_time_s"] for h in history),
             "training_time_s": sum(h["training_time_s"] for h in history),
@@ -302,6 +304,7 @@ def run(
             "outputs": {"model": ".", "critic": "critic", **({"ema": "ema"} if ema else {})},
             "rollout_path": check.path,
             "rollout_notes": check.notes,
+            "kl_target": cfg.kl_target,
             "history": history,
         }
         write_outputs(models, cfg, ema, output, result)

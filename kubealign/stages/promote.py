@@ -31,6 +31,7 @@ STAGE = "promote"
 CHALLENGER, CHAMPION, PREVIOUS = "challenger", "champion", "previous-champion"
 KEY_TAG = "kubealign.promotion_key"
 GATED_METRICS = ("win_rate", "reward_gain", "kl_to_baseline", "candidate_reward_mean")
+OPTIONAL_METRICS = ("win_rate_lower_bound",)  # gated only when its threshold is set
 
 
 def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None) -> tuple[bool, list[str]]:
@@ -42,6 +43,16 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
             f"reward_gain {metrics['reward_gain']:.3f} >= {cfg.min_reward_gain}",
         ),
     ]
+    if cfg.min_win_rate_lower_bound is not None:
+        bound = metrics.get("win_rate_lower_bound")
+        if bound is None:
+            raise UserError("promote.min_win_rate_lower_bound is set but the evaluation has no win_rate_lower_bound")
+        checks.append(
+            (
+                bound >= cfg.min_win_rate_lower_bound,
+                f"win_rate_lower_bound {bound:.3f} >= {cfg.min_win_rate_lower_bound}",
+            )
+        )
     if cfg.max_kl is not None:
         kl = metrics["kl_to_baseline"]
         checks.append((kl <= cfg.max_kl, f"kl_to_baseline {kl:.3f} <= {cfg.max_kl}"))
@@ -85,9 +96,8 @@ def register(client: Any, run_id: str, name: str, model_dir: Path, key: str, tag
 
     import mlflow.pyfunc
     from mlflow.exceptions import MlflowException
-    from mlflow.models import infer_signature
 
-    from kubealign.registry import ActorModel
+    from kubealign.registry import INPUT_EXAMPLE, MODEL_CODE
 
     if client.search_registered_models(f"name = '{name}'"):
         for version in client.search_model_versions(f"name = '{name}'"):
@@ -96,17 +106,16 @@ def register(client: Any, run_id: str, name: str, model_dir: Path, key: str, tag
     else:
         with contextlib.suppress(MlflowException):  # created concurrently by another promotion
             client.create_registered_model(name)
-    signature = infer_signature(
-        ["\n\nHuman: hi\n\nAssistant:"],
-        [" hello"],
-        params={"max_new_tokens": 32, "do_sample": False, "temperature": 1.0},
-    )
     with tempfile.TemporaryDirectory() as tmp:
+        # From code, not a pickled object; the signature comes from predict's type hints plus the
+        # example's params. MLflow runs predict on the example once: a smoke test of what is registered.
+        code = Path(tmp) / "actor_model.py"
+        code.write_text(MODEL_CODE, encoding="utf-8")
         mlflow.pyfunc.save_model(
             path=Path(tmp) / "model",
-            python_model=ActorModel(),
+            python_model=str(code),
             artifacts={"model_dir": str(model_dir)},
-            signature=signature,
+            input_example=INPUT_EXAMPLE,
             pip_requirements=[f"kubealign=={__version__}"],
         )
         client.log_artifacts(run_id, str(Path(tmp) / "model"), "model")
@@ -154,7 +163,7 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
     key = promotion_key(evaluation, model_dir)
     with stage_run(STAGE, config, output.resolve().parent) as tracker, registry_errors(tracker.tracking_uri):
         client, name = MlflowClient(tracker.tracking_uri), cfg.registered_model
-        tags = {f"kubealign.metric.{m}": str(metrics[m]) for m in GATED_METRICS}
+        tags = {f"kubealign.metric.{m}": str(metrics[m]) for m in (*GATED_METRICS, *OPTIONAL_METRICS) if m in metrics}
         tags.update({"kubealign.code_version": __version__, "kubealign.evaluation": str(evaluation.resolve())})
         tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
         tags["kubealign.data_sha256"] = data_hash(result)
