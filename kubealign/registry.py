@@ -4,6 +4,11 @@ MLflow 3.17's transformers flavor cannot save a transformers 5 model (it fails w
 flavor config and again while inferring requirements), so the actor is logged as an equivalent pyfunc:
 the HF dir is an artifact, and `predict` takes prompts (plain-format dialogue text) and returns
 generated responses. `mlflow.pyfunc.load_model("models:/kubealign-actor@champion")` reloads it.
+
+The model is logged "from code" (MLflow's models-from-code: MODEL_CODE, a file that builds the model
+by importing this module), not as a cloudpickled object, and `predict` has type hints: MLflow derives
+the signature (list[str] -> list[str]) from them and validates inputs against it; the logged input
+example adds the params (max_new_tokens, do_sample, temperature) with their defaults.
 """
 
 from __future__ import annotations
@@ -11,6 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 import mlflow.pyfunc
+
+INPUT_EXAMPLE = (["\n\nHuman: hi\n\nAssistant:"], {"max_new_tokens": 32, "do_sample": False, "temperature": 1.0})
+"""(prompts, params) as MLflow's input_example: the params' types and defaults become the signature's."""
+
+MODEL_CODE = """\
+# The kubealign actor as an MLflow model from code: mlflow.pyfunc.load_model runs this file.
+from mlflow.models import set_model
+
+from kubealign.registry import ActorModel
+
+set_model(ActorModel())
+"""
 
 
 class ActorModel(mlflow.pyfunc.PythonModel):
@@ -23,15 +40,13 @@ class ActorModel(mlflow.pyfunc.PythonModel):
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForCausalLM.from_pretrained(path).eval()
 
-    # No type hints here on purpose: MLflow would try (and fail) to derive a signature from `Any`;
-    # the signature is given explicitly when the model is logged.
-    def predict(self, context, model_input, params=None):  # noqa: ANN001
+    def predict(self, context: Any, model_input: list[str], params: dict[str, Any] | None = None) -> list[str]:
         import torch
 
         from kubealign.data.tokenize import encode_prompt, pad_batch
 
         params = params or {}
-        prompts = model_input.iloc[:, 0].tolist() if hasattr(model_input, "columns") else list(model_input)
+        prompts = list(model_input)  # MLflow has validated and converted the input (a DataFrame column too)
         ids, mask = pad_batch([encode_prompt(self.tokenizer, p) for p in prompts], self.tokenizer.pad_token_id, "left")
         with torch.no_grad():
             out = self.model.generate(
