@@ -199,6 +199,7 @@ class EvaluateConfig(Section):
     max_new_tokens: int = Field(32, ge=1, description="Response cap, tokens.")
     temperature: float = Field(0.7, gt=0, description="Sampling temperature (same for both models).")
     top_p: float = Field(0.9, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (not the model's default of 50).")
     seed: int = Field(1234, description="Sampling seed shared by baseline and candidate.")
     sample_rows: int = Field(20, ge=0, description="Rows in the HTML/Markdown sample table.")
 

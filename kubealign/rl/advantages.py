@@ -58,8 +58,7 @@ def kl_penalized_rewards(
 ) -> Rewards:
     """r_t = -beta * (log pi(a_t) - log pi_ref(a_t)) on response actions, plus clip(score, -c, c) at
     the last response action (InstructGPT eq. 2; DeepSpeed-Chat's compute_rewards). scores: [B]."""
-    mask = response_mask.to(logprobs.dtype)
-    kl = (logprobs - ref_logprobs) * mask
+    kl = torch.where(response_mask.bool(), logprobs - ref_logprobs, torch.zeros_like(logprobs))
     rewards = -kl_coef * kl
     last = last_action_index(response_mask)
     clipped = scores.to(rewards.dtype).clamp(-reward_clip, reward_clip)

@@ -2,9 +2,11 @@
 
 Generation goes through DeepSpeed's rollout API (HybridEngineRollout) on the hybrid-engine paths and
 through the module's generate on the plain-engine path; both return prompt (left-padded) + response.
-Everything after the first EOS of a response is padding. All log-prob and value passes run without
-dropout (eval mode), so the PPO ratio is exactly 1 before the first update — DeepSpeed-Chat computes
-them with dropout live.
+Everything after the first EOS of a response is padding. Log-probs describe the distribution that
+sampled (temperature, top-k, top-p: kubealign.rl.losses.sampling_logits). The actor is in eval mode while
+it generates (the hybrid engine's inference kernels) and in train mode for every log-prob pass, with its
+dropout disabled, so the PPO ratio is exactly 1 before the first update — DeepSpeed-Chat computes them
+with dropout live.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.models.reward import token_values
-from kubealign.rl.losses import entropy_from_logits, logprobs_from_logits
+from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, restrict_to, sampling_logits
 from kubealign.training.losses import last_token_scores, position_ids
 
 
@@ -57,13 +59,58 @@ def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     ).logits
 
 
-def sequence_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return logprobs_from_logits(forward_logits(model, input_ids, attention_mask), input_ids)
+def generation_config(sampling: Sampling, max_new_tokens: int, tokenizer: Any) -> Any:
+    """A GenerationConfig that samples from exactly sampling_logits(logits, sampling): every other logits
+    processor spelled out as off, since any setting left unset is filled from the model's own
+    generation_config.json (transformers' default top_k is 50; a checkpoint may add a repetition penalty)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True,
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        min_p=0.0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        repetition_penalty=1.0,
+        encoder_repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_new_tokens=0,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
 
 
-def logprobs_and_entropy(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    logits = forward_logits(model, input_ids, attention_mask)
-    return logprobs_from_logits(logits, input_ids), entropy_from_logits(logits)
+def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """x on response actions, 0 elsewhere (also where x is -inf: a prompt token outside a top-k filter)."""
+    return torch.where(response_mask.bool(), x, torch.zeros_like(x))
+
+
+def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                    sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(log-probs, entropies) [N, A] of the policy's sampling distribution (temperature, top-k, top-p) on
+    the response actions, 0 elsewhere."""
+    logits = sampling_logits(forward_logits(model, input_ids, attention_mask), sampling)
+    logprobs, entropy = logprobs_from_logits(logits, input_ids), entropy_from_logits(logits)
+    return response_only(logprobs, response_mask), response_only(entropy, response_mask)
+
+
+def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                    response_mask: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(sampler's, other's) log-probs [N, A] of the sampled response tokens, 0 elsewhere: the sampler's
+    under its sampling distribution, the other model's (reference, baseline) at the same temperature over
+    the tokens the sampler could draw (losses.restrict_to) — so their difference estimates a finite KL
+    that is exactly 0 for two copies of one model."""
+    logits = sampling_logits(forward_logits(sampler, input_ids, attention_mask), sampling)
+    logprobs = logprobs_from_logits(logits, input_ids)
+    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask), logits, sampling)
+    del logits
+    other_logprobs = logprobs_from_logits(other_logits, input_ids)
+    return response_only(logprobs, response_mask), response_only(other_logprobs, response_mask)
 
 
 @contextlib.contextmanager
@@ -94,18 +141,28 @@ def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 @torch.no_grad()
 def make_experience(
-    batch: Any, prompt_mask: torch.Tensor, eos_id: int, actor: Any, reference: Any, critic: Any, reward: Any
+    batch: Any,
+    prompt_mask: torch.Tensor,
+    eos_id: int,
+    models: tuple[Any, Any, Any, Any],
+    sampling: Sampling,
 ) -> Experience:
-    """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask."""
+    """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask;
+    models: (actor, reference, critic, reward). The actor and the critic are put in train mode first, as
+    DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
+    log-probs then come from the very function the PPO update differentiates); the frozen reference and
+    reward models in eval mode."""
+    actor, reference, critic, reward = models
     input_ids = batch.input_ids
     prompt_mask = prompt_mask.to(input_ids.device)
     if prompt_mask.shape[0] != input_ids.shape[0]:  # n_samples_per_prompt > 1: prompts were repeated
         prompt_mask = prompt_mask.repeat_interleave(input_ids.shape[0] // prompt_mask.shape[0], dim=0)
     attention, response = response_masks(input_ids, prompt_mask, batch.response_start_idx, eos_id)
-    for model in (actor, reference, critic, reward):
-        model.eval()
-    logprobs = sequence_logprobs(actor, input_ids, attention)
-    ref_logprobs = sequence_logprobs(reference, input_ids, attention)
+    actor.train()
+    critic.train()
+    reference.eval()
+    reward.eval()
+    logprobs, ref_logprobs = paired_logprobs(actor, reference, input_ids, attention, response, sampling)
     values, _ = score_and_value(critic, input_ids, attention)
     _, scores = score_and_value(reward, input_ids, attention)
     return Experience(input_ids, attention, response, logprobs, ref_logprobs, values.float(), scores.float())

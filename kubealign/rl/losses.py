@@ -21,16 +21,51 @@ class ValueLoss(NamedTuple):
     clip_fraction: torch.Tensor  # scalar
 
 
+class Sampling(NamedTuple):
+    """The sampling settings of a rollout; log-probs, entropies and KL estimates use the same ones."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0  # 1 disables
+
+
+def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[..., V] logits -> the logits of the distribution that sampling draws from, in float32: divided by
+    the temperature, then -inf outside the top-k tokens and outside the nucleus (the order and tie rules
+    of transformers' Temperature-, TopK- and TopPLogitsWarper, which generate() applies)."""
+    scores = logits.float() / sampling.temperature
+    if 0 < sampling.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        cumulative = ascending.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - sampling.top_p
+        drop[..., -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores
+
+
+def restrict_to(logits: torch.Tensor, sampler_logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """Another model's logits (the reference, an evaluation baseline) at the sampling temperature, over
+    the tokens the sampler could draw: a KL estimate on the sampler's tokens is then finite (a truncated
+    reference would give -inf to a token the sampler drew outside the reference's own nucleus) and
+    exactly 0 when both models are the same."""
+    return (logits.float() / sampling.temperature).masked_fill(torch.isinf(sampler_logits), float("-inf"))
+
+
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] logits and [B, T] ids -> [B, T-1] log-probability of each next token (the actions)."""
+    """[B, T, V] logits and [B, T] ids -> [B, T-1] log-probability of each next token (the actions).
+    Pass sampling_logits(...) to get the log-probs of the distribution that sampled."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action."""
+    """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action (tokens at -inf, outside
+    a top-k / nucleus filter, contribute 0 and no NaN gradient)."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+    return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 
 
 def policy_loss(
@@ -41,8 +76,9 @@ def policy_loss(
     cliprange: float,
 ) -> PolicyLoss:
     """Clipped surrogate: mean over response actions of max(-A r, -A clip(r, 1-eps, 1+eps)),
-    r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize)."""
-    log_ratio = logprobs - old_logprobs
+    r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize). Positions outside the
+    response do not matter, even at -inf (a prompt token outside a top-k / nucleus filter)."""
+    log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)

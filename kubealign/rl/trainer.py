@@ -11,9 +11,10 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rl.advantages import gae, kl_penalized_rewards, masked_mean, whiten
-from kubealign.rl.experience import Experience, logprobs_and_entropy, make_experience, merged_lora, score_and_value
+from kubealign.rl.experience import Experience, make_experience, merged_lora, policy_logprobs, score_and_value
 from kubealign.rl.kl import KLController
-from kubealign.rl.losses import explained_variance, policy_loss, value_loss
+from kubealign.rl.losses import Sampling, explained_variance, policy_loss, value_loss
+from kubealign.training import distributed
 
 
 class ModuleRollout:
@@ -26,14 +27,13 @@ class ModuleRollout:
         from deepspeed.runtime.rollout import RolloutBatch
 
         module = self.engine.module
-        module.eval()
         out = module.generate(
             input_ids=request.prompt_ids,
             attention_mask=request.prompt_attention_mask,
             do_sample=True,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            top_k=sampling.top_k if sampling.top_k > 0 else None,
+            top_k=max(sampling.top_k, 0),  # 0 disables; None would mean the model's default (50)
             max_new_tokens=sampling.max_new_tokens,
             num_return_sequences=sampling.n_samples_per_prompt,
             pad_token_id=self.tokenizer.pad_token_id,
@@ -77,10 +77,17 @@ def sampling_config(cfg: PPOConfig) -> Any:
     )
 
 
+def sampling_of(cfg: PPOConfig) -> Sampling:
+    """The settings the rollout samples with, for the log-probs that must describe it."""
+    return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
+
+
 def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig) -> Any:
-    """Sample responses with the actor (adapters merged for the duration)."""
+    """Sample responses with the actor in eval mode (the hybrid engine's inference kernels; the next
+    log-prob pass puts it back in train mode) and its adapters merged for the duration."""
     from deepspeed.runtime.rollout import RolloutRequest
 
+    models.actor.eval()
     with merged_lora(models.actor.module):
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
 
@@ -122,7 +129,7 @@ def update(
     for _ in range(cfg.ppo_epochs):
         for idx in _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-            logprobs, entropy = logprobs_and_entropy(models.actor, ids, mask)
+            logprobs, entropy = policy_logprobs(models.actor, ids, mask, resp, sampling_of(cfg))
             pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
             mean_entropy = masked_mean(entropy, resp)
             actor_loss = pl.loss - cfg.entropy_coef * mean_entropy
@@ -148,6 +155,13 @@ def update(
     return {k: sum(v) / len(v) for k, v in stats.items()}
 
 
+def update_kl(kl: KLController, seq_kl: torch.Tensor) -> float:
+    """Adapt beta to the mean sequence KL of every rank's samples ([N] here): each rank then keeps the
+    same beta, and rank 0's, the one a checkpoint saves, is everyone's."""
+    kl_sum, samples = distributed.all_reduce_sum([float(seq_kl.sum()), float(seq_kl.numel())])
+    return kl.update(kl_sum / samples, int(samples))
+
+
 def iteration(
     models: PPOModels,
     prompt_ids: torch.Tensor,
@@ -161,9 +175,8 @@ def iteration(
     started = time.perf_counter()
     batch = generate(models, prompt_ids, prompt_mask, cfg)
     generated = time.perf_counter()
-    exp = make_experience(
-        batch, prompt_mask, models.tokenizer.eos_token_id, models.actor, models.reference, models.critic, models.reward
-    )
+    four = (models.actor, models.reference, models.critic, models.reward)
+    exp = make_experience(batch, prompt_mask, models.tokenizer.eos_token_id, four, sampling_of(cfg))
     experienced = time.perf_counter()
     rewards = kl_penalized_rewards(
         exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, kl.value, cfg.reward_clip
@@ -174,7 +187,7 @@ def iteration(
     trained = time.perf_counter()
     seq_kl = rewards.kl.sum(-1)
     kl_coef = kl.value
-    kl.update(float(seq_kl.mean()), exp.input_ids.shape[0])
+    update_kl(kl, seq_kl)
     tokens = int(exp.attention_mask.sum())
     metrics = {
         "reward_mean": float(exp.scores.mean()),

@@ -28,10 +28,16 @@ from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
-from kubealign.rl.experience import response_masks, score_and_value, sequence_logprobs
+from kubealign.rl.experience import generation_config, paired_logprobs, response_masks, score_and_value
+from kubealign.rl.losses import Sampling
 from kubealign.tracking import stage_run
 
 STAGE = "evaluate"
+
+
+def sampling_of(cfg: EvaluateConfig) -> Sampling:
+    """The distribution sample() draws from, for the KL estimate on its samples."""
+    return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 @torch.no_grad()
@@ -39,20 +45,12 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: EvaluateCo
     """Seeded sampling: the same seed and settings for every model, so the comparison is paired."""
     rows = []
     torch.manual_seed(cfg.seed)
+    settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, tokenizer)
     for i in range(0, len(prompts), cfg.batch_size):
         ids, mask = (
             torch.tensor(x) for x in pad_batch(prompts[i : i + cfg.batch_size], tokenizer.pad_token_id, "left")
         )
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=True,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=settings)
         start = torch.full((out.shape[0],), ids.shape[1])
         attention, response = response_masks(out, mask, start, tokenizer.eos_token_id)
         for row in range(out.shape[0]):
@@ -82,13 +80,15 @@ def score(reward: Any, rows: list[dict[str, Any]], size: int) -> None:
 
 
 @torch.no_grad()
-def kl_to(candidate: Any, baseline: Any, rows: list[dict[str, Any]], size: int) -> float:
-    """Monte-Carlo KL(candidate || baseline): mean over the candidate's samples of the summed
-    log-prob difference on response tokens."""
+def kl_to(candidate: Any, baseline: Any, rows: list[dict[str, Any]], size: int, sampling: Sampling) -> float:
+    """Monte-Carlo KL(candidate || baseline) on the candidate's samples: the mean over them of the summed
+    log-prob difference on response tokens, with the candidate's log-probs those of the distribution that
+    sampled (sampling's temperature, top-k, top-p) and the baseline's at the same temperature over the
+    same tokens (experience.paired_logprobs): 0 for a model against itself, finite always."""
     total = 0.0
     for _chunk, ids, attention, response in batched(rows, size):
-        diff = sequence_logprobs(candidate, ids, attention) - sequence_logprobs(baseline, ids, attention)
-        total += float((diff * response[:, : diff.shape[1]]).sum())
+        logprobs, base_logprobs = paired_logprobs(candidate, baseline, ids, attention, response, sampling)
+        total += float((logprobs - base_logprobs).sum())
     return total / max(len(rows), 1)
 
 
@@ -230,7 +230,7 @@ def run(
         score(reward_model, base, cfg.batch_size)
         score(reward_model, cand, cfg.batch_size)
         metrics = compare(base, cand, cfg.seed)
-        metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size)
+        metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
         if (Path(prompts) / "phase1_sft").is_dir():
             sft_eval = phases.load(prompts, "phase1_sft")["eval"]
             metrics["baseline_perplexity"] = perplexity(base_model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)

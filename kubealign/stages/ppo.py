@@ -26,9 +26,17 @@ from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rl import preflight
-from kubealign.rl.experience import make_experience
+from kubealign.rl.experience import generation_config, make_experience
 from kubealign.rl.kl import KLController
-from kubealign.rl.trainer import ModuleRollout, PPOModels, UnsupervisedData, disable_dropout, generate, iteration
+from kubealign.rl.trainer import (
+    ModuleRollout,
+    PPOModels,
+    UnsupervisedData,
+    disable_dropout,
+    generate,
+    iteration,
+    sampling_of,
+)
 from kubealign.tracking import stage_run
 from kubealign.training import distributed, export
 from kubealign.training import engine as engines
@@ -100,19 +108,19 @@ def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int,
 @torch.no_grad()
 def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig) -> dict[str, float]:
     """Mean reward and KL to the reference on the eval prompts, sampled with a fixed seed (the training
-    RNG is left untouched)."""
+    RNG, CPU and GPU, is left untouched)."""
     scores, kls = [], []
-    with torch.random.fork_rng(devices=[]):
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []  # generate samples on the GPU
+    with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)
         for i in range(0, len(prompts), cfg.generation_batch_size):
             ids, mask = pad_batch(prompts[i : i + cfg.generation_batch_size], models.tokenizer.pad_token_id, "left")
             ids, mask = torch.tensor(ids, device=distributed.device()), torch.tensor(mask, device=distributed.device())
             batch = generate(models, ids, mask, cfg)
-            exp = make_experience(
-                batch, mask, models.tokenizer.eos_token_id, models.actor, models.reference, models.critic, models.reward
-            )
+            four = (models.actor, models.reference, models.critic, models.reward)
+            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, four, sampling_of(cfg))
             scores += exp.scores.tolist()
-            kls += ((exp.logprobs - exp.ref_logprobs) * exp.response_mask).sum(-1).tolist()
+            kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
     return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls)}
 
 
@@ -143,6 +151,9 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
     reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
     for model in (actor, critic):
         disable_dropout(model)
+    # The rollout samples from exactly ppo's temperature / top_k / top_p, whatever the checkpoint's own
+    # generation_config.json says: the log-probs of the experience assume it.
+    actor.generation_config = generation_config(sampling_of(cfg), cfg.max_new_tokens, tokenizer)
     samples = cfg.generation_batch_size * cfg.samples_per_prompt
     total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
     actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)

@@ -1,0 +1,288 @@
+"""Experience: masks, sampling-distribution log-probs, mode switches and the KL controller's input, on
+hand-made models whose outputs can be worked out by hand."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kubealign.rl.advantages import kl_penalized_rewards, last_action_index
+from kubealign.rl.experience import make_experience, paired_logprobs, policy_logprobs, response_masks
+from kubealign.rl.losses import (
+    Sampling,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    restrict_to,
+    sampling_logits,
+)
+
+EOS = 2  # also the pad token, as build_models makes it for a tokenizer without one
+LOG = math.log
+
+
+class TableLM(torch.nn.Module):
+    """Next-token logits that depend on the current token only: logits[b, t] = table[input_ids[b, t]].
+    Records whether it was in train mode at each forward."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = torch.nn.Parameter(table.clone())
+        self.modes: list[bool] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        self.modes.append(self.training)
+        return SimpleNamespace(logits=self.table[input_ids])
+
+
+class Score(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+class TokenValue(torch.nn.Module):
+    """A 'reward model' whose value at each position is 10 * token id + position (head named score)."""
+
+    def __init__(self):
+        super().__init__()
+        self.score = Score()
+        self.modes: list[bool] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        self.modes.append(self.training)
+        positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return self.score((10.0 * input_ids + positions).unsqueeze(-1))
+
+
+def close(x: torch.Tensor, rows: list[list[float]]) -> bool:
+    return torch.allclose(x.double(), torch.tensor(rows, dtype=torch.float64), atol=1e-6)
+
+
+def probs_table(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64).log()
+
+
+# Vocabulary of 4; token 3's next-token distribution is [0.1, 0.2, 0.3, 0.4], every other token's is
+# [0.4, 0.3, 0.2, 0.1].
+TABLE = probs_table([[0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4]])
+
+
+def test_response_masks_by_hand_with_padding_and_an_eos_in_the_prompt():
+    # Prompt width 3 (left-padded with EOS = pad), responses from column 3 on.
+    ids = torch.tensor(
+        [
+            [2, 3, 1, 3, 2, 1, 1],  # 1 pad; response 3, EOS; then 1 1 after the EOS are padding
+            [3, 2, 1, 1, 1, 1, 1],  # an EOS inside the prompt does not end anything; no EOS in the response
+            [2, 2, 3, 2, 3, 3, 3],  # 2 pads; the response is a lone EOS
+        ]
+    )
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1], [0, 0, 1]])
+    attention, response = response_masks(ids, prompt_mask, torch.tensor([3, 3, 3]), EOS)
+    assert attention.tolist() == [
+        [0, 1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1, 1],
+        [0, 0, 1, 1, 0, 0, 0],
+    ]
+    # Action t produced token t + 1: response actions are columns 2.. of the token positions minus one.
+    assert response.tolist() == [
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 1],
+        [0, 0, 1, 0, 0, 0],
+    ]
+
+
+def test_last_action_index_by_hand():
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 0, 1, 1, 1, 1], [0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0]])
+    assert last_action_index(mask).tolist() == [3, 5, 2, 0]
+
+
+def test_kl_penalized_rewards_put_each_score_at_its_rows_last_action():
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [1, 0, 0, 0]], dtype=torch.float64)
+    zeros = torch.zeros(3, 4, dtype=torch.float64)
+    out = kl_penalized_rewards(zeros, zeros, torch.tensor([1.0, -7.0, 2.0]), mask, kl_coef=0.5, reward_clip=5)
+    assert out.rewards.tolist() == [[0, 0, 1, 0], [0, 0, 0, -5], [2, 0, 0, 0]]
+
+
+def test_kl_and_policy_loss_ignore_minus_infinity_outside_the_response():
+    # A prompt token outside a top-k filter has log-prob -inf under the sampling distribution.
+    inf = float("-inf")
+    mask = torch.tensor([[0.0, 1.0, 1.0]])
+    lp, old = torch.tensor([[inf, -1.0, -2.0]]), torch.tensor([[inf, -1.0, -2.0]])
+    rewards = kl_penalized_rewards(lp, torch.tensor([[inf, -1.5, -2.0]]), torch.tensor([0.0]), mask, 1.0, 5.0)
+    assert rewards.kl.tolist() == [[0.0, 0.5, 0.0]]
+    out = policy_loss(lp, old, torch.tensor([[3.0, 1.0, -1.0]]), mask, 0.2)
+    assert out.loss.item() == 0.0 and out.approx_kl.item() == 0.0 and out.clip_fraction.item() == 0.0
+
+
+def test_sampling_logits_by_hand():
+    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]).log()
+    ids = torch.tensor([[0, 0]])
+    # top-p 0.7 keeps the smallest set whose mass reaches 0.7: {0.5, 0.3}; renormalized 0.5 / 0.8.
+    got = logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(top_p=0.7))] * 2, 1), ids)
+    assert got.item() == pytest.approx(LOG(0.5 / 0.8))
+    # top-k 1: the argmax only; temperature 0.5 squares the probabilities before normalizing.
+    assert logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(top_k=1))] * 2, 1), ids).item() == 0
+    squares = [p * p for p in (0.5, 0.3, 0.15, 0.05)]
+    hot = logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(temperature=0.5))] * 2, 1), ids)
+    assert hot.item() == pytest.approx(LOG(squares[0] / sum(squares)))
+    filtered = sampling_logits(logits, Sampling(top_k=3, top_p=0.7))
+    assert torch.isinf(filtered).tolist() == [[[False, False, True, True]]]
+
+
+def test_sampling_logits_match_the_warpers_generate_applies():
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50) * 3
+    for temperature, top_k, top_p in [(0.7, 10, 0.8), (1.3, 0, 0.5), (1.0, 3, 1.0), (0.5, 0, 1.0)]:
+        expected = logits.clone()
+        if temperature != 1.0:
+            expected = TemperatureLogitsWarper(temperature)(None, expected)
+        if top_k:
+            expected = TopKLogitsWarper(top_k)(None, expected)
+        if top_p < 1:
+            expected = TopPLogitsWarper(top_p)(None, expected)
+        got = sampling_logits(logits, Sampling(temperature, top_k, top_p))
+        assert torch.equal(torch.isinf(got), torch.isinf(expected))
+        assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
+
+
+def test_entropy_of_a_filtered_distribution_has_no_nan_value_or_gradient():
+    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]]).log().requires_grad_()
+    filtered = sampling_logits(torch.cat([logits, logits[:, :1]], 1), Sampling(top_k=2))
+    entropy = entropy_from_logits(filtered)
+    p = (0.5 / 0.8, 0.3 / 0.8)
+    assert entropy[0, 0].item() == pytest.approx(-sum(x * LOG(x) for x in p))
+    assert entropy[0, 1].item() == pytest.approx(LOG(4))  # ties at the k-th value all stay, as in generate()
+    entropy.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+
+
+def test_restricted_reference_is_the_same_model_exactly_and_finite_otherwise():
+    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]] * 2]).log()
+    sampler = sampling_logits(logits, Sampling(temperature=2.0, top_k=2))
+    same = restrict_to(logits, sampler, Sampling(temperature=2.0, top_k=2))
+    assert torch.equal(sampler, same)
+    other = torch.tensor([[[0.05, 0.15, 0.3, 0.5]] * 2]).log()  # would rank tokens 0 and 1 last
+    ids = torch.tensor([[0, 1]])
+    got = logprobs_from_logits(restrict_to(other, sampler, Sampling(temperature=2.0, top_k=2)), ids)
+    roots = (math.sqrt(0.05), math.sqrt(0.15))
+    assert got.item() == pytest.approx(LOG(roots[1] / sum(roots)))
+
+
+def experience_batch():
+    # Prompt width 2; row 0: prompt [pad, 3], response 3 EOS; row 1: prompt [1, 3], response 0 0 (no EOS).
+    ids = torch.tensor([[2, 3, 3, 2], [1, 3, 0, 0]])
+    return SimpleNamespace(input_ids=ids, response_start_idx=torch.tensor([2, 2])), torch.tensor([[0, 1], [1, 1]])
+
+
+def test_make_experience_by_hand_and_modes():
+    batch, prompt_mask = experience_batch()
+    actor, reference = TableLM(TABLE), TableLM(probs_table([[0.25] * 4] * 4))
+    critic, reward = TokenValue(), TokenValue()
+    for model in (actor, reference, critic, reward):
+        model.train() if model in (reference, reward) else model.eval()  # the opposite of what is needed
+    exp = make_experience(batch, prompt_mask, EOS, (actor, reference, critic, reward), Sampling())
+    assert exp.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
+    assert exp.response_mask.tolist() == [[0, 1, 1], [0, 1, 1]]
+    # row 0: 3 -> 3 (0.4), 3 -> EOS (0.3); row 1: 3 -> 0 (0.1), 0 -> 0 (0.4); the reference is uniform.
+    assert close(exp.logprobs, [[0, LOG(0.4), LOG(0.3)], [0, LOG(0.1), LOG(0.4)]])
+    assert close(exp.ref_logprobs, [[0, LOG(0.25), LOG(0.25)], [0, LOG(0.25), LOG(0.25)]])
+    # values: 10 * token + position at positions 0..2; scores at the last real token (3 and 3).
+    assert exp.values.tolist() == [[20, 31, 32], [10, 31, 2]]
+    assert exp.scores.tolist() == [23, 3]
+    # The actor and the critic run in train mode (hybrid engine: training layers, dropout off), the
+    # frozen reference and reward model in eval mode.
+    assert actor.modes == [True] and critic.modes == [True]
+    assert reference.modes == [False] and reward.modes == [False]
+
+
+def test_make_experience_log_probs_describe_the_sampling_distribution():
+    batch, prompt_mask = experience_batch()
+    actor, reference = TableLM(TABLE), TableLM(TABLE)
+    sampling = Sampling(temperature=0.5, top_k=3)
+    exp = make_experience(batch, prompt_mask, EOS, (actor, reference, TokenValue(), TokenValue()), sampling)
+    # Row 0, action 1 (3 -> 3): temperature 0.5 squares [0.1, 0.2, 0.3, 0.4], top-k 3 drops 0.1.
+    assert exp.logprobs[0, 1].item() == pytest.approx(LOG(0.16 / (0.04 + 0.09 + 0.16)))
+    # Row 1, action 1 (3 -> 0): token 0 is outside the top 3 of token 3's distribution — yet it was
+    # sampled here only because this batch is made up; where the sampler could not draw, -inf.
+    assert exp.logprobs[1, 1].item() == float("-inf")
+    # Identical actor and reference: the KL estimate is exactly 0 on every sampled token.
+    kl = exp.logprobs[0] - exp.ref_logprobs[0]
+    assert kl.tolist() == [0, 0, 0]
+
+
+def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
+    batch, prompt_mask = experience_batch()
+    attention, response = response_masks(batch.input_ids, prompt_mask, batch.response_start_idx, EOS)
+    model = TableLM(TABLE)
+    logprobs, entropy = policy_logprobs(model, batch.input_ids, attention, response, Sampling(top_k=1))
+    assert logprobs[:, 0].tolist() == [0, 0] and entropy[:, 0].tolist() == [0, 0]
+    assert entropy[:, 1:].tolist() == [[0, 0], [0, 0]]  # top-k 1 leaves one token: no entropy
+    mine, other = paired_logprobs(model, model, batch.input_ids, attention, response, Sampling(top_p=0.5))
+    assert torch.equal(mine[0], other[0])
+
+
+def test_module_rollout_passes_top_k_zero_not_the_models_default():
+    from kubealign.config.schema import PPOConfig
+    from kubealign.rl.trainer import ModuleRollout, sampling_config
+
+    seen = {}
+
+    class Module:
+        def generate(self, **kwargs):
+            seen.update(kwargs)
+            return torch.cat([kwargs["input_ids"], torch.full((kwargs["input_ids"].shape[0], 2), EOS)], 1)
+
+    rollout = ModuleRollout(
+        SimpleNamespace(module=Module()), SimpleNamespace(pad_token_id=EOS, eos_token_id=EOS), False
+    )
+    request = SimpleNamespace(prompt_ids=torch.tensor([[1, 3]]), prompt_attention_mask=torch.tensor([[1, 1]]))
+    batch = rollout.generate(request, sampling_config(PPOConfig()))
+    assert seen["top_k"] == 0  # None would mean "the model's generation_config", i.e. top-k 50
+    assert batch.response_start_idx.tolist() == [2]
+
+
+def test_generate_puts_the_actor_in_eval_mode_and_the_update_in_train_mode():
+    from kubealign.rl import trainer
+
+    modes = []
+
+    class Engine(TableLM):
+        module = SimpleNamespace()
+
+        def eval(self):
+            modes.append("eval")
+            return super().eval()
+
+    actor = Engine(TABLE)
+
+    class Rollout:
+        def generate(self, request, sampling):
+            modes.append("generate:" + ("train" if actor.training else "eval"))
+            return "batch"
+
+    models = trainer.PPOModels(actor, None, None, None, Rollout(), None)
+    from kubealign.config.schema import PPOConfig
+
+    assert trainer.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), PPOConfig()) == "batch"
+    assert modes == ["eval", "generate:eval"]
+
+
+def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):
+    from kubealign.rl import trainer
+    from kubealign.rl.kl import KLController
+
+    # This rank measured KL 1 and 3 (mean 2); the other rank measured 10 and 10 (sum 20, 2 samples).
+    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 2.0])
+    kl = KLController(0.1, target=4.0, horizon=100)
+    trainer.update_kl(kl, torch.tensor([1.0, 3.0]))
+    # mean over ranks = 24 / 4 = 6: error min(6 / 4 - 1, 0.2) = 0.2 over 4 samples (one rank alone: 2 / 4 - 1)
+    assert kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
