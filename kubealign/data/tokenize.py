@@ -2,7 +2,8 @@
 
 * Prompt: the tokenizer's chat template when it has one (the plain-format dialogue is parsed back into
   messages and rendered with add_generation_prompt=True); otherwise the plain text as data-split wrote
-  it ("\\n\\nHuman: ...\\n\\nAssistant:"). Encoded with the tokenizer's own special tokens (e.g. BOS).
+  it ("\\n\\nHuman: ...\\n\\nAssistant:"). Encoded with the tokenizer's own special tokens (e.g. BOS),
+  except where the rendered template already starts with BOS: one BOS, never two.
 * Response: encoded without special tokens, followed by exactly one EOS token. Generation stops at
   EOS, so SFT teaches the model to emit it, the reward model scores the sequence at it, and PPO's
   rollouts end with it.
@@ -46,7 +47,11 @@ def prompt_text(tokenizer: Any, prompt: str) -> str:
 
 
 def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
-    return tokenizer(prompt_text(tokenizer, prompt))["input_ids"]
+    """The prompt's ids with the tokenizer's special tokens, once: a chat template that renders its own
+    BOS (most do: "{{ bos_token }}...") would otherwise get a second one from the tokenizer."""
+    text = prompt_text(tokenizer, prompt)
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
 def encode_response(tokenizer: Any, response: str) -> list[int]:
