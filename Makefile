@@ -62,3 +62,15 @@ lock-tools:
 
 clean:
 	rm -rf $(VENV) $(TOOLS) runs build *.egg-info
+
+# Mutation testing of the PPO math and masking code ([tool.mutmut] in pyproject.toml). mutmut runs the
+# tests in its own process against a mutated copy of the package, so it must import everything the
+# project imports (torch, transformers, deepspeed): it goes into the project's venv, not a venv of its
+# own as checkov does. The score and the surviving mutants are recorded in docs/ppo.md.
+.PHONY: mutation
+MUTMUT := mutmut==3.8.1
+mutation: $(STAMP)
+	$(BIN)/pip install --disable-pip-version-check -q '$(MUTMUT)'
+	rm -rf mutants
+	OMP_NUM_THREADS=1 $(BIN)/mutmut run --max-children 2
+	$(BIN)/mutmut results

@@ -47,6 +47,9 @@ def test_ppo_raises_the_reward_with_the_hybrid_engine(cli, trained, tmp_path: Pa
     for key in ("policy_loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "explained_variance"):
         assert key in first
     assert first["approx_kl"] >= 0
+    # Before each iteration's first step the policy is the one that sampled (dropout off, the rollout's
+    # log-probs from the training forward): the ratio is exactly 1 on the first minibatch.
+    assert all(h["approx_kl_first"] == 0 and h["clip_fraction_first"] == 0 for h in res["history"])
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     actor = AutoModelForCausalLM.from_pretrained(out)

@@ -152,7 +152,11 @@ def update(
                 "entropy": mean_entropy,
             }.items():
                 stats.setdefault(key, []).append(value.item())
-    return {k: sum(v) / len(v) for k, v in stats.items()}
+    means = {k: sum(v) / len(v) for k, v in stats.items()}
+    # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly 0
+    # unless the rollout's log-probs and the training forward disagree (live dropout, kernels, settings).
+    means["approx_kl_first"], means["clip_fraction_first"] = stats["approx_kl"][0], stats["clip_fraction"][0]
+    return means
 
 
 def update_kl(kl: KLController, seq_kl: torch.Tensor) -> float:
