@@ -32,9 +32,11 @@ class TableLM(torch.nn.Module):
         super().__init__()
         self.table = torch.nn.Parameter(table.clone())
         self.modes: list[bool] = []
+        self.calls: list[dict] = []
 
     def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
         self.modes.append(self.training)
+        self.calls.append({"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache})
         return SimpleNamespace(logits=self.table[input_ids])
 
 
@@ -128,6 +130,8 @@ def test_sampling_logits_by_hand():
     squares = [p * p for p in (0.5, 0.3, 0.15, 0.05)]
     hot = logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(temperature=0.5))] * 2, 1), ids)
     assert hot.item() == pytest.approx(LOG(squares[0] / sum(squares)))
+    # Uniform over 4, top-p 0.75: the token whose cumulative mass is exactly 1 - 0.75 goes (as in generate()).
+    assert torch.isinf(sampling_logits(torch.zeros(1, 4), Sampling(top_p=0.75))).sum().item() == 1
     filtered = sampling_logits(logits, Sampling(top_k=3, top_p=0.7))
     assert torch.isinf(filtered).tolist() == [[[False, False, True, True]]]
 
@@ -201,6 +205,10 @@ def test_make_experience_by_hand_and_modes():
     # The actor and the critic run in train mode (hybrid engine: training layers, dropout off), the
     # frozen reference and reward model in eval mode.
     assert actor.modes == [True] and critic.modes == [True]
+    # Every pass sees the masks (position ids that skip the left padding) and builds no KV cache.
+    call = actor.calls[0]
+    assert torch.equal(call["attention_mask"], exp.attention_mask) and call["use_cache"] is False
+    assert call["position_ids"].tolist() == [[0, 0, 1, 2], [0, 1, 2, 3]]
     assert reference.modes == [False] and reward.modes == [False]
 
 

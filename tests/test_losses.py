@@ -58,3 +58,14 @@ def test_lm_loss_matches_a_loop():
                 total -= torch.log_softmax(logits[b, t - 1], -1)[ids[b, t]].item()
                 count += 1
     assert abs(lm_loss(logits, ids, mask).loss.item() - total / count) < 1e-5
+
+
+def test_lm_loss_of_one_counted_token_and_upcasts_by_default():
+    logits = torch.tensor([[[2.0, 0.0, -1.0], [0.0, 0.0, 0.0]]])
+    ids, mask = torch.tensor([[0, 2]]), torch.tensor([[0, 1]])
+    expected = -torch.log_softmax(logits[0, 0], -1)[2].item()
+    assert abs(lm_loss(logits, ids, mask).loss.item() - expected) < 1e-6  # one token: the mean is its NLL
+    half = logits.to(torch.bfloat16)
+    exact = lm_loss(half.float(), ids, mask).loss.item()
+    assert lm_loss(half, ids, mask).loss.dtype == torch.float32
+    assert abs(lm_loss(half, ids, mask).loss.item() - exact) < 1e-6

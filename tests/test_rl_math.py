@@ -135,3 +135,33 @@ def test_adaptive_kl_controller_by_hand():
     restored = KLController(0.1, 6.0, 10000)
     restored.load_state_dict(ctl.state_dict())
     assert restored.value == ctl.value
+
+
+def test_policy_loss_clips_a_shrinking_ratio_for_a_negative_advantage():
+    # ratio 0.5, A = -1: max(0.5, 0.8) = 0.8 — the lower clip 1 - eps is what makes it 0.8
+    out = policy_loss(torch.log(t([0.5])), t([0]), t([-1]), t([1]), cliprange=0.2)
+    assert out.loss.item() == pytest.approx(0.8) and out.clip_fraction.item() == 1
+
+
+def test_value_loss_clips_a_rise_and_counts_no_clip_when_nothing_moved():
+    # V = 2 from old 1, R = 3: clipped V = 1.2, max((2 - 3)^2, (1.2 - 3)^2) = 3.24 -> 0.5 * 3.24
+    up = value_loss(t([2.0]), t([1.0]), t([3.0]), t([1]), cliprange_value=0.2)
+    assert up.loss.item() == pytest.approx(1.62) and up.clip_fraction.item() == 1
+    still = value_loss(t([1.0]), t([1.0]), t([3.0]), t([1]), cliprange_value=0.2)
+    assert still.loss.item() == pytest.approx(2.0) and still.clip_fraction.item() == 0
+
+
+def test_gae_of_a_single_action():
+    out = gae(t([2.0]), t([1.0]), t([1]), gamma=1.0, lam=0.95)
+    assert out.advantages.tolist() == [[-1.0]] and out.returns.tolist() == [[1.0]]
+
+
+def test_whiten_of_a_nearly_constant_batch_is_damped_by_eps():
+    # var = (5e-5)^2 = 2.5e-9; out = ±5e-5 / sqrt(2.5e-9 + 1e-8)
+    out = whiten(t([0.0, 1e-4]), t([1, 1]))
+    assert out[0].tolist() == pytest.approx([-5e-5 / math.sqrt(1.25e-8), 5e-5 / math.sqrt(1.25e-8)])
+
+
+def test_default_kl_horizon():
+    ctl = KLController(0.1, target=1.0)
+    assert ctl.update(2.0, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
