@@ -294,3 +294,17 @@ def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):
     trainer.update_kl(kl, torch.tensor([1.0, 3.0]))
     # mean over ranks = 24 / 4 = 6: error min(6 / 4 - 1, 0.2) = 0.2 over 4 samples (one rank alone: 2 / 4 - 1)
     assert kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
+
+
+def test_ptx_batches_differ_across_ranks_and_wrap_around():
+    from kubealign.rl.trainer import UnsupervisedData
+
+    examples = [{"input_ids": [i]} for i in range(5)]
+    ranks = [UnsupervisedData(examples, 2, 0, rank=r, world=2) for r in range(2)]
+    served = [[e["input_ids"][0] for e in data.next_chunk()] for _ in range(2) for data in ranks]
+    # round 0: rank 0 [0, 1], rank 1 [2, 3]; round 1: rank 0 [4, 0], rank 1 [1, 2]
+    assert served == [[0, 1], [2, 3], [4, 0], [1, 2]]
+    big = UnsupervisedData(examples, 7, 0)  # a batch larger than the data still has batch_size rows
+    assert [e["input_ids"][0] for e in big.next_chunk()] == [0, 1, 2, 3, 4, 0, 1]
+    resumed = UnsupervisedData(examples, 2, 0, served=1, rank=1, world=2)
+    assert [e["input_ids"][0] for e in resumed.next_chunk()] == [1, 2]  # the position is all the state

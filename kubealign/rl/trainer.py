@@ -94,18 +94,24 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
 class UnsupervisedData:
     """Phase-1 (prompt, chosen) sequences for the PPO-ptx term, served micro-batch by micro-batch in a
-    fixed cyclic order (a function of the number of batches served, so resume needs no extra state)."""
+    fixed cyclic order (a function of the number of batches served, so resume needs no extra state).
+    Each rank serves its own slice of every round, so world ranks see world different batches."""
 
-    def __init__(self, examples: list[dict[str, list[int]]], batch_size: int, pad_id: int, served: int = 0):
+    def __init__(
+        self, examples: list[dict[str, list[int]]], batch_size: int, pad_id: int, served: int = 0, rank=0, world=1
+    ):
         self.examples, self.batch_size, self.pad_id, self.served = examples, batch_size, pad_id, served
+        self.rank, self.world = rank, world
+
+    def next_chunk(self) -> list[dict[str, list[int]]]:
+        start = (self.served * self.world + self.rank) * self.batch_size
+        self.served += 1
+        return [self.examples[(start + i) % len(self.examples)] for i in range(self.batch_size)]
 
     def loss(self, actor: Any) -> torch.Tensor:
         from kubealign.training.lm import batch_loss, collate
 
-        start = (self.served * self.batch_size) % len(self.examples)
-        chunk = (self.examples + self.examples)[start : start + self.batch_size]
-        self.served += 1
-        return batch_loss(actor, collate(chunk, self.pad_id), fp32=True).loss
+        return batch_loss(actor, collate(self.next_chunk(), self.pad_id), fp32=True).loss
 
 
 def _minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Tensor]:

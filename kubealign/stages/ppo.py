@@ -220,7 +220,8 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
         raise UserError(f"ppo.unsup_coef > 0 needs --prompts to be the data-split dir (with phase1_sft), got {prompts}")
     rows = phases.load(prompts, "phase1_sft")["train"]
     examples = tokenize(rows, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens, include_prompt=False)
-    return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id)
+    rank, world = distributed.init()
+    return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
 
 
 def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup):
