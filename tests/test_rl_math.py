@@ -164,4 +164,4 @@ def test_whiten_of_a_nearly_constant_batch_is_damped_by_eps():
 
 def test_default_kl_horizon():
     ctl = KLController(0.1, target=1.0)
-    assert ctl.update(2.0, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000))
+    assert ctl.update(2.0, 100) == pytest.approx(0.1 * (1 + 0.2 * 100 / 10000), rel=1e-12)
