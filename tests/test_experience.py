@@ -258,30 +258,37 @@ def test_module_rollout_passes_top_k_zero_not_the_models_default():
     assert batch.response_start_idx.tolist() == [2]
 
 
-def test_generate_puts_the_actor_in_eval_mode_and_the_update_in_train_mode():
+def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
+    from transformers import GenerationConfig
+
+    from kubealign.config.schema import PPOConfig
     from kubealign.rl import trainer
 
     modes = []
+    own = GenerationConfig(repetition_penalty=1.3, top_k=50, min_p=0.1)  # what a checkpoint may bring
+    module = SimpleNamespace(generation_config=own)
 
     class Engine(TableLM):
-        module = SimpleNamespace()
-
         def eval(self):
             modes.append("eval")
             return super().eval()
 
     actor = Engine(TABLE)
+    actor.module = module
 
     class Rollout:
         def generate(self, request, sampling):
+            used = module.generation_config
             modes.append("generate:" + ("train" if actor.training else "eval"))
+            modes.append((used.top_k, used.top_p, used.temperature, used.repetition_penalty, used.min_p))
             return "batch"
 
-    models = trainer.PPOModels(actor, None, None, None, Rollout(), None)
-    from kubealign.config.schema import PPOConfig
-
-    assert trainer.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), PPOConfig()) == "batch"
-    assert modes == ["eval", "generate:eval"]
+    tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=EOS, bos_token_id=0)
+    models = trainer.PPOModels(actor, None, None, None, Rollout(), tokenizer)
+    cfg = PPOConfig(top_k=7, top_p=0.9, temperature=0.8)
+    assert trainer.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
+    assert modes == ["eval", "generate:eval", (7, 0.9, 0.8, 1.0, 0.0)]
+    assert module.generation_config is own  # the checkpoint's own settings are back for the export
 
 
 def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):

@@ -8,7 +8,8 @@
   EOS, so SFT teaches the model to emit it, the reward model scores the sequence at it, and PPO's
   rollouts end with it.
 * Over max_seq_len: the response keeps up to max_seq_len - min_prompt_tokens tokens (cut at its end,
-  EOS kept), and the prompt is cut from the left, keeping the turns nearest to the response.
+  EOS kept), and the prompt is cut from the left, keeping the turns nearest to the response (and a
+  leading BOS).
 """
 
 from __future__ import annotations
@@ -54,6 +55,16 @@ def encode_prompt(tokenizer: Any, prompt: str) -> list[int]:
     return tokenizer(text, add_special_tokens=not (bos and text.startswith(bos)))["input_ids"]
 
 
+def cut_left(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
+    """The last max_len tokens of ids, a leading BOS kept in front: a prompt cut from the left still
+    starts the way every training sequence did."""
+    if len(ids) <= max_len:
+        return ids
+    if bos_id is not None and ids[0] == bos_id and max_len > 1:
+        return [bos_id] + ids[len(ids) - max_len + 1 :]
+    return ids[len(ids) - max_len :]
+
+
 def encode_response(tokenizer: Any, response: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
         response = response.strip()
@@ -67,9 +78,7 @@ def encode_pair(tokenizer: Any, prompt: str, response: str, max_seq_len: int) ->
     room = max(max_seq_len - MIN_PROMPT_TOKENS, 1)
     if len(response_ids) > room:
         response_ids = response_ids[: room - 1] + [tokenizer.eos_token_id]
-    keep = max_seq_len - len(response_ids)
-    if len(prompt_ids) > keep:
-        prompt_ids = prompt_ids[len(prompt_ids) - keep :]
+    prompt_ids = cut_left(prompt_ids, max_seq_len - len(response_ids), getattr(tokenizer, "bos_token_id", None))
     return Encoded(prompt_ids + response_ids, len(prompt_ids))
 
 

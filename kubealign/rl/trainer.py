@@ -3,7 +3,9 @@ policy and value updates over minibatches — actor and critic both updated ever
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +13,14 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rl.advantages import gae, kl_penalized_rewards, masked_mean, whiten
-from kubealign.rl.experience import Experience, make_experience, merged_lora, policy_logprobs, score_and_value
+from kubealign.rl.experience import (
+    Experience,
+    generation_config,
+    make_experience,
+    merged_lora,
+    policy_logprobs,
+    score_and_value,
+)
 from kubealign.rl.kl import KLController
 from kubealign.rl.losses import Sampling, explained_variance, policy_loss, value_loss
 from kubealign.training import distributed
@@ -88,8 +97,24 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     from deepspeed.runtime.rollout import RolloutRequest
 
     models.actor.eval()
-    with merged_lora(models.actor.module):
+    settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, models.tokenizer)
+    with merged_lora(models.actor.module), only_settings(models.actor.module, settings):
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
+
+
+@contextlib.contextmanager
+def only_settings(module: Any, settings: Any) -> Iterator[None]:
+    """Generation with exactly `settings` (experience.generation_config): the rollout passes only the
+    sampling knobs, and every setting it leaves out would come from the checkpoint's own
+    generation_config.json (a repetition penalty, a min-p, ...), which the experience's log-probs do not
+    describe. The checkpoint's config is put back afterwards, so the exported model keeps it."""
+    hf = module.get_base_model() if hasattr(module, "get_base_model") else module
+    saved = hf.generation_config
+    hf.generation_config = settings
+    try:
+        yield
+    finally:
+        hf.generation_config = saved
 
 
 class UnsupervisedData:

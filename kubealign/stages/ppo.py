@@ -20,13 +20,13 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import PPOConfig, TrainConfig
 from kubealign.data import phases
-from kubealign.data.tokenize import encode_prompt, pad_batch
+from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rl import preflight
-from kubealign.rl.experience import generation_config, make_experience
+from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
 from kubealign.rl.trainer import (
     ModuleRollout,
@@ -89,8 +89,10 @@ def train_config(cfg: PPOConfig, role: str) -> TrainConfig:
 
 
 def encode_prompts(rows: Any, tokenizer: Any, max_len: int) -> list[list[int]]:
-    """Phase-3 prompts, cut from the left to max_len tokens (the end of a dialogue matters most)."""
-    return [encode_prompt(tokenizer, p)[-max_len:] for p in dict.fromkeys(rows["prompt"])]
+    """Phase-3 prompts, cut from the left to max_len tokens (the end of a dialogue matters most; a leading
+    BOS stays)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return [cut_left(encode_prompt(tokenizer, p), max_len, bos) for p in dict.fromkeys(rows["prompt"])]
 
 
 def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int, world: int, pad: int):
@@ -151,9 +153,6 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
     reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
     for model in (actor, critic):
         disable_dropout(model)
-    # The rollout samples from exactly ppo's temperature / top_k / top_p, whatever the checkpoint's own
-    # generation_config.json says: the log-probs of the experience assume it.
-    actor.generation_config = generation_config(sampling_of(cfg), cfg.max_new_tokens, tokenizer)
     samples = cfg.generation_batch_size * cfg.samples_per_prompt
     total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
     actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)
