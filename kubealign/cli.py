@@ -136,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_pipeline_config(run)
     run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
     run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="stream every task's output as kfp.local does (default: one line per task; full output in DIR/logs/)",
+    )
 
     compile_ = sub.add_parser("compile", help="write the pipeline as KFP IR YAML (for the UI or kfp.Client)")
     _add_pipeline_config(compile_)
@@ -291,13 +297,14 @@ def _run(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     try:
-        index = local.run(config, args.output, caching=args.cache)
+        index = local.run(config, args.output, caching=args.cache, verbose=args.verbose)
     except local.PipelineFailed as exc:
         raise UserError(str(exc)) from None
     print()
     print("\n".join(summarize(args.output)))
     mlflow = index["mlflow"]
     print(f"\npipeline run: {index['wall_time_s']:.0f} s; artifacts indexed in {args.output.resolve() / 'run.json'}")
+    print(f"task logs: {args.output.resolve() / local.LOGS_DIR}/<task>.log")
     print(f"MLflow: parent run {mlflow['parent_run_id']} in {mlflow['tracking_uri']}")
     if mlflow["tracking_uri"].startswith("sqlite:"):
         print(f"  open the UI: mlflow ui --backend-store-uri {mlflow['tracking_uri']}")

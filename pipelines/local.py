@@ -7,6 +7,13 @@ environment (KUBEALIGN_PARENT_RUN_ID, MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_ID)
 nests under it. Environment variables set this way are not part of kfp.local's cache key, so a second
 `kubealign run --cache` still reuses unchanged tasks.
 
+What it prints: one line per task (pending, running with its progress, done in N s, cached, failed),
+redrawn in place on a terminal, one line per state change otherwise (kubealign.pipelines.progress).
+Each task's full output goes to OUTPUT/logs/<task>.log and kfp.local's own log lines to
+OUTPUT/logs/kfp-local.log (kubealign.pipelines.capture); `verbose` streams all of it as kfp.local does
+(and still writes the logs). A failed task ends the run with PipelineFailed naming the task, its log
+and the log's last error line.
+
 When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory and its content hash.
 `kubealign summary OUTPUT` and `kubealign rerun STAGE --from OUTPUT` read it.
 """
@@ -14,12 +21,14 @@ When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory a
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
@@ -29,6 +38,8 @@ from kubealign.tracking import PARENT_RUN_ENV, default_store
 from kubealign.training.distributed import RENDEZVOUS_ENV
 
 INDEX_FILE = "run.json"
+LOGS_DIR = "logs"
+KFP_LOG = "kfp-local.log"
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 
 
@@ -87,18 +98,47 @@ def read_index(run: Path) -> dict[str, Any]:
     return read_json(run, INDEX_FILE, "expected the --output of `kubealign run`")
 
 
-def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[str, Any]:
-    """Run the DAG locally into OUTPUT; returns the run index (also written to OUTPUT/run.json)."""
+@contextlib.contextmanager
+def quiet_parent(logs: Path, verbose: bool) -> Iterator[None]:
+    """Unless verbose: kfp.local's own log lines (task started/finished, its outputs, separators) go to
+    logs/kfp-local.log instead of stdout, and MLflow's INFO lines of this process (creating the store's
+    tables) are not shown — the display says what a person needs."""
+    if verbose:
+        yield
+        return
+    import mlflow  # noqa: F401 - first: importing it sets the level of its logger
+
+    mlflow_logger = logging.getLogger("mlflow")
+    level = mlflow_logger.level
+    mlflow_logger.setLevel(logging.WARNING)
+    try:
+        with (logs / KFP_LOG).open("a", encoding="utf-8") as sink, contextlib.redirect_stdout(sink):
+            yield
+    finally:
+        mlflow_logger.setLevel(level)
+
+
+def run(
+    config: KubealignConfig, output: Path, caching: bool = False, verbose: bool = False, stream: TextIO | None = None
+) -> dict[str, Any]:
+    """Run the DAG locally into OUTPUT; returns the run index (also written to OUTPUT/run.json).
+    Progress goes to `stream` (default: stdout) unless verbose, which streams every task's output."""
     from kfp import local
 
+    from kubealign.pipelines.capture import capture
     from kubealign.pipelines.dag import build
+    from kubealign.pipelines.progress import Display
 
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: the pipeline ends by promoting into the MLflow registry")
     output = output.resolve()
     pipeline_root = output / "kfp"
     pipeline_root.mkdir(parents=True, exist_ok=True)
-    client, uri, experiment_id, parent = parent_run(config, output)
+    logs = output / LOGS_DIR
+    logs.mkdir(exist_ok=True)
+    display = None if verbose else Display(stream or sys.stdout, list(STAGES))
+    with quiet_parent(logs, verbose):
+        client, uri, experiment_id, parent = parent_run(config, output)
     # A task is a job of its own: rendezvous settings of the process that runs `kubealign run` (torchrun,
     # or one whose in-process stage set them) must not reach the tasks, or they all bind its MASTER_PORT.
     env: dict[str, str | None] = dict.fromkeys(RENDEZVOUS_ENV)
@@ -113,7 +153,13 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
         cache_root=str(cache_root() / "kfp-local"),
     )
     started = time.perf_counter()
-    with scoped_environ(env), warnings.catch_warnings():
+    with (
+        scoped_environ(env),
+        warnings.catch_warnings(),
+        display or contextlib.nullcontext(),
+        quiet_parent(logs, verbose),
+        capture(logs, display, echo=verbose) as tasks,
+    ):
         # kfp.local warns that our image names do not say "python": here the image is this environment.
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
@@ -133,10 +179,19 @@ def run(config: KubealignConfig, output: Path, caching: bool = False) -> dict[st
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:
-        # kfp.local returns no outputs from a failed run, so which stages did finish is not known here
-        raise PipelineFailed("pipeline run failed: a task failed (its log and kfp.local's FAILURE line are above)")
+        raise PipelineFailed(failure_message(tasks.failed(), logs))
     return index
 
 
+def failure_message(failed: Any, logs: Path) -> str:
+    """One line: which task failed, why (its log's last error line) and where its log is."""
+    from kubealign.pipelines.progress import shown_path
+
+    if failed is None:  # kfp.local failed outside any task (or a task ran nothing)
+        return f"pipeline run failed; kfp.local's log: {shown_path(logs / KFP_LOG)}"
+    where = f"log: {shown_path(failed.log)}" if failed.log else f"kfp.local's log: {shown_path(logs / KFP_LOG)}"
+    return f"task {failed.name} failed: {failed.error_line()} ({where})"
+
+
 class PipelineFailed(RuntimeError):
-    """A task of the local run failed; its log is above this message."""
+    """A task of the local run failed: the message names it, its log and the log's last error line."""

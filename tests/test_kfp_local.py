@@ -1,11 +1,15 @@
-"""The whole DAG through kfp.local (SubprocessRunner) on the tiny preset, shortened: a champion in a
-temporary MLflow registry, one parent run with a nested run per task, the local cache, and
-`kubealign rerun` on the run's artifacts."""
+"""The whole DAG through kfp.local (SubprocessRunner) on the tiny preset, shortened: what `kubealign run`
+prints and the task logs it writes, a champion in a temporary MLflow registry, one parent run with a
+nested run per task, the local cache, and `kubealign rerun` on the run's artifacts."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +29,7 @@ SHORT = [
     # a gate any candidate passes: this test is about the wiring to the registry, not about quality
     "promote.min_win_rate=0",
     "promote.min_reward_gain=-100",
+    "promote.min_win_rate_lower_bound=null",
 ]
 STAGES = ["data-split", "sft", "reward", "ppo", "evaluate", "promote"]
 
@@ -34,22 +39,67 @@ def overrides() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    """`kubealign run` as a person starts it: a process of its own, its stdout a pipe (not a terminal),
+    and progress bars on (the test session disables them). Returns (output dir, run.json, what it printed)."""
     out = tmp_path_factory.mktemp("kfp-local") / "run"
     # Run from a process that holds a rendezvous port (as one that ran a stage in-process, or runs under
     # torchrun, does): the tasks must not inherit MASTER_PORT and fail to bind it.
-    with socket.socket() as busy, pytest.MonkeyPatch.context() as env:
+    with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
-        for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "1", "RANK": "0"}.items():
-            env.setenv(key, value)
-        assert main(["run", *overrides(), "--output", str(out), "--cache"]) == 0
-    return out, json.loads((out / "run.json").read_text(encoding="utf-8"))
+        env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+        env.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "WORLD_SIZE": "1", "RANK": "0"})
+        command = [sys.executable, "-m", "kubealign.cli", "run", *overrides(), "--output", str(out), "--cache"]
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout
+    return out, json.loads((out / "run.json").read_text(encoding="utf-8")), done.stdout
+
+
+def test_run_prints_a_line_per_task_then_the_summary(first_run) -> None:
+    out, _, printed = first_run
+    lines = printed.splitlines()
+    assert len(lines) <= 40, printed
+    # not a terminal: one line per state change, no carriage-return redraws
+    assert "\r" not in printed and "\x1b" not in printed
+    tasks = lines[: lines.index("")]  # the task lines, then a blank line and the summary
+    assert len(tasks) == 2 * len(STAGES)  # (sft and reward may run in either order)
+    for stage in STAGES:
+        assert [line.split()[1] for line in tasks if line.split()[0] == stage] == ["running", "done"], stage
+    assert not [line for line in lines if re.search(r"warning", line, re.IGNORECASE)], printed
+    assert any(line.startswith("stage ") for line in lines)  # the summary table
+    assert f"task logs: {out.resolve() / 'logs'}/<task>.log" in lines
+
+
+def test_each_task_writes_its_full_output_to_its_log(first_run) -> None:
+    out, index, _ = first_run
+    for stage in STAGES:
+        log = (out / "logs" / f"{stage}.log").read_text(encoding="utf-8")
+        component = stage.replace("-", "_")
+        assert f"Looking for component `{component}`" in log, stage  # the executor's own first lines
+        assert f"/{stage}/executor_output.json" in log, stage  # ... and its last
+    for stage, bar in (("sft", "sft: 100%|"), ("reward", "reward: 100%|"), ("ppo", "ppo: 100%|")):
+        assert bar in (out / "logs" / f"{stage}.log").read_text(encoding="utf-8"), stage
+    # what kfp.local says about each task (start, status, outputs) is kept too
+    assert "finished with status" in (out / "logs" / "kfp-local.log").read_text(encoding="utf-8")
+
+
+def test_no_warnings_that_have_a_fix_at_their_source(first_run) -> None:
+    out, _, _ = first_run
+    logs = "".join(path.read_text(encoding="utf-8") for path in (out / "logs").glob("*.log"))
+    for fixed in (
+        "Add type hints to the `predict` method",  # registry.ActorModel.predict has them
+        "An input example was not provided",  # promote.register logs one
+        "serialized using CloudPickle",  # the model is logged from code
+        "Setting accelerator to CPU",  # DS_ACCELERATOR=cpu (training/engine.py)
+        "E2E latency",  # the hybrid engine's timing print goes to the debug log
+    ):
+        assert fixed not in logs, fixed
 
 
 def test_local_run_registers_a_champion(first_run) -> None:
-    out, index = first_run
+    out, index, _ = first_run
     assert index["succeeded"] and list(index["stages"]) == STAGES
     promote = json.loads((Path(index["stages"]["promote"]["dir"]) / "result.json").read_text(encoding="utf-8"))
     assert promote["aliases"]["champion"] == promote["version"] == 1
@@ -63,7 +113,7 @@ def test_local_run_registers_a_champion(first_run) -> None:
 
 
 def test_one_parent_mlflow_run_with_a_nested_run_per_task(first_run) -> None:
-    _, index = first_run
+    _, index, _ = first_run
     client = MlflowClient(index["mlflow"]["tracking_uri"])
     parent = client.get_run(index["mlflow"]["parent_run_id"])
     assert parent.info.status == "FINISHED" and parent.data.tags["kubealign.stage"] == "pipeline"
@@ -76,10 +126,15 @@ def test_one_parent_mlflow_run_with_a_nested_run_per_task(first_run) -> None:
     assert sft.data.metrics["after_perplexity"] < sft.data.metrics["before_perplexity"]
 
 
-def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path) -> None:
-    out, index = first_run
+def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path, capsys) -> None:
+    out, index, _ = first_run
     again = tmp_path / "again"
     assert main(["run", *overrides(), "--output", str(again), "--cache"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = sorted(" ".join(line.split()[:2]) for line in printed[: printed.index("")])
+    # promote is never cached: the registry is outside KFP's view
+    assert shown == sorted([*(f"{stage} cached" for stage in STAGES[:-1]), "promote running", "promote done"])
+    assert "not run; kfp.local's cache held its outputs" in (again / "logs" / "sft.log").read_text(encoding="utf-8")
     second = json.loads((again / "run.json").read_text(encoding="utf-8"))
     for stage in STAGES[:-1]:  # same inputs -> the same artifact directories, not recomputed
         assert second["stages"][stage]["dir"] == index["stages"][stage]["dir"], stage
@@ -88,7 +143,7 @@ def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path
 
 
 def test_rerun_ppo_reuses_that_runs_sft_and_reward(first_run, tmp_path: Path, capsys) -> None:
-    out, index = first_run
+    out, index, _ = first_run
     target = tmp_path / "ppo-again"
     code = main(["rerun", "ppo", "--from", str(out), "--set", "ppo.num_iterations=2", "--output", str(target)])
     assert code == 0
@@ -131,11 +186,33 @@ def test_downstream_order() -> None:
 
 
 def test_a_failing_task_fails_the_run_in_one_line(cli, tmp_path: Path) -> None:
-    result = cli("run", "--set", f"data.sources=[{{path: {tmp_path / 'missing.jsonl'}}}]", "--output", tmp_path / "r")
+    missing = tmp_path / "missing.jsonl"
+    result = cli("run", "--set", f"data.sources=[{{path: {missing}}}]", "--output", tmp_path / "r")
     assert result.code == 2
-    assert result.err.strip().splitlines()[-1].startswith("kubealign: error: pipeline run failed: a task failed")
+    log = tmp_path / "r" / "logs" / "data-split.log"
+    assert result.err.splitlines() == [  # one line, no traceback: the task, its last error line, its log
+        f"kubealign: error: task data-split failed: UserError: data.sources[0].path: no such file or directory: "
+        f"{missing} (log: {log})"
+    ]
+    assert "Traceback (most recent call last)" in log.read_text(encoding="utf-8")  # the whole story is there
+    assert [line.split()[:2] for line in result.out.splitlines()] == [
+        ["data-split", "running"],
+        ["data-split", "FAILED"],
+    ]
+    assert result.out.splitlines()[-1].endswith(f"; log: {log}")
     index = json.loads((tmp_path / "r" / "run.json").read_text(encoding="utf-8"))
     assert index["succeeded"] is False and index["stages"] == {}
+
+
+def test_verbose_streams_the_tasks_output_and_still_writes_the_logs(cli, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.jsonl"
+    result = cli("run", "--verbose", "--set", f"data.sources=[{{path: {missing}}}]", "--output", tmp_path / "r")
+    assert result.code == 2 and result.err.splitlines()[-1].startswith("kubealign: error: task data-split failed: ")
+    assert "Looking for component `data_split`" in result.out and "Traceback (most recent call last)" in result.out
+    assert "finished with status" in result.out  # kfp.local's own lines, as without kubealign's display
+    assert "Traceback (most recent call last)" in (tmp_path / "r" / "logs" / "data-split.log").read_text(
+        encoding="utf-8"
+    )
 
 
 def test_run_without_tracking_is_refused_before_anything_is_written(cli, tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ optimizer is offloaded, torch's AdamW (`torch_adam`) on CPU, where there is no f
 from __future__ import annotations
 
 import contextlib
+import io
 import logging
+import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +21,13 @@ from kubealign.config.schema import LoraConfig, TrainConfig
 
 log = logging.getLogger(__name__)
 NO_DECAY = ("bias", "norm", "layernorm", "layer_norm", "ln_")
+
+# Without CUDA, DeepSpeed probes for every accelerator it knows, finds none and warns "Setting
+# accelerator to CPU" in every process. kubealign trains on CUDA or the CPU only, so say which up front
+# (DeepSpeed's documented override, read when it is first imported: every stage imports this module
+# before deepspeed). An explicit DS_ACCELERATOR still wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def ds_config(cfg: TrainConfig, world_size: int, cuda: bool) -> dict[str, Any]:
@@ -120,7 +130,11 @@ def apply_lora(model: torch.nn.Module, lora: LoraConfig, task_type: str) -> torc
         target_modules=targets,
         task_type=task_type,
     )
-    wrapped = get_peft_model(model, peft_config)
+    with warnings.catch_warnings():
+        # peft 0.21 reads transformers 5's deprecated `is_gradient_checkpointing` property inside
+        # get_peft_model (peft_model.py); nothing on our side calls it, so only that one warning goes.
+        warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+        wrapped = get_peft_model(model, peft_config)
     if not lora.only_lora:
         for name, param in wrapped.named_parameters():
             if "lora_" not in name:
@@ -159,7 +173,25 @@ def trainable(
     config = ds_config(cfg, world_size, torch.cuda.is_available())
     if hybrid_engine:
         config["hybrid_engine"] = hybrid_engine
+        return latency_report_to_log(create(model, cfg, config, total_steps))
     return create(model, cfg, config, total_steps)
+
+
+def latency_report_to_log(engine: Any) -> Any:
+    """DeepSpeedHybridEngine.eval() print()s an "|E2E latency=... |Generate time=..." line on every call
+    after the first (DeepSpeed-Chat's timing report; a bare print, so no logger level turns it off): once
+    per PPO iteration and evaluation. Send those lines to our logger at DEBUG instead of stdout."""
+    hybrid_eval = engine.eval
+
+    def quiet_eval() -> Any:
+        with contextlib.redirect_stdout(io.StringIO()) as printed:
+            result = hybrid_eval()
+        for line in printed.getvalue().splitlines():
+            log.debug("hybrid engine: %s", line)
+        return result
+
+    engine.eval = quiet_eval
+    return engine
 
 
 def frozen(

@@ -1,0 +1,149 @@
+"""The seam through which `kubealign run` sees kfp.local's tasks: when each starts and ends, and
+everything it prints.
+
+kfp.local (2.13-2.17) has no API for either. Its SubprocessRunner runs a task's executor with
+`kfp.local.subprocess_task_handler.run_local_subprocess(full_command, env_vars)`, which copies the
+subprocess's merged stdout/stderr to print() line by line and returns the exit code; its DAG
+orchestrators run every task, cache lookup included, through
+`kfp.local.orchestrator.task_executor.execute_single_task(task_name=..., ...)`, which returns
+(outputs, status). Both are module attributes looked up at call time, so `capture()` replaces them
+for one run and puts them back after:
+
+* execute_single_task: which task is current; when it returns, whether it ran, was cached or failed;
+* run_local_subprocess: the same subprocess, its output written to LOG_DIR/<task>.log (and echoed, as
+  kfp.local does, when verbose), the last tqdm progress it printed passed to the display.
+
+tests/test_run_output.py fails if kfp changes either seam (names, parameters, or how they are called).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kubealign.pipelines.progress import CACHED, DONE, FAILED, RUNNING, Display, Lines, last_error_line, progress_of
+
+TAIL_BYTES = 64 * 1024  # how much of a failed task's log is searched for its error line
+
+
+@dataclass
+class TaskRecord:
+    """How one task of the run ended."""
+
+    name: str
+    status: str = RUNNING
+    log: Path | None = None
+    returncode: int | None = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+    def error_line(self) -> str:
+        """The last error line of the task's log, else its exit code."""
+        lines: list[str] = []
+        if self.log is not None and self.log.is_file():
+            with self.log.open("rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - TAIL_BYTES))
+                lines = log.read().decode("utf-8", "replace").splitlines()
+        found = last_error_line(lines)
+        if found:
+            return found
+        return f"exit code {self.returncode}" if self.returncode is not None else "no output"
+
+
+class Capture:
+    """Replacement bodies for the two kfp.local seams, for one pipeline run (tasks run one at a time:
+    kfp.local's orchestrators are sequential)."""
+
+    def __init__(self, log_dir: Path, display: Display | None, echo: bool):
+        self.log_dir, self.display, self.echo = log_dir, display, echo
+        self.records: dict[str, TaskRecord] = {}
+        self._current: TaskRecord | None = None
+
+    def _show(self, name: str, **changes: Any) -> None:
+        if self.display is not None:
+            self.display.update(name, **changes)
+
+    def execute_single_task(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        name = kwargs["task_name"] if "task_name" in kwargs else args[0]
+        record = self._current = self.records[name] = TaskRecord(name)
+        try:
+            outputs, status = original(*args, **kwargs)
+        except BaseException:
+            record.status = FAILED
+            self._show(name, status=FAILED, log=record.log)
+            raise
+        ok = getattr(status, "name", status) == "SUCCESS"
+        if record.log is None and ok:  # no subprocess ran: kfp.local's cache had the outputs
+            record.status, record.log = CACHED, self._cached_log(name, outputs)
+        else:
+            record.status = DONE if ok else FAILED
+        record.outputs = dict(outputs or {})
+        self._show(name, status=record.status, log=record.log)
+        return outputs, status
+
+    def run_local_subprocess(self, full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
+        """kfp.local's run_local_subprocess, with the output going to the task's log."""
+        record = self._current or TaskRecord("task")
+        first = record.log is None
+        record.log = self.log_dir / f"{record.name}.log"
+        self._show(record.name, status=RUNNING, log=record.log)
+        # unbuffered: the task's prints reach its log when they happen, in order with its stderr
+        env = {**os.environ, **(env_vars or {}), "PYTHONUNBUFFERED": "1"}
+        lines = Lines()
+        with (
+            record.log.open("w" if first else "a", encoding="utf-8", buffering=1) as log,
+            subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as process,
+        ):
+            assert process.stdout is not None
+            while chunk := process.stdout.read1(65536):
+                for line in lines.feed(chunk):
+                    self._line(record.name, line, log)
+            for line in lines.close():
+                self._line(record.name, line, log)
+            record.returncode = process.wait()
+        return record.returncode
+
+    def _line(self, name: str, line: str, log: Any) -> None:
+        log.write(line + "\n")
+        if self.echo:
+            print(line)  # through kfp.local's indenting print, as its own streaming does
+        progress = progress_of(line)
+        if progress:
+            self._show(name, progress=progress)
+
+    def _cached_log(self, name: str, outputs: dict[str, Any] | None) -> Path:
+        path = self.log_dir / f"{name}.log"
+        lines = [f"{name}: not run; kfp.local's cache held its outputs from an earlier run:"]
+        lines += [f"  {key}: {getattr(value, 'uri', value)}" for key, value in (outputs or {}).items()]
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        return path
+
+    def failed(self) -> TaskRecord | None:
+        return next((r for r in self.records.values() if r.status == FAILED), None)
+
+
+@contextlib.contextmanager
+def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capture]:
+    """Route kfp.local's task lifecycle and task output through a Capture for the block."""
+    from kfp.local import subprocess_task_handler
+    from kfp.local.orchestrator import task_executor
+
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cap = Capture(log_dir, display, echo)
+    original_execute = task_executor.execute_single_task
+    original_run = subprocess_task_handler.run_local_subprocess
+
+    def execute_single_task(*args: Any, **kwargs: Any) -> Any:
+        return cap.execute_single_task(original_execute, *args, **kwargs)
+
+    task_executor.execute_single_task = execute_single_task
+    subprocess_task_handler.run_local_subprocess = cap.run_local_subprocess
+    try:
+        yield cap
+    finally:
+        task_executor.execute_single_task = original_execute
+        subprocess_task_handler.run_local_subprocess = original_run
