@@ -172,11 +172,11 @@ def test_entropy_of_a_filtered_distribution_has_no_nan_value_or_gradient():
 def test_restricted_reference_is_the_same_model_exactly_and_finite_otherwise():
     logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]] * 2]).log()
     sampler = sampling_logits(logits, Sampling(temperature=2.0, top_k=2))
-    same = restrict_to(logits, sampler, Sampling(temperature=2.0, top_k=2))
+    same = restrict_to(logits, torch.isinf(sampler), Sampling(temperature=2.0, top_k=2))
     assert torch.equal(sampler, same)
     other = torch.tensor([[[0.05, 0.15, 0.3, 0.5]] * 2]).log()  # would rank tokens 0 and 1 last
     ids = torch.tensor([[0, 1]])
-    got = logprobs_from_logits(restrict_to(other, sampler, Sampling(temperature=2.0, top_k=2)), ids)
+    got = logprobs_from_logits(restrict_to(other, torch.isinf(sampler), Sampling(temperature=2.0, top_k=2)), ids)
     roots = (math.sqrt(0.05), math.sqrt(0.15))
     assert got.item() == pytest.approx(LOG(roots[1] / sum(roots)))
 
@@ -234,8 +234,9 @@ def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
     logprobs, entropy = policy_logprobs(model, batch.input_ids, attention, response, Sampling(top_k=1))
     assert logprobs[:, 0].tolist() == [0, 0] and entropy[:, 0].tolist() == [0, 0]
     assert entropy[:, 1:].tolist() == [[0, 0], [0, 0]]  # top-k 1 leaves one token: no entropy
-    mine, other = paired_logprobs(model, model, batch.input_ids, attention, response, Sampling(top_p=0.5))
-    assert torch.equal(mine[0], other[0])
+    for sampling in (Sampling(top_p=0.5), Sampling(top_k=1), Sampling(temperature=0.5, top_k=2, top_p=0.9)):
+        mine, other = paired_logprobs(model, model, batch.input_ids, attention, response, sampling)
+        assert torch.equal(mine, other), sampling  # one model against itself: KL exactly 0
 
 
 def test_module_rollout_passes_top_k_zero_not_the_models_default():

@@ -107,8 +107,10 @@ def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention
     that is exactly 0 for two copies of one model."""
     logits = sampling_logits(forward_logits(sampler, input_ids, attention_mask), sampling)
     logprobs = logprobs_from_logits(logits, input_ids)
-    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask), logits, sampling)
+    truncated = sampling.top_k > 0 or sampling.top_p < 1
+    outside = torch.isinf(logits) if truncated else None  # a bool mask, not a second [N, T, V] of floats
     del logits
+    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask), outside, sampling)
     other_logprobs = logprobs_from_logits(other_logits, input_ids)
     return response_only(logprobs, response_mask), response_only(other_logprobs, response_mask)
 

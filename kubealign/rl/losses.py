@@ -46,12 +46,14 @@ def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return scores
 
 
-def restrict_to(logits: torch.Tensor, sampler_logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Another model's logits (the reference, an evaluation baseline) at the sampling temperature, over
-    the tokens the sampler could draw: a KL estimate on the sampler's tokens is then finite (a truncated
-    reference would give -inf to a token the sampler drew outside the reference's own nucleus) and
-    exactly 0 when both models are the same."""
-    return (logits.float() / sampling.temperature).masked_fill(torch.isinf(sampler_logits), float("-inf"))
+def restrict_to(logits: torch.Tensor, outside: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
+    """Another model's logits (the reference, an evaluation baseline) at the sampling temperature, -inf on
+    the tokens the sampler could not draw (outside: torch.isinf of its sampling_logits; None = it could
+    draw any). A KL estimate on the sampler's tokens is then finite (a truncated reference would give -inf
+    to a token the sampler drew outside the reference's own nucleus) and exactly 0 when both models are
+    the same."""
+    scaled = logits.float() / sampling.temperature
+    return scaled if outside is None else scaled.masked_fill(outside, float("-inf"))
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
