@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser(
         "tiny-model",
-        help="build a tiny (2-layer, width-64) model with a locally trained tokenizer",
+        help="build a tiny (2-layer, width-128) model with a locally trained tokenizer",
         description="Build tiny-opt or tiny-llama from config (no download) into an HF model dir.",
     )
     tiny.add_argument("--arch", required=True, choices=["opt", "llama"], help="architecture")
@@ -262,13 +262,14 @@ def _ppo(args: argparse.Namespace) -> None:
 def _evaluate(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import evaluate
+    from kubealign.summary import evaluate_lines
 
     config = load_config(args.config, args.overrides)
     result = evaluate.run(config, args.prompts, args.baseline, args.candidate, args.reward, args.output)
     m = result["metrics"]
     print(f"evaluate: {result['output']}  ({m['prompts']} prompts)")
-    print(f"  reward: baseline {m['baseline_reward_mean']:.3f}, candidate {m['candidate_reward_mean']:.3f}")
-    print(f"  win-rate {m['win_rate']:.2f} (ties {m['tie_rate']:.2f}), KL to baseline {m['kl_to_baseline']:.3f}")
+    for line in evaluate_lines(m):
+        print(f"  {line}")
     print(f"  length drift {m['length_drift']:.2f}, samples: {Path(result['output']) / 'samples.html'}")
 
 

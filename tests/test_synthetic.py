@@ -14,20 +14,28 @@ def test_deterministic_by_seed():
     assert synthetic.generate(50, 10, seed=1) != synthetic.generate(50, 10, seed=2)
 
 
-def test_pairs_differ_only_in_a_courteous_opener():
-    rows = synthetic.generate(400, 0, seed=0)
+def test_pairs_differ_only_in_the_opener():
+    rows = synthetic.generate(1000, 0, seed=0)
     styles = []
     for row in rows:
         pair = normalize(row)
         chosen, rejected = synthetic.judge(pair.prompt, pair.chosen), synthetic.judge(pair.prompt, pair.rejected)
         assert chosen == synthetic.Judgement(True, "courteous", True, True)
-        assert rejected.well_formed and rejected.on_topic and not rejected.preferred
-        assert synthetic.is_courteous(pair.chosen) and not synthetic.is_courteous(pair.rejected)
+        assert not rejected.preferred
+        assert synthetic.is_courteous(pair.chosen)
         fact = pair.chosen.split("! ", 1)[1] if "! " in pair.chosen else None
         assert fact is not None and pair.rejected.endswith(" " + fact)  # the same fact, another opener
-        styles.append(rejected.style)
-    assert 0.4 < styles.count("plain") / len(styles) < 0.6  # the rest dismissive
-    assert styles.count("plain") + styles.count("dismissive") == len(styles)
+        opener = pair.rejected.removesuffix(" " + fact).strip()
+        if rejected.well_formed:
+            assert rejected.on_topic and not synthetic.is_courteous(pair.rejected)
+            styles.append(rejected.style)
+        else:  # effusive: two different courteous openers
+            first = next(o for o in synthetic.COURTEOUS if opener.startswith(o))
+            second = opener.removeprefix(first).strip()
+            assert second in synthetic.COURTEOUS and second != first
+            styles.append("effusive")
+    for style, expected in synthetic.REJECTED_STYLES.items():
+        assert abs(styles.count(style) / len(styles) - expected) < 0.05, style
 
 
 def test_demonstrations_are_well_formed_on_topic_and_of_mixed_quality():

@@ -11,8 +11,10 @@ good behaviour, and a policy that must learn to prefer it.
   SFT data: a fact about the asked topic, opened courteously in only DEMO_STYLES["courteous"] of them,
   dismissively (DISMISSIVE) or not at all in the others.
 * **Preference pairs** (``{prompt, chosen, rejected}``) are minimal pairs: the same on-topic fact,
-  chosen with a courteous opener, rejected with a dismissive one or none. The courtesy alone separates
-  them, so a reward model learns exactly the preference and PPO has something SFT did not teach.
+  chosen with one courteous opener, rejected with a dismissive one, none, or two courteous ones in a
+  row (REJECTED_STYLES). The opener alone separates them, so a reward model learns exactly the
+  preference and PPO has something SFT did not teach; the effusive pairs teach it that piling up
+  courtesy is no better, which is the reward hack PPO otherwise finds first.
 
 Prompts and responses follow the plain dialogue format of HH-RLHF: prompt =
 "\\n\\nHuman: <question>\\n\\nAssistant:", response = " <text>". Everything is a pure function of the seed.
@@ -101,7 +103,9 @@ DISMISSIVE: tuple[str, ...] = (
     "Go look it up.",
 )
 # How demonstrations open: only a minority show the preferred (courteous) behaviour.
-DEMO_STYLES: dict[str, float] = {"courteous": 0.25, "plain": 0.5, "dismissive": 0.25}
+DEMO_STYLES: dict[str, float] = {"courteous": 0.15, "plain": 0.55, "dismissive": 0.3}
+# How the rejected answer of a preference pair opens ("effusive": two courteous openers, not well formed).
+REJECTED_STYLES: dict[str, float] = {"plain": 0.4, "dismissive": 0.4, "effusive": 0.2}
 VERSION = 2  # bump when the generator's output changes; it is part of the data cache key
 CAPACITY = len(FACTS) * len(QUESTIONS) * len(OPENERS)
 _TOPIC_OF_FACT = {fact: topic for topic, facts in FACTS.items() for fact in facts}
@@ -122,9 +126,12 @@ def _prompt_space() -> list[tuple[str, str]]:
 
 
 def response(rng: random.Random, fact: str, style: str) -> str:
-    """A well-formed response stating `fact`, opening in `style` (courteous, plain or dismissive)."""
+    """A response stating `fact`, opening in `style`: courteous, plain or dismissive (well formed), or
+    effusive (two different courteous openers: the over-the-top answer preference data rejects)."""
     if style == "plain":
         return f" {fact}"
+    if style == "effusive":
+        return f" {' '.join(rng.sample(COURTEOUS, 2))} {fact}"
     return f" {rng.choice(COURTEOUS if style == 'courteous' else DISMISSIVE)} {fact}"
 
 
@@ -135,9 +142,10 @@ def demonstration(rng: random.Random, topic: str) -> str:
 
 
 def preference_pair(rng: random.Random, topic: str) -> tuple[str, str]:
-    """(chosen, rejected): one on-topic fact, opened courteously vs. dismissively or not at all."""
+    """(chosen, rejected): one on-topic fact, opened with one courteous phrase vs. REJECTED_STYLES."""
     fact = rng.choice(FACTS[topic])
-    return response(rng, fact, "courteous"), response(rng, fact, rng.choice(("plain", "dismissive")))
+    style = rng.choices(list(REJECTED_STYLES), weights=list(REJECTED_STYLES.values()))[0]
+    return response(rng, fact, "courteous"), response(rng, fact, style)
 
 
 def generate(pairs: int, sft_rows: int, seed: int) -> list[dict[str, Any]]:
