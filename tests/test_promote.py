@@ -26,6 +26,7 @@ def evaluation(root: Path, name: str, win: float, gain: float, reward: float, kl
     out = root / name
     out.mkdir()
     metrics = {"win_rate": win, "reward_gain": gain, "candidate_reward_mean": reward, "kl_to_baseline": kl}
+    metrics["win_rate_lower_bound"] = win - 0.1  # as if from a few dozen prompts
     (out / "result.json").write_text(json.dumps({"stage": "evaluate", "metrics": metrics, "outputs": {}}))
     return out
 

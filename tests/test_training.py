@@ -208,7 +208,8 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(split_dir: Path, tmp_
     resumed = kubealign_subprocess("sft", *common, "--resume", "--output", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "straight"), result_of(tmp_path / "resumed")
-    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 12
+    # tiny-cpu: 1170 phase-1 train rows in micro-batches of 32 = 37 steps an epoch; half of it, rounded up
+    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 19
     assert [h["train_loss"] for h in a["history"][4:]] == [h["train_loss"] for h in b["history"]]
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["after_perplexity"] == b["metrics"]["after_perplexity"]
