@@ -297,11 +297,23 @@ def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):
     from kubealign.rl.kl import KLController
 
     # This rank measured KL 1 and 3 (mean 2); the other rank measured 10 and 10 (sum 20, 2 samples).
-    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 2.0])
+    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 200.0, v[2] + 2.0])
     kl = KLController(0.1, target=4.0, horizon=100)
-    trainer.update_kl(kl, torch.tensor([1.0, 3.0]))
+    assert trainer.update_kl(kl, torch.tensor([1.0, 3.0])) == 6.0
     # mean over ranks = 24 / 4 = 6: error min(6 / 4 - 1, 0.2) = 0.2 over 4 samples (one rank alone: 2 / 4 - 1)
     assert kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
+
+
+def test_logged_reward_and_kl_pool_every_ranks_values(monkeypatch):
+    from kubealign.rl import trainer
+
+    # this rank scored 1 and 3; the other rank scored 5 and 7 (sum 12, squares 74, 2 samples)
+    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 12.0, v[1] + 74.0, v[2] + 2.0])
+    mean, std, count = trainer.global_stats(torch.tensor([1.0, 3.0]))
+    assert (mean, count) == (4.0, 4)
+    assert std == pytest.approx(torch.tensor([1.0, 3.0, 5.0, 7.0]).std().item())  # unbiased, like torch.std
+    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: v)  # one rank
+    assert trainer.global_stats(torch.tensor([2.0])) == (2.0, 0.0, 1)
 
 
 def test_ptx_batches_differ_across_ranks_and_wrap_around():

@@ -136,10 +136,13 @@ def test_unsupervised_loss_mix_and_lora_actor_and_critic(cli, trained, tmp_path:
     out = tmp_path / "ptx"
     args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", "--set", "ppo.unsup_coef=0.5"]
     lora = ["--set", "ppo.actor_lora.r=4", "--set", "ppo.critic_lora.r=4", "--set", "ppo.critic_lora.only_lora=true"]
+    lora += ["--set", "ppo.actor_lora.dropout=0.5", "--set", "ppo.critic_lora.dropout=0.5"]
     result = cli(*ppo_args(trained, *args, *lora, "--output", out))
     assert result.code == 0, result.err
     history = result_of(out)["history"]
     assert all(h["unsup_loss"] > 0 for h in history)
+    # LoRA's own dropout is off too: the first minibatch's ratio is exactly 1
+    assert all(h["approx_kl_first"] == 0 and h["clip_fraction_first"] == 0 for h in history)
     from safetensors.torch import load_file
 
     for path in (out / "model.safetensors", out / "critic" / "model.safetensors"):

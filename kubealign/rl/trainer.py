@@ -190,11 +190,23 @@ def update(
     return means
 
 
+def global_stats(values: torch.Tensor) -> tuple[float, float, int]:
+    """(mean, unbiased std, count) of `values` pooled over every rank's, so that what is logged and what
+    the KL controller sees describe the whole batch, not rank 0's share of it."""
+    total, squares, count = distributed.all_reduce_sum(
+        [float(values.sum()), float((values.double() ** 2).sum()), float(values.numel())]
+    )
+    mean = total / count
+    variance = (squares - count * mean**2) / (count - 1) if count > 1 else 0.0
+    return mean, max(variance, 0.0) ** 0.5, int(count)
+
+
 def update_kl(kl: KLController, seq_kl: torch.Tensor) -> float:
     """Adapt beta to the mean sequence KL of every rank's samples ([N] here): each rank then keeps the
-    same beta, and rank 0's, the one a checkpoint saves, is everyone's."""
-    kl_sum, samples = distributed.all_reduce_sum([float(seq_kl.sum()), float(seq_kl.numel())])
-    return kl.update(kl_sum / samples, int(samples))
+    same beta, and rank 0's, the one a checkpoint saves, is everyone's. Returns that mean KL."""
+    mean, _, count = global_stats(seq_kl)
+    kl.update(mean, count)
+    return mean
 
 
 def iteration(
@@ -222,12 +234,13 @@ def iteration(
     trained = time.perf_counter()
     seq_kl = rewards.kl.sum(-1)
     kl_coef = kl.value
-    update_kl(kl, seq_kl)
+    kl_mean = update_kl(kl, seq_kl)
+    reward_mean, reward_std, _ = global_stats(exp.scores)
     tokens = int(exp.attention_mask.sum())
     metrics = {
-        "reward_mean": float(exp.scores.mean()),
-        "reward_std": float(exp.scores.std()) if exp.scores.numel() > 1 else 0.0,
-        "kl": float(seq_kl.mean()),
+        "reward_mean": reward_mean,
+        "reward_std": reward_std,
+        "kl": kl_mean,
         "kl_coef": kl_coef,
         "explained_variance": float(explained_variance(exp.values, adv.returns, exp.response_mask)),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),

@@ -23,7 +23,7 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
-from kubealign.data.tokenize import encode_prompt, pad_batch
+from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
@@ -222,7 +222,8 @@ def run(
     with stage_run(STAGE, config, output.resolve().parent) as tracker:
         tokenizer = loading.load_tokenizer(str(baseline))
         texts = list(dict.fromkeys(rows["prompt"]))[: cfg.max_prompts]
-        encoded = [encode_prompt(tokenizer, p)[-config.ppo.max_prompt_len :] for p in texts]
+        cap, bos = config.ppo.max_prompt_len, tokenizer.bos_token_id  # cut as PPO cuts its prompts
+        encoded = [cut_left(encode_prompt(tokenizer, p), cap, bos) for p in texts]
         base_model = loading.load_causal_lm(str(baseline)).eval()
         cand_model = loading.load_causal_lm(str(candidate)).eval()
         reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()

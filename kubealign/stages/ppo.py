@@ -151,12 +151,12 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
         critic = load_reward_model(critic_dir, False, tokenizer.pad_token_id, cfg.dtype)
     reference = loading.load_causal_lm(actor_dir, dtype=loading.torch_dtype(cfg.dtype))
     reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
-    for model in (actor, critic):
-        disable_dropout(model)
     samples = cfg.generation_batch_size * cfg.samples_per_prompt
     total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
     actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)
     critic_engine = engines.trainable(critic, critic_cfg, "SEQ_CLS", world, total, None)
+    for engine in (actor_engine, critic_engine):
+        disable_dropout(engine.module)  # after LoRA is applied: PEFT's lora_dropout layers are dropout too
     ref_stage = cfg.actor_zero_stage if cfg.reference_zero_stage is None else cfg.reference_zero_stage
     reward_stage = cfg.actor_zero_stage if cfg.reward_zero_stage is None else cfg.reward_zero_stage
     reference = engines.frozen(reference, ref_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
