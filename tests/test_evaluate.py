@@ -8,7 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
+from kubealign.models import loading
 from tests.conftest import NO_TRACKING
 from tests.test_ppo import trained  # noqa: F401  (module-scoped fixture: split, sft, rm)
 from tests.test_training import result_of
@@ -186,3 +188,33 @@ def test_gate_refuses_a_candidate_trained_against_a_sabotaged_reward_model(cli, 
     assert payload["metrics"]["gate_passed"] == 0.0
     assert payload["aliases"] == {"challenger": 1, "champion": None, "previous-champion": None}
     assert any(line.startswith("FAIL: win_rate_lower_bound") for line in payload["gate"])
+
+
+def test_evaluation_kl_is_that_of_the_sampling_distributions(trained):  # noqa: F811
+    """KL(candidate || baseline) of the distributions that sampled: with top_k = 1 both are point masses on
+    the same argmax here, so the KL is exactly 0, while the full-vocabulary log-probs differ."""
+    from kubealign.config.schema import EvaluateConfig
+    from kubealign.data.tokenize import encode_prompt
+    from kubealign.rl.losses import Sampling
+    from kubealign.stages.evaluate import kl_to, sample
+
+    tokenizer = loading.load_tokenizer(str(trained["sft"]))
+    model = loading.load_causal_lm(str(trained["sft"])).eval()
+
+    class Sharper(torch.nn.Module):
+        """The same model with logits doubled: the same argmax, a different softmax."""
+
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, **kwargs):
+            out = self.inner(**kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    prompts = [encode_prompt(tokenizer, p) for p in ("\n\nHuman: Tell me about bees.\n\nAssistant:",) * 2]
+    cfg = EvaluateConfig(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=8, batch_size=2)
+    rows = sample(model, tokenizer, prompts, cfg)  # greedy: also the sharper model's only possible sample
+    assert kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 1, 1.0)) == 0.0
+    assert kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 0, 1.0)) > 0.01  # over the whole vocabulary
