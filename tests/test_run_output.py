@@ -65,7 +65,7 @@ def test_progress_is_read_from_tqdm_lines_only() -> None:
 def test_the_last_error_line_of_a_log() -> None:
     traceback = [
         "Traceback (most recent call last):",
-        '  File "/work/main/kubealign/data/sources.py", line 161, in read_source',
+        '  File "/opt/app/kubealign/data/sources.py", line 161, in read_source',
         "    raise UserError(f'data.sources[{index}].path: no such file')",
         "kubealign.errors.UserError: data.sources[0].path: no such file or directory: x.jsonl",
         "",

@@ -77,10 +77,10 @@ def test_reward_model_learns_the_preference_and_scores_at_the_last_token(cli, sp
 
     model = AutoModelForSequenceClassification.from_pretrained(out).eval()
     tokenizer = loading.load_tokenizer(str(out))
-    prompt = "\n\nHuman: Tell me about owls.\n\nAssistant:"
+    prompt = "\n\nHuman: Tell me one fact about owls.\n\nAssistant:"
     seqs = [
         encode_pair(tokenizer, prompt, " Of course! Owls hunt at night with sharp hearing.", 64).input_ids,
-        encode_pair(tokenizer, prompt, " Go look it up.", 64).input_ids,
+        encode_pair(tokenizer, prompt, " Go look it up. Owls hunt at night with sharp hearing.", 64).input_ids,
     ]
     with torch.no_grad():
         per_side = {}
@@ -91,7 +91,7 @@ def test_reward_model_learns_the_preference_and_scores_at_the_last_token(cli, sp
         hf_pooled = model(input_ids=ids, attention_mask=mask).logits.squeeze(-1)
     assert torch.allclose(per_side["right"], per_side["left"], atol=1e-5)
     assert torch.allclose(per_side["right"], hf_pooled, atol=1e-5)  # HF's own pooling agrees
-    assert per_side["right"][0] > per_side["right"][1]  # courteous beats dismissive
+    assert per_side["right"][0] > per_side["right"][1]  # courteous beats dismissive, same fact
 
 
 def test_only_lora_changes_only_adapters_and_merged_export_matches(cli, split_dir: Path, tmp_path: Path):
@@ -283,6 +283,6 @@ def test_sft_logs_step_metrics_and_the_model_reference_to_mlflow(cli, split_dir:
     assert [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")] == list(range(1, steps + 1))
     ppl_steps = [m.step for m in client.get_metric_history(run.info.run_id, "eval_perplexity")]
     assert ppl_steps == [0, *range(3, steps, 3), steps]  # before, every 3 steps, at the end
-    assert run.data.params["sft.learning_rate"] == "0.001"
+    assert run.data.params["sft.learning_rate"] == "0.002"  # the tiny-cpu preset's
     assert run.data.tags["kubealign.model_dir"] == str(out.resolve())
     assert "sft/result.json" in {a.path for a in client.list_artifacts(run.info.run_id, "sft")}
