@@ -363,7 +363,7 @@ def _tiny_model(args: argparse.Namespace) -> None:
     from kubealign.models import tiny
     from kubealign.outputs import check_output_path, write_result
 
-    check_output_path(args.output)
+    check_output_path(args.output, "tiny-model")
     path = tiny.build(args.arch, args.output, args.seed)
     write_result(path, "tiny-model", {}, {"model": "."}, arch=args.arch, seed=args.seed)
     print(f"tiny-{args.arch} (seed {args.seed}) -> {path}")
@@ -411,5 +411,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console() -> None:
+    """The `kubealign` console script: main(), then the process group torn down before exit (see
+    distributed.shutdown). Not in main(): in-process callers (tests, kfp.local tasks) call main() again
+    in the same process, and DeepSpeed keeps its groups cached across calls."""
+    code = main()
+    if "torch.distributed" in sys.modules:  # only commands that trained or evaluated imported it
+        from kubealign.training import distributed
+
+        distributed.shutdown(ok=code == 0)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console()

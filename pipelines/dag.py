@@ -31,6 +31,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
+from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
 
@@ -72,6 +73,7 @@ def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: 
 
 def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
     """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run)."""
+    check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
     k8s = config.kubernetes
     train, cpu = k8s.train_image or train_image(), k8s.cpu_image or cpu_image()
     defaults = {

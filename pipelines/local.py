@@ -66,9 +66,9 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
     """(client, tracking URI, experiment id, run id) of a new parent run for this pipeline run."""
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import resolve_experiment
+    from kubealign.tracking import resolve_experiment, resolve_uri
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    uri = resolve_uri(config)  # refuses credentials in the URI: it is written into run.json
     artifact_location = None
     if not uri:
         uri, artifact_location = default_store(output)
@@ -118,6 +118,19 @@ def quiet_parent(logs: Path, verbose: bool) -> Iterator[None]:
         mlflow_logger.setLevel(level)
 
 
+def check_run_output(output: Path) -> None:
+    """A run writes into OUTPUT beside what is there (a new run of the DAG reuses it: same store, same
+    logs dir), so OUTPUT must be new, empty, or an earlier run's: never a directory of the user's own."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output}: exists and is not a directory")
+    ours = any((output / name).exists() for name in (INDEX_FILE, "kfp", LOGS_DIR))
+    if output.is_dir() and any(output.iterdir()) and not ours:
+        raise UserError(
+            f"--output {output}: exists, is not empty and is not an earlier `kubealign run` output "
+            f"(no {INDEX_FILE}, kfp/ or {LOGS_DIR}/); choose a new or empty directory"
+        )
+
+
 def run(
     config: KubealignConfig, output: Path, caching: bool = False, verbose: bool = False, stream: TextIO | None = None
 ) -> dict[str, Any]:
@@ -132,6 +145,7 @@ def run(
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: the pipeline ends by promoting into the MLflow registry")
     output = output.resolve()
+    check_run_output(output)
     pipeline_root = output / "kfp"
     pipeline_root.mkdir(parents=True, exist_ok=True)
     logs = output / LOGS_DIR

@@ -44,7 +44,9 @@ def compile_pipeline(config: KubealignConfig, output: Path, env: dict[str, str] 
 
 def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
     """Create the parent MLflow run on a reachable tracking server; {} when there is none to reach."""
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    from kubealign.tracking import resolve_uri
+
+    uri = resolve_uri(config)  # refuses credentials in the URI
     if not uri or uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         return {}  # a local store here is not the store the cluster's tasks write to
     from mlflow.tracking import MlflowClient

@@ -122,3 +122,27 @@ def test_flatten_gives_dotted_params():
     assert flat["data.seed"] == "1234"
     assert flat["ppo.hybrid_engine.enabled"] == "true"
     assert flat["data.sources"].startswith('[{"path": "synthetic"')
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["sft.learning_rate=.inf", "reward.learning_rate=.nan", "ppo.kl_coef=.inf", "ppo.cliprange=.nan",
+     "ppo.entropy_coef=1e400", "sft.weight_decay=.inf", "sft.lora.learning_rate=.inf", "data.split_ratios=[2,.nan,4]"],
+)  # fmt: skip
+def test_non_finite_numbers_are_refused_naming_the_field(cli, tmp_path: Path, override: str):
+    """inf passes gt=0 and nan fails no comparison: either would train a NaN model and exit 0."""
+    field = override.partition("=")[0].replace("[", "")
+    result = cli("sft", "--data", tmp_path / "no-data", "--set", override, "--output", tmp_path / "out")
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1, result.err
+    assert lines[0].startswith(f"kubealign: error: preset tiny-cpu: field '{field}") and "finite number" in lines[0]
+    assert "(from --set)" in lines[0] and not (tmp_path / "out").exists()
+
+
+def test_non_finite_numbers_in_a_file_are_refused_naming_file_and_field(cli, tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("ppo:\n  actor_learning_rate: .inf\n  kl_coef: .nan\n")
+    result = cli("sft", "--data", tmp_path / "no-data", "--config", path, "--output", tmp_path / "out")
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1, result.err
+    assert f"{path}: field 'ppo.actor_learning_rate': Input should be a finite number (and 1 more)" in lines[0]

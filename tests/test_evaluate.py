@@ -107,6 +107,27 @@ def test_missing_candidate_is_a_clean_error(cli, trained, tmp_path: Path):  # no
     assert not (tmp_path / "out").exists()
 
 
+def test_bad_evaluate_inputs_are_clean_errors(cli, trained, tmp_path: Path):  # noqa: F811
+    """A causal LM as --reward would load with a random score head and feed the gate noise; lengths past
+    the models' positions would end in an IndexError traceback deep in generate()."""
+    import re
+
+    split, sft, rm = trained["split"], trained["sft"], trained["rm"]
+    cases = [
+        (["--reward", sft], r"--reward .*sft: is OPTForCausalLM, expected a \*ForSequenceClassification model \(the reward stage's output\)"),
+        (["--reward", rm, "--baseline", rm], r"--baseline .*rm: is OPTForSequenceClassification, expected a \*ForCausalLM"),
+        (["--reward", rm, "--set", "evaluate.max_new_tokens=600"], r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 648 exceeds the baseline's max_position_embeddings 512 \(--baseline\)"),
+        (["--reward", rm, "--set", "ppo.max_prompt_len=500"], r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 524 exceeds"),
+        (["--reward", rm, "--set", "sft.max_seq_len=513"], r"sft\.max_seq_len = 513 exceeds the baseline's max_position_embeddings 512"),
+    ]  # fmt: skip
+    for args, pattern in cases:
+        base = ["evaluate", "--prompts", split, "--baseline", sft, "--candidate", sft, *args]
+        result = cli(*base, *SMALL, "--output", tmp_path / "out")
+        lines = result.err.strip().splitlines()
+        assert result.code == 2 and len(lines) == 1 and re.search(pattern, lines[0]), (args, result.err[-800:])
+        assert not (tmp_path / "out").exists()
+
+
 def test_bootstrap_lower_bound_by_hand():
     from kubealign.stages.evaluate import bootstrap_lower_bound
 

@@ -98,3 +98,220 @@ def test_unreachable_tracking_server_is_a_clean_error(cli, tmp_path: Path, monke
     assert "Connection refused" in result.err
     assert len(result.err.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+# --- Tracking off the training path: the background writer (a stand-in client: order, bounds, timing) ---
+
+
+class StandInClient:
+    """The MlflowClient calls a tracker makes, recorded; `gate` holds every call while cleared (a slow
+    server), `fail` makes every call raise (a dead one)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.calls: list[tuple] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail: Exception | None = None
+
+    def _call(self, *record) -> None:
+        assert self.gate.wait(30)
+        if self.fail is not None:
+            raise self.fail
+        self.calls.append(record)
+
+    def log_batch(self, run_id, metrics=(), params=(), tags=()):
+        self._call("batch", [(m.key, m.value, m.step, m.timestamp) for m in metrics], list(params), list(tags))
+
+    def log_text(self, run_id, text, artifact_file):
+        self._call("text", artifact_file)
+
+    def log_artifact(self, run_id, path, artifact_path=None):
+        self._call("artifact", artifact_path)
+
+    def set_terminated(self, run_id, status):
+        self._call("terminated", status)
+
+    def metrics(self) -> list[tuple[str, float, int]]:
+        return [(k, v, s) for c in self.calls if c[0] == "batch" for k, v, s, _ in c[1]]
+
+
+def background(client: StandInClient, **kwargs):
+    from kubealign.tracking import BackgroundTracker, MlflowTracker
+
+    return BackgroundTracker(MlflowTracker(client, "run", "http://stand-in"), **kwargs)
+
+
+def connection_refused() -> Exception:
+    from mlflow.exceptions import MlflowException
+
+    return MlflowException("API request to http://stand-in failed with exception ConnectionError: refused")
+
+
+@pytest.mark.unit
+def test_background_tracker_never_waits_and_sends_everything_in_order():
+    import time
+
+    client = StandInClient()
+    client.gate.clear()  # a slow server: nothing gets through until the gate opens
+    tracker = background(client)
+    started = time.perf_counter()
+    for step in range(1, 501):
+        tracker.log_metrics({"train_loss": 1.0 / step, "lr": 0.1}, step=step)
+    tracker.set_tags({"kubealign.model_dir": "/m"})
+    tracker.log_metrics({"after": 2.0})
+    logging_s = time.perf_counter() - started
+    assert logging_s < 1.0  # 502 calls while the server answers nothing: none waited for it
+    client.gate.set()
+    assert tracker.flush(timeout=30)
+    expected = [(k, v, s) for s in range(1, 501) for k, v in (("train_loss", 1.0 / s), ("lr", 0.1))]
+    tags_at = next(i for i, c in enumerate(client.calls) if c[0] == "batch" and c[3])
+    sent_before_tags = [m for c in client.calls[:tags_at] if c[0] == "batch" for m in c[1]]
+    assert client.metrics() == [*expected, ("after", 2.0, 0)]
+    assert len(sent_before_tags) == 1000  # the tags went after the metrics logged before them, not before
+    assert len([c for c in client.calls if c[1]]) <= 4  # queued calls merged: ~1000 metrics per log_batch
+    stamps = [t for c in client.calls if c[0] == "batch" for *_, t in c[1]]
+    assert stamps == sorted(stamps)  # stamped when logged, in order
+    assert [h["step"] for h in tracker.history] == [*range(1, 501), None]
+    assert tracker.close() and tracker.pending == 0
+
+
+@pytest.mark.unit
+def test_background_queue_is_bounded_and_drops_the_oldest():
+    client = StandInClient()
+    client.gate.clear()
+    tracker = background(client, limit=10)
+    for step in range(1, 101):
+        tracker.log_metrics({"x": float(step)}, step=step)
+    assert tracker.pending <= 11  # 10 queued + at most 1 call in flight
+    assert tracker.dropped == 100 - tracker.pending
+    client.gate.set()
+    assert tracker.close()
+    sent = [s for _, _, s in client.metrics()]
+    assert sent[-10:] == list(range(91, 101)) and len(sent) == 100 - tracker.dropped  # the newest kept
+    assert len(tracker.history) == 100  # and every value still in the history
+
+
+@pytest.mark.unit
+def test_dead_server_warns_once_keeps_the_metrics_and_the_last_try_sends_them(capsys):
+    import time
+
+    client = StandInClient()
+    client.fail = connection_refused()
+    tracker = background(client, retry_s=3600)
+    for step in range(1, 51):
+        tracker.log_metrics({"x": float(step)}, step=step)
+    deadline = time.monotonic() + 10
+    while tracker.error is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.perf_counter()
+    assert not tracker.flush(timeout=30)  # a checkpoint does not wait on a server that is down ...
+    assert time.perf_counter() - started < 1.0
+    tracker.log_metrics({"x": 51.0}, step=51)  # ... and logging goes on
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kubealign: warning: MLflow tracking at http://stand-in is unreachable (API request")
+    assert tracker.pending == 51 and not client.calls
+    client.fail = None  # back before the end: the last try sends everything, in order
+    assert tracker.close()
+    assert [s for _, _, s in client.metrics()] == list(range(1, 52))
+    assert capsys.readouterr().err == ""  # warned once
+
+
+@pytest.mark.unit
+def test_a_call_the_server_refuses_is_dropped_not_retried(capsys):
+    from mlflow.exceptions import MlflowException
+
+    client = StandInClient()
+    client.fail = MlflowException.invalid_parameter_value("Changing param values is not allowed")
+    tracker = background(client, retry_s=0)
+    tracker.log_params({"a": 1})
+    assert tracker.flush(timeout=10)
+    client.fail = None
+    tracker.log_metrics({"x": 1.0}, step=1)
+    assert tracker.close() and client.metrics() == [("x", 1.0, 1)]
+    assert tracker.dropped == 1
+    assert "refused a tracking call: Changing param values" in capsys.readouterr().err
+
+
+def kubealign_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("kubealign")]
+
+
+def small_config():
+    return load_config(None, SMALL)
+
+
+@pytest.mark.unit
+def test_ending_the_run_never_raises_over_the_stage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from kubealign.tracking import MlflowTracker, stage_run
+
+    def down(self, status):
+        raise connection_refused()
+
+    monkeypatch.setattr(MlflowTracker, "terminate", down)
+    for required in (True, False):
+        with pytest.raises(KeyError, match="the stage's own error"), stage_run("t", small_config(), tmp_path, required):
+            raise KeyError("the stage's own error")
+        (line,) = kubealign_lines(capsys.readouterr().err)  # (MLflow itself logs creating the sqlite tables)
+        assert (
+            line.startswith("kubealign: warning: MLflow tracking at sqlite:")
+            and "could not mark the run FAILED" in line
+        )
+    with stage_run("t", small_config(), tmp_path, required=False) as tracker:  # a best-effort stage succeeds
+        tracker.log_metrics({"x": 1.0})
+    assert "could not mark the run FINISHED" in capsys.readouterr().err
+    with (
+        pytest.raises(UserError, match="could not mark the run FINISHED"),  # a required one fails closed
+        stage_run("t", small_config(), tmp_path, required=True),
+    ):
+        pass
+
+
+@pytest.mark.unit
+def test_best_effort_stage_keeps_its_metrics_in_mlflow_when_all_is_well(tmp_path: Path):
+    from kubealign.tracking import BackgroundTracker, stage_run
+
+    with stage_run("t", small_config(), tmp_path, required=False) as tracker:
+        assert isinstance(tracker, BackgroundTracker)
+        for step in range(1, 21):
+            tracker.log_metrics({"loss": 1.0 / step}, step=step)
+    client = client_for(tmp_path)
+    history = client.get_metric_history(tracker.run_id, "loss")
+    assert [(m.step, m.value) for m in history] == [(s, 1.0 / s) for s in range(1, 21)]
+    assert client.get_run(tracker.run_id).info.status == "FINISHED"
+
+
+# --- Credentials never in a tracking URI (it is copied into config_json, MLflow params and run.json) ---
+
+
+@pytest.mark.unit
+def test_credentials_in_a_tracking_uri_are_refused():
+    from kubealign.tracking import check_uri
+
+    for fine in (None, "", "sqlite:///data/x.db", "file:///srv/m", "http://mlflow:5000", "databricks",
+                 "postgresql://kubealign@db/mlflow"):  # fmt: skip
+        check_uri(fine, "tracking.uri")
+    for secret in ("http://alice:s3cret@mlflow:5000", "https://TOKEN123@mlflow.example.com",
+                   "postgresql://kubealign:s3cret@db/mlflow"):  # fmt: skip
+        with pytest.raises(UserError) as info:
+            check_uri(secret, "tracking.uri")
+        message = str(info.value)
+        assert message.startswith("tracking.uri ") and "***@" in message
+        assert "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in message
+        assert "s3cret" not in message and "TOKEN123" not in message and "alice" not in message
+
+
+@pytest.mark.unit
+def test_stages_and_compile_refuse_a_tracking_uri_with_credentials(cli, tmp_path: Path, monkeypatch):
+    uri = "http://alice:s3cret@127.0.0.1:9"
+    result = cli("data-split", "--set", f"tracking.uri={uri}", "--output", tmp_path / "a")
+    assert result.code == 2 and result.err.startswith("kubealign: error: tracking.uri http://***@127.0.0.1:9: ")
+    result = cli("compile", "--set", f"tracking.uri={uri}", "--output", tmp_path / "p.yaml")
+    assert result.code == 2 and "tracking.uri" in result.err and "s3cret" not in result.err + result.out
+    assert not (tmp_path / "p.yaml").exists()  # the secret never reached config_json
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    result = cli("data-split", "--output", tmp_path / "b")
+    assert result.code == 2 and result.err.startswith("kubealign: error: MLFLOW_TRACKING_URI http://***@")
+    assert "s3cret" not in result.err and len(result.err.strip().splitlines()) == 1
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "mlflow.db").exists()

@@ -62,6 +62,46 @@ def load_causal_lm(name: str, trust_remote_code: bool = False, **kwargs: Any) ->
     return _load("model", AutoModelForCausalLM, name, trust_remote_code, **kwargs)
 
 
+HINTS = {"ForCausalLM": "the SFT stage's output", "ForSequenceClassification": "the reward stage's output"}
+
+
+def model_dir_config(flag: str, path: str | Path, kind: str) -> dict[str, Any]:
+    """The config.json of the model dir given as `flag`, checked to hold a *`kind` architecture
+    (ForCausalLM: a policy; ForSequenceClassification: a reward model or critic). A causal LM given
+    where a reward model belongs would otherwise load with a new, random score head and score nothing."""
+    import json
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{flag} {path}: unreadable config.json: {first_line(exc)}") from None
+    found = config.get("architectures") or ["an unknown architecture"]
+    if not any(str(a).endswith(kind) for a in found):
+        raise UserError(f"{flag} {path}: is {', '.join(map(str, found))}, expected a *{kind} model ({HINTS[kind]})")
+    return config
+
+
+def max_positions(config: dict[str, Any]) -> int | None:
+    """The longest sequence a model's config says it takes (max_position_embeddings, GPT-2's
+    n_positions); None when it names none."""
+    for key in ("max_position_embeddings", "n_positions"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def check_fits(fields: str, total: int, role: str, flag: str, config: dict[str, Any]) -> None:
+    """Raise when `total` tokens (the sum the config fields in `fields` allow) exceed the positions of the
+    model given as `flag`: its position table would be indexed past its end (an IndexError deep in
+    generate or forward)."""
+    limit = max_positions(config)
+    if limit is not None and total > limit:
+        raise UserError(f"{fields} = {total} exceeds the {role}'s max_position_embeddings {limit} ({flag})")
+
+
 def torch_dtype(name: str) -> Any:
     """The torch dtype for a config dtype name (fp32 | bf16 | fp16)."""
     import torch

@@ -24,6 +24,7 @@ from kubealign.rl.experience import (
 from kubealign.rl.kl import KLController
 from kubealign.rl.losses import Sampling, explained_variance, policy_loss, value_loss
 from kubealign.training import distributed
+from kubealign.training.loop import check_finite
 
 
 class ModuleRollout:
@@ -98,6 +99,9 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
     models.actor.eval()
     settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, models.tokenizer)
+    # A diverged actor (nan logits) then samples garbage instead of raising in torch.multinomial on one
+    # rank; its nan log-probs stop the stage in update() on every rank at once. No effect on finite logits.
+    settings.remove_invalid_values = True
     with merged_lora(models.actor.module), only_settings(models.actor.module, settings):
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
 
@@ -168,10 +172,12 @@ def update(
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
                 stats.setdefault("unsup_loss", []).append(lm.item())
+            check_finite({"actor loss": actor_loss})  # before the step: a nan step would poison the weights
             models.actor.backward(actor_loss)
             models.actor.step()
             values, _ = score_and_value(models.critic, ids, mask)
             vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
+            check_finite({"critic loss": vl.loss})
             models.critic.backward(vl.loss)
             models.critic.step()
             for key, value in {

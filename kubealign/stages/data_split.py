@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,7 @@ from kubealign.outputs import atomic_dir, check_output_path, read_result, write_
 from kubealign.tracking import stage_run
 
 STAGE = "data-split"
+log = logging.getLogger(__name__)
 FORMAT_VERSION = 1  # bump when the output layout or the split rules change: it is part of the cache key
 MANIFEST = "manifest.json"
 COLUMNS = ("prompt", "chosen", "rejected", "source", "origin")
@@ -136,6 +138,7 @@ def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
         entries[phase] = {
             "path": phase,
             "sha256": phase_sha256(splits),
+            "files_sha256": files_sha256(directory / phase),
             "splits": {split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in SPLITS},
         }
     return entries
@@ -159,13 +162,35 @@ def outputs_of() -> dict[str, str]:
     return {"manifest": MANIFEST, **{phase: phase for phase in PHASES}}
 
 
+def files_sha256(phase_dir: Path) -> str:
+    """sha256 of the files save_to_disk wrote for one phase. `datasets` may later add cache-*.arrow
+    files beside them when a stage maps over the loaded data; those are not part of the phase."""
+    from kubealign.outputs import tree_sha256
+
+    return tree_sha256(phase_dir, skip=lambda rel: Path(rel).name.startswith("cache-"))
+
+
 def _cached(output: Path, key: str) -> dict[str, Any] | None:
+    """The manifest of a previous split with this cache key whose phase files are intact, else None.
+    A cache hit hands these files to training: a phase edited or corrupted since it was written (its
+    files no longer match the manifest's sha256) is rebuilt from the sources, with a warning."""
     try:
         manifest = json.loads((output / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
     if manifest.get("cache_key") != key or not all((output / p).is_dir() for p in PHASES):
         return None
+    for phase in PHASES:
+        expected = manifest.get("phases", {}).get(phase, {}).get("files_sha256")
+        if expected is None:  # written before the manifest held file hashes: nothing to verify against
+            log.warning("data-split: %s has no file sha256 in its manifest; rebuilding", output / phase)
+            return None
+        if files_sha256(output / phase) != expected:
+            log.warning(
+                "data-split: %s does not match its manifest's sha256 (changed since written); rebuilding",
+                output / phase,
+            )
+            return None
     return manifest
 
 
@@ -207,7 +232,7 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
 
 def run(config: KubealignConfig, output: Path, force: bool = False) -> dict[str, Any]:
     """Run the data-split stage; returns the result.json payload (with `cache_hit`)."""
-    check_output_path(output)
+    check_output_path(output, STAGE)
     started = time.perf_counter()
     with stage_run(STAGE, config, output.resolve().parent) as tracker:
         sources = [read_source(i, s, config.data) for i, s in enumerate(config.data.sources)]

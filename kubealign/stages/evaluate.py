@@ -24,7 +24,6 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
-from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
@@ -208,18 +207,32 @@ def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dic
     return made
 
 
+def check_inputs(config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path) -> None:
+    """Two policies and a reward model (the same check as ppo's: a causal LM given as --reward would get a
+    random score head), and lengths that fit every model: prompts are cut to ppo.max_prompt_len and get
+    up to evaluate.max_new_tokens more; the perplexity rows are cut to sft.max_seq_len."""
+    wanted = (("--baseline", baseline, "ForCausalLM", "baseline"),
+              ("--candidate", candidate, "ForCausalLM", "candidate"),
+              ("--reward", reward, "ForSequenceClassification", "reward model"))  # fmt: skip
+    configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}
+    total = config.ppo.max_prompt_len + config.evaluate.max_new_tokens
+    for flag, _, _, role in wanted:
+        loading.check_fits("ppo.max_prompt_len + evaluate.max_new_tokens", total, role, flag, configs[flag])
+    if (Path(prompts) / "phase1_sft").is_dir():
+        for flag, _, _, role in wanted[:2]:
+            loading.check_fits("sft.max_seq_len", config.sft.max_seq_len, role, flag, configs[flag])
+
+
 def run(
     config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path, output: Path
 ) -> dict[str, Any]:
     cfg = config.evaluate
-    check_output_path(output)
-    for flag, path in (("--baseline", baseline), ("--candidate", candidate), ("--reward", reward)):
-        if not (Path(path) / "config.json").is_file():
-            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
+    check_output_path(output, STAGE)
+    check_inputs(config, prompts, baseline, candidate, reward)
     split = phases.load(prompts, "phase3_prompts")
     rows = split["eval"] if len(split["eval"]) else split["train"]
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         tokenizer = loading.load_tokenizer(str(baseline))
         texts = list(dict.fromkeys(rows["prompt"]))[: cfg.max_prompts]
         cap, bos = config.ppo.max_prompt_len, tokenizer.bos_token_id  # cut as PPO cuts its prompts

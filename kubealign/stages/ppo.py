@@ -8,7 +8,6 @@ after training, the per-iteration history, the effective rollout path and the ti
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -38,33 +37,21 @@ from kubealign.rl.trainer import (
     sampling_of,
 )
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, export
+from kubealign.training import checkpoints, distributed, export
 from kubealign.training import engine as engines
-from kubealign.training.loop import FAULT_ENV
+from kubealign.training.loop import FAULT_ENV, NonFiniteLoss, checkpoint_note, nonfinite
 
 STAGE = "ppo"
 
 
 def check_inputs(cfg: PPOConfig, actor: Path, critic: Path, reward: Path) -> None:
-    """Model dirs of the right kind, and lengths that fit the actor and the hybrid engine's KV budget."""
-    wanted = (("--actor", actor, "ForCausalLM"), ("--critic", critic, "ForSequenceClassification"),
-              ("--reward", reward, "ForSequenceClassification"))  # fmt: skip
-    configs = {}
-    for flag, path, kind in wanted:
-        config_file = Path(path) / "config.json"
-        if not config_file.is_file():
-            raise UserError(f"{flag} {path}: not a model directory (no config.json)")
-        configs[flag] = json.loads(config_file.read_text(encoding="utf-8"))
-        found = configs[flag].get("architectures") or ["an unknown architecture"]
-        if not any(a.endswith(kind) for a in found):
-            hint = "the SFT stage's output" if kind == "ForCausalLM" else "the reward stage's output"
-            raise UserError(f"{flag} {path}: is {', '.join(found)}, expected a *{kind} model ({hint})")
+    """Model dirs of the right kind, and lengths that fit every model and the hybrid engine's KV budget."""
+    wanted = (("--actor", actor, "ForCausalLM", "actor"), ("--critic", critic, "ForSequenceClassification", "critic"),
+              ("--reward", reward, "ForSequenceClassification", "reward model"))  # fmt: skip
+    configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}
     total = cfg.max_prompt_len + cfg.max_new_tokens
-    limit = configs["--actor"].get("max_position_embeddings")
-    if limit and total > limit:
-        raise UserError(
-            f"ppo.max_prompt_len + ppo.max_new_tokens = {total} exceeds the actor's max_position_embeddings {limit}"
-        )
+    for flag, _, _, role in wanted:  # the critic and the reward model read the whole prompt + response too
+        loading.check_fits("ppo.max_prompt_len + ppo.max_new_tokens", total, role, flag, configs[flag])
     if cfg.hybrid_engine.enabled and total > cfg.hybrid_engine.max_out_tokens:
         raise UserError(
             f"ppo.hybrid_engine.max_out_tokens {cfg.hybrid_engine.max_out_tokens} is less than "
@@ -185,19 +172,26 @@ class EMA:
             self.state[name] = value if previous is None else self.coef * previous + (1 - self.coef) * value
 
 
+EMA_FILE = "kubealign-ema.pt"
+
+
 def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLController, ema: EMA | None, extra: dict):
     tag = f"iter{step}"
     state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
     models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state)
     models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
     if ema is not None and int(os.environ.get("RANK", "0")) == 0:
-        torch.save(ema.state, directory / f"ema-{tag}.pt")
+        torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
+    checkpoints.seal(directory / "actor", tag)
+    checkpoints.seal(directory / "critic", tag)
     distributed.set_rng_state(state["rng"])
 
 
 def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: EMA | None) -> dict[str, Any]:
     if not (directory / "actor" / "latest").is_file():
         return {"iteration": 0}
+    checkpoints.verify(directory / "actor")
+    checkpoints.verify(directory / "critic")
     path, state = models.actor.load_checkpoint(str(directory / "actor"))
     critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
     if path is None or critic_path is None:
@@ -205,7 +199,7 @@ def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: E
     distributed.set_rng_state(state["rng"])
     kl.load_state_dict(state["kl"])
     if ema is not None:
-        ema.state = torch.load(directory / f"ema-iter{state['iteration']}.pt")
+        ema.state = torch.load(directory / "actor" / f"iter{state['iteration']}" / EMA_FILE)
     return state
 
 
@@ -248,7 +242,14 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
     for step in range(start + 1, cfg.num_iterations + 1):
         ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
-        metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
+        try:
+            metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
+        except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
+            lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
+            raise UserError(
+                f"{STAGE}: {exc} at iteration {step} ({lrs}); stopped before applying it, no model was written, "
+                f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
+            ) from None
         if ema is not None:
             ema.update(models.actor.module)
         history.append({"iteration": step, **metrics})
@@ -262,10 +263,17 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             extra = {"before": before, "history": history, "minibatch_rng": gen.get_state()}
             extra["unsup_served"] = unsup.served if unsup is not None else 0
             save_checkpoint(models, checkpoints, step, kl, ema, extra)
+            tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
     after = evaluate(models, eval_prompts, cfg)
+    if nonfinite(after):  # the last update can diverge the actor with no loss computed after it
+        raise UserError(
+            f"{STAGE}: the evaluation after the last iteration gives {nonfinite(after)}: the actor diverged (actor "
+            f"learning rate {cfg.actor_learning_rate:g}; too high?); no model was written, "
+            f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
+        )
     tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=cfg.num_iterations)
     return history, before, after, ema
 
@@ -275,7 +283,7 @@ def run(
 ) -> dict:
     """PPO on DATA's phase 3, from the SFT dir (actor + reference) and the RM dir (critic + reward)."""
     cfg = config.ppo
-    check_output_path(output)
+    check_output_path(output, STAGE)
     check_inputs(cfg, actor, critic, reward or critic)
     dataset = phases.load(prompts, "phase3_prompts")
     if len(dataset["train"]) == 0:
@@ -283,7 +291,7 @@ def run(
     rank, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         models, check = build_models(cfg, str(actor), str(critic), str(reward or critic), world)
         tracker.log_params({"ppo.rollout_path": check.path})
         tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})
@@ -317,6 +325,7 @@ def run(
             "rollout_notes": check.notes,
             "kl_target": cfg.kl_target,
             "history": history,
+            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
         }
         write_outputs(models, cfg, ema, output, result)
         tracker.log_metrics(summary)

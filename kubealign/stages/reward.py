@@ -94,12 +94,12 @@ def evaluate(engine: Any, pairs: list[Any], pad_id: int, batch_size: int) -> tup
 def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
     """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
-    check_output_path(output)
+    check_output_path(output, STAGE)
     dataset = phases.load(data, "phase2_reward", need_rejected=True)
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -134,6 +134,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             "outputs": {"model": ".", "eval_scores": SCORES_FILE},
             "base_model": cfg.model,
             "history": task.history,
+            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
             "train_pairs": len(train),
             "eval_pairs": len(evals),
         }

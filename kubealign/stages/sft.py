@@ -46,12 +46,12 @@ def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -
 def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
     """Fine-tune `model_name` (default: sft.model) on DATA's phase 1; returns the result.json payload."""
     cfg = config.sft if model_name is None else config.sft.model_copy(update={"model": model_name})
-    check_output_path(output)
+    check_output_path(output, STAGE)
     dataset = phases.load(data, "phase1_sft")
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent) as tracker:
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -79,6 +79,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             "outputs": {"model": "."},
             "base_model": cfg.model,
             "history": task.history,
+            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
             "train_rows": len(train),
             "eval_rows": len(evals),
         }

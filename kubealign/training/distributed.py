@@ -37,8 +37,28 @@ def init() -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        deepspeed.init_distributed(dist_backend=backend, verbose=False)
+        from kubealign.training import oplocks
+
+        with oplocks.guard(oplocks.COMM_OPS):  # DeepSpeed builds its CPU comm op here: no stale lock may hang it
+            deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown(ok: bool) -> None:
+    """Tear the process group down before the interpreter exits.
+
+    Left to interpreter exit, gloo's worker threads are destroyed while still joinable and a rank
+    aborts with "terminate called without an active exception" (exit 250 under the deepspeed
+    launcher, seen in CI at ZeRO-3). After a successful command the ranks meet at a barrier first,
+    so no rank tears down while another still talks to it; after an error only this rank's side goes.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if ok and dist.get_world_size() > 1:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def rank() -> int:

@@ -154,9 +154,12 @@ def create(model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], tot
         name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
         return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
 
-    engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
-    )
+    from kubealign.training import oplocks
+
+    with oplocks.guard():  # DeepSpeed may JIT-build its optimizer op (fused / CPU Adam) in here
+        engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
+        )
     return engine
 
 

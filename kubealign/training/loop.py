@@ -26,7 +26,8 @@ from tqdm import tqdm
 
 from kubealign.config.schema import TrainConfig
 from kubealign.errors import UserError
-from kubealign.training import distributed
+from kubealign.models import loading
+from kubealign.training import checkpoints, distributed
 from kubealign.training import engine as engines
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ def _restore(engine: Any, task: Task) -> dict[str, Any]:
     if not (task.checkpoint_dir / "latest").is_file():
         log.warning("--resume: no checkpoint in %s; starting from the beginning", task.checkpoint_dir)
         return {"step": 0, "epoch": 0, "micro": 0}
+    checkpoints.verify(task.checkpoint_dir)
     path, state = engine.load_checkpoint(str(task.checkpoint_dir))
     if path is None:
         raise UserError(f"--resume: cannot load the checkpoint in {task.checkpoint_dir}")
@@ -97,9 +99,63 @@ def _restore(engine: Any, task: Task) -> dict[str, Any]:
 def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
     state = {**position, "rng": distributed.rng_state()}
     engine.save_checkpoint(str(task.checkpoint_dir), tag=f"step{position['step']}", client_state=state)
+    checkpoints.seal(task.checkpoint_dir, f"step{position['step']}")
     # Saving draws random numbers inside DeepSpeed; put the RNG back where the checkpoint recorded it, so
     # the run goes on exactly as a run resumed from this checkpoint will.
     distributed.set_rng_state(state["rng"])
+
+
+class NonFiniteLoss(UserError):
+    """A loss that is nan or inf on some rank (see check_finite)."""
+
+
+def check_finite(losses: dict[str, torch.Tensor]) -> None:
+    """Raise NonFiniteLoss on every rank when any of `losses` (scalars, already computed) is nan or inf on
+    any rank. One isfinite per loss and one host sync; under several ranks one all_reduce of the flags,
+    so that every rank stops at the same step: a rank that stopped alone would leave the others waiting
+    in their next collective forever."""
+    values = list(losses.values())
+    flags = torch.stack([~torch.isfinite(v.detach().float()).all() for v in values]).double().tolist()
+    for (name, value), anywhere in zip(losses.items(), distributed.all_reduce_sum(flags), strict=True):
+        if anywhere:
+            here = float(value.detach().float().sum())
+            raise NonFiniteLoss(f"{name} is {here:g}" if not math.isfinite(here) else f"{name} is nan or inf on a rank")
+
+
+def checkpoint_note(latest: Path) -> str:
+    """What a run that stops early leaves: `latest` is DeepSpeed's pointer to the newest checkpoint tag."""
+    if latest.is_file():
+        return f"the last checkpoint ({latest.parent}, {latest.read_text(encoding='utf-8').strip()}) is kept"
+    return "there is no checkpoint"
+
+
+def stop_if_nonfinite(task: Task, step: int, loss: torch.Tensor, lr: float) -> None:
+    """Before optimizer step `step` is applied: stop the stage (exit 2, every rank) when its loss is not
+    finite. The output is never written (it is exported only at the end), and the checkpoint dir stays as
+    the last save left it, because the bad step is never saved."""
+    try:
+        check_finite({"loss": loss})
+    except NonFiniteLoss as exc:
+        raise UserError(
+            f"{task.name}: {exc} at step {step} (learning rate {lr:g}; too high?); stopped before the step was "
+            f"applied, no model was written, {checkpoint_note(task.checkpoint_dir / 'latest')}"
+        ) from None
+
+
+def nonfinite(metrics: dict[str, float]) -> str:
+    """'name value, ...' of the metrics that are nan or inf ('' when all are finite)."""
+    return ", ".join(f"{k} {v:g}" for k, v in metrics.items() if isinstance(v, float) and not math.isfinite(v))
+
+
+def stop_if_diverged(task: Task, step: int, after: dict[str, float], lr: float) -> None:
+    """The last update can leave a model whose every output is nan with no loss computed after it: the
+    final evaluation (reduced over ranks, so the same on every rank) must be finite before any export."""
+    bad = nonfinite(after)
+    if bad:
+        raise UserError(
+            f"{task.name}: the evaluation after the last step ({step}) gives {bad}: the model diverged (learning "
+            f"rate {lr:g}; too high?); no model was written, {checkpoint_note(task.checkpoint_dir / 'latest')}"
+        )
 
 
 def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str, float]]:
@@ -111,6 +167,9 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
             f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) is more than the "
             f"{len(task.train)} training rows"
         )
+    config = getattr(model, "config", None)  # a sequence past the position table: an IndexError mid-training
+    if hasattr(config, "to_dict"):
+        loading.check_fits(f"{task.name}.max_seq_len", cfg.max_seq_len, "model", f"{task.name}.model", config.to_dict())
     loader = make_loader(task, rank, world)
     steps_per_epoch = max(len(loader) // cfg.gradient_accumulation_steps, 1)
     total_steps = max(math.ceil(cfg.num_train_epochs * steps_per_epoch), 1)
@@ -125,6 +184,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
         total=total_steps, initial=position["step"], desc=task.name, unit="step", **({"disable": True} if rank else {})
     )
     step, epoch = position["step"], position["epoch"]
+    step_loss = None
     while step < total_steps:
         loader.sampler.set_epoch(epoch)
         for micro, batch in enumerate(loader):
@@ -132,6 +192,11 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
                 continue  # already trained on before the checkpoint
             boundary = engine.is_gradient_accumulation_boundary()
             loss = task.loss(engine, batch)
+            # nan/inf in any micro-batch stays in the sum; checked once per optimizer step, before it
+            step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
+            if boundary:
+                stop_if_nonfinite(task, step + 1, step_loss, engine.get_lr()[0])
+                step_loss = None
             engine.backward(loss)
             engine.step()
             tokens += int(batch["attention_mask"].sum())
@@ -146,6 +211,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
             task.history.append({"step": step, **record})
             if cfg.save_every_steps and step % cfg.save_every_steps == 0:
                 _save(engine, task, {"step": step, "epoch": epoch, "micro": micro + 1, "before": before})
+                tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
             if os.environ.get(FAULT_ENV) == str(step):
                 os.kill(os.getpid(), signal.SIGKILL)
             if step >= total_steps:
@@ -157,6 +223,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
     bar.close()
     elapsed = time.perf_counter() - started
     after = task.evaluate(engine)
+    stop_if_diverged(task, step, after, engine.get_lr()[0])
     tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=step)
     total_tokens, total_time = distributed.all_reduce_sum([tokens, elapsed])
     summary = {
