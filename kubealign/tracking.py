@@ -350,7 +350,14 @@ def resolve_experiment(client: Any, name: str, artifact_location: str | None) ->
     experiment = client.get_experiment_by_name(name)
     if experiment is not None:
         return experiment.experiment_id
-    return client.create_experiment(name, artifact_location=artifact_location)
+    from mlflow.exceptions import MlflowException
+
+    try:
+        return client.create_experiment(name, artifact_location=artifact_location)
+    except MlflowException as exc:  # two stages starting at once: the other one created it first
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS" or (found := client.get_experiment_by_name(name)) is None:
+            raise
+        return found.experiment_id
 
 
 @contextlib.contextmanager

@@ -13,7 +13,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
+from kubealign import __version__
 from kubealign.config.schema import PromoteConfig
 from kubealign.models import loading
 from kubealign.stages.promote import gate
@@ -143,6 +145,16 @@ def test_promotion_through_an_mlflow_server_and_the_champion_generates(cli, tmp_
         model = mlflow.pyfunc.load_model("models:/kubealign-actor@champion")  # resolved via MLFLOW_TRACKING_URI
         replies = model.predict(["\n\nHuman: Tell me about cats.\n\nAssistant:"], params={"max_new_tokens": 4})
         assert len(replies) == 1 and isinstance(replies[0], str)
+        # what the registry serves holds no pickle (a swapped one would run code in every consumer) ...
+        tree = Path(mlflow.artifacts.download_artifacts("models:/kubealign-actor/1", dst_path=str(tmp_path / "dl")))
+        files = [p.relative_to(tree).as_posix() for p in tree.rglob("*") if p.is_file()]
+        assert "MLmodel" in files and any(f.endswith(".safetensors") for f in files), files
+        assert not [f for f in files if f.endswith((".pkl", ".pickle")) or "cloudpickle" in f], files
+        flavor = yaml.safe_load((tree / "MLmodel").read_text())["flavors"]["python_function"]
+        assert flavor["loader_module"] == "mlflow.pyfunc.loaders.code_model" and "python_model" not in flavor
+        # ... and pins its requirements
+        requirements = (tree / "requirements.txt").read_text().split()
+        assert f"kubealign=={__version__}" in requirements, requirements
     finally:
         del os.environ["MLFLOW_TRACKING_URI"]
 
@@ -198,3 +210,44 @@ def test_gate_on_the_win_rate_lower_bound():
     assert gate({**good, "win_rate_lower_bound": 0.1}, PromoteConfig(), None)[0]  # unset: not checked
     with pytest.raises(UserError, match="no win_rate_lower_bound"):
         gate({k: v for k, v in good.items() if k != "win_rate_lower_bound"}, cfg, None)
+
+
+def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
+    cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    import socket
+
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.stages import promote as stage
+
+    evals, root = tmp_path / "evals", tmp_path / "runs"
+    evals.mkdir()
+    assert promote(cli, evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0), root / "p1").code == 0
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    lock = "kubealign-actor" + stage.LEASE_SUFFIX
+    host, later = socket.gethostname(), str(time.time() + 600)
+    client.create_registered_model(lock, tags={"owner": f"{host}:{os.getpid()}:live", "expires": later})
+    monkeypatch.setattr(stage, "LEASE_WAIT_S", 2)
+    better = evaluation(evals, "better", win=0.8, gain=0.4, reward=1.2)
+    held = promote(cli, better, root / "p2")
+    assert held.code == 2 and "has held its lease" in held.err and not (root / "p2").exists()
+    assert len(client.search_model_versions("name = 'kubealign-actor'")) == 1  # nothing registered meanwhile
+
+    client.delete_registered_model(lock)  # a holder on this host whose process is gone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    client.create_registered_model(lock, tags={"owner": f"{host}:{gone.pid}:dead", "expires": later})
+    assert promote(cli, better, root / "p2").code == 0 and aliases(root / "p2")["champion"] == 2
+    assert not client.search_registered_models(f"name = '{lock}'")
+
+    # an expired lease from another host, and a journal whose moves all landed (only clearing it failed)
+    client.create_registered_model(lock, tags={"owner": "elsewhere:1:x", "expires": str(time.time() - 1)})
+    journal = {"before": {"champion": "1"}, "plan": [["champion", "2"]], "time": 0}
+    client.set_registered_model_tag("kubealign-actor", stage.JOURNAL_TAG, json.dumps(journal))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
+    rolled = cli("rollback")
+    assert rolled.code == 0 and "champion is version 1 again (was 2)" in rolled.out, rolled.err
+    assert "put back" not in rolled.err  # a completed move is not undone
+    assert stage.JOURNAL_TAG not in client.get_registered_model("kubealign-actor").tags
+    assert not client.search_registered_models(f"name = '{lock}'")

@@ -315,3 +315,24 @@ def test_stages_and_compile_refuse_a_tracking_uri_with_credentials(cli, tmp_path
     assert result.code == 2 and result.err.startswith("kubealign: error: MLFLOW_TRACKING_URI http://***@")
     assert "s3cret" not in result.err and len(result.err.strip().splitlines()) == 1
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists() and not (tmp_path / "mlflow.db").exists()
+
+
+@pytest.mark.unit
+def test_an_experiment_created_concurrently_is_reused(tmp_path):
+    """Two stages starting at once both find no experiment; the loser of the create reads the winner's."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.tracking import resolve_experiment
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
+    real_get = client.get_experiment_by_name
+    calls = []
+
+    def late_get(name):  # the first look happens before the other stage's create
+        calls.append(name)
+        return None if len(calls) == 1 else real_get(name)
+
+    winner = client.create_experiment("race")
+    client.get_experiment_by_name = late_get
+    assert resolve_experiment(client, "race", None) == winner
+    assert len(calls) == 2
