@@ -251,3 +251,10 @@ def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
     assert "put back" not in rolled.err  # a completed move is not undone
     assert stage.JOURNAL_TAG not in client.get_registered_model("kubealign-actor").tags
     assert not client.search_registered_models(f"name = '{lock}'")
+
+
+def test_rollback_refuses_credentials_in_the_uri(cli, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example.com")
+    result = cli("rollback")
+    assert result.code == 2 and "MLFLOW_TRACKING_USERNAME" in result.err
+    assert "s3cret" not in result.err

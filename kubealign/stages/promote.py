@@ -63,7 +63,7 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.errors import UserError, first_line
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
-from kubealign.tracking import PARENT_RUN_ENV, stage_run
+from kubealign.tracking import PARENT_RUN_ENV, resolve_uri, stage_run
 
 STAGE = "promote"
 CHALLENGER, CHAMPION, PREVIOUS = "challenger", "champion", "previous-champion"
@@ -469,7 +469,7 @@ def rollback(config: KubealignConfig) -> dict[str, Any]:
     the new alias state. Fails closed like promote: an unreadable alias is an error, not an absent one."""
     from mlflow.tracking import MlflowClient
 
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or config.tracking.uri
+    uri = resolve_uri(config)  # refuses credentials in the URI, like every stage
     if not uri:
         raise UserError("rollback: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry to roll back in")
     name = config.promote.registered_model
