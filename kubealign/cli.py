@@ -403,7 +403,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         COMMANDS[args.command](args)
     except UserError as exc:
-        print(f"kubealign: error: {exc}", file=sys.stderr)
+        # One write, so the lines of several ranks sharing one stderr pipe never run into each other.
+        sys.stderr.write(f"kubealign: error: {exc}\n")
+        sys.stderr.flush()
         return 2
     except KeyboardInterrupt:
         print("kubealign: interrupted", file=sys.stderr)
