@@ -267,7 +267,7 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
 
     modes = []
     own = GenerationConfig(repetition_penalty=1.3, top_k=50, min_p=0.1)  # what a checkpoint may bring
-    module = SimpleNamespace(generation_config=own)
+    module = SimpleNamespace(generation_config=own, generate=None)  # the rollout calls module.generate
 
     class Engine(TableLM):
         def eval(self):
@@ -288,7 +288,7 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
     models = trainer.PPOModels(actor, None, None, None, Rollout(), tokenizer)
     cfg = PPOConfig(top_k=7, top_p=0.9, temperature=0.8)
     assert trainer.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
-    assert modes == ["eval", "generate:eval", (7, 0.9, 0.8, 1.0, 0.0)]
+    assert modes == ["eval", "generate:eval", (7, 0.9, 0.8, 1.0, None)]  # min_p None: no MinP(0) pass
     assert module.generation_config is own  # the checkpoint's own settings are back for the export
 
 

@@ -81,7 +81,10 @@ def gae(
     advantages = torch.zeros_like(values)
     next_value = torch.zeros_like(values[:, 0])
     next_advantage = torch.zeros_like(values[:, 0])
-    for t in reversed(range(values.shape[1])):
+    # Columns before the first response action of any row are prompt for every row: all 0, nothing to loop.
+    columns = response_mask.bool().any(0)
+    first = int(columns.int().argmax()) if bool(columns.any()) else values.shape[1]
+    for t in reversed(range(first, values.shape[1])):
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         current = (delta + gamma * lam * next_advantage) * mask[:, t]
         advantages[:, t] = current

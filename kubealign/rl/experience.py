@@ -12,13 +12,14 @@ with dropout live.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 
 from kubealign.models.reward import token_values
-from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, restrict_to, sampling_logits
+from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, restrict_to, sampling_logits
 from kubealign.training.losses import last_token_scores, position_ids
 
 
@@ -53,10 +54,40 @@ def response_masks(
     return attention.long(), response_tokens[:, 1:].long()
 
 
-def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    return model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask), use_cache=False
-    ).logits
+def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """[N, T - first, V] logits of positions first..T-1 (a causal LM's logits_to_keep: the LM head and
+    everything after it skip the prompt); all T positions for first 0 or a model without logits_to_keep."""
+    keep = {"logits_to_keep": input_ids.shape[1] - first} if first > 0 and keeps_logits(model) else {}
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
+                   use_cache=False, **keep).logits  # fmt: skip
+    return logits if keep else logits[:, first:]
+
+
+def keeps_logits(model: Any) -> bool:
+    """Whether the causal LM under the engine / PEFT wrappers takes logits_to_keep (transformers' LMs do)."""
+    module = getattr(model, "module", model)
+    base = module.get_base_model() if hasattr(module, "get_base_model") else module
+    return "logits_to_keep" in inspect.signature(base.forward).parameters
+
+
+def first_response_action(response_mask: torch.Tensor) -> int:
+    """The first action column that any row's response occupies: the actions before it are prompt for
+    every row, so no log-prob pass needs their logits (left-padded prompts: the prompt width - 1)."""
+    columns = response_mask.any(0)
+    return int(columns.int().argmax()) if bool(columns.any()) else 0
+
+
+def action_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                  sampling: Sampling) -> tuple[torch.Tensor, int]:  # fmt: skip
+    """(sampling_logits of positions first..T-1, first = first_response_action): what every action from
+    `first` on needs; the actions before it get 0 (left_pad)."""
+    first = first_response_action(response_mask)
+    return sampling_logits(forward_logits(model, input_ids, attention_mask, first), sampling), first
+
+
+def left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """[N, A - width] -> [N, A]: zeros for the first `width` actions."""
+    return torch.nn.functional.pad(x, (width, 0))
 
 
 def generation_config(sampling: Sampling, max_new_tokens: int, tokenizer: Any) -> Any:
@@ -91,11 +122,12 @@ def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                    sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    sampling: Sampling, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(log-probs, entropies) [N, A] of the policy's sampling distribution (temperature, top-k, top-p) on
-    the response actions, 0 elsewhere."""
-    logits = sampling_logits(forward_logits(model, input_ids, attention_mask), sampling)
-    logprobs, entropy = logprobs_from_logits(logits, input_ids), entropy_from_logits(logits)
+    the response actions, 0 elsewhere. entropy_grad False: the entropy carries no gradient (logging only)."""
+    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
+    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
+    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
     return response_only(logprobs, response_mask), response_only(entropy, response_mask)
 
 
@@ -105,13 +137,13 @@ def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention
     under its sampling distribution, the other model's (reference, baseline) at the same temperature over
     the tokens the sampler could draw (losses.restrict_to) — so their difference estimates a finite KL
     that is exactly 0 for two copies of one model."""
-    logits = sampling_logits(forward_logits(sampler, input_ids, attention_mask), sampling)
-    logprobs = logprobs_from_logits(logits, input_ids)
+    logits, first = action_logits(sampler, input_ids, attention_mask, response_mask, sampling)
+    logprobs = left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first)
     truncated = sampling.top_k > 0 or sampling.top_p < 1
     outside = torch.isinf(logits) if truncated else None  # a bool mask, not a second [N, T, V] of floats
     del logits
-    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask), outside, sampling)
-    other_logprobs = logprobs_from_logits(other_logits, input_ids)
+    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask, first), outside, sampling)
+    other_logprobs = left_pad(logprobs_from_logits(other_logits, input_ids[:, first:]), first)
     return response_only(logprobs, response_mask), response_only(other_logprobs, response_mask)
 
 

@@ -33,7 +33,9 @@ def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """[..., V] logits -> the logits of the distribution that sampling draws from, in float32: divided by
     the temperature, then -inf outside the top-k tokens and outside the nucleus (the order and tie rules
     of transformers' Temperature-, TopK- and TopPLogitsWarper, which generate() applies)."""
-    scores = logits.float() / sampling.temperature
+    scores = logits.float()
+    if sampling.temperature != 1.0:  # x / 1 == x: no pass over [N, T, V] (and none in autograd) for nothing
+        scores = scores / sampling.temperature
     if 0 < sampling.top_k < scores.shape[-1]:
         kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -52,7 +54,7 @@ def restrict_to(logits: torch.Tensor, outside: torch.Tensor | None, sampling: Sa
     draw any). A KL estimate on the sampler's tokens is then finite (a truncated reference would give -inf
     to a token the sampler drew outside the reference's own nucleus) and exactly 0 when both models are
     the same."""
-    scaled = logits.float() / sampling.temperature
+    scaled = logits.float() if sampling.temperature == 1.0 else logits.float() / sampling.temperature
     return scaled if outside is None else scaled.masked_fill(outside, float("-inf"))
 
 
@@ -66,8 +68,30 @@ def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action (tokens at -inf, outside
     a top-k / nucleus filter, contribute 0 and no NaN gradient)."""
-    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    return entropy_from_logprobs(F.log_softmax(logits[:, :-1].float(), dim=-1))
+
+
+def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
+    """[..., V] normalized log-probs -> [...] entropy, -sum p log p (tokens at -inf contribute 0)."""
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
+
+
+def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool,
+                         where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(logprobs_from_logits, entropy_from_logits) of [B, T, V] logits from ONE log-softmax over the
+    vocabulary. entropy_grad False: the entropy is for logging only (entropy_coef 0), computed without
+    autograd — the backward pass holds and differentiates nothing the loss does not use — and only at
+    the [B, T-1] actions `where` marks (None: all), 0 elsewhere."""
+    logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    logprobs = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    if entropy_grad:
+        return logprobs, entropy_from_logprobs(logp)
+    with torch.no_grad():
+        if where is None:
+            return logprobs, entropy_from_logprobs(logp.detach())
+        entropy = torch.zeros_like(logprobs, requires_grad=False)
+        entropy[where.bool()] = entropy_from_logprobs(logp.detach()[where.bool()])
+        return logprobs, entropy
 
 
 def policy_loss(

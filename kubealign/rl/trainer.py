@@ -73,6 +73,7 @@ class PPOModels:
     reward: Any  # frozen module or engine
     rollout: Any  # HybridEngineRollout or ModuleRollout
     tokenizer: Any
+    synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
 
 
 def sampling_config(cfg: PPOConfig) -> Any:
@@ -99,11 +100,67 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
     models.actor.eval()
     settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, models.tokenizer)
-    # A diverged actor (nan logits) then samples garbage instead of raising in torch.multinomial on one
-    # rank; its nan log-probs stop the stage in update() on every rank at once. No effect on finite logits.
-    settings.remove_invalid_values = True
-    with merged_lora(models.actor.module), only_settings(models.actor.module, settings):
+    # min_p 0 removes nothing, yet generate() would run its softmax and vocabulary sort every step; None
+    # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
+    settings.min_p = None
+    module = models.actor.module
+    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models):
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
+
+
+class EndedAtEOS:
+    """A stopping criterion: a row is finished once it has sampled EOS (HF generate keeps rows finished),
+    so generate() returns when every row has ended — under synced_gpus when every rank's rows have. The
+    rollout API passes eos_token_id=None (it never stops early) and pads after each row's first EOS
+    itself; the rows are sampled exactly as before, the batch just ends at its longest response."""
+
+    def __init__(self, eos_id: int):
+        self.eos_id = eos_id
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return input_ids[:, -1] == self.eos_id
+
+
+class RepairInvalid:
+    """transformers' InfNanRemoveLogitsProcessor (nan -> 0, +-inf -> the float's max/min), run only when a
+    row has a non-finite value: one reduction per step instead of three full passes. A diverged actor (nan
+    logits) then samples garbage instead of raising in torch.multinomial on one rank; its nan log-probs stop
+    the stage in update() on every rank at once. Finite scores pass untouched (the same samples)."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if bool(torch.isfinite(scores.sum())):
+            return scores
+        from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
+
+        return InfNanRemoveLogitsProcessor()(input_ids, scores)
+
+
+@contextlib.contextmanager
+def rollout_hooks(module: Any, models: PPOModels) -> Iterator[None]:
+    """module.generate — what both the rollout API and ModuleRollout call — with EndedAtEOS, RepairInvalid
+    and synced_gpus added. Under ZeRO-3 on several ranks each decode forward gathers parameters
+    collectively, so every rank must run the same number of forwards: synced_gpus makes generate
+    all-reduce the "this rank is done" flag every step and keep a finished rank running forwards (without
+    sampling) until every rank is done, so all ranks stop at the same step."""
+    from transformers import LogitsProcessorList, StoppingCriteriaList
+
+    generate = module.generate
+    own = "generate" in vars(module)  # e.g. the hybrid engine's wrapper of an injected model
+
+    def hooked(*args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([EndedAtEOS(models.tokenizer.eos_token_id)]))
+        kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid()]))
+        kwargs.setdefault("synced_gpus", models.synced_gpus)
+        return generate(*args, **kwargs)
+
+    module.generate = hooked
+    try:
+        yield
+    finally:
+        if own:
+            module.generate = generate
+        else:
+            del module.generate
 
 
 @contextlib.contextmanager
@@ -148,6 +205,18 @@ def _minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Te
     return [order[i : i + size] for i in range(0, n, size)]
 
 
+def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig):
+    """(PolicyLoss, mean entropy, actor loss) of minibatch idx. The entropy enters autograd only when the
+    loss uses it (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work."""
+    ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
+    use_entropy = cfg.entropy_coef > 0
+    logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
+    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
+    mean_entropy = masked_mean(entropy, resp)
+    actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
+    return pl, mean_entropy, actor_loss
+
+
 def update(
     models: PPOModels,
     exp: Experience,
@@ -164,10 +233,7 @@ def update(
     for _ in range(cfg.ppo_epochs):
         for idx in _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-            logprobs, entropy = policy_logprobs(models.actor, ids, mask, resp, sampling_of(cfg))
-            pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
-            mean_entropy = masked_mean(entropy, resp)
-            actor_loss = pl.loss - cfg.entropy_coef * mean_entropy
+            pl, mean_entropy, actor_loss = actor_objective(models.actor, exp, idx, advantages, cfg)
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm

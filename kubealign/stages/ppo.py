@@ -148,13 +148,14 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
     reward_stage = cfg.actor_zero_stage if cfg.reward_zero_stage is None else cfg.reward_zero_stage
     reference = engines.frozen(reference, ref_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
     reward = engines.frozen(reward, reward_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
+    synced = world > 1 and cfg.actor_zero_stage == 3  # each decode forward gathers parameters collectively
     if check.path == "engine":
-        rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=world > 1 and cfg.actor_zero_stage == 3)
+        rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=synced)
     else:
         from deepspeed.runtime.rollout import HybridEngineRollout, RolloutConfig
 
         rollout = HybridEngineRollout(engine=actor_engine, tokenizer=tokenizer, cfg=RolloutConfig())
-    return PPOModels(actor_engine, critic_engine, reference, reward, rollout, tokenizer), check
+    return PPOModels(actor_engine, critic_engine, reference, reward, rollout, tokenizer, synced), check
 
 
 class EMA:
