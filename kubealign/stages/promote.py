@@ -63,7 +63,7 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.errors import UserError, first_line
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
-from kubealign.tracking import PARENT_RUN_ENV, resolve_uri, stage_run
+from kubealign.tracking import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
 
 STAGE = "promote"
 CHALLENGER, CHAMPION, PREVIOUS = "challenger", "champion", "previous-champion"
@@ -109,18 +109,6 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
         checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
     return all(ok for ok, _ in checks), [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
-
-
-@contextlib.contextmanager
-def registry_http() -> Iterator[None]:
-    """MLflow's HTTP settings (REGISTRY_HTTP) where the environment does not set them, for the duration."""
-    added = [key for key in REGISTRY_HTTP if key not in os.environ]
-    os.environ.update({key: REGISTRY_HTTP[key] for key in added})
-    try:
-        yield
-    finally:
-        for key in added:
-            os.environ.pop(key, None)
 
 
 @contextlib.contextmanager
@@ -393,7 +381,7 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
     try:
-        with registry_http(), stage_run(STAGE, config, output.resolve().parent) as tracker:
+        with http_settings(REGISTRY_HTTP), stage_run(STAGE, config, output.resolve().parent) as tracker:
             try:
                 with registry_errors(tracker.tracking_uri):
                     summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags)
@@ -473,7 +461,7 @@ def rollback(config: KubealignConfig) -> dict[str, Any]:
     if not uri:
         raise UserError("rollback: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry to roll back in")
     name = config.promote.registered_model
-    with registry_http(), registry_errors(uri):
+    with http_settings(REGISTRY_HTTP), registry_errors(uri):
         client = MlflowClient(uri)
         with lease(client, uri, name):
             aliases = recover(client, uri, name)
