@@ -419,9 +419,19 @@ def console() -> None:
     in the same process, and DeepSpeed keeps its groups cached across calls."""
     code = main()
     if "torch.distributed" in sys.modules:  # only commands that trained or evaluated imported it
+        import logging
+
         from kubealign.training import distributed
 
         distributed.shutdown(ok=code == 0)
+        # Even with the group destroyed, a C++ thread (gloo, DeepSpeed's shm comm op) torn down by the
+        # interpreter's exit can still abort a rank ("terminate called without an active exception", seen
+        # once in 4 two-rank runs). Everything the command writes is closed or flushed by now: leave
+        # without the interpreter's teardown.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     sys.exit(code)
 
 

@@ -86,6 +86,13 @@ def atomic_dir(final: Path) -> Iterator[Path]:
         raise
 
 
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
 def _non_empty(directory: Path) -> bool:
     try:
         return any(directory.iterdir())
@@ -97,8 +104,14 @@ def _swap_in(tmp: Path, final: Path) -> None:
     new_stage = output_stage(tmp)
     old = None
     if final.exists():
+        seen = _inode(final)
         owner = output_stage(final)
-        if owner is None and _non_empty(final):
+        foreign = owner is None and _non_empty(final)
+        if _inode(final) != seen:  # another writer swapped it while we looked: what we saw is not one dir
+            raise ConcurrentWriteError(
+                f"--output {final}: another process replaced it at the same time; its output is kept"
+            )
+        if foreign:
             raise UserError(f"--output {final}: now holds files kubealign did not write; left untouched")
         if owner is not None and new_stage is not None and owner != new_stage:
             raise UserError(f"--output {final}: now holds a {owner!r} output; left untouched")
