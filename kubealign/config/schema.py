@@ -143,6 +143,22 @@ class RewardConfig(TrainConfig):
     learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate.")
 
 
+class DPOConfig(TrainConfig):
+    """Direct Preference Optimization (Rafailov et al. 2023) on the phase-2 preference pairs. `model` is the
+    policy to start from, normally the sft stage's output (the DAG passes it); the frozen reference is the
+    same weights (with LoRA: the base with the adapters disabled, no second copy)."""
+
+    model: str = Field("tiny-opt", description="Policy to start from: the SFT output dir (DAG) or a model name.")
+    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
+    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL to the reference.")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="cDPO / robust DPO: assumed probability that a pair's label is flipped."
+    )
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid: DPO eq. 7 (with label smoothing: cDPO); ipo: IPO's squared loss."
+    )
+
+
 class HybridEngineConfig(Section):
     """DeepSpeed's `hybrid_engine` block for the actor (deepspeed.runtime.hybrid_engine)."""
 
@@ -155,6 +171,12 @@ class HybridEngineConfig(Section):
 
 
 class PPOConfig(Section):
+    algorithm: Literal["ppo", "grpo", "rloo"] = Field(
+        "ppo",
+        description="ppo: clipped PPO with a critic and GAE; grpo: critic-free, group-relative advantages over "
+        "samples_per_prompt responses, KL to the reference as a loss term; rloo: critic-free, leave-one-out "
+        "baseline over samples_per_prompt responses. In the DAG, pipeline.algorithm sets it.",
+    )
     actor_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the actor.")
     critic_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the critic.")
     reference_zero_stage: int | None = Field(None, ge=0, le=3, description="None = actor's stage.")
@@ -289,11 +311,23 @@ class KubernetesConfig(Section):
         return self
 
 
+class PipelineConfig(Section):
+    """What the DAG runs (`kubealign run`, compile, submit); the stages run alone ignore it."""
+
+    algorithm: Literal["ppo", "grpo", "rloo", "dpo"] = Field(
+        "ppo",
+        description="The route from SFT to the candidate: ppo, grpo or rloo (the ppo task, with ppo.algorithm set "
+        "to it) or dpo (the dpo task on the phase-2 pairs). Evaluate and promote take that candidate.",
+    )
+
+
 class KubealignConfig(Section):
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
@@ -301,7 +335,7 @@ class KubealignConfig(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:
-        for name in ("sft", "reward"):
+        for name in ("sft", "reward", "dpo"):
             section: TrainConfig = getattr(self, name)
             if section.lora.only_lora and section.lora.r == 0:
                 raise ValueError(f"{name}.lora.only_lora needs {name}.lora.r > 0")
