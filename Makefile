@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test lint format lock lock-tools clean
+.PHONY: demo test images lint format lock lock-tools clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ $(STAMP): $(RUNTIME_STAMP)
 # The embedded default: the whole KFP DAG through kfp.local on the tiny-cpu preset (kubealign run).
 demo: $(RUNTIME_STAMP)
 	$(BIN)/kubealign run --output $(DEMO_DIR)
+
+# The CPU image, built offline from a wheelhouse of the lock (docs/pipeline.md "Images"). Uses $DOCKER_HOST
+# when set, else starts kubealign's private dockerd (root; `kubealign images daemon stop` ends it).
+images: $(RUNTIME_STAMP)
+	@if [ -z "$$DOCKER_HOST" ]; then $(BIN)/kubealign images daemon start; fi
+	$(BIN)/kubealign images build
 
 $(TOOLS_STAMP): $(TOOLS_LOCK)
 	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)

@@ -1,4 +1,4 @@
-"""The six stage components. Each body imports kubealign inside the function: KFP ships only the
+"""The stage components. Each body imports kubealign inside the function: KFP ships only the
 function's source to the pod, where the image provides the package.
 
 Parameters shared by all: `config_json` (the resolved config, canonical JSON) and, per stage, the
@@ -66,6 +66,7 @@ def reward(
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def ppo(
     config_json: str,
+    algorithm: str,
     num_iterations: int,
     prompts: Input[Dataset],
     actor: Input[Model],
@@ -73,11 +74,21 @@ def ppo(
     model: Output[Model],
     metrics: Output[Metrics],
 ):
-    """ppo: PPO with the DeepSpeed Hybrid Engine; torchrun on a multi-GPU pod, a TrainJob on several nodes."""
+    """ppo: PPO, GRPO or RLOO (`algorithm`) with the DeepSpeed Hybrid Engine; torchrun on a multi-GPU pod, a
+    TrainJob on several nodes. GRPO and RLOO use no critic: `critic` is then only the reward model's copy."""
     from kubealign import tasks
 
-    overrides = [f"ppo.num_iterations={num_iterations}"]
+    overrides = [f"ppo.algorithm={algorithm}", f"ppo.num_iterations={num_iterations}"]
     result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path)
+    tasks.to_kfp(result, metrics, model)
+
+
+@dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
+def dpo(config_json: str, data: Input[Dataset], actor: Input[Model], model: Output[Model], metrics: Output[Metrics]):
+    """dpo: Direct Preference Optimization of the SFT model (actor) on the phase-2 pairs, against its frozen copy."""
+    from kubealign import tasks
+
+    result = tasks.train("dpo", config_json, [], data.path, actor.path, model.path)
     tasks.to_kfp(result, metrics, model)
 
 

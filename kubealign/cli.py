@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     for stage, phase, what in (
         ("sft", "phase1_sft", "stage 1: supervised fine-tuning on DeepSpeed (ZeRO 0-3, LoRA)"),
         ("reward", "phase2_reward", "stage 2: reward model (Bradley-Terry) on DeepSpeed (ZeRO 0-3, LoRA)"),
+        ("dpo", "phase2_reward", "the dpo route: DPO from the SFT model on the preference pairs (ZeRO 0-3, LoRA)"),
     ):
         train = sub.add_parser(stage, help=what, description=what)
         _add_config_options(train)
@@ -84,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="SPLIT_DIR",
             help=f"data-split output (or its {phase} dir)",
         )
-        train.add_argument("--model", metavar="NAME_OR_DIR", help=f"model to train (default: {stage}.model)")
+        what_model = "policy to start from, the SFT output dir" if stage == "dpo" else "model to train"
+        train.add_argument("--model", metavar="NAME_OR_DIR", help=f"{what_model} (default: {stage}.model)")
         train.add_argument("--output", required=True, type=Path, metavar="DIR", help="output model directory")
         train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
 
@@ -137,11 +139,38 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
     run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
     run.add_argument(
+        "--runner",
+        choices=["subprocess", "docker"],
+        default="subprocess",
+        help="subprocess (default): each task a process of this Python environment; docker: each task in the "
+        "CPU image (make images) through kfp.local's DockerRunner",
+    )
+    run.add_argument(
         "-v",
         "--verbose",
         action="store_true",
         help="stream every task's output as kfp.local does (default: one line per task; full output in DIR/logs/)",
     )
+
+    images_ = sub.add_parser("images", help="build the container images offline; a private Docker daemon for them")
+    images_sub = images_.add_subparsers(dest="images_command", required=True, metavar="ACTION")
+    build = images_sub.add_parser(
+        "build",
+        help="build an image from a wheelhouse of the lock, with no network inside the build",
+        description="Makes (once per lock) a wheelhouse of the locked dependencies, stages it with the image's "
+        "Dockerfile and builds with --no-index and no network. Uses $DOCKER_HOST, else kubealign's daemon "
+        "(`kubealign images daemon start`), else /var/run/docker.sock.",
+    )
+    build.add_argument("--image", choices=["cpu", "train"], default="cpu", help="which image (default: cpu)")
+    build.add_argument(
+        "--base",
+        default="auto",
+        metavar="auto|bootstrap|IMAGE",
+        help="cpu image base: auto (the Python image if it can be had, else bootstrap), bootstrap (Debian "
+        "bookworm made here with debootstrap) or an image the daemon has",
+    )
+    daemon_ = images_sub.add_parser("daemon", help="start, stop or show kubealign's private dockerd")
+    daemon_.add_argument("action", choices=["start", "stop", "status"])
 
     compile_ = sub.add_parser("compile", help="write the pipeline as KFP IR YAML (for the UI or kfp.Client)")
     _add_pipeline_config(compile_)
@@ -167,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
 
     rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
-    rerun.add_argument("stage", choices=["data-split", "sft", "reward", "ppo", "evaluate", "promote"])
+    rerun.add_argument("stage", choices=["data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote"])
     rerun.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR",
                        help="--output of an earlier `kubealign run`")  # fmt: skip
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -235,6 +264,8 @@ def _train(args: argparse.Namespace) -> None:
 
     if args.command == "sft":
         from kubealign.stages import sft as stage
+    elif args.command == "dpo":
+        from kubealign.stages import dpo as stage
     else:
         from kubealign.stages import reward as stage
     config = load_config(args.config, args.overrides)
@@ -298,7 +329,7 @@ def _run(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     try:
-        index = local.run(config, args.output, caching=args.cache, verbose=args.verbose)
+        index = local.run(config, args.output, caching=args.cache, verbose=args.verbose, runner=args.runner)
     except local.PipelineFailed as exc:
         raise UserError(str(exc)) from None
     print()
@@ -309,6 +340,29 @@ def _run(args: argparse.Namespace) -> None:
     print(f"MLflow: parent run {mlflow['parent_run_id']} in {mlflow['tracking_uri']}")
     if mlflow["tracking_uri"].startswith("sqlite:"):
         print(f"  open the UI: mlflow ui --backend-store-uri {mlflow['tracking_uri']}")
+
+
+def _images(args: argparse.Namespace) -> None:
+    from kubealign.containers import build, daemon
+
+    if args.images_command == "daemon":
+        if args.action == "start":
+            print(f"export DOCKER_HOST={daemon.start()}")
+        elif args.action == "stop":
+            print("stopped" if daemon.stop() else "not running")
+        else:
+            pid, sock = daemon.pid(), daemon.state_dir() / "docker.sock"
+            print(f"running (pid {pid}), DOCKER_HOST=unix://{sock}" if pid else "not running")
+        return
+    client = daemon.client()
+    try:
+        built = build.build(client, args.image, args.base, say=print)
+    finally:
+        client.close()
+    print(
+        f"built {built.image}: {built.size_bytes / 1e9:.2f} GB, Python {built.python}, base {built.base}, "
+        f"{built.seconds:.0f} s"
+    )
 
 
 def _compile(args: argparse.Namespace) -> None:
@@ -382,11 +436,13 @@ COMMANDS = {
     "data-split": _data_split,
     "sft": _train,
     "reward": _train,
+    "dpo": _train,
     "ppo": _ppo,
     "evaluate": _evaluate,
     "promote": _promote,
     "rollback": _rollback,
     "run": _run,
+    "images": _images,
     "compile": _compile,
     "submit": _submit,
     "upload": _upload,

@@ -18,7 +18,9 @@ DEFAULT_REGISTRY = "ghcr.io/kubealign"
 # The bases images/*/Dockerfile build FROM; tests/test_images.py checks them (and the torch, deepspeed and
 # Python versions) against the Dockerfiles and requirements/lock-cpu.txt.
 CUDA_BASE_IMAGE = "pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"
-CPU_BASE_IMAGE = "python:3.11.7-slim-bookworm"
+# Not the slim variant: DeepSpeed on CPU JIT-compiles an op at start-up and needs g++ and the Python headers,
+# which slim lacks and an offline build cannot apt-get.
+CPU_BASE_IMAGE = "python:3.11.7-bookworm"
 
 
 def _registry() -> str:

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
+STAGES = ("data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote")
 
 
-def _headline(stage: str, r: dict[str, Any]) -> str:
+def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
     m = r.get("metrics", {})
     if stage == "data-split":
         prompts = "/".join(str(int(m.get(f"{p}_train_prompts", 0) + m.get(f"{p}_eval_prompts", 0)))
@@ -21,27 +21,36 @@ def _headline(stage: str, r: dict[str, Any]) -> str:
     if stage == "reward":
         return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
     if stage == "ppo":
+        if r.get("algorithm") not in (None, "ppo"):
+            return (f"{r['algorithm']}: eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, "
+                    f"KL {m['kl_after']:.3f}, rollout path {r.get('rollout_path')}")  # fmt: skip
         target = f" (adaptive target {r['kl_target']})" if r.get("kl_target") is not None else ""
         return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}{target}, "
                 f"rollout path {r.get('rollout_path')}")  # fmt: skip
+    if stage == "dpo":
+        nan = float("nan")
+        return (f"eval implicit-reward accuracy {m.get('eval_reward_accuracy', nan):.2f}, "
+                f"margin {m.get('eval_reward_margin', nan):.3f}, KL {m.get('eval_kl', nan):.3f}")  # fmt: skip
     if stage == "evaluate":
-        return "\n".join(evaluate_lines(m))
+        return "\n".join(evaluate_lines(m, label))
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
     return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}"
 
 
-def evaluate_lines(m: dict[str, Any]) -> list[str]:
-    """The evaluation's headline: rewards, win-rate (with its bootstrap lower bound when there is one), KL,
-    and on the synthetic task what its grammar says of the samples."""
+def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
+    """The evaluation's headline (`label`: how the candidate was trained): rewards, win-rate (with its
+    bootstrap lower bound when there is one), KL, and on the synthetic task what its grammar says of the
+    samples."""
     bound = f" (95 % lower bound {m['win_rate_lower_bound']:.2f})" if "win_rate_lower_bound" in m else ""
     lines = [
-        f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} (PPO), "
+        f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} ({label}), "
         f"win-rate {m['win_rate']:.2f}{bound}, ties {m['tie_rate']:.2f}, KL {m['kl_to_baseline']:.3f}"
     ]
     if "candidate_preferred_rate" in m:
         lines.append(
-            f"preferred answers {m['baseline_preferred_rate']:.0%} (SFT) -> {m['candidate_preferred_rate']:.0%} (PPO), "
+            f"preferred answers {m['baseline_preferred_rate']:.0%} (SFT) -> "
+            f"{m['candidate_preferred_rate']:.0%} ({label}), "
             f"well formed {m['baseline_well_formed_rate']:.0%} -> {m['candidate_well_formed_rate']:.0%}"
         )
     return lines
@@ -52,8 +61,11 @@ def summarize(run_dir: Path) -> list[str]:
     lines = [f"{'stage':<11}{'time':>8}  result"]
     index = run_dir / "run.json"
     dirs = {stage: run_dir / stage for stage in STAGES}
+    label = "PPO"
     if index.is_file():
-        dirs.update({k: Path(v["dir"]) for k, v in json.loads(index.read_text(encoding="utf-8"))["stages"].items()})
+        indexed = json.loads(index.read_text(encoding="utf-8"))
+        dirs.update({k: Path(v["dir"]) for k, v in indexed["stages"].items()})
+        label = str(indexed.get("algorithm", "ppo")).upper()
     for stage in STAGES:
         path = dirs[stage] / "result.json"
         if not path.is_file():
@@ -61,7 +73,7 @@ def summarize(run_dir: Path) -> list[str]:
         result = json.loads(path.read_text(encoding="utf-8"))
         seconds = result.get("metrics", {}).get("wall_time_s", result.get("wall_time_s"))
         shown = f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
-        first, *more = _headline(stage, result).split("\n")
+        first, *more = _headline(stage, result, label).split("\n")
         lines.append(f"{stage:<11}{shown:>8}  {first}")
         lines += [f"{'':<19}  {line}" for line in more]
     return lines

@@ -67,7 +67,8 @@ def data_split(config_json: str, overrides: list[str], output: str) -> dict[str,
 
 
 def train(stage_name: str, config_json: str, overrides: list[str], data: str, model: str, output: str) -> dict:
-    """sft or reward: in-process on <= 1 GPU, under torchrun on a multi-GPU pod."""
+    """sft, reward or dpo (model: the SFT output dir to start from): in-process on <= 1 GPU, under torchrun on a
+    multi-GPU pod."""
     config = load(config_json, overrides)
     nproc = device_count()
     if nproc > 1:
@@ -77,8 +78,10 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
         from kubealign.stages import sft as stage
     elif stage_name == "reward":
         from kubealign.stages import reward as stage
+    elif stage_name == "dpo":
+        from kubealign.stages import dpo as stage
     else:
-        raise UserError(f"unknown training stage {stage_name!r} (expected sft or reward)")
+        raise UserError(f"unknown training stage {stage_name!r} (expected sft, reward or dpo)")
     return stage.run(config, Path(data), model or None, Path(output))
 
 

@@ -12,6 +12,13 @@ for one run and puts them back after:
 * execute_single_task: which task is current; when it returns, whether it ran, was cached or failed;
 * run_local_subprocess: the same subprocess, its output written to LOG_DIR/<task>.log (and echoed, as
   kfp.local does, when verbose), the last tqdm progress it printed passed to the display.
+* docker_task_handler.run_docker_container (DockerRunner): the same for a container, which is never
+  pulled (an image missing from the daemon is an error naming it) and removed only after its exit code
+  is read — kfp.local's own auto-removes it and reports a container gone before `wait` as a success.
+* OrchestratorUtils.get_dag_output_artifacts: kfp.local resolves a `dsl.OneOf` of parameters but
+  raises on a `dsl.OneOf` of artifacts ("Expected 1 artifact in ArtifactSelectorSpec"), which the DAG's
+  algorithm branches use; the replacement takes the one branch that produced the artifact, as kfp.local
+  already does for parameters and as the KFP backend does.
 
 tests/test_run_output.py fails if kfp changes either seam (names, parameters, or how they are called).
 """
@@ -107,6 +114,38 @@ class Capture:
             record.returncode = process.wait()
         return record.returncode
 
+    def run_docker_container(
+        self, client: Any, image: str, command: list[str], volumes: dict[str, Any], **run_args: Any
+    ) -> int:
+        """kfp.local's run_docker_container, with the output going to the task's log."""
+        import docker
+
+        record = self._current or TaskRecord("task")
+        first = record.log is None
+        record.log = self.log_dir / f"{record.name}.log"
+        self._show(record.name, status=RUNNING, log=record.log)
+        try:
+            client.images.get(image)
+        except docker.errors.ImageNotFound:
+            with record.log.open("w" if first else "a", encoding="utf-8") as log:
+                log.write(f"ERROR: image {image} is not on the Docker daemon: build it with `make images`\n")
+            record.returncode = 125  # docker run's own code for "the container could not be created"
+            return record.returncode
+        run_args.pop("auto_remove", None)
+        container = client.containers.run(image=image, command=command, volumes=volumes, detach=True, **run_args)
+        lines = Lines()
+        try:
+            with record.log.open("w" if first else "a", encoding="utf-8", buffering=1) as log:
+                for chunk in container.logs(stream=True, follow=True):
+                    for line in lines.feed(chunk):
+                        self._line(record.name, line, log)
+                for line in lines.close():
+                    self._line(record.name, line, log)
+            record.returncode = int(container.wait()["StatusCode"])
+        finally:
+            container.remove(force=True)
+        return record.returncode
+
     def _line(self, name: str, line: str, log: Any) -> None:
         log.write(line + "\n")
         if self.echo:
@@ -129,21 +168,44 @@ class Capture:
 @contextlib.contextmanager
 def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capture]:
     """Route kfp.local's task lifecycle and task output through a Capture for the block."""
-    from kfp.local import subprocess_task_handler
-    from kfp.local.orchestrator import task_executor
+    from kfp.local import docker_task_handler, subprocess_task_handler
+    from kfp.local.orchestrator import orchestrator_utils, task_executor
 
     log_dir.mkdir(parents=True, exist_ok=True)
     cap = Capture(log_dir, display, echo)
+    utils = orchestrator_utils.OrchestratorUtils
     original_execute = task_executor.execute_single_task
     original_run = subprocess_task_handler.run_local_subprocess
+    original_docker = docker_task_handler.run_docker_container
+    original_dag_artifacts = utils.__dict__["get_dag_output_artifacts"]
 
     def execute_single_task(*args: Any, **kwargs: Any) -> Any:
         return cap.execute_single_task(original_execute, *args, **kwargs)
 
     task_executor.execute_single_task = execute_single_task
     subprocess_task_handler.run_local_subprocess = cap.run_local_subprocess
+    docker_task_handler.run_docker_container = cap.run_docker_container
+    utils.get_dag_output_artifacts = classmethod(dag_output_artifacts)
     try:
         yield cap
     finally:
         task_executor.execute_single_task = original_execute
         subprocess_task_handler.run_local_subprocess = original_run
+        docker_task_handler.run_docker_container = original_docker
+        utils.get_dag_output_artifacts = original_dag_artifacts
+
+
+def dag_output_artifacts(cls: Any, dag_outputs_spec: Any, io_store: Any) -> dict[str, Any]:
+    """A DAG's output artifacts, each from the one selector whose producer ran (dsl.OneOf: one branch)."""
+    outputs = {}
+    for key, spec in dag_outputs_spec.artifacts.items():
+        found = []
+        for selector in spec.artifact_selectors:
+            try:
+                found.append(io_store.get_task_output(selector.producer_subtask, selector.output_artifact_key))
+            except (KeyError, ValueError):  # that branch did not run
+                continue
+        if len(found) != 1:
+            raise ValueError(f"DAG output {key!r}: {len(found)} of its branches produced it, expected exactly one")
+        outputs[key] = found[0]
+    return outputs

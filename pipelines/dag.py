@@ -1,4 +1,9 @@
-"""The kubealign DAG: data-split -> sft || reward -> ppo -> evaluate -> promote.
+"""The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote.
+
+The pipeline parameter `algorithm` (default: the config's pipeline.algorithm) picks the route with KFP
+conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
+to it; `dpo` runs the dpo task on the phase-2 pairs from the SFT model. Evaluate and promote take the one
+candidate the route produced (dsl.OneOf), and promote tags the registered version with its algorithm.
 
 `build(config)` returns the @dsl.pipeline function for one resolved config. The config becomes the
 pipeline parameter `config_json` (editable in the Kubeflow UI), next to the common knobs:
@@ -8,6 +13,7 @@ pipeline parameter `config_json` (editable in the Kubeflow UI), next to the comm
 | config_json          | the whole config        | all                           |
 | sft_model            | sft.model               | sft                           |
 | reward_model         | reward.model            | reward                        |
+| algorithm            | pipeline.algorithm      | which of ppo / dpo runs; ppo.algorithm |
 | ppo_num_iterations   | ppo.num_iterations      | ppo                           |
 | data_fingerprint     | (sources' content hash) | data_split (cache key only)   |
 | sft_model_fingerprint / reward_model_fingerprint | (base models' hashes) | sft / reward (cache key only) |
@@ -37,12 +43,13 @@ PIPELINE_NAME = "kubealign-rlhf"
 
 
 class Outputs(NamedTuple):
-    """What a pipeline run returns: each stage's output directory (kfp.local hands them to `kubealign run`)."""
+    """What a pipeline run returns: each stage's output directory (kfp.local hands them to `kubealign run`);
+    `candidate` is the ppo task's or the dpo task's model, whichever the route ran."""
 
     data_split: Dataset
     sft: Model
     reward: Model
-    ppo: Model
+    candidate: Model
     evaluate: Artifact
     promote: Artifact
 
@@ -97,6 +104,7 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     )
     def kubealign_pipeline(
         config_json: str = defaults["config_json"],
+        algorithm: str = config.pipeline.algorithm,
         sft_model: str = config.sft.model,
         reward_model: str = config.reward.model,
         ppo_num_iterations: int = config.ppo.num_iterations,
@@ -118,24 +126,30 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             data=dataset,
         )
         place(reward, "reward model", k8s.reward_gpus, train, training=True)
-        ppo = stages.ppo(
-            config_json=config_json,
-            num_iterations=ppo_num_iterations,
-            prompts=dataset,
-            actor=sft.outputs["model"],
-            critic=reward.outputs["model"],
-        )
-        place(ppo, "PPO (hybrid engine)", k8s.ppo_gpus, train, training=True)
+        with dsl.If(algorithm == "dpo", name="dpo route"):
+            dpo = stages.dpo(config_json=config_json, data=dataset, actor=sft.outputs["model"])
+            place(dpo, "DPO", k8s.sft_gpus, train, training=True)
+        with dsl.Else(name="rl route"):
+            ppo = stages.ppo(
+                config_json=config_json,
+                algorithm=algorithm,
+                num_iterations=ppo_num_iterations,
+                prompts=dataset,
+                actor=sft.outputs["model"],
+                critic=reward.outputs["model"],
+            )
+            place(ppo, "PPO / GRPO / RLOO (hybrid engine)", k8s.ppo_gpus, train, training=True)
+        candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
         evaluation = stages.evaluate(
             config_json=config_json,
             prompts=dataset,
             baseline=sft.outputs["model"],
-            candidate=ppo.outputs["model"],
+            candidate=candidate,
             reward_model=reward.outputs["model"],
         )
         place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
         promote = stages.promote(
-            config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=ppo.outputs["model"]
+            config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
         place(promote, "promote (MLflow registry)", 0, cpu, training=False)
         # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
@@ -145,7 +159,7 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             data_split=dataset,
             sft=sft.outputs["model"],
             reward=reward.outputs["model"],
-            ppo=ppo.outputs["model"],
+            candidate=candidate,
             evaluate=evaluation.outputs["evaluation"],
             promote=promote.outputs["promotion"],
         )

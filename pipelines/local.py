@@ -41,6 +41,17 @@ INDEX_FILE = "run.json"
 LOGS_DIR = "logs"
 KFP_LOG = "kfp-local.log"
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
+CANDIDATE = "candidate"  # the DAG output holding the route's model (dag.Outputs)
+
+
+def candidate_stage(algorithm: str) -> str:
+    """The task that makes the candidate: dpo for the dpo route, ppo for ppo, grpo and rloo."""
+    return "dpo" if algorithm == "dpo" else "ppo"
+
+
+def stages_for(algorithm: str) -> tuple[str, ...]:
+    """The tasks a run of the DAG executes for `algorithm`, in DAG order."""
+    return tuple(candidate_stage(algorithm) if stage == "ppo" else stage for stage in STAGES)
 
 
 @contextlib.contextmanager
@@ -131,11 +142,21 @@ def check_run_output(output: Path) -> None:
         )
 
 
+RUNNERS = ("subprocess", "docker")
+
+
 def run(
-    config: KubealignConfig, output: Path, caching: bool = False, verbose: bool = False, stream: TextIO | None = None
+    config: KubealignConfig,
+    output: Path,
+    caching: bool = False,
+    verbose: bool = False,
+    stream: TextIO | None = None,
+    runner: str = "subprocess",
 ) -> dict[str, Any]:
     """Run the DAG locally into OUTPUT; returns the run index (also written to OUTPUT/run.json).
-    Progress goes to `stream` (default: stdout) unless verbose, which streams every task's output."""
+    Progress goes to `stream` (default: stdout) unless verbose, which streams every task's output.
+    runner: subprocess (tasks in this Python environment) or docker (each task in the CPU image through
+    kfp.local's DockerRunner: kubealign.containers.runner)."""
     from kfp import local
 
     from kubealign.pipelines.capture import capture
@@ -144,27 +165,42 @@ def run(
 
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: the pipeline ends by promoting into the MLflow registry")
+    if runner not in RUNNERS:
+        raise UserError(f"--runner {runner}: choose one of {', '.join(RUNNERS)}")
     output = output.resolve()
     check_run_output(output)
-    pipeline_root = output / "kfp"
+    # docker: kfp.local mounts only the pipeline root into the containers, and the tasks need the MLflow
+    # store beside it: the whole OUTPUT is the root there.
+    pipeline_root = output / "kfp" if runner == "subprocess" else output
     pipeline_root.mkdir(parents=True, exist_ok=True)
     logs = output / LOGS_DIR
     logs.mkdir(exist_ok=True)
-    display = None if verbose else Display(stream or sys.stdout, list(STAGES))
+    route = stages_for(config.pipeline.algorithm)
+    display = None if verbose else Display(stream or sys.stdout, list(route))
     with quiet_parent(logs, verbose):
         client, uri, experiment_id, parent = parent_run(config, output)
     # A task is a job of its own: rendezvous settings of the process that runs `kubealign run` (torchrun,
     # or one whose in-process stage set them) must not reach the tasks, or they all bind its MASTER_PORT.
     env: dict[str, str | None] = dict.fromkeys(RENDEZVOUS_ENV)
     env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent})
+    if runner == "docker":
+        from kubealign.containers.runner import prepare
+
+        config, task_runner, docker_host = prepare(config, output, env)
+        env["DOCKER_HOST"] = docker_host  # kfp.local's handler connects with docker.from_env()
+        # the containers see only OUTPUT: a cache entry pointing into another run's output is of no use
+        task_cache = output / "kfp-cache"
+    else:
+        task_runner = local.SubprocessRunner(use_venv=False)
+        # one cache for every run on this machine, like KFP's own: a run into another --output still
+        # reuses tasks whose inputs are unchanged (entries whose artifacts were deleted are misses)
+        task_cache = cache_root() / "kfp-local"
     local.init(
-        runner=local.SubprocessRunner(use_venv=False),
+        runner=task_runner,
         pipeline_root=str(pipeline_root),
         raise_on_error=False,
         enable_caching=caching,
-        # one cache for every run on this machine, like KFP's own: a run into another --output still
-        # reuses tasks whose inputs are unchanged (entries whose artifacts were deleted are misses)
-        cache_root=str(cache_root() / "kfp-local"),
+        cache_root=str(task_cache),
     )
     started = time.perf_counter()
     with (
@@ -182,13 +218,21 @@ def run(
     wall = time.perf_counter() - started
     # cached tasks point into the run that computed them: take the directories from the outputs
     stages = {}
-    for stage in STAGES:
-        artifact = outputs.get(stage.replace("-", "_"))
+    for stage in route:
+        key = CANDIDATE if stage == candidate_stage(config.pipeline.algorithm) else stage.replace("-", "_")
+        artifact = outputs.get(key)
         if artifact is not None and (Path(artifact.path) / "result.json").is_file():
             stages[stage] = Path(artifact.path)
-    ok = len(stages) == len(STAGES)
+    ok = len(stages) == len(route)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
-    extra = {"config_json": config_to_json(config), "wall_time_s": wall, "succeeded": ok, "mlflow": mlflow}
+    extra = {
+        "config_json": config_to_json(config),
+        "wall_time_s": wall,
+        "succeeded": ok,
+        "mlflow": mlflow,
+        "runner": runner,
+        "algorithm": config.pipeline.algorithm,
+    }
     index = write_index(output, stages, extra)
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")

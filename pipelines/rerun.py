@@ -18,55 +18,74 @@ from kubealign import tasks
 from kubealign.config import config_from_json, config_to_json
 from kubealign.errors import UserError
 from kubealign.outputs import tree_sha256
-from kubealign.pipelines.local import STAGES, parent_run, read_index, scoped_environ, write_index
+from kubealign.pipelines.local import (
+    STAGES,
+    candidate_stage,
+    parent_run,
+    read_index,
+    scoped_environ,
+    stages_for,
+    write_index,
+)
 from kubealign.tracking import PARENT_RUN_ENV
 
-# stage -> the stages whose outputs it reads, in the DAG
+# stage -> the stages whose outputs it reads, in the DAG ("candidate": ppo or dpo, whichever the route ran)
 UPSTREAM = {
     "data-split": (),
     "sft": ("data-split",),
     "reward": ("data-split",),
     "ppo": ("data-split", "sft", "reward"),
-    "evaluate": ("data-split", "sft", "reward", "ppo"),
-    "promote": ("evaluate", "ppo"),
+    "dpo": ("data-split", "sft"),
+    "evaluate": ("data-split", "sft", "reward", "candidate"),
+    "promote": ("evaluate", "candidate"),
 }
 
 
-def downstream_of(stage: str) -> list[str]:
+def upstream(stage: str, route: tuple[str, ...]) -> tuple[str, ...]:
+    candidate = next(s for s in route if s in ("ppo", "dpo"))
+    return tuple(candidate if up == "candidate" else up for up in UPSTREAM[stage])
+
+
+def downstream_of(stage: str, route: tuple[str, ...] = STAGES) -> list[str]:
     """Every stage that reads `stage`'s output, directly or not, in DAG order."""
     found = {stage}
-    for candidate in STAGES:
-        if any(up in found for up in UPSTREAM[candidate]):
+    for candidate in route:
+        if any(up in found for up in upstream(candidate, route)):
             found.add(candidate)
-    return [s for s in STAGES if s in found and s != stage]
+    return [s for s in route if s in found and s != stage]
 
 
-def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path) -> dict[str, Any]:
+def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, candidate: str) -> dict[str, Any]:
     d = {name: str(path) for name, path in dirs.items()}
     if stage == "data-split":
         return tasks.data_split(config_json, [], str(out))
     if stage in ("sft", "reward"):
         return tasks.train(stage, config_json, [], d["data-split"], "", str(out))
+    if stage == "dpo":
+        return tasks.train("dpo", config_json, [], d["data-split"], d["sft"], str(out))
     if stage == "ppo":
         return tasks.ppo(config_json, [], d["data-split"], d["sft"], d["reward"], str(out))
     if stage == "evaluate":
-        return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d["ppo"], d["reward"], str(out))
-    return tasks.promote(config_json, [], d["evaluate"], d["ppo"], str(out))
+        return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], d["reward"], str(out))
+    return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
 def rerun(
     stage: str, run: Path, overrides: list[str], downstream: bool = False, output: Path | None = None
 ) -> dict[str, Any]:
     """Rerun `stage` (plus its downstream stages) from RUN's artifacts into OUTPUT; returns the new index."""
-    if stage not in STAGES:
-        raise UserError(f"rerun: unknown stage {stage!r}; one of {', '.join(STAGES)}")
     index = read_index(run)
     if "config_json" not in index:
         raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
     config = config_from_json(index["config_json"], overrides)
-    todo = [stage, *downstream_of(stage)] if downstream else [stage]
+    route = stages_for(config.pipeline.algorithm)
+    if stage not in route:
+        raise UserError(
+            f"rerun: {stage!r} is not a stage of this run ({config.pipeline.algorithm}: {', '.join(route)})"
+        )
+    todo = [stage, *downstream_of(stage, route)] if downstream else [stage]
     dirs: dict[str, Path] = {}
-    for name in {up for s in todo for up in UPSTREAM[s]} - set(todo):
+    for name in {up for s in todo for up in upstream(s, route)} - set(todo):
         entry = index["stages"].get(name)
         if entry is None:
             raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {stage} needs")
@@ -85,7 +104,7 @@ def rerun(
     try:
         with scoped_environ(env):
             for name in todo:
-                _run_stage(name, config_json, dirs, output / name)
+                _run_stage(name, config_json, dirs, output / name, candidate_stage(config.pipeline.algorithm))
                 dirs[name] = output / name
         status = "FINISHED"
     finally:

@@ -61,9 +61,20 @@ def test_pinned_versions_match_the_lock() -> None:
         assert pinned["VERSION"] == __version__, name
     assert args(DOCKERFILES["train"])["DEEPSPEED_VERSION"] == locked["deepspeed"]
     assert args(DOCKERFILES["cpu"])["DEEPSPEED_VERSION"] == locked["deepspeed"]
-    python = args(DOCKERFILES["cpu"])["PYTHON_VERSION"]
+    python = re.fullmatch(r"python:([\d.]+)-bookworm", args(DOCKERFILES["cpu"])["BASE_IMAGE"]).group(1)
     header = (REPO / "requirements" / "lock-cpu.txt").read_text(encoding="utf-8").splitlines()[0]
     assert f"Python {'.'.join(python.split('.')[:2])}" in header  # the lock was resolved for this Python
+
+
+def test_both_images_install_through_the_one_offline_step() -> None:
+    for name, dockerfile in DOCKERFILES.items():
+        text = dockerfile.read_text(encoding="utf-8")
+        assert f"RUN sh /tmp/context/install.sh deps {name}\n" in text, name
+        assert "RUN sh /tmp/context/install.sh kubealign" in text, name
+        assert "pip install" not in text and "pip wheel" not in text, name  # only install.sh installs
+    script = (REPO / "images" / "install.sh").read_text(encoding="utf-8")
+    pip_lines = [line for line in script.splitlines() if "$pip install" in line or "$pip wheel" in line]
+    assert len(pip_lines) == 4 and all("--no-index" in line for line in pip_lines)
 
 
 def test_base_images_are_the_ones_kubealign_names() -> None:

@@ -40,27 +40,64 @@ def compiled(
     }
 
 
-def test_six_tasks_with_their_edges(tmp_path: Path) -> None:
+def test_tasks_routes_and_edges(tmp_path: Path) -> None:
     spec, _ = compiled(tmp_path, [])
     tasks = spec.root.dag.tasks
-    assert set(tasks) == {"data-split", "sft", "reward", "ppo", "evaluate", "promote"}
+    assert set(tasks) == {"data-split", "sft", "reward", "condition-branches-1", "evaluate", "promote"}
 
-    def producers(task: str) -> set[str]:
-        inputs = tasks[task].inputs.artifacts.values()
-        return {a.task_output_artifact.producer_task for a in inputs}
+    def producers(task: str, dag=spec.root.dag) -> set[str]:
+        inputs = dag.tasks[task].inputs.artifacts.values()
+        return {a.task_output_artifact.producer_task or a.component_input_artifact for a in inputs}
 
     assert producers("sft") == producers("reward") == {"data-split"}  # sft || reward
-    assert producers("ppo") == {"data-split", "sft", "reward"}
-    assert producers("evaluate") == {"data-split", "sft", "reward", "ppo"}
-    assert producers("promote") == {"evaluate", "ppo"}
-    assert tasks["ppo"].task_info.name == "PPO (hybrid engine)"
+    assert producers("condition-branches-1") == {"data-split", "sft", "reward"}
+    assert producers("evaluate") == {"data-split", "sft", "reward", "condition-branches-1"}
+    assert producers("promote") == {"evaluate", "condition-branches-1"}
+    # the two routes: dpo when algorithm == 'dpo', else the ppo task (ppo, grpo, rloo)
+    components = spec.components
+    branches = components["comp-condition-branches-1"].dag.tasks
+    conditions = {t.component_ref.name: t.trigger_policy.condition for t in branches.values()}
+    dpo_when = "inputs.parameter_values['pipelinechannel--algorithm'] == 'dpo'"
+    assert conditions == {"comp-condition-2": dpo_when, "comp-condition-3": f"!({dpo_when})"}
+    assert set(components["comp-condition-2"].dag.tasks) == {"dpo"}
+    assert set(components["comp-condition-3"].dag.tasks) == {"ppo"}
+    # evaluate and promote take the one candidate the route made (dsl.OneOf over both branches)
+    oneof = components["comp-condition-branches-1"].dag.outputs.artifacts[
+        "pipelinechannel--condition-branches-1-oneof-1"
+    ]
+    assert [(s.producer_subtask, s.output_artifact_key) for s in oneof.artifact_selectors] == [
+        ("condition-2", "pipelinechannel--dpo-model"),
+        ("condition-3", "pipelinechannel--ppo-model"),
+    ]
+    for consumer in ("evaluate", "promote"):
+        candidate = tasks[consumer].inputs.artifacts["candidate"].task_output_artifact
+        assert (candidate.producer_task, candidate.output_artifact_key) == (
+            "condition-branches-1",
+            "pipelinechannel--condition-branches-1-oneof-1",
+        )
+    ppo = components["comp-condition-3"].dag.tasks["ppo"]
+    assert ppo.task_info.name == "PPO / GRPO / RLOO (hybrid engine)"
+    assert ppo.inputs.parameters["algorithm"].component_input_parameter == "pipelinechannel--algorithm"
     # the pipeline parameters and their defaults: the resolved config and the common knobs
     params = spec.root.input_definitions.parameters
-    assert set(params) >= {"config_json", "sft_model", "reward_model", "ppo_num_iterations", "data_fingerprint"}
+    assert set(params) >= {
+        "config_json",
+        "algorithm",
+        "sft_model",
+        "reward_model",
+        "ppo_num_iterations",
+        "data_fingerprint",
+    }
+    assert params["algorithm"].default_value.string_value == "ppo"
     assert params["ppo_num_iterations"].default_value.number_value == 30  # tiny-cpu's ppo.num_iterations
     # promote always re-checks the registry; the other tasks may be served from KFP's cache
     assert not tasks["promote"].caching_options.enable_cache
     assert tasks["sft"].caching_options.enable_cache
+
+
+def test_the_algorithm_parameter_defaults_to_the_config(tmp_path: Path) -> None:
+    spec, _ = compiled(tmp_path, ["pipeline.algorithm=grpo"])
+    assert spec.root.input_definitions.parameters["algorithm"].default_value.string_value == "grpo"
 
 
 def test_gpus_shm_secrets_pvc_and_placement_are_set_in_the_pipeline(tmp_path: Path) -> None:

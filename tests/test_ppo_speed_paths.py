@@ -71,7 +71,7 @@ def test_entropy_coef_zero_gives_bit_identical_loss_and_gradients_and_the_same_l
     idx = torch.tensor([2, 0, 1])
     old_loss, old_entropy = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    _, entropy, loss = trainer.actor_objective(actor, exp, idx, advantages, cfg)
+    _, entropy, loss, _ = trainer.actor_objective(actor, exp, idx, advantages, cfg)
     assert not entropy.requires_grad  # logged only: nothing of it in the backward graph
     assert torch.equal(loss, old_loss)
     assert torch.equal(grad_of(actor, loss), old_grad)
@@ -89,12 +89,12 @@ def test_a_positive_entropy_coef_puts_the_entropy_in_the_gradient():
     cfg = PPOConfig(entropy_coef=0.1)
     old_loss, _ = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    pl, entropy, loss = trainer.actor_objective(actor, exp, idx, advantages, cfg)
+    pl, entropy, loss, _ = trainer.actor_objective(actor, exp, idx, advantages, cfg)
     assert entropy.requires_grad
     assert loss.item() == pytest.approx((pl.loss - 0.1 * entropy).item())
     new_grad = grad_of(actor, loss)
     assert torch.allclose(new_grad, old_grad, atol=1e-7)
-    _, _, without = trainer.actor_objective(actor, exp, idx, advantages, PPOConfig())
+    _, _, without, _ = trainer.actor_objective(actor, exp, idx, advantages, PPOConfig())
     assert not torch.allclose(grad_of(actor, without), new_grad, atol=1e-4)  # the entropy term is in it
 
 

@@ -155,8 +155,29 @@ class DPOConfig(TrainConfig):
         0.0, ge=0, lt=0.5, description="cDPO / robust DPO: assumed probability that a pair's label is flipped."
     )
     loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="sigmoid: DPO eq. 7 (with label smoothing: cDPO); ipo: IPO's squared loss."
+        "sigmoid",
+        description="sigmoid: DPO eq. 7 on summed response log-probs (with label smoothing: cDPO); ipo: IPO's "
+        "squared loss (h - 1/(2 beta))^2 on per-token mean log-probs (TRL's convention).",
     )
+    rpo_alpha: float = Field(
+        0.0,
+        ge=0,
+        description="RPO (Pang et al. 2024; TRL's rpo_alpha): add this x the policy's mean NLL per chosen-response "
+        "token to the loss; 0 = plain DPO.",
+    )
+
+    @model_validator(mode="after")
+    def _check_dpo(self) -> DPOConfig:
+        # With LoRA the reference is this very model with its adapters disabled: the base weights must not
+        # train, or the reference would move with the policy.
+        if self.lora.r > 0 and not self.lora.only_lora:
+            raise ValueError(
+                "lora.r > 0 makes the reference the base model with the adapters disabled, so the base must stay "
+                "frozen: set lora.only_lora: true (or lora.r: 0 for a full fine-tune with a frozen copy)"
+            )
+        if self.loss_type == "ipo" and self.label_smoothing > 0:
+            raise ValueError("label_smoothing applies to loss_type sigmoid (cDPO) only, not ipo")
+        return self
 
 
 class HybridEngineConfig(Section):
@@ -192,7 +213,12 @@ class PPOConfig(Section):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig, description="Actor HE.")
     generation_batch_size: int = Field(8, ge=1, description="Prompts per device per rollout.")
     micro_batch_size: int = Field(8, ge=1, description="Samples per device per PPO micro-step.")
-    samples_per_prompt: int = Field(1, ge=1, description="Responses sampled per prompt.")
+    samples_per_prompt: int | None = Field(
+        None,
+        ge=1,
+        description="Responses sampled per prompt, kept together as one group (grpo / rloo compare them with "
+        "each other; they need >= 2); None = 1 for ppo, 4 for grpo and rloo.",
+    )
     max_prompt_len: int = Field(64, ge=1, description="Prompt cap (left-truncated), tokens.")
     max_new_tokens: int = Field(32, ge=1, description="Response cap, tokens.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
@@ -200,7 +226,13 @@ class PPOConfig(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
     num_iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
-    kl_coef: float = Field(0.1, ge=0, description="beta: per-token KL penalty coefficient.")
+    kl_coef: float = Field(
+        0.1,
+        ge=0,
+        description="beta, the KL-to-reference coefficient (the initial one when kl_target is set). ppo: per-token "
+        "penalty -beta * (log pi - log pi_ref) in the reward; rloo: the same penalty summed over the response, "
+        "subtracted from the sequence reward; grpo: coefficient of the k3 KL loss term (mean per response token).",
+    )
     kl_target: float | None = Field(None, gt=0, description="Adaptive KL target, nats; None = fixed beta.")
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, samples.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
@@ -208,7 +240,9 @@ class PPOConfig(Section):
     cliprange: float = Field(0.2, gt=0, description="Policy ratio clip epsilon.")
     cliprange_value: float = Field(0.2, gt=0, description="Value clip epsilon.")
     reward_clip: float = Field(5.0, gt=0, description="Reward score clipped to [-c, c].")
-    whiten_advantages: bool = Field(True, description="Normalize advantages per batch.")
+    whiten_advantages: bool = Field(
+        True, description="ppo only: normalize advantages per batch (grpo normalizes within each group, rloo not)."
+    )
     entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
     unsup_coef: float = Field(0.0, ge=0, description="Unsupervised LM loss coefficient (phase-1 data).")
     ema_coef: float | None = Field(None, gt=0, lt=1, description="Actor EMA decay; None disables EMA.")
@@ -216,6 +250,24 @@ class PPOConfig(Section):
     save_every_iterations: int = Field(0, ge=0, description="Checkpoint every N iterations; 0 = never.")
     sample_every_iterations: int = Field(5, ge=0, description="Log sample responses every N iterations.")
     seed: int = Field(1234, description="Seed of sampling and data order.")
+
+    @property
+    def group_size(self) -> int:
+        """samples_per_prompt resolved: the responses per prompt (GRPO's / RLOO's group). None stays None in
+        the config (so a resolved config dumped for the DAG and given --set ppo.algorithm=grpo still gets
+        grpo's default) and is resolved here, where it is used."""
+        if self.samples_per_prompt is not None:
+            return self.samples_per_prompt
+        return 1 if self.algorithm == "ppo" else 4
+
+    @model_validator(mode="after")
+    def _check_groups(self) -> PPOConfig:
+        if self.algorithm != "ppo" and self.group_size < 2:
+            raise ValueError(
+                f"ppo.algorithm {self.algorithm} needs ppo.samples_per_prompt >= 2 (got {self.group_size}): "
+                "a group of one response has no baseline to compare it with"
+            )
+        return self
 
 
 class EvaluateConfig(Section):

@@ -1,6 +1,10 @@
-"""Per-token rewards with a KL penalty, GAE advantages and returns, whitening.
+"""Per-token rewards with a KL penalty, GAE advantages and returns, whitening; and the critic-free
+outcome advantages of GRPO and RLOO, computed within groups of responses to the same prompt.
 
-Shapes: B = batch, A = action positions (sequence length - 1); see kubealign.rl.
+Shapes: B = batch, A = action positions (sequence length - 1); see kubealign.rl. For GRPO / RLOO the batch
+is N = G * k responses, G prompts with k samples each, a prompt's k samples CONTIGUOUS (rows g*k .. g*k+k-1),
+the order in which the rollout repeats each prompt (repeat_interleave, as HF generate's
+num_return_sequences does).
 """
 
 from __future__ import annotations
@@ -92,3 +96,64 @@ def gae(
         next_value = torch.where(mask[:, t] > 0, values[:, t], torch.zeros_like(next_value))
         next_advantage = torch.where(mask[:, t] > 0, current, torch.zeros_like(next_advantage))
     return Advantages(advantages, (advantages + values) * mask)
+
+
+# GRPO's std in the denominator: + eps keeps a group whose rewards are all equal at advantage 0 (its
+# numerator is exactly 0) instead of 0/0. 1e-4 is TRL's GRPOTrainer value.
+GRPO_EPS = 1e-4
+
+
+class SequenceRewards(NamedTuple):
+    rewards: torch.Tensor  # [B] one reward per response: clipped score - beta * summed KL
+    kl: torch.Tensor  # [B, A] per-token KL estimate logprobs - ref_logprobs (0 outside the response)
+
+
+def grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G * k] -> [G, k]: row g holds the k contiguous responses of prompt g."""
+    if group_size < 1 or x.shape[0] % group_size:
+        raise ValueError(f"{x.shape[0]} responses do not make groups of {group_size}")
+    return x.reshape(-1, group_size)
+
+
+def sequence_rewards(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    reward_clip: float,
+) -> SequenceRewards:
+    """R = clip(score, -c, c) - beta * sum_t (log pi(a_t) - log pi_ref(a_t)) over the response: the KL
+    penalty of kl_penalized_rewards summed into one outcome reward, as TRL's RLOOTrainer folds it in
+    (Ahmadian et al. 2024 sec. 3). GRPO passes kl_coef 0: its KL is a loss term (kl.k3)."""
+    kl = torch.where(response_mask.bool(), logprobs - ref_logprobs, torch.zeros_like(logprobs))
+    clipped = scores.to(kl.dtype).clamp(-reward_clip, reward_clip)
+    return SequenceRewards(clipped - kl_coef * kl.sum(-1), kl)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS) -> torch.Tensor:
+    """[G * k] -> [G * k]: A_i = (R_i - mean_g R) / (std_g R + eps) within each prompt's group
+    (Shao et al. 2024, DeepSeekMath sec. 4.1.2, outcome supervision). std is the unbiased one (divisor
+    k - 1, torch.std), as TRL, OpenRLHF and veRL compute it, so advantages match theirs."""
+    g = grouped(rewards, group_size)
+    centered = g - g.mean(-1, keepdim=True)
+    return (centered / (g.std(-1, keepdim=True) + eps)).reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G * k] -> [G * k]: A_i = R_i - mean_{j != i} R_j, the leave-one-out baseline (Kool et al. 2019;
+    Ahmadian et al. 2024, eq. 6) = k / (k - 1) * (R_i - mean_g R)."""
+    g = grouped(rewards, group_size)
+    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
+    return (g - baseline).reshape(-1)
+
+
+def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[G * k] -> [G] unbiased std of each group's rewards (0: the group carries no learning signal)."""
+    return grouped(rewards, group_size).std(-1)
+
+
+def outcome_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B] sequence advantages -> [B, A]: the same advantage at every response action of the row, 0 outside
+    (an outcome reward credits every token of the response alike)."""
+    return advantages.unsqueeze(1) * response_mask.to(advantages.dtype)

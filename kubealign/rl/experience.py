@@ -29,7 +29,7 @@ class Experience(NamedTuple):
     response_mask: torch.Tensor  # [N, A] actions that produced response tokens (A = T - 1)
     logprobs: torch.Tensor  # [N, A]
     ref_logprobs: torch.Tensor  # [N, A]
-    values: torch.Tensor  # [N, A]
+    values: torch.Tensor | None  # [N, A] critic values; None without a critic (grpo, rloo)
     scores: torch.Tensor  # [N] reward-model score of each sequence
 
 
@@ -182,7 +182,7 @@ def make_experience(
     sampling: Sampling,
 ) -> Experience:
     """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask;
-    models: (actor, reference, critic, reward). The actor and the critic are put in train mode first, as
+    models: (actor, reference, critic or None, reward). The actor and the critic are put in train mode first, as
     DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
     log-probs then come from the very function the PPO update differentiates); the frozen reference and
     reward models in eval mode."""
@@ -193,10 +193,12 @@ def make_experience(
         prompt_mask = prompt_mask.repeat_interleave(input_ids.shape[0] // prompt_mask.shape[0], dim=0)
     attention, response = response_masks(input_ids, prompt_mask, batch.response_start_idx, eos_id)
     actor.train()
-    critic.train()
     reference.eval()
     reward.eval()
     logprobs, ref_logprobs = paired_logprobs(actor, reference, input_ids, attention, response, sampling)
-    values, _ = score_and_value(critic, input_ids, attention)
+    values = None
+    if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
+        critic.train()
+        values = score_and_value(critic, input_ids, attention)[0].float()
     _, scores = score_and_value(reward, input_ids, attention)
-    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values.float(), scores.float())
+    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())

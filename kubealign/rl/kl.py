@@ -1,4 +1,5 @@
-"""KL-penalty coefficient controllers: fixed beta, or adaptive (Ziegler et al. 2019, sec. 2.2).
+"""KL-penalty coefficient controllers: fixed beta, or adaptive (Ziegler et al. 2019, sec. 2.2); the k3
+KL estimator of GRPO's loss term.
 
 The adaptive controller moves beta so that the measured KL to the reference tracks a target:
     e = clip(KL / target - 1, -0.2, 0.2),   beta <- beta * (1 + e * n / horizon)
@@ -7,6 +8,8 @@ PPO checkpoints so a resumed run continues with the same beta.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 class KLController:
@@ -29,3 +32,12 @@ class KLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, A] per-token estimate of KL(pi || pi_ref) from tokens sampled by pi:
+        exp(ref - logp) - (ref - logp) - 1
+    (Schulman 2020, "Approximating KL divergence"; DeepSeekMath eq. 4): unbiased, >= 0 for every token,
+    0 where the two log-probs agree; 0 outside the response (also where a prompt log-prob is -inf)."""
+    delta = torch.where(response_mask.bool(), ref_logprobs - logprobs, torch.zeros_like(logprobs))
+    return delta.exp() - delta - 1

@@ -1,5 +1,9 @@
-"""One PPO iteration: rollout, experience, KL-penalized rewards, GAE, then ppo_epochs of clipped
-policy and value updates over minibatches — actor and critic both updated every iteration."""
+"""One iteration of the ppo stage: rollout, experience, advantages, then ppo_epochs of clipped policy
+updates over minibatches.
+
+ppo: KL-penalized per-token rewards, GAE over the critic's values, and a value update beside each policy
+update. grpo / rloo (critic-free): one outcome reward per response, an advantage relative to the other
+responses to the same prompt (rl/advantages.py), the same clipped ratio; grpo adds a k3 KL loss term."""
 
 from __future__ import annotations
 
@@ -7,12 +11,22 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kubealign.config.schema import PPOConfig
-from kubealign.rl.advantages import gae, kl_penalized_rewards, masked_mean, whiten
+from kubealign.rl.advantages import (
+    gae,
+    group_std,
+    grpo_advantages,
+    kl_penalized_rewards,
+    masked_mean,
+    outcome_advantages,
+    rloo_advantages,
+    sequence_rewards,
+    whiten,
+)
 from kubealign.rl.experience import (
     Experience,
     generation_config,
@@ -21,8 +35,8 @@ from kubealign.rl.experience import (
     policy_logprobs,
     score_and_value,
 )
-from kubealign.rl.kl import KLController
-from kubealign.rl.losses import Sampling, explained_variance, policy_loss, value_loss
+from kubealign.rl.kl import KLController, k3
+from kubealign.rl.losses import PolicyLoss, Sampling, explained_variance, policy_loss, value_loss
 from kubealign.training import distributed
 from kubealign.training.loop import check_finite
 
@@ -68,7 +82,7 @@ def disable_dropout(model: torch.nn.Module) -> None:
 @dataclass
 class PPOModels:
     actor: Any  # DeepSpeed engine (hybrid or plain), trainable
-    critic: Any  # DeepSpeed engine, trainable
+    critic: Any  # DeepSpeed engine, trainable; None for grpo / rloo (critic-free)
     reference: Any  # frozen module or engine
     reward: Any  # frozen module or engine
     rollout: Any  # HybridEngineRollout or ModuleRollout
@@ -84,7 +98,7 @@ def sampling_config(cfg: PPOConfig) -> Any:
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        n_samples_per_prompt=cfg.samples_per_prompt,
+        n_samples_per_prompt=cfg.group_size,
     )
 
 
@@ -205,16 +219,30 @@ def _minibatches(n: int, size: int, generator: torch.Generator) -> list[torch.Te
     return [order[i : i + size] for i in range(0, n, size)]
 
 
-def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig):
-    """(PolicyLoss, mean entropy, actor loss) of minibatch idx. The entropy enters autograd only when the
-    loss uses it (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work."""
+class ActorObjective(NamedTuple):
+    policy: PolicyLoss
+    entropy: torch.Tensor  # mean over the minibatch's response actions
+    loss: torch.Tensor  # what the actor's backward takes
+    kl: torch.Tensor | None  # grpo: mean k3 KL to the reference over response actions (the loss term); else None
+
+
+def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig,
+                    kl_coef: float = 0.0) -> ActorObjective:  # fmt: skip
+    """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
+    (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
+    kl_coef * the mean k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term
+    instead of a reward penalty, so the advantages stay purely group-relative."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
     use_entropy = cfg.entropy_coef > 0
     logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
-    return pl, mean_entropy, actor_loss
+    kl = None
+    if cfg.algorithm == "grpo":
+        kl = masked_mean(k3(logprobs, exp.ref_logprobs[idx], resp), resp)
+        actor_loss = actor_loss + kl_coef * kl if kl_coef > 0 else actor_loss
+    return ActorObjective(pl, mean_entropy, actor_loss, kl)
 
 
 def update(
@@ -225,15 +253,20 @@ def update(
     cfg: PPOConfig,
     gen: Any,
     unsup: UnsupervisedData | None = None,
+    kl_coef: float = 0.0,
 ) -> dict[str, float]:
-    """ppo_epochs passes of clipped policy + value updates; returns the mean of each loss statistic."""
+    """ppo_epochs passes of clipped policy updates (+ value updates for ppo) over shuffled minibatches of
+    the whole batch's advantages, computed before (a grpo / rloo group spans minibatches: its advantages
+    are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient."""
     stats: dict[str, list[float]] = {}
+    with_critic = cfg.algorithm == "ppo"
     models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
-    models.critic.train()
+    if with_critic:
+        models.critic.train()
     for _ in range(cfg.ppo_epochs):
         for idx in _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-            pl, mean_entropy, actor_loss = actor_objective(models.actor, exp, idx, advantages, cfg)
+            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef)
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
@@ -241,19 +274,18 @@ def update(
             check_finite({"actor loss": actor_loss})  # before the step: a nan step would poison the weights
             models.actor.backward(actor_loss)
             models.actor.step()
-            values, _ = score_and_value(models.critic, ids, mask)
-            vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
-            check_finite({"critic loss": vl.loss})
-            models.critic.backward(vl.loss)
-            models.critic.step()
-            for key, value in {
-                "policy_loss": pl.loss,
-                "value_loss": vl.loss,
-                "clip_fraction": pl.clip_fraction,
-                "value_clip_fraction": vl.clip_fraction,
-                "approx_kl": pl.approx_kl,
-                "entropy": mean_entropy,
-            }.items():
+            logged = {"policy_loss": pl.loss, "clip_fraction": pl.clip_fraction, "approx_kl": pl.approx_kl,
+                      "entropy": mean_entropy}  # fmt: skip
+            if kl is not None:
+                logged["kl_loss"] = kl  # the k3 KL before the coefficient
+            if with_critic:
+                values, _ = score_and_value(models.critic, ids, mask)
+                vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
+                check_finite({"critic loss": vl.loss})
+                models.critic.backward(vl.loss)
+                models.critic.step()
+                logged.update(value_loss=vl.loss, value_clip_fraction=vl.clip_fraction)
+            for key, value in logged.items():
                 stats.setdefault(key, []).append(value.item())
     means = {k: sum(v) / len(v) for k, v in stats.items()}
     # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly 0
@@ -281,6 +313,43 @@ def update_kl(kl: KLController, seq_kl: torch.Tensor) -> float:
     return mean
 
 
+class Targets(NamedTuple):
+    advantages: torch.Tensor  # [N, A] what the policy loss weights each response action by
+    returns: torch.Tensor | None  # [N, A] the critic's regression target (ppo); None without a critic
+    kl: torch.Tensor  # [N, A] per-token KL estimate log pi - log pi_ref (0 outside the response)
+    metrics: dict[str, float]  # the algorithm's own per-iteration quantities
+
+
+def ppo_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
+    """KL-penalized per-token rewards, GAE over the critic's values, optionally whitened advantages."""
+    rewards = kl_penalized_rewards(exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta, cfg.reward_clip)
+    adv = gae(exp.values, rewards.rewards, exp.response_mask, cfg.gamma, cfg.lam)
+    advantages = whiten(adv.advantages, exp.response_mask) if cfg.whiten_advantages else adv.advantages
+    ev = float(explained_variance(exp.values, adv.returns, exp.response_mask))
+    return Targets(advantages, adv.returns, rewards.kl, {"explained_variance": ev})
+
+
+def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
+    """grpo / rloo: one outcome reward per response (rloo: minus beta * its summed KL; grpo: none, its KL is
+    a loss term), advantages relative to the group of cfg.group_size responses to the same prompt — the
+    contiguous rows of the rollout — on every response action. Formed here, over the whole batch in rollout
+    order, before update() shuffles it into minibatches."""
+    k = cfg.group_size
+    rloo = cfg.algorithm == "rloo"
+    seq = sequence_rewards(exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta if rloo else 0.0,
+                           cfg.reward_clip)  # fmt: skip
+    advantages = rloo_advantages(seq.rewards, k) if rloo else grpo_advantages(seq.rewards, k)
+    std = group_std(seq.rewards, k)
+    zero = torch.isclose(std, torch.zeros_like(std))  # every response of the prompt got the same reward
+    std_sum, zeros, groups = distributed.all_reduce_sum([float(std.sum()), float(zero.sum()), float(std.numel())])
+    metrics = {
+        "group_reward_std": std_sum / groups,  # mean over groups (every rank's) of the within-group std
+        "zero_std_fraction": zeros / groups,  # groups with no learning signal: all their advantages are 0
+        "advantage_abs_mean": global_stats(advantages.abs())[0],
+    }
+    return Targets(outcome_advantages(advantages, exp.response_mask), None, seq.kl, metrics)
+
+
 def iteration(
     models: PPOModels,
     prompt_ids: torch.Tensor,
@@ -294,19 +363,14 @@ def iteration(
     started = time.perf_counter()
     batch = generate(models, prompt_ids, prompt_mask, cfg)
     generated = time.perf_counter()
-    four = (models.actor, models.reference, models.critic, models.reward)
+    four = (models.actor, models.reference, models.critic, models.reward)  # critic None: grpo / rloo
     exp = make_experience(batch, prompt_mask, models.tokenizer.eos_token_id, four, sampling_of(cfg))
     experienced = time.perf_counter()
-    rewards = kl_penalized_rewards(
-        exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, kl.value, cfg.reward_clip
-    )
-    adv = gae(exp.values, rewards.rewards, exp.response_mask, cfg.gamma, cfg.lam)
-    advantages = whiten(adv.advantages, exp.response_mask) if cfg.whiten_advantages else adv.advantages
-    losses = update(models, exp, advantages, adv.returns, cfg, gen, unsup)
-    trained = time.perf_counter()
-    seq_kl = rewards.kl.sum(-1)
     kl_coef = kl.value
-    kl_mean = update_kl(kl, seq_kl)
+    targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
+    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef)
+    trained = time.perf_counter()
+    kl_mean = update_kl(kl, targets.kl.sum(-1))
     reward_mean, reward_std, _ = global_stats(exp.scores)
     tokens = int(exp.attention_mask.sum())
     metrics = {
@@ -314,7 +378,7 @@ def iteration(
         "reward_std": reward_std,
         "kl": kl_mean,
         "kl_coef": kl_coef,
-        "explained_variance": float(explained_variance(exp.values, adv.returns, exp.response_mask)),
+        **targets.metrics,
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,

@@ -187,7 +187,7 @@ def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dic
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.hist([r["score"] for r in base], bins=20, alpha=0.6, label="baseline (SFT)")
-    ax.hist([r["score"] for r in cand], bins=20, alpha=0.6, label="candidate (PPO)")
+    ax.hist([r["score"] for r in cand], bins=20, alpha=0.6, label="candidate")
     ax.set(xlabel="reward-model score", ylabel="responses", title="Reward distribution")
     ax.legend()
     fig.tight_layout()

@@ -1,9 +1,11 @@
 """Stage 3, ppo: the four-model RLHF engine — actor (DeepSpeed Hybrid Engine when the preflight allows),
 frozen reference, critic (from the RM dir, per-token values) and frozen reward (sequence score).
+ppo.algorithm grpo / rloo run the same stage critic-free: three models, no critic is loaded.
 
-Output (atomic) in --output DIR: the actor as a self-contained HF dir (adapters merged), DIR/critic,
-DIR/ema (when ppo.ema_coef is set) and result.json: reward and KL on the phase-3 eval prompts before and
-after training, the per-iteration history, the effective rollout path and the time split.
+Output (atomic) in --output DIR: the actor as a self-contained HF dir (adapters merged), DIR/critic (ppo
+only), DIR/ema (when ppo.ema_coef is set) and result.json: the algorithm, reward and KL on the phase-3
+eval prompts before and after training, the per-iteration history, the effective rollout path and the
+time split.
 """
 
 from __future__ import annotations
@@ -134,16 +136,19 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
         cuda,
         transformers_version,
     )
-    with engines.zero3_loading(engines.ds_config(critic_cfg, world, cuda)):
-        critic = load_reward_model(critic_dir, False, tokenizer.pad_token_id, cfg.dtype)
+    critic = None
+    if cfg.algorithm == "ppo":  # grpo / rloo: the baseline is the prompt's other responses, not a critic
+        with engines.zero3_loading(engines.ds_config(critic_cfg, world, cuda)):
+            critic = load_reward_model(critic_dir, False, tokenizer.pad_token_id, cfg.dtype)
     reference = loading.load_causal_lm(actor_dir, dtype=loading.torch_dtype(cfg.dtype))
     reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
-    samples = cfg.generation_batch_size * cfg.samples_per_prompt
+    samples = cfg.generation_batch_size * cfg.group_size
     total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
     actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)
-    critic_engine = engines.trainable(critic, critic_cfg, "SEQ_CLS", world, total, None)
+    critic_engine = None if critic is None else engines.trainable(critic, critic_cfg, "SEQ_CLS", world, total, None)
     for engine in (actor_engine, critic_engine):
-        disable_dropout(engine.module)  # after LoRA is applied: PEFT's lora_dropout layers are dropout too
+        if engine is not None:  # after LoRA is applied: PEFT's lora_dropout layers are dropout too
+            disable_dropout(engine.module)
     ref_stage = cfg.actor_zero_stage if cfg.reference_zero_stage is None else cfg.reference_zero_stage
     reward_stage = cfg.actor_zero_stage if cfg.reward_zero_stage is None else cfg.reward_zero_stage
     reference = engines.frozen(reference, ref_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
@@ -180,23 +185,35 @@ def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLControl
     tag = f"iter{step}"
     state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
     models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state)
-    models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
+    if models.critic is not None:
+        models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
     if ema is not None and int(os.environ.get("RANK", "0")) == 0:
         torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
     checkpoints.seal(directory / "actor", tag)
-    checkpoints.seal(directory / "critic", tag)
+    if models.critic is not None:
+        checkpoints.seal(directory / "critic", tag)
     distributed.set_rng_state(state["rng"])
 
 
-def load_checkpoint(models: PPOModels, directory: Path, kl: KLController, ema: EMA | None) -> dict[str, Any]:
+def load_checkpoint(
+    models: PPOModels, directory: Path, kl: KLController, ema: EMA | None, algorithm: str = "ppo"
+) -> dict[str, Any]:
     if not (directory / "actor" / "latest").is_file():
         return {"iteration": 0}
     checkpoints.verify(directory / "actor")
-    checkpoints.verify(directory / "critic")
     path, state = models.actor.load_checkpoint(str(directory / "actor"))
-    critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
-    if path is None or critic_path is None:
+    if path is None:
         raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+    saved = state.get("algorithm", "ppo")  # checkpoints from before ppo.algorithm existed are ppo's
+    if saved != algorithm:  # the advantages (and the critic's presence) would change mid-run
+        raise UserError(
+            f"--resume: the checkpoints in {directory} are of ppo.algorithm {saved}, this run is {algorithm}"
+        )
+    if models.critic is not None:
+        checkpoints.verify(directory / "critic")
+        critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
+        if critic_path is None:
+            raise UserError(f"--resume: cannot load the checkpoints in {directory}")
     distributed.set_rng_state(state["rng"])
     kl.load_state_dict(state["kl"])
     if ema is not None:
@@ -230,7 +247,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
         )
     kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     ema = EMA(cfg.ema_coef) if cfg.ema_coef else None
-    state = load_checkpoint(models, checkpoints, kl, ema) if resume else {"iteration": 0}
+    state = load_checkpoint(models, checkpoints, kl, ema, cfg.algorithm) if resume else {"iteration": 0}
     start = state["iteration"]
     before = state.get("before") or evaluate(models, eval_prompts, cfg)
     history = state.get("history", [])
@@ -261,7 +278,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
             tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
         if cfg.save_every_iterations and step % cfg.save_every_iterations == 0:
-            extra = {"before": before, "history": history, "minibatch_rng": gen.get_state()}
+            extra = {"before": before, "history": history, "minibatch_rng": gen.get_state(), "algorithm": cfg.algorithm}
             extra["unsup_served"] = unsup.served if unsup is not None else 0
             save_checkpoint(models, checkpoints, step, kl, ema, extra)
             tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
@@ -282,7 +299,8 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
 def run(
     config: KubealignConfig, prompts: Path, actor: Path, critic: Path, reward: Path | None, output: Path, resume=False
 ) -> dict:
-    """PPO on DATA's phase 3, from the SFT dir (actor + reference) and the RM dir (critic + reward)."""
+    """PPO (or GRPO / RLOO: ppo.algorithm) on DATA's phase 3, from the SFT dir (actor + reference) and the RM
+    dir (critic + reward; grpo / rloo load it as the reward only)."""
     cfg = config.ppo
     check_output_path(output, STAGE)
     check_inputs(cfg, actor, critic, reward or critic)
@@ -294,7 +312,7 @@ def run(
     started = time.perf_counter()
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         models, check = build_models(cfg, str(actor), str(critic), str(reward or critic), world)
-        tracker.log_params({"ppo.rollout_path": check.path})
+        tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
         tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})
         train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)
         eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32] or train_prompts[:8]
@@ -318,10 +336,13 @@ def run(
             "wall_time_s": time.perf_counter() - started,
             "world_size": world,
         }
+        critic_out = {"critic": "critic"} if models.critic is not None else {}
         result = {
             "stage": STAGE,
+            "algorithm": cfg.algorithm,
+            "samples_per_prompt": cfg.group_size,
             "metrics": summary,
-            "outputs": {"model": ".", "critic": "critic", **({"ema": "ema"} if ema else {})},
+            "outputs": {"model": ".", **critic_out, **({"ema": "ema"} if ema else {})},
             "rollout_path": check.path,
             "rollout_notes": check.notes,
             "kl_target": cfg.kl_target,
@@ -341,15 +362,18 @@ def run(
 
 
 def write_outputs(models: PPOModels, cfg: PPOConfig, ema: EMA | None, output: Path, result: dict) -> None:
-    """Actor (adapters merged) at DIR, critic at DIR/critic, EMA at DIR/ema — one atomic output."""
+    """Actor (adapters merged) at DIR, critic at DIR/critic (ppo), EMA at DIR/ema — one atomic output."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     actor, hashes = export.gather_model(models.actor, AutoModelForCausalLM, cfg.actor_lora, "CAUSAL_LM")
-    critic, _ = export.gather_model(models.critic, AutoModelForSequenceClassification, cfg.critic_lora, "SEQ_CLS")
+    critic = None
+    if models.critic is not None:  # gathered on every rank (collective under ZeRO-3), written by rank 0
+        critic, _ = export.gather_model(models.critic, AutoModelForSequenceClassification, cfg.critic_lora, "SEQ_CLS")
     if actor is not None:
         with atomic_dir(output) as tmp:
             export.write_model(actor, cfg.actor_lora, models.tokenizer, tmp)
-            export.write_model(critic, cfg.critic_lora, models.tokenizer, tmp / "critic")
+            if critic is not None:
+                export.write_model(critic, cfg.critic_lora, models.tokenizer, tmp / "critic")
             if ema is not None:
                 module = models.actor.module
                 base = module.get_base_model().config if hasattr(module, "get_base_model") else module.config

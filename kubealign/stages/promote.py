@@ -378,6 +378,7 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
     tags.update({"kubealign.code_version": __version__, "kubealign.evaluation": str(evaluation.resolve())})
     tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
     tags["kubealign.data_sha256"] = data_hash(result)
+    tags["kubealign.algorithm"] = candidate_algorithm(model_dir)
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
     try:
@@ -441,6 +442,18 @@ def promote_in_registry(
         "model_uri": f"models:/{name}/{ours}",
     }
     return summary, details
+
+
+def candidate_algorithm(model_dir: Path) -> str:
+    """How the candidate was trained (ppo, grpo, rloo, dpo), from the result.json its stage wrote: the
+    registry compares versions made by every route with one gate, and this tag says which is which."""
+    try:
+        produced = json.loads((model_dir / "result.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return "unknown"
+    if produced.get("stage") == "ppo":
+        return str(produced.get("algorithm") or "ppo")
+    return str(produced.get("stage") or "unknown")
 
 
 def data_hash(evaluation_result: dict[str, Any]) -> str:

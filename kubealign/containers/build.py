@@ -1,0 +1,212 @@
+"""`kubealign images build` (make images): offline, reproducible image builds.
+
+1. A wheelhouse on the host: every runtime dependency at the lock's version (`pip wheel -c lock`),
+   kept in state_dir() under the lock's and pyproject's hash (made once per lock, about a minute);
+   kubealign's own wheel is made fresh for every build.
+2. A staged build context: the image's Dockerfile, images/install.sh, the lock and the wheels. The
+   build runs with no network (network_mode none) and installs with --no-index: what it installs is
+   exactly what the wheelhouse holds.
+3. The base: --base IMAGE, or `auto`: the Dockerfile's slim Python image if the daemon has it or can
+   pull it, else a Debian bookworm made here with debootstrap (kubealign.containers.base).
+
+It prints what it built, with sizes; the daemon's build output goes to state_dir()/build-<image>.log.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kubealign import __version__, images
+from kubealign.containers import base
+from kubealign.containers.daemon import state_dir
+from kubealign.errors import UserError
+
+FLAVOURS = {"cpu": images.cpu_image, "train": images.train_image}
+SOURCE_DIRS = ("kubealign", "components", "pipelines", "configs")
+SOURCE_LABEL = "io.kubealign.source-sha256"
+
+
+@dataclass(frozen=True)
+class Built:
+    image: str
+    base: str
+    seconds: float
+    size_bytes: int
+    python: str
+
+
+def repo_root() -> Path:
+    """The source checkout the images are built from (this package's, for an editable install; else cwd)."""
+    import kubealign
+
+    for candidate in (Path(kubealign.__file__).resolve().parents[1], Path.cwd()):
+        if (candidate / "images" / "cpu" / "Dockerfile").is_file() and (candidate / "pyproject.toml").is_file():
+            return candidate
+    raise UserError("images are built from a kubealign source checkout: run this in one (images/ not found)")
+
+
+def source_sha256(repo: Path) -> str:
+    """Content hash of the code an image carries (labelled on it, compared by `run --runner docker`)."""
+    digest = hashlib.sha256()
+    files: list[Path] = [repo / "pyproject.toml"]
+    for name in SOURCE_DIRS:
+        files += [p for p in (repo / name).rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+    for path in sorted(files):
+        digest.update(path.relative_to(repo).as_posix().encode() + b"\0")
+        digest.update(hashlib.sha256(path.read_bytes()).digest())
+    return digest.hexdigest()
+
+
+def _pip(args: list[str], what: str) -> None:
+    env = {**os.environ, "DS_BUILD_OPS": "0"}  # DeepSpeed's wheel stays pure Python (its ops JIT where used)
+    proc = subprocess.run([sys.executable, "-m", "pip", *args], capture_output=True, text=True, check=False, env=env)
+    if proc.returncode != 0:
+        errors = [line for line in proc.stderr.splitlines() if "ERROR" in line] or proc.stderr.splitlines()[-1:]
+        raise UserError(f"{what} failed: {errors[0] if errors else f'pip exit {proc.returncode}'}")
+
+
+def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
+    """The dependency wheels for `flavour` (cached by the lock's and pyproject's content)."""
+    lock = repo / "requirements" / "lock-cpu.txt"
+    key = hashlib.sha256(lock.read_bytes() + (repo / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    cached = state_dir() / f"wheelhouse-{flavour}-{key}"
+    if (cached / ".complete").is_file():
+        return cached
+    say(f"making the wheelhouse from {lock.relative_to(repo)} (once per lock)")
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
+    try:
+        _pip(["wheel", "-q", "-c", str(lock), "--wheel-dir", str(tmp), str(repo)], "pip wheel (the wheelhouse)")
+        for own in tmp.glob("kubealign-*.whl"):
+            own.unlink()  # made fresh for every build
+        if flavour == "train":
+            # compiled inside the CUDA build with its ops; the lock's version, as a source distribution
+            deepspeed = next(line for line in lock.read_text().splitlines() if line.startswith("deepspeed=="))
+            _pip(["download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp), deepspeed], "pip download")
+        (tmp / ".complete").touch()
+        shutil.rmtree(cached, ignore_errors=True)  # an incomplete one (no .complete) from a killed build
+        tmp.rename(cached)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return cached
+
+
+def _link_or_copy(files: Iterable[Path], dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for path in files:
+        try:
+            os.link(path, dest / path.name)
+        except OSError:  # another filesystem
+            shutil.copy2(path, dest / path.name)
+
+
+def requirements(wheels: Path) -> str:
+    """`name==version` of every wheel and sdist in the wheelhouse: what the dependency layer installs."""
+    lines = set()
+    for path in wheels.iterdir():
+        if path.name.endswith(".whl"):
+            name, version = path.name.split("-")[:2]
+        elif path.name.endswith(".tar.gz"):
+            name, version = path.name[: -len(".tar.gz")].rsplit("-", 1)
+        else:
+            continue
+        lines.add(f"{name.replace('_', '-').lower()}=={version}")
+    return "".join(f"{line}\n" for line in sorted(lines))
+
+
+def stage_context(repo: Path, flavour: str, wheels: Path, dest: Path) -> Path:
+    """The build context: Dockerfile, install.sh, deps/ (the wheelhouse + requirements.txt), own/ (kubealign)."""
+    dest.mkdir(parents=True)
+    shutil.copy2(repo / "images" / flavour / "Dockerfile", dest / "Dockerfile")
+    shutil.copy2(repo / "images" / "install.sh", dest / "install.sh")
+    _link_or_copy([p for p in wheels.iterdir() if p.name != ".complete"], dest / "deps")
+    (dest / "deps" / "requirements.txt").write_text(requirements(wheels), encoding="utf-8")
+    _pip(["wheel", "-q", "--no-deps", "--wheel-dir", str(dest / "own"), str(repo)], "pip wheel (kubealign)")
+    return dest
+
+
+def choose_base(client: Any, requested: str, flavour: str, say: Callable[[str], None]) -> str | None:
+    """The BASE_IMAGE build argument (None: the Dockerfile's own FROM, for the train image)."""
+    if flavour == "train":
+        if requested not in ("auto",):
+            raise UserError("--base applies to the cpu image; the train image's base is the CUDA PyTorch image")
+        return None
+    if requested == "bootstrap":
+        return base.bootstrap(client, say)
+    if requested != "auto":
+        if not base.exists(client, requested):
+            raise UserError(f"--base {requested}: the daemon has no such image (load or pull it first)")
+        return requested
+    if base.exists(client, images.CPU_BASE_IMAGE):
+        return images.CPU_BASE_IMAGE
+    try:
+        repository, tag = images.CPU_BASE_IMAGE.rsplit(":", 1)
+        client.images.pull(repository, tag=tag)
+        return images.CPU_BASE_IMAGE
+    except Exception as exc:
+        say(f"{images.CPU_BASE_IMAGE} cannot be pulled ({str(exc).splitlines()[0][:120]}); using a bootstrapped base")
+    return base.bootstrap(client, say)
+
+
+def build(client: Any, flavour: str = "cpu", base_image: str = "auto", say: Callable[[str], None] = print) -> Built:
+    """Build one image offline; returns what was built."""
+    if flavour not in FLAVOURS:
+        raise UserError(f"unknown image {flavour!r}: choose one of {', '.join(FLAVOURS)}")
+    repo = repo_root()
+    tag = FLAVOURS[flavour]()
+    started = time.perf_counter()
+    chosen = choose_base(client, base_image, flavour, say)
+    wheels = wheelhouse(repo, flavour, say)
+    log = state_dir() / f"build-{flavour}.log"
+    with tempfile.TemporaryDirectory(prefix="kubealign-context-") as tmp:
+        context = stage_context(repo, flavour, wheels, Path(tmp) / "context")
+        buildargs = {
+            "VERSION": __version__,
+            "SOURCE_SHA256": source_sha256(repo),
+            "REVISION": _revision(repo),
+            "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        if chosen:
+            buildargs["BASE_IMAGE"] = chosen
+        say(f"building {tag} from {chosen or 'the Dockerfile base'} (log: {log})")
+        _stream_build(client, context, tag, buildargs, log)
+    # the image this tag held before is now untagged: drop it (and its layers), or every rebuild adds ~2 GB
+    client.images.prune(filters={"dangling": True})
+    image = client.images.get(tag)
+    python = client.containers.run(tag, ["python", "-c", "import platform; print(platform.python_version())"],
+                                   remove=True, network_mode="none").decode().strip()  # fmt: skip
+    return Built(tag, chosen or "(Dockerfile)", time.perf_counter() - started, int(image.attrs["Size"]), python)
+
+
+def _revision(repo: Path) -> str:
+    proc = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    return proc.stdout.strip() if proc.returncode == 0 else "unknown"
+
+
+def _stream_build(client: Any, context: Path, tag: str, buildargs: dict[str, str], log: Path) -> None:
+    """docker build with no network; every line to `log`; a failed step raises with its last line."""
+    last = ""
+    with log.open("w", encoding="utf-8") as sink:
+        stream = client.api.build(
+            path=str(context), tag=tag, buildargs=buildargs, network_mode="none", rm=True, forcerm=True, decode=True
+        )
+        for chunk in stream:
+            text = chunk.get("stream") or chunk.get("status") or ""
+            if text:
+                sink.write(text if text.endswith("\n") else text + "\n")
+                last = text.strip() or last
+            if "error" in chunk:
+                sink.write(chunk["error"] + "\n")
+                raise UserError(f"building {tag} failed: {chunk['error'].strip()} (log: {log})")
+    if not last.startswith("Successfully tagged"):
+        raise UserError(f"building {tag} did not finish: {last} (log: {log})")
