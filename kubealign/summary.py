@@ -28,9 +28,9 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}{target}, "
                 f"rollout path {r.get('rollout_path')}")  # fmt: skip
     if stage == "dpo":
-        nan = float("nan")
-        return (f"eval implicit-reward accuracy {m.get('eval_reward_accuracy', nan):.2f}, "
-                f"margin {m.get('eval_reward_margin', nan):.3f}, KL {m.get('eval_kl', nan):.3f}")  # fmt: skip
+        return (f"eval loss {m['before_loss']:.3f} -> {m['after_loss']:.3f}, implicit-reward accuracy "
+                f"{m['after_rewards_accuracy']:.2f}, margin {m['after_rewards_margin']:.2f}, "
+                f"KL/token {m['after_kl_per_token']:.3f}")  # fmt: skip
     if stage == "evaluate":
         return "\n".join(evaluate_lines(m, label))
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())

@@ -34,7 +34,7 @@ from kfp.dsl import Artifact, Dataset, Model
 from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
-from kubealign.config.schema import KubernetesConfig
+from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
 from kubealign.tracking import check_uri
@@ -83,8 +83,14 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
     k8s = config.kubernetes
     train, cpu = k8s.train_image or train_image(), k8s.cpu_image or cpu_image()
+    # The route is the `algorithm` parameter alone: config_json carries neither pipeline.algorithm nor
+    # ppo.algorithm, so runs of different routes share the tasks before the branch (KFP's cache keys).
+    route = config.route()
+    shared = config.model_copy(
+        update={"pipeline": PipelineConfig(), "ppo": config.ppo.model_copy(update={"algorithm": "ppo"})}
+    )
     defaults = {
-        "config_json": config_to_json(config),
+        "config_json": config_to_json(shared),
         "data_fingerprint": data_fingerprint(config),
         "sft_model_fingerprint": model_fingerprint(config.sft.model),
         "reward_model_fingerprint": model_fingerprint(config.reward.model),
@@ -104,7 +110,7 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     )
     def kubealign_pipeline(
         config_json: str = defaults["config_json"],
-        algorithm: str = config.pipeline.algorithm,
+        algorithm: str = route,
         sft_model: str = config.sft.model,
         reward_model: str = config.reward.model,
         ppo_num_iterations: int = config.ppo.num_iterations,

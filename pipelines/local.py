@@ -175,7 +175,7 @@ def run(
     pipeline_root.mkdir(parents=True, exist_ok=True)
     logs = output / LOGS_DIR
     logs.mkdir(exist_ok=True)
-    route = stages_for(config.pipeline.algorithm)
+    route = stages_for(config.route())
     display = None if verbose else Display(stream or sys.stdout, list(route))
     with quiet_parent(logs, verbose):
         client, uri, experiment_id, parent = parent_run(config, output)
@@ -219,7 +219,7 @@ def run(
     # cached tasks point into the run that computed them: take the directories from the outputs
     stages = {}
     for stage in route:
-        key = CANDIDATE if stage == candidate_stage(config.pipeline.algorithm) else stage.replace("-", "_")
+        key = CANDIDATE if stage == candidate_stage(config.route()) else stage.replace("-", "_")
         artifact = outputs.get(key)
         if artifact is not None and (Path(artifact.path) / "result.json").is_file():
             stages[stage] = Path(artifact.path)
@@ -231,7 +231,7 @@ def run(
         "succeeded": ok,
         "mlflow": mlflow,
         "runner": runner,
-        "algorithm": config.pipeline.algorithm,
+        "algorithm": config.route(),
     }
     index = write_index(output, stages, extra)
     client.log_metric(parent, "wall_time_s", wall)

@@ -55,8 +55,9 @@ def downstream_of(stage: str, route: tuple[str, ...] = STAGES) -> list[str]:
     return [s for s in route if s in found and s != stage]
 
 
-def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, candidate: str) -> dict[str, Any]:
+def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str) -> dict[str, Any]:
     d = {name: str(path) for name, path in dirs.items()}
+    candidate = candidate_stage(algorithm)
     if stage == "data-split":
         return tasks.data_split(config_json, [], str(out))
     if stage in ("sft", "reward"):
@@ -64,7 +65,9 @@ def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, c
     if stage == "dpo":
         return tasks.train("dpo", config_json, [], d["data-split"], d["sft"], str(out))
     if stage == "ppo":
-        return tasks.ppo(config_json, [], d["data-split"], d["sft"], d["reward"], str(out))
+        # as the DAG's ppo task: the route sets ppo.algorithm (pipeline.algorithm=grpo alone means GRPO)
+        overrides = [f"ppo.algorithm={algorithm}"]
+        return tasks.ppo(config_json, overrides, d["data-split"], d["sft"], d["reward"], str(out))
     if stage == "evaluate":
         return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], d["reward"], str(out))
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
@@ -78,11 +81,9 @@ def rerun(
     if "config_json" not in index:
         raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
     config = config_from_json(index["config_json"], overrides)
-    route = stages_for(config.pipeline.algorithm)
+    route = stages_for(config.route())
     if stage not in route:
-        raise UserError(
-            f"rerun: {stage!r} is not a stage of this run ({config.pipeline.algorithm}: {', '.join(route)})"
-        )
+        raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]
     dirs: dict[str, Path] = {}
     for name in {up for s in todo for up in upstream(s, route)} - set(todo):
@@ -104,7 +105,7 @@ def rerun(
     try:
         with scoped_environ(env):
             for name in todo:
-                _run_stage(name, config_json, dirs, output / name, candidate_stage(config.pipeline.algorithm))
+                _run_stage(name, config_json, dirs, output / name, config.route())
                 dirs[name] = output / name
         status = "FINISHED"
     finally:

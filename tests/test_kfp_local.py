@@ -142,6 +142,33 @@ def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path
     assert second["wall_time_s"] < index["wall_time_s"] / 3
 
 
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "dpo"])
+def test_each_route_runs_through_the_dag_and_is_tagged_in_the_registry(first_run, tmp_path: Path, algorithm) -> None:
+    _, index, _ = first_run
+    target = tmp_path / algorithm
+    assert (
+        main(["run", *overrides(), "--set", f"pipeline.algorithm={algorithm}", "--output", str(target), "--cache"]) == 0
+    )
+    routed = json.loads((target / "run.json").read_text(encoding="utf-8"))
+    candidate = "dpo" if algorithm == "dpo" else "ppo"
+    assert routed["succeeded"] and routed["algorithm"] == algorithm
+    assert list(routed["stages"]) == ["data-split", "sft", "reward", candidate, "evaluate", "promote"]
+    # the route is the `algorithm` parameter, not part of config_json: the tasks before the branch are the
+    # first run's, from kfp.local's cache
+    for stage in ("data-split", "sft", "reward"):
+        assert routed["stages"][stage]["dir"] == index["stages"][stage]["dir"], stage
+    made = json.loads((Path(routed["stages"][candidate]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    assert made["stage"] == candidate
+    if candidate == "ppo":
+        assert made["algorithm"] == algorithm
+    evaluation = json.loads((Path(routed["stages"]["evaluate"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    assert evaluation["models"]["candidate"] == routed["stages"][candidate]["dir"]
+    promoted = json.loads((Path(routed["stages"]["promote"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    client = MlflowClient(routed["mlflow"]["tracking_uri"])
+    version = client.get_model_version("kubealign-actor", str(promoted["version"]))
+    assert version.tags["kubealign.algorithm"] == algorithm
+
+
 def test_rerun_ppo_reuses_that_runs_sft_and_reward(first_run, tmp_path: Path, capsys) -> None:
     out, index, _ = first_run
     target = tmp_path / "ppo-again"

@@ -385,6 +385,10 @@ class KubealignConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
 
+    def route(self) -> str:
+        """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo)."""
+        return self.pipeline.algorithm if self.pipeline.algorithm != "ppo" else self.ppo.algorithm
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:
         for name in ("sft", "reward", "dpo"):

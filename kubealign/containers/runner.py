@@ -90,7 +90,10 @@ def prepare(config: KubealignConfig, output: Path, env: dict[str, str | None]) -
         print(f"warning: {image} was built from other sources than this checkout; `make images` rebuilds it",
               file=sys.stderr)  # fmt: skip
     user = attrs.get("Config", {}).get("User") or "0:0"
-    run_args: dict[str, Any] = {"network_mode": "host", "shm_size": "1g", "environment": task_environment(env)}
+    environment = task_environment(env)
+    # tiny models and tokenizers built by one task are reused by the next (the image's default is per container)
+    environment["KUBEALIGN_CACHE_DIR"] = str(output / "cache")
+    run_args: dict[str, Any] = {"network_mode": "host", "shm_size": "1g", "environment": environment}
     if os.geteuid() == 0:
         uid, _, gid = user.partition(":")
         hand_over(output, int(uid), int(gid or uid))

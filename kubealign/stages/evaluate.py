@@ -197,8 +197,10 @@ def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dic
     if history:
         fig, axes = plt.subplots(2, 2, figsize=(9, 6))
         steps = [h["iteration"] for h in history]
-        for ax, key in zip(axes.flat, ("reward_mean", "kl", "policy_loss", "value_loss"), strict=True):
-            ax.plot(steps, [h[key] for h in history])
+        # the fourth panel: the critic's loss for PPO; GRPO and RLOO have no critic but a group spread
+        fourth = "value_loss" if "value_loss" in history[0] else "group_reward_std"
+        for ax, key in zip(axes.flat, ("reward_mean", "kl", "policy_loss", fourth), strict=True):
+            ax.plot(steps, [h.get(key, float("nan")) for h in history])
             ax.set(title=key, xlabel="iteration")
         fig.tight_layout()
         fig.savefig(directory / "ppo_curves.png", dpi=100)
