@@ -146,3 +146,12 @@ def test_non_finite_numbers_in_a_file_are_refused_naming_file_and_field(cli, tmp
     lines = result.err.strip().splitlines()
     assert result.code == 2 and len(lines) == 1, result.err
     assert f"{path}: field 'ppo.actor_learning_rate': Input should be a finite number (and 1 more)" in lines[0]
+
+
+def test_a_route_without_groups_is_refused_before_anything_runs(cli) -> None:
+    bad = cli("config", "show", "--set", "pipeline.algorithm=rloo", "--set", "ppo.samples_per_prompt=1")
+    assert bad.code == 2 and "ppo.samples_per_prompt >= 2" in bad.err and len(bad.err.strip().splitlines()) == 1
+    good = cli("config", "show", "--set", "pipeline.algorithm=rloo")
+    assert good.code == 0, good.err
+    dpo = cli("config", "show", "--set", "pipeline.algorithm=dpo", "--set", "ppo.samples_per_prompt=1")
+    assert dpo.code == 0, dpo.err  # the ppo task does not run on the dpo route

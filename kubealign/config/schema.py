@@ -395,4 +395,9 @@ class KubealignConfig(Section):
             section: TrainConfig = getattr(self, name)
             if section.lora.only_lora and section.lora.r == 0:
                 raise ValueError(f"{name}.lora.only_lora needs {name}.lora.r > 0")
+        # the DAG sets ppo.algorithm from the route: refuse here what the ppo task would refuse after sft
+        if self.route() in ("grpo", "rloo") and self.ppo.samples_per_prompt == 1:
+            raise ValueError(
+                f"pipeline.algorithm {self.route()} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1"
+            )
         return self

@@ -78,10 +78,15 @@ def client() -> Any:
     return _client(host)
 
 
+def running() -> bool:
+    """Whether the private daemon answers on its socket."""
+    return _socket().exists() and answers(f"unix://{_socket()}")
+
+
 def start(timeout_s: float = 90) -> str:
     """Start the private daemon unless it already runs; returns its DOCKER_HOST value."""
     url = f"unix://{_socket()}"
-    if _socket().exists() and answers(url):
+    if running():
         return url
     dockerd = shutil.which("dockerd")
     if dockerd is None:
@@ -130,10 +135,11 @@ def stop(timeout_s: float = 60) -> bool:
     os.kill(value, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
+        try:
             os.kill(value, 0)
-            time.sleep(0.5)
-            continue
-        return True
-    os.kill(value, signal.SIGKILL)
+        except OSError:  # gone
+            return True
+        time.sleep(0.5)
+    with contextlib.suppress(OSError):
+        os.kill(value, signal.SIGKILL)
     return True
