@@ -26,18 +26,10 @@ import pytest
 from kubealign import __version__, images
 from kubealign.config import KubealignConfig
 from kubealign.containers import base, build, daemon, runner
+from tests.test_kfp_local import SHORT  # the same shortened DAG as the kfp tier
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = REPO / "requirements" / "lock-cpu.txt"
-SHORT = [
-    "sft.num_train_epochs=2",
-    "reward.num_train_epochs=1",
-    "ppo.num_iterations=3",
-    "evaluate.max_prompts=8",
-    "promote.min_win_rate=0",
-    "promote.min_reward_gain=-100",
-    "promote.min_win_rate_lower_bound=null",
-]
 # Same wheels, same threads: the runners agree to float rounding. Measured on this machine: every metric
 # but the measurements below equal to the last bit (a Debian 3.11.2 in the image, a 3.11.7 on the host).
 METRIC_RTOL = 1e-6
