@@ -13,6 +13,7 @@ next's, tracking and all), the ratio new/old, the time split (generation, experi
 what is outside the three) and peak RSS. Written to benchmarks/results/<label>.json.
 
   python benchmarks/ppo_iteration.py --compare 892bdca --rounds 3 --iterations 12
+  python benchmarks/ppo_iteration.py --compare 892bdca --new-set ppo.reuse_first_forward=both --label ...
 """
 
 from __future__ import annotations
@@ -49,6 +50,13 @@ def main() -> None:
     parser.add_argument("--threads", default="1,2", help="--compare: torch thread counts, comma-separated")
     parser.add_argument("--rounds", type=int, default=3, help="--compare: interleaved rounds (old, new)")
     parser.add_argument("--work", help="--compare: keep the prepared models here (reused when present)")
+    parser.add_argument(
+        "--new-set",
+        dest="new_overrides",
+        action="append",
+        default=[],
+        help="--compare: ppo overrides for this checkout only (settings REV does not know)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -228,7 +236,8 @@ def compare(args: argparse.Namespace) -> None:
                     for n in threads:
                         order = [("old", old_src), ("new", repo)]
                         for name, src in order if r % 2 == 0 else order[::-1]:  # alternate who goes first
-                            timing = run_child(src, prepared[shape], n, args.iterations, args.overrides)
+                            extra = args.overrides + (args.new_overrides if name == "new" else [])
+                            timing = run_child(src, prepared[shape], n, args.iterations, extra)
                             runs.setdefault((shape, n, name), []).append(timing)
                             print(f"round {r + 1} {shape} threads {n} {name}: "
                                   f"{statistics.median(x['samples'] / x['loop_s'] for x in timing['loops']):.1f} "
@@ -247,7 +256,8 @@ def compare(args: argparse.Namespace) -> None:
         "old_rev": rev,
         "new": "this checkout: " + subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
                                                   capture_output=True, text=True).stdout.strip(),  # fmt: skip
-        "settings": {"ppo": PPO_SETTINGS + args.overrides, "iterations": args.iterations, "rounds": args.rounds,
+        "settings": {"ppo": PPO_SETTINGS + args.overrides, "new_only": args.new_overrides,
+                     "iterations": args.iterations, "rounds": args.rounds,
                      "shapes": {s: SHAPES[s] for s in shapes}, "sft_epochs": {s: SFT_EPOCHS[s] for s in shapes},
                      "tracking": "on (local sqlite store per run)", "measure": "median over rounds of the median "
                      "per-iteration loop (iteration start to next iteration start), first iteration excluded; "

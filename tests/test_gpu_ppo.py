@@ -24,7 +24,8 @@ def test_ratio_is_one_before_each_first_step_on_cuda(cli, trained, tmp_path: Pat
     out = tmp_path / "ppo"
     stages = ["--set", f"ppo.actor_zero_stage={zero}", "--set", f"ppo.critic_zero_stage={zero}"]
     sampling = ["--set", "ppo.temperature=0.8", "--set", "ppo.top_p=0.95", "--set", "ppo.top_k=40"]
-    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=3", *stages, *sampling, "--output", out]
+    measured = ["--set", "ppo.reuse_first_forward=none"]  # the training forward run again, not reused
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=3", *stages, *sampling, *measured, "--output", out]
     result = cli(*ppo_args(trained, *args))
     assert result.code == 0, result.err
     res = result_of(out)

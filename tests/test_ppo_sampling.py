@@ -18,7 +18,8 @@ pytestmark = pytest.mark.integration
 def test_top_k_1_rollouts_have_no_entropy_and_no_kl(cli, trained, tmp_path: Path):  # noqa: F811
     out = tmp_path / "ppo"
     sampling = ["--set", "ppo.top_k=1", "--set", "ppo.temperature=0.7", "--set", "ppo.top_p=0.9"]
-    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", *sampling, "--output", out]
+    measured = ["--set", "ppo.reuse_first_forward=none"]  # the first minibatch's ratio from a second forward
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", *sampling, *measured, "--output", out]
     result = cli(*ppo_args(trained, *args))
     assert result.code == 0, result.err
     res = result_of(out)

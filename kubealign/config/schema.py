@@ -225,6 +225,14 @@ class PPOConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    reuse_first_forward: Literal["none", "actor", "both"] = Field(
+        "actor",
+        description="The update's first minibatch takes these models' forwards (with their autograd graphs) from "
+        "the experience pass instead of running them again: the same loss and gradients, a forward less per "
+        "iteration. actor: no more memory at the peak; both: also the critic's, its graph then held beside "
+        "the actor's until the first step. approx_kl_first / clip_fraction_first are 0 by construction when "
+        "the actor's is reused and not logged; none measures them from a second forward.",
+    )
     num_iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
     kl_coef: float = Field(
         0.1,

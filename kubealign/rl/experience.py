@@ -121,14 +121,45 @@ def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(response_mask.bool(), x, torch.zeros_like(x))
 
 
+class PolicyPass(NamedTuple):
+    logprobs: torch.Tensor  # [n, A] of the sampling distribution on the response actions, 0 elsewhere
+    entropy: torch.Tensor  # [n, A] likewise
+    outside: torch.Tensor | None  # [n, T - first, V] bool: tokens the sampler could not draw; None untruncated
+    first: int  # first_response_action: the columns before it were not computed
+
+
+def policy_pass(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                sampling: Sampling, entropy_grad: bool = True) -> PolicyPass:  # fmt: skip
+    """The policy's log-probs and entropies (policy_logprobs) with the support mask that the reference's
+    log-probs are restricted to (paired_logprobs): one forward serves the experience and the update."""
+    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
+    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
+    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
+    outside = torch.isinf(logits) if truncated(sampling) else None
+    return PolicyPass(response_only(logprobs, response_mask), response_only(entropy, response_mask), outside, first)
+
+
+def truncated(sampling: Sampling) -> bool:
+    """Whether sampling draws from a part of the vocabulary only (top-k or nucleus)."""
+    return sampling.top_k > 0 or sampling.top_p < 1
+
+
 def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                     sampling: Sampling, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(log-probs, entropies) [N, A] of the policy's sampling distribution (temperature, top-k, top-p) on
     the response actions, 0 elsewhere. entropy_grad False: the entropy carries no gradient (logging only)."""
+    out = policy_pass(model, input_ids, attention_mask, response_mask, sampling, entropy_grad)
+    return out.logprobs, out.entropy
+
+
+def sampler_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                     sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
+    """(log-probs [N, A] of the sampling distribution, 0 outside the response; its support mask, None when
+    untruncated; first_response_action) — policy_pass without the entropy."""
     logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
-    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
-    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
-    return response_only(logprobs, response_mask), response_only(entropy, response_mask)
+    logprobs = left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first)
+    outside = torch.isinf(logits) if truncated(sampling) else None  # a bool mask, not a second [N, T, V] of floats
+    return response_only(logprobs, response_mask), outside, first
 
 
 def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -137,14 +168,17 @@ def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention
     under its sampling distribution, the other model's (reference, baseline) at the same temperature over
     the tokens the sampler could draw (losses.restrict_to) — so their difference estimates a finite KL
     that is exactly 0 for two copies of one model."""
-    logits, first = action_logits(sampler, input_ids, attention_mask, response_mask, sampling)
-    logprobs = left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first)
-    truncated = sampling.top_k > 0 or sampling.top_p < 1
-    outside = torch.isinf(logits) if truncated else None  # a bool mask, not a second [N, T, V] of floats
-    del logits
+    logprobs, outside, first = sampler_logprobs(sampler, input_ids, attention_mask, response_mask, sampling)
+    return logprobs, restricted_logprobs(other, input_ids, attention_mask, response_mask, sampling, outside, first)
+
+
+def restricted_logprobs(other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                        sampling: Sampling, outside: torch.Tensor | None, first: int) -> torch.Tensor:  # fmt: skip
+    """[N, A] log-probs of another model (the reference) at the sampling temperature over the tokens the
+    sampler could draw (outside: its support mask from column `first` on), 0 outside the response."""
     other_logits = restrict_to(forward_logits(other, input_ids, attention_mask, first), outside, sampling)
     other_logprobs = left_pad(logprobs_from_logits(other_logits, input_ids[:, first:]), first)
-    return response_only(logprobs, response_mask), response_only(other_logprobs, response_mask)
+    return response_only(other_logprobs, response_mask)
 
 
 @contextlib.contextmanager
@@ -173,6 +207,25 @@ def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return values[:, :-1], last_token_scores(values, attention_mask)
 
 
+def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, response_mask) of a rollout batch."""
+    input_ids = batch.input_ids
+    prompt_mask = prompt_mask.to(input_ids.device)
+    if prompt_mask.shape[0] != input_ids.shape[0]:  # n_samples_per_prompt > 1: prompts were repeated
+        prompt_mask = prompt_mask.repeat_interleave(input_ids.shape[0] // prompt_mask.shape[0], dim=0)
+    attention, response = response_masks(input_ids, prompt_mask, batch.response_start_idx, eos_id)
+    return input_ids, attention, response
+
+
+def _modes(models: tuple[Any, Any, Any, Any]) -> None:
+    actor, reference, critic, reward = models
+    actor.train()
+    reference.eval()
+    reward.eval()
+    if critic is not None:
+        critic.train()
+
+
 @torch.no_grad()
 def make_experience(
     batch: Any,
@@ -187,18 +240,84 @@ def make_experience(
     log-probs then come from the very function the PPO update differentiates); the frozen reference and
     reward models in eval mode."""
     actor, reference, critic, reward = models
-    input_ids = batch.input_ids
-    prompt_mask = prompt_mask.to(input_ids.device)
-    if prompt_mask.shape[0] != input_ids.shape[0]:  # n_samples_per_prompt > 1: prompts were repeated
-        prompt_mask = prompt_mask.repeat_interleave(input_ids.shape[0] // prompt_mask.shape[0], dim=0)
-    attention, response = response_masks(input_ids, prompt_mask, batch.response_start_idx, eos_id)
-    actor.train()
-    reference.eval()
-    reward.eval()
+    input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
+    _modes(models)
     logprobs, ref_logprobs = paired_logprobs(actor, reference, input_ids, attention, response, sampling)
     values = None
     if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
-        critic.train()
         values = score_and_value(critic, input_ids, attention)[0].float()
     _, scores = score_and_value(reward, input_ids, attention)
     return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())
+
+
+class FirstPass(NamedTuple):
+    """The experience pass's actor (and critic) forwards of the update's first minibatch, with their autograd
+    graphs, so that its first step need not run them again (ppo.reuse_first_forward)."""
+
+    rows: torch.Tensor  # [m] the minibatch's rows of the batch, in the minibatch's order
+    logprobs: torch.Tensor  # [m, A] policy_pass's, with grad
+    entropy: torch.Tensor  # [m, A] with grad only when entropy_grad
+    values: torch.Tensor | None  # [m, A] the critic's, with grad; None without a critic
+
+
+def _stack_rows(
+    rows: torch.Tensor, kept: torch.Tensor, rest: torch.Tensor, others: torch.Tensor | None
+) -> torch.Tensor:
+    """[n, ...] with kept's rows at `rows` and others' at `rest` (n = len(rows) + len(rest))."""
+    out = kept.new_empty((rows.numel() + rest.numel(), *kept.shape[1:]))
+    out[rows] = kept
+    if others is not None:
+        out[rest] = others
+    return out
+
+
+def make_experience_keeping(
+    batch: Any,
+    prompt_mask: torch.Tensor,
+    eos_id: int,
+    models: tuple[Any, Any, Any, Any],
+    sampling: Sampling,
+    rows: torch.Tensor,
+    entropy_grad: bool,
+    keep_critic: bool = False,
+) -> tuple[Experience, FirstPass]:
+    """make_experience, with the actor's forward of the rows `rows` (the update's first minibatch, in its
+    order) run with autograd and kept — with keep_critic the critic's too: the very calls the update would
+    make, on the same weights and inputs, so its first step's loss and gradients are those of running them
+    again (PPO computes the old and the new log-probs of that minibatch from one set of weights). The
+    other rows run without autograd. Memory: the frozen models run before the actor's graph is held
+    (the reference only after it when sampling is truncated: it needs the actor's support); a kept critic
+    graph is held beside the actor's until the first step — one more graph at the peak."""
+    actor, reference, critic, reward = models
+    input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
+    _modes(models)
+    first = first_response_action(response)  # every row's response starts at this column (one prompt width)
+    with torch.no_grad():
+        _, scores = score_and_value(reward, input_ids, attention)
+        if not truncated(sampling):  # the reference needs nothing of the actor
+            ref_logprobs = restricted_logprobs(reference, input_ids, attention, response, sampling, None, first)
+    keep = (input_ids[rows], attention[rows], response[rows])
+    rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)
+    rest[rows] = False
+    rest = rest.nonzero().squeeze(-1)
+    others = (input_ids[rest], attention[rest], response[rest]) if rest.numel() else None
+    with torch.enable_grad():
+        kept = policy_pass(actor, *keep, sampling, entropy_grad)
+    with torch.no_grad():
+        other = sampler_logprobs(actor, *others, sampling) if others else None
+        logprobs = _stack_rows(rows, kept.logprobs.detach(), rest, other[0] if other else None)
+        if truncated(sampling):
+            outside = _stack_rows(rows, kept.outside, rest, other[1] if other else None)
+            ref_logprobs = restricted_logprobs(reference, input_ids, attention, response, sampling, outside, first)
+    values, kept_values = None, None
+    if critic is not None and keep_critic:
+        with torch.enable_grad():
+            kept_values = score_and_value(critic, *keep[:2])[0]
+        with torch.no_grad():
+            other_values = score_and_value(critic, *others[:2])[0] if others else None
+            values = _stack_rows(rows, kept_values.detach(), rest, other_values).float()
+    elif critic is not None:
+        with torch.no_grad():
+            values = score_and_value(critic, input_ids, attention)[0].float()
+    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())
+    return exp, FirstPass(rows, kept.logprobs, kept.entropy, kept_values)

@@ -29,8 +29,10 @@ from kubealign.rl.advantages import (
 )
 from kubealign.rl.experience import (
     Experience,
+    FirstPass,
     generation_config,
     make_experience,
+    make_experience_keeping,
     merged_lora,
     policy_logprobs,
     score_and_value,
@@ -227,14 +229,18 @@ class ActorObjective(NamedTuple):
 
 
 def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig,
-                    kl_coef: float = 0.0) -> ActorObjective:  # fmt: skip
+                    kl_coef: float = 0.0, first: FirstPass | None = None) -> ActorObjective:  # fmt: skip
     """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
     (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
     kl_coef * the mean k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term
-    instead of a reward penalty, so the advantages stay purely group-relative."""
+    instead of a reward penalty, so the advantages stay purely group-relative. first: the experience
+    pass's forward of exactly these rows (idx == first.rows), used instead of running it again."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
     use_entropy = cfg.entropy_coef > 0
-    logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
+    if first is not None:
+        logprobs, entropy = first.logprobs, first.entropy
+    else:
+        logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
@@ -254,19 +260,26 @@ def update(
     gen: Any,
     unsup: UnsupervisedData | None = None,
     kl_coef: float = 0.0,
+    plan: list[torch.Tensor] | None = None,
+    first: FirstPass | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes of clipped policy updates (+ value updates for ppo) over shuffled minibatches of
     the whole batch's advantages, computed before (a grpo / rloo group spans minibatches: its advantages
-    are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient."""
+    are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient.
+    plan: the first epoch's minibatches, drawn from gen before the experience pass (iteration); first:
+    the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping)."""
     stats: dict[str, list[float]] = {}
     with_critic = cfg.algorithm == "ppo"
     models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
     if with_critic:
         models.critic.train()
-    for _ in range(cfg.ppo_epochs):
-        for idx in _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen):
+    for epoch in range(cfg.ppo_epochs):
+        minibatches = plan if epoch == 0 and plan is not None else _minibatches(exp.input_ids.shape[0],
+                                                                                cfg.micro_batch_size, gen)  # fmt: skip
+        for step, idx in enumerate(minibatches):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef)
+            reused = first if epoch == 0 and step == 0 else None
+            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef, reused)
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
@@ -279,7 +292,8 @@ def update(
             if kl is not None:
                 logged["kl_loss"] = kl  # the k3 KL before the coefficient
             if with_critic:
-                values, _ = score_and_value(models.critic, ids, mask)
+                kept = reused.values if reused is not None else None
+                values = kept if kept is not None else score_and_value(models.critic, ids, mask)[0]
                 vl = value_loss(values.float(), exp.values[idx], returns[idx], resp, cfg.cliprange_value)
                 check_finite({"critic loss": vl.loss})
                 models.critic.backward(vl.loss)
@@ -288,9 +302,11 @@ def update(
             for key, value in logged.items():
                 stats.setdefault(key, []).append(value.item())
     means = {k: sum(v) / len(v) for k, v in stats.items()}
-    # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly 0
-    # unless the rollout's log-probs and the training forward disagree (live dropout, kernels, settings).
-    means["approx_kl_first"], means["clip_fraction_first"] = stats["approx_kl"][0], stats["clip_fraction"][0]
+    if first is None:
+        # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly 0
+        # unless the rollout's log-probs and the training forward disagree (live dropout, kernels, settings).
+        # A reused forward is the rollout's: 0 by construction, measuring nothing, so not logged then.
+        means["approx_kl_first"], means["clip_fraction_first"] = stats["approx_kl"][0], stats["clip_fraction"][0]
     return means
 
 
@@ -364,11 +380,19 @@ def iteration(
     batch = generate(models, prompt_ids, prompt_mask, cfg)
     generated = time.perf_counter()
     four = (models.actor, models.reference, models.critic, models.reward)  # critic None: grpo / rloo
-    exp = make_experience(batch, prompt_mask, models.tokenizer.eos_token_id, four, sampling_of(cfg))
+    eos = models.tokenizer.eos_token_id
+    plan = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # the first epoch's, as update() drew it
+    first = None
+    if cfg.reuse_first_forward != "none":
+        both = cfg.reuse_first_forward == "both"
+        exp, first = make_experience_keeping(batch, prompt_mask, eos, four, sampling_of(cfg), plan[0],
+                                             cfg.entropy_coef > 0, keep_critic=both)  # fmt: skip
+    else:
+        exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg))
     experienced = time.perf_counter()
     kl_coef = kl.value
     targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
-    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef)
+    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first)
     trained = time.perf_counter()
     kl_mean = update_kl(kl, targets.kl.sum(-1))
     reward_mean, reward_std, _ = global_stats(exp.scores)

@@ -2,7 +2,7 @@
 
 The DeepSpeed config is a pure function of the stage config (ds_config), so it can be tested and
 logged. AdamW comes from DeepSpeed's config block: fused Adam on CUDA, DeepSpeedCPUAdam when the
-optimizer is offloaded, torch's AdamW (`torch_adam`) on CPU, where there is no fused kernel.
+optimizer is offloaded, torch's AdamW (`torch_adam`) with its fused CPU kernel on CPU.
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def ds_config(cfg: TrainConfig, world_size: int, cuda: bool) -> dict[str, Any]:
                 "eps": 1e-8,
                 "weight_decay": cfg.weight_decay,
                 "torch_adam": not cuda,
+                # torch's fused CPU kernel: one pass over each tensor instead of a dozen elementwise ops
+                # (7.7 -> 2.4 ms per step for 3.5M parameters); same update up to float rounding.
+                **({} if cuda else {"fused": True}),
             },
         },
         "steps_per_print": 10**9,
@@ -160,6 +163,12 @@ def create(model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], tot
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
         )
+    if config["zero_optimization"]["stage"] == 0 and engine.dp_world_size == 1:
+        # Alone, the engine's gradient all-reduce only flattens every gradient into a bucket, "reduces" it
+        # over one rank, divides by 1 and copies it back; DeepSpeed skips it itself without a process group.
+        # (It also gives unused parameters zero gradients, which AdamW then decays: here they keep none,
+        # as in plain torch.) ZeRO >= 1 does its partitioning there, so only stage 0.
+        engine.enable_backward_allreduce = False
     return engine
 
 
