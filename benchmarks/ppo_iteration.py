@@ -166,7 +166,10 @@ def child(spec: dict) -> None:
         return metrics, exp
 
     ppo.iteration = timed
-    config = load_config(None, [*PPO_SETTINGS, f"ppo.num_iterations={spec['iterations']}", *spec["overrides"]])
+    # Each side's own tiny-cpu preset (the editable install maps `configs` to this checkout's, whose newer
+    # sections an older commit would refuse); their ppo sections are the same.
+    preset = Path(spec["src"]) / "configs" / "tiny-cpu.yaml"
+    config = load_config(preset, [*PPO_SETTINGS, f"ppo.num_iterations={spec['iterations']}", *spec["overrides"]])
     out = Path(spec["out"])
     result = ppo.run(config, Path(spec["split"]), Path(spec["actor"]), Path(spec["critic"]), None, out / "ppo")
     loops = []
