@@ -1,0 +1,353 @@
+"""The jobs of benchmarks/gpu_rollout.py that build DeepSpeed engines, each run in a fresh process on a GPU
+(its own DeepSpeed state and peak memory): kubealign's rollout (path c), the correctness check (item 2),
+the ppo stage's iteration (item 3), and the injected kernels in the legacy side environment (path d)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from gpu_core import (
+    DRY_SHAPES,
+    NEEDS_CUDA,
+    REPO,
+    SHAPES,
+    SPECIAL,
+    compare,
+    failure,
+    greedy,
+    hf_config,
+    measure,
+    random_prompts,
+    version,
+)
+
+SCRIPT = Path(__file__).resolve().parent / "gpu_rollout.py"  # its `_child` entry runs a job
+
+
+def build_dir(name: str, kind: str, root: Path, dry: bool) -> Path:
+    """A self-contained HF dir (random weights, the tiny tokenizer) of model `name`: kind causal (an actor)
+    or score (a critic / reward model, one output). Built once per --work dir."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, GenerationConfig
+
+    from kubealign.models import loading
+
+    directory = root / f"{name}-{kind}"
+    if (directory / "config.json").is_file():
+        return directory
+    config = hf_config((DRY_SHAPES if dry else SHAPES)[name])
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(0)
+    with torch.device(device):
+        if kind == "causal":
+            model = AutoModelForCausalLM.from_config(config)
+        else:
+            config.num_labels = 1
+            model = AutoModelForSequenceClassification.from_config(config)
+    model.generation_config = GenerationConfig(**{f"{k}_token_id": v for k, v in SPECIAL.items()})
+    tmp = root / f".{directory.name}.tmp"
+    model.to(torch.bfloat16 if device == "cuda" else torch.float32).save_pretrained(tmp, safe_serialization=True)
+    loading.load_tokenizer("tiny-opt").save_pretrained(tmp)
+    params = sum(p.numel() for p in model.parameters())
+    (tmp / "kubealign-bench.json").write_text(json.dumps({"parameters": params, "shape": name, "kind": kind}))
+    tmp.rename(directory)
+    del model
+    return directory
+
+
+def parameters(directory: Path) -> int:
+    return json.loads((directory / "kubealign-bench.json").read_text())["parameters"]
+
+
+def prompt_texts(count: int, seed: int) -> list[str]:
+    """Distinct texts of random letters, each far longer than 256 tiny-tokenizer tokens (cut from the left)."""
+    rng = random.Random(seed)
+    word = lambda: "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(3, 8)))  # noqa: E731
+    return [" ".join(word() for _ in range(300)) for _ in range(count)]
+
+
+def write_prompts(root: Path, train: int, evaluation: int) -> Path:
+    """A data-split-like dir holding phase3_prompts (train and eval splits), what `kubealign ppo --prompts` reads."""
+    import datasets
+
+    directory = root / "prompts"
+    if (directory / "phase3_prompts" / "dataset_dict.json").is_file():
+        return directory
+    texts = prompt_texts(train + evaluation, seed=0)
+    split = {"train": texts[:train], "eval": texts[train:]}
+    dd = datasets.DatasetDict({k: datasets.Dataset.from_dict({"prompt": v, "chosen": [""] * len(v)})
+                               for k, v in split.items()})  # fmt: skip
+    dd.save_to_disk(str(directory / "phase3_prompts"))
+    return directory
+
+
+@contextlib.contextmanager
+def forced_path(path: str | None) -> Any:
+    """The ppo stage's preflight with its choice replaced by `path` (he-plain | engine), so the benchmark can
+    time a path the preflight would not pick here (the hybrid engine on CUDA with transformers 5).
+    None: the preflight decides, as in a real run."""
+    from kubealign.rl import preflight
+
+    decide = preflight.decide
+
+    def forced(hybrid: Any, zero: int, *rest: Any) -> Any:
+        chosen = decide(hybrid, zero, *rest)
+        if path == "engine":
+            return preflight.Preflight("engine", None, [*chosen.notes, "benchmark: forced the plain engine"])
+        block = {
+            "enabled": True,
+            "max_out_tokens": hybrid.max_out_tokens,
+            "inference_tp_size": 1,
+            "release_inference_cache": hybrid.release_inference_cache,
+            "pin_parameters": hybrid.pin_parameters,
+            "tp_gather_partition_size": hybrid.tp_gather_partition_size,
+        }  # as preflight.decide builds it
+        return preflight.Preflight("he-plain", block, [*chosen.notes, "benchmark: forced the hybrid engine"])
+
+    if path is not None:
+        preflight.decide = forced
+    try:
+        yield
+    finally:
+        preflight.decide = decide
+
+
+def ppo_config(spec: dict[str, Any]) -> Any:
+    from kubealign.config.schema import PPOConfig
+
+    zero = spec["zero"]
+    lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]} if spec.get("lora") else {}
+    return PPOConfig.model_validate({
+        "actor_zero_stage": zero, "critic_zero_stage": zero, "dtype": spec["dtype"],
+        "generation_batch_size": spec["batch"], "micro_batch_size": spec["batch"],
+        "max_prompt_len": spec["prompt_len"], "max_new_tokens": spec["new_tokens"],
+        "num_iterations": max(spec.get("updates", 1), 1), "reuse_first_forward": "none",
+        "sample_every_iterations": 0, "actor_lora": lora,
+    })  # fmt: skip
+
+
+def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """The four models exactly as the ppo stage builds them (kubealign.stages.ppo.build_models)."""
+    from kubealign.stages import ppo
+    from kubealign.training import distributed
+
+    cfg = ppo_config(spec)
+    distributed.init()
+    distributed.seed_everything(cfg.seed)
+    with forced_path(spec["path"]):
+        models, check = ppo.build_models(cfg, spec["actor"], spec["critic"], spec["critic"], 1)
+    return cfg, models, check
+
+
+def job_rollout(spec: dict[str, Any]) -> dict[str, Any]:
+    """Path (c): kubealign.rl.trainer.generate through the PPOModels the ppo stage builds."""
+    from kubealign.rl.trainer import generate
+    from kubealign.training import distributed
+
+    cfg, models, check = build(spec)
+    ids, mask = random_prompts(max(spec["batches"]), spec["prompt_len"], spec["vocab"], distributed.device())
+
+    def run(batch: int) -> Any:
+        def once(n: int) -> Any:
+            return generate(models, ids[:batch], mask[:batch], cfg.model_copy(update={"max_new_tokens": n})).input_ids
+
+        return once
+
+    cases = [measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]) for b in spec["batches"]]
+    return {"rollout_path": check.path, "rollout_notes": check.notes, "cases": cases}
+
+
+def job_correctness(spec: dict[str, Any]) -> dict[str, Any]:
+    """Item 2: ppo iterations through kubealign's loop (ratio 1 and KL 0 at step 0), then the greedy rollout
+    (top_k 1) of the trained actor against HF eager generation from the same, gathered weights."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kubealign.rl.kl import KLController
+    from kubealign.rl.trainer import generate, iteration
+    from kubealign.training import distributed, export
+
+    cfg, models, check = build(spec)
+    device = distributed.device()
+    before = export.gather_state(models.actor.module, keep=False)[1]
+    kl, gen, history = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon), torch.Generator().manual_seed(0), []
+    for step in range(spec["updates"]):
+        ids, mask = random_prompts(cfg.generation_batch_size, cfg.max_prompt_len, spec["vocab"], device, seed=step + 1)
+        metrics, _ = iteration(models, ids, mask, cfg, kl, gen)
+        history.append({k: metrics[k] for k in ("kl", "approx_kl_first", "clip_fraction_first", "policy_loss")})
+    ids, mask = random_prompts(cfg.generation_batch_size, cfg.max_prompt_len, spec["vocab"], device, seed=99)
+    rollout = generate(models, ids, mask, cfg.model_copy(update={"top_k": 1})).input_ids[:, ids.shape[1] :]
+    model, _ = export.gather_model(models.actor, AutoModelForCausalLM, cfg.actor_lora, "CAUSAL_LM")
+    after = export.gather_state(models.actor.module, keep=False)[1]
+    dtype = torch.float32 if spec["dtype"] == "fp32" else torch.bfloat16
+    model = (model.merge_and_unload() if cfg.actor_lora.r else model).to(device, dtype).eval()
+    with torch.no_grad():
+        reference, scores = greedy(model, ids, mask, cfg.max_new_tokens)
+    first = history[0]
+    checks = {"ratio_is_one_at_step_0": abs(first["approx_kl_first"]) < 1e-6 and first["clip_fraction_first"] == 0,
+              "kl_is_zero_at_step_0": abs(first["kl"]) < 1e-4, "weights_changed": before != after}  # fmt: skip
+    tokens = compare(rollout, reference, scores, tie=1e-4 if spec["dtype"] == "fp32" else 0.1)
+    passed = all(checks.values()) and (tokens["greedy_equal"] or tokens["near_tie"])
+    return {"rollout_path": check.path, "rollout_notes": check.notes, "history": history, **checks, **tokens,
+            "passed": passed}  # fmt: skip
+
+
+def job_iteration(spec: dict[str, Any]) -> dict[str, Any]:
+    """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off."""
+    import resource
+
+    import torch
+
+    from kubealign.config.load import load_config
+    from kubealign.stages import ppo
+
+    config = load_config(REPO / "configs" / "opt-1.3b-1gpu.yaml", spec["overrides"])
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")):
+        result = ppo.run(config, Path(spec["prompts"]), Path(spec["actor"]), Path(spec["critic"]), None,
+                         Path(tmp) / "ppo")  # fmt: skip
+    history = result["history"][1:] or result["history"]  # the first iteration holds one-time warm-up
+    keys = ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s", "response_length")
+    mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
+    total = sum(mean[k] for k in keys[:3])
+    peak = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if torch.cuda.is_available():
+        peak.update(peak_gpu_allocated_bytes=torch.cuda.max_memory_allocated(),
+                    peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved())  # fmt: skip
+    return {"rollout_path": result["rollout_path"], "rollout_notes": result["rollout_notes"],
+            "iterations": len(result["history"]), "iterations_averaged": len(history), "per_iteration_mean": mean,
+            "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in keys[:3]},
+            "history": result["history"], "wall_time_s": result["metrics"]["wall_time_s"], **peak}  # fmt: skip
+
+
+JOBS = {"rollout": job_rollout, "correctness": job_correctness, "iteration": job_iteration}
+
+
+def run_job(spec: dict[str, Any], isolate: bool, timeout: float) -> dict[str, Any]:
+    """A job in a fresh process (isolate: its own DeepSpeed state and peak memory) or in this one."""
+    if not isolate:
+        try:
+            return {"status": "ok", **JOBS[spec["job"]](spec)}
+        except Exception as exc:
+            return failure(exc)
+    return subprocess_job(spec, timeout, env=os.environ)
+
+
+def subprocess_job(spec: dict[str, Any], timeout: float, env: Any) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        spec_file.write_text(json.dumps({**spec, "result_file": str(out_file)}))
+        clean = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+        cmd = [sys.executable, str(SCRIPT), "_child", str(spec_file)]
+        try:  # the child's output goes to this one's: a JIT build or a crash shows in the log
+            proc = subprocess.run(cmd, env=clean, timeout=max(timeout, 30))
+        except subprocess.TimeoutExpired:
+            return {"status": "error", "error": f"timeout after {max(timeout, 30):.0f} s"}
+        if out_file.is_file():
+            return json.loads(out_file.read_text())
+        return {"status": "error", "error": f"the child exited with {proc.returncode} and wrote no result"}
+
+
+def child(spec_file: str) -> None:
+    spec = json.loads(Path(spec_file).read_text())
+    job = job_legacy if spec["job"] == "legacy" else JOBS[spec["job"]]
+    try:
+        result = {"status": "ok", **job(spec)}
+    except Exception as exc:
+        traceback.print_exc()
+        result = failure(exc)
+    Path(spec["result_file"]).write_text(json.dumps(result, default=str))
+
+
+def job_legacy(spec: dict[str, Any]) -> dict[str, Any]:
+    """DeepSpeedHybridEngine with kernel injection, as DeepSpeed-Chat drives it (engine.eval(), then
+    module.generate), at one ZeRO stage with or without enable_cuda_graph: speed, then 3 training steps
+    and greedy tokens against HF eager generation from the same (gathered) weights."""
+    import torch
+    import transformers
+
+    found = {"transformers": transformers.__version__, "deepspeed": version("deepspeed")}
+    # Imported before the CUDA check: a dry run on CPU proves the side environment loads DeepSpeed's
+    # injection policies beside this transformers before any GPU time is spent on it.
+    import deepspeed
+    from deepspeed.module_inject.replace_policy import replace_policies
+
+    found["injection_policies"] = len(replace_policies)
+    if not torch.cuda.is_available():
+        return {**found, "status": NEEDS_CUDA}
+    from transformers import AutoModelForCausalLM
+
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(29500 + os.getpid() % 1000))  # fmt: skip
+    deepspeed.init_distributed(dist_backend="nccl", verbose=False)
+    torch.manual_seed(0)
+    config = hf_config(spec["shape"])
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+    block = {
+        "enabled": True,
+        "max_out_tokens": 512,
+        "inference_tp_size": 1,
+        "release_inference_cache": False,
+        "pin_parameters": True,
+        "tp_gather_partition_size": 8,
+        "enable_cuda_graph": spec["cuda_graph"],
+    }
+    ds = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 4, "bf16": {"enabled": True},
+          "zero_optimization": {"stage": spec["zero"]}, "hybrid_engine": block,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9}  # fmt: skip
+    start = time.perf_counter()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    found.update(init_s=time.perf_counter() - start, injected_layers=len(engine._inference_containers),
+                 cuda_graphs=getattr(engine, "_decode_graphs", None) is not None)  # fmt: skip
+    ids, mask = random_prompts(max(spec["batches"]), spec["prompt_len"], spec["shape"]["vocab_size"], "cuda")
+    engine.eval()
+
+    def run(batch: int) -> Any:
+        def once(n: int) -> Any:
+            return engine.module.generate(input_ids=ids[:batch], attention_mask=mask[:batch], do_sample=True,
+                                          top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=SPECIAL["pad"],
+                                          eos_token_id=SPECIAL["eos"])  # fmt: skip
+
+        return once
+
+    found["cases"] = [measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]) for b in spec["batches"]]
+    found["correctness"] = legacy_correctness(engine, config, spec)
+    return found
+
+
+def legacy_correctness(engine: Any, config: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    import deepspeed
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    c = spec["correctness"]
+    engine.train()
+    for step in range(c["updates"]):  # LM steps on random sequences: the weights move away from the initial ones
+        seq, _ = random_prompts(4, c["prompt_len"] + c["new_tokens"], spec["shape"]["vocab_size"], "cuda", seed=step)
+        engine.backward(engine(input_ids=seq, labels=seq).loss)
+        engine.step()
+    ids, mask = random_prompts(c["batch"], c["prompt_len"], spec["shape"]["vocab_size"], "cuda", seed=99)
+    engine.eval()
+    with torch.no_grad():
+        out = engine.module.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                     max_new_tokens=c["new_tokens"], pad_token_id=SPECIAL["pad"],
+                                     eos_token_id=SPECIAL["eos"])  # fmt: skip
+    engine.train()
+    reference = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
+        reference.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
+    with torch.no_grad():
+        expected, scores = greedy(reference, ids, mask, c["new_tokens"])
+    return compare(out[:, ids.shape[1] :], expected, scores, tie=0.1)
