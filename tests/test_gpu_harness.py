@@ -61,13 +61,14 @@ def test_measure_takes_the_decode_step_from_full_minus_prefill(monkeypatch):
 
 
 def test_compare_finds_the_first_mismatching_step_and_its_margin():
-    rollout = torch.tensor([[5, 6, 7, 1], [5, 6, 8, 1]])
-    reference = torch.tensor([[5, 6, 9], [5, 2, 8]])  # ended one step earlier: 3 steps compared
-    scores = [torch.zeros(2, 10) for _ in range(3)]
+    rollout = torch.tensor([[5, 6, 7, 1], [5, 6, 8, 1], [5, 4, 8, 1]])
+    reference = torch.tensor([[5, 6, 9], [5, 2, 8], [5, 3, 8]])  # ended one step earlier: 3 steps compared
+    scores = [torch.zeros(3, 10) for _ in range(3)]
     scores[1][1, 2], scores[1][1, 6], scores[1][1, 4] = 3.0, 1.25, 1.0  # row 1's top-2 at step 1
-    scores[2][0, 9], scores[2][0, 7] = 9.0, 0.0  # a later mismatch (row 0, step 2) must not be the one
+    scores[1][2, 3] = 5.0  # row 2 also differs at step 1, with another margin: the first row is the one
+    scores[2][0, 9] = 9.0  # a later mismatch (row 0, step 2) must not be the one
     found = gpu_core.compare(rollout, reference, scores, tie=2.0)
-    assert found["compared_tokens"] == 6 and found["match_fraction"] == pytest.approx(4 / 6)
+    assert found["compared_tokens"] == 9 and found["match_fraction"] == pytest.approx(6 / 9)
     assert not found["greedy_equal"] and found["first_mismatch"] == [1, 1]
     assert found["margin_at_mismatch"] == pytest.approx(1.75) and found["near_tie"]
     assert not gpu_core.compare(rollout, reference, scores, tie=1.0)["near_tie"]

@@ -6,7 +6,7 @@
 #                      at the versions of requirements/lock-cpu.txt
 #   DEST/legacy/*.whl  the side environment of path (d): transformers 4.44.2 with the tokenizers and
 #                      huggingface-hub it needs (DeepSpeed's injected kernels stop working after 4.48)
-# What the device image already has (torch 2.11, transformers 5.17, peft, accelerate, safetensors, pyarrow,
+# What the device image already has (torch 2.11, transformers 5.17, accelerate, safetensors, pyarrow,
 # ninja, msgpack, py-cpuinfo, psutil, nvidia-ml-py, pyyaml, ...) is not carried: two versions of one
 # package stop the install there. Python 3.12, x86-64, manylinux.
 set -euo pipefail
@@ -26,9 +26,10 @@ BINARY=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp 
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
         --platform manylinux1_x86_64 --platform any)
 # deepspeed's own needs beyond the image (hjson, pydantic and its parts), and what kubealign imports on the
-# ppo path (datasets for the prompt split, with dill and multiprocess). mlflow and kfp are not needed: the
-# benchmark runs with tracking off and never compiles a pipeline.
-CORE=(hjson pydantic pydantic_core annotated-types typing-inspection datasets dill multiprocess)
+# ppo path (datasets for the prompt split, with dill and multiprocess; peft at the version the tests here
+# pass with, in front of the image's own). mlflow, kfp, kubernetes and jsonschema are not needed: the
+# benchmark and the gpu tests run with tracking off and never compile a pipeline.
+CORE=(hjson pydantic pydantic_core annotated-types typing-inspection datasets dill multiprocess peft)
 LEGACY=(transformers==4.44.2 tokenizers==0.19.1 huggingface-hub==0.24.7)
 
 mkdir -p "$DEST/legacy"
