@@ -58,6 +58,20 @@ LEGACY_VARIANTS = (("he-injected-z2", 2, False), ("he-injected-z2-cuda-graph", 2
 NEEDS_CUDA = "skipped: needs CUDA"
 
 
+# torch.distributed's rendezvous variables. The benchmark is one process (a job's child too): inherited
+# values name a port that another process (a launcher, a test runner that initialized its own group)
+# may hold, so main() drops them and each process picks a free port of its own.
+LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def settings(dry: bool) -> dict[str, Any]:
     """Everything a measurement's size depends on; written into every record."""
     if dry:

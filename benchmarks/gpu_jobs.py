@@ -24,6 +24,7 @@ from gpu_core import (
     SPECIAL,
     compare,
     failure,
+    free_port,
     greedy,
     hf_config,
     measure,
@@ -248,10 +249,9 @@ def subprocess_job(spec: dict[str, Any], timeout: float, env: Any) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps({**spec, "result_file": str(out_file)}))
-        clean = {k: v for k, v in env.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
         cmd = [sys.executable, str(SCRIPT), "_child", str(spec_file)]
         try:  # the child's output goes to this one's: a JIT build or a crash shows in the log
-            proc = subprocess.run(cmd, env=clean, timeout=max(timeout, 30))
+            proc = subprocess.run(cmd, env=env, timeout=max(timeout, 30))
         except subprocess.TimeoutExpired:
             return {"status": "error", "error": f"timeout after {max(timeout, 30):.0f} s"}
         if out_file.is_file():
@@ -289,7 +289,7 @@ def job_legacy(spec: dict[str, Any]) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(29500 + os.getpid() % 1000))  # fmt: skip
+                      MASTER_PORT=str(free_port()))  # fmt: skip
     deepspeed.init_distributed(dist_backend="nccl", verbose=False)
     torch.manual_seed(0)
     config = hf_config(spec["shape"])

@@ -44,6 +44,7 @@ from gpu_core import (  # noqa: E402
     DRY_SHAPES,
     DSCHAT_EPOCH,
     GEN_PATHS,
+    LAUNCHER_VARS,
     LEGACY_VARIANTS,
     NEEDS_CUDA,
     SHAPES,
@@ -317,6 +318,8 @@ def main(argv: list[str] | None = None) -> None:
     args.paths = [p for p in args.paths.split(",") if p]
     if bad := [a for a in args.arch if a not in ACTORS] + [p for p in args.paths if p not in GEN_PATHS]:
         parser.error(f"unknown --arch / --paths value(s): {', '.join(bad)}")
+    for name in LAUNCHER_VARS:  # see gpu_core.LAUNCHER_VARS
+        os.environ.pop(name, None)
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -103,11 +104,18 @@ def test_run_sh_without_wheels_says_how_to_make_them(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def dry(tmp_path_factory) -> dict[str, dict]:
-    """`gpu_rollout.py all --dry` once: the three records a GPU run writes, from tiny shapes on CPU."""
+    """`gpu_rollout.py all --dry` once: the three records a GPU run writes, from tiny shapes on CPU. It
+    inherits a launcher's variables naming a port another process holds (as from a test runner that set
+    up its own process group): the benchmark must pick its own."""
     out, work = tmp_path_factory.mktemp("results"), tmp_path_factory.mktemp("work")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "all", "--dry", "--out", str(out), "--work", str(work)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(held.getsockname()[1])}  # fmt: skip
+        env = {**os.environ, **launcher, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+        cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "all", "--dry", "--out", str(out), "--work", str(work)]
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
     assert files == [f"gpu-{m}-cpu-dry.json" for m in ("correctness", "generation", "iteration")], files
