@@ -12,9 +12,10 @@ step=${1:?usage: run.sh generation|correctness|iteration|all|tests [options]}
 shift
 WHL=${WHL:-.whl}
 OUT=${OUT:-benchmarks/results}
-SITE=${SITE:-/tmp/kubealign-site}
-LEGACY_SITE=${LEGACY_SITE:-/tmp/kubealign-legacy}
-WORK=${WORK:-/tmp/kubealign-gpu-work}
+TMP=${TMPDIR:-/tmp}
+SITE=${SITE:-$TMP/kubealign-site}
+LEGACY_SITE=${LEGACY_SITE:-$TMP/kubealign-legacy}
+WORK=${WORK:-$TMP/kubealign-gpu-work}
 
 install() {  # WHEEL_DIR TARGET: once per machine
     [ -f "$2/.installed" ] && return
@@ -26,7 +27,7 @@ install "$WHL" "$SITE"
 install "$WHL/legacy" "$LEGACY_SITE"
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # DeepSpeed JIT-compiles its CUDA ops once per machine; keep them out of the home directory.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-/tmp/kubealign-torch-extensions}
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$TMP/kubealign-torch-extensions}
 # A carried wheel that does not fit the image's packages fails here, in seconds, not in a measurement.
 python3 -c "import deepspeed, datasets, pydantic, kubealign.stages.ppo" 2>&1 | grep -v WARNING || true
 python3 -c "import deepspeed, datasets, pydantic, kubealign.stages.ppo" >/dev/null 2>&1 \
