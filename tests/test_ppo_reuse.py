@@ -95,6 +95,7 @@ def run(cfg: PPOConfig, monkeypatch):
 
 CONFIGS = {
     "one-minibatch": {"micro_batch_size": 6},
+    "one-minibatch-truncated": {"micro_batch_size": 6, "top_k": 5},  # every row kept: no rest to stack
     "three-minibatches-two-epochs-truncated-entropy": {"micro_batch_size": 2, "ppo_epochs": 2, "top_k": 6,
                                                        "top_p": 0.9, "temperature": 0.7, "entropy_coef": 0.05},
     "grpo-two-minibatches": {"algorithm": "grpo", "samples_per_prompt": 3, "micro_batch_size": 3},

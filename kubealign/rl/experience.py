@@ -125,18 +125,17 @@ class PolicyPass(NamedTuple):
     logprobs: torch.Tensor  # [n, A] of the sampling distribution on the response actions, 0 elsewhere
     entropy: torch.Tensor  # [n, A] likewise
     outside: torch.Tensor | None  # [n, T - first, V] bool: tokens the sampler could not draw; None untruncated
-    first: int  # first_response_action: the columns before it were not computed
 
 
 def policy_pass(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                sampling: Sampling, entropy_grad: bool = True) -> PolicyPass:  # fmt: skip
+                sampling: Sampling, entropy_grad: bool) -> PolicyPass:  # fmt: skip
     """The policy's log-probs and entropies (policy_logprobs) with the support mask that the reference's
     log-probs are restricted to (paired_logprobs): one forward serves the experience and the update."""
     logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
     logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
     logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
     outside = torch.isinf(logits) if truncated(sampling) else None
-    return PolicyPass(response_only(logprobs, response_mask), response_only(entropy, response_mask), outside, first)
+    return PolicyPass(response_only(logprobs, response_mask), response_only(entropy, response_mask), outside)
 
 
 def truncated(sampling: Sampling) -> bool:
