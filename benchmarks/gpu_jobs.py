@@ -105,14 +105,7 @@ def forced_path(path: str | None) -> Any:
         chosen = decide(hybrid, zero, *rest)
         if path == "engine":
             return preflight.Preflight("engine", None, [*chosen.notes, "benchmark: forced the plain engine"])
-        block = {
-            "enabled": True,
-            "max_out_tokens": hybrid.max_out_tokens,
-            "inference_tp_size": 1,
-            "release_inference_cache": hybrid.release_inference_cache,
-            "pin_parameters": hybrid.pin_parameters,
-            "tp_gather_partition_size": hybrid.tp_gather_partition_size,
-        }  # as preflight.decide builds it
+        block = {**preflight.hybrid_block(hybrid), "inference_tp_size": 1}  # one GPU
         return preflight.Preflight("he-plain", block, [*chosen.notes, "benchmark: forced the hybrid engine"])
 
     if path is not None:

@@ -32,6 +32,18 @@ class Preflight(NamedTuple):
     notes: list[str]  # why, in one line each
 
 
+def hybrid_block(hybrid: Any) -> dict[str, Any]:
+    """The DeepSpeed `hybrid_engine` config block of a HybridEngineConfig, before any adjustment."""
+    return {
+        "enabled": True,
+        "max_out_tokens": hybrid.max_out_tokens,
+        "inference_tp_size": hybrid.inference_tp_size,
+        "release_inference_cache": hybrid.release_inference_cache,
+        "pin_parameters": hybrid.pin_parameters,
+        "tp_gather_partition_size": hybrid.tp_gather_partition_size,
+    }
+
+
 def decide(
     hybrid: Any,
     actor_zero_stage: int,
@@ -45,14 +57,7 @@ def decide(
     notes: list[str] = []
     if not hybrid.enabled:
         return Preflight("engine", None, ["ppo.hybrid_engine.enabled is false: plain DeepSpeed engine"])
-    block = {
-        "enabled": True,
-        "max_out_tokens": hybrid.max_out_tokens,
-        "inference_tp_size": hybrid.inference_tp_size,
-        "release_inference_cache": hybrid.release_inference_cache,
-        "pin_parameters": hybrid.pin_parameters,
-        "tp_gather_partition_size": hybrid.tp_gather_partition_size,
-    }
+    block = hybrid_block(hybrid)
     if hybrid.inference_tp_size > 1 and (actor_zero_stage != 3 or not cuda):
         why = "needs the actor at ZeRO-3" if cuda else "needs CUDA"
         notes.append(f"ppo.hybrid_engine.inference_tp_size {hybrid.inference_tp_size} {why}: using 1")
