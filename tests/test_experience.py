@@ -1,4 +1,4 @@
-"""Experience: masks, sampling-distribution log-probs, mode switches and the KL controller's input, on
+"""Experience: masks, temperature-scaled unfiltered log-probs, mode switches and the KL controller's input, on
 hand-made models whose outputs can be worked out by hand."""
 
 from __future__ import annotations
@@ -11,14 +11,7 @@ import torch
 
 from kubealign.rl.advantages import kl_penalized_rewards, last_action_index
 from kubealign.rl.experience import make_experience, paired_logprobs, policy_logprobs, response_masks
-from kubealign.rl.losses import (
-    Sampling,
-    entropy_from_logits,
-    logprobs_from_logits,
-    policy_loss,
-    restrict_to,
-    sampling_logits,
-)
+from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
 
 EOS = 2  # also the pad token, as build_models makes it for a tokenizer without one
 LOG = math.log
@@ -109,7 +102,7 @@ def test_kl_penalized_rewards_put_each_score_at_its_rows_last_action():
 
 
 def test_kl_and_policy_loss_ignore_minus_infinity_outside_the_response():
-    # A prompt token outside a top-k filter has log-prob -inf under the sampling distribution.
+    # A model may give a prompt token log-prob -inf (a logit at -inf): outside the response it is never read.
     inf = float("-inf")
     mask = torch.tensor([[0.0, 1.0, 1.0]])
     lp, old = torch.tensor([[inf, -1.0, -2.0]]), torch.tensor([[inf, -1.0, -2.0]])
@@ -119,66 +112,27 @@ def test_kl_and_policy_loss_ignore_minus_infinity_outside_the_response():
     assert out.loss.item() == 0.0 and out.approx_kl.item() == 0.0 and out.clip_fraction.item() == 0.0
 
 
-def test_sampling_logits_by_hand():
+def test_scaled_logits_take_the_temperature_and_ignore_top_k_and_top_p():
     logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]]]).log()
-    ids = torch.tensor([[0, 0]])
-    # top-p 0.7 keeps the smallest set whose mass reaches 0.7: {0.5, 0.3}; renormalized 0.5 / 0.8.
-    got = logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(top_p=0.7))] * 2, 1), ids)
-    assert got.item() == pytest.approx(LOG(0.5 / 0.8))
-    # top-k 1: the argmax only; temperature 0.5 squares the probabilities before normalizing.
-    assert logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(top_k=1))] * 2, 1), ids).item() == 0
+    ids = torch.tensor([[0, 3]])  # token 3: outside top-k 1 and outside the 0.7 nucleus
+    for sampling in (Sampling(), Sampling(top_p=0.7), Sampling(top_k=1), Sampling(top_k=3, top_p=0.7)):
+        got = logprobs_from_logits(torch.cat([scaled_logits(logits, sampling)] * 2, 1), ids)
+        assert got.item() == pytest.approx(LOG(0.05)), sampling  # the filter shapes sampling only: finite
+    # Temperature 0.5 squares the probabilities before normalizing, top-k or not.
     squares = [p * p for p in (0.5, 0.3, 0.15, 0.05)]
-    hot = logprobs_from_logits(torch.cat([sampling_logits(logits, Sampling(temperature=0.5))] * 2, 1), ids)
-    assert hot.item() == pytest.approx(LOG(squares[0] / sum(squares)))
-    # Uniform over 4, top-p 0.75: the token whose cumulative mass is exactly 1 - 0.75 goes (as in generate()).
-    assert torch.isinf(sampling_logits(torch.zeros(1, 4), Sampling(top_p=0.75))).sum().item() == 1
-    filtered = sampling_logits(logits, Sampling(top_k=3, top_p=0.7))
-    assert torch.isinf(filtered).tolist() == [[[False, False, True, True]]]
+    for sampling in (Sampling(temperature=0.5), Sampling(temperature=0.5, top_k=1, top_p=0.5)):
+        hot = logprobs_from_logits(torch.cat([scaled_logits(logits, sampling)] * 2, 1), ids)
+        assert hot.item() == pytest.approx(LOG(squares[3] / sum(squares)))
+    assert scaled_logits(logits.half(), Sampling()).dtype == torch.float32
 
 
-def test_sampling_logits_match_the_warpers_generate_applies():
-    from transformers.generation.logits_process import (
-        TemperatureLogitsWarper,
-        TopKLogitsWarper,
-        TopPLogitsWarper,
-    )
-
-    torch.manual_seed(0)
-    logits = torch.randn(6, 50) * 3
-    for temperature, top_k, top_p in [(0.7, 10, 0.8), (1.3, 0, 0.5), (1.0, 3, 1.0), (0.5, 0, 1.0)]:
-        expected = logits.clone()
-        if temperature != 1.0:
-            expected = TemperatureLogitsWarper(temperature)(None, expected)
-        if top_k:
-            expected = TopKLogitsWarper(top_k)(None, expected)
-        if top_p < 1:
-            expected = TopPLogitsWarper(top_p)(None, expected)
-        got = sampling_logits(logits, Sampling(temperature, top_k, top_p))
-        assert torch.equal(torch.isinf(got), torch.isinf(expected))
-        assert torch.allclose(got[~torch.isinf(got)], expected[~torch.isinf(expected)])
-
-
-def test_entropy_of_a_filtered_distribution_has_no_nan_value_or_gradient():
-    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05], [0.25, 0.25, 0.25, 0.25]]]).log().requires_grad_()
-    filtered = sampling_logits(torch.cat([logits, logits[:, :1]], 1), Sampling(top_k=2))
-    entropy = entropy_from_logits(filtered)
-    p = (0.5 / 0.8, 0.3 / 0.8)
-    assert entropy[0, 0].item() == pytest.approx(-sum(x * LOG(x) for x in p))
-    assert entropy[0, 1].item() == pytest.approx(LOG(4))  # ties at the k-th value all stay, as in generate()
+def test_entropy_with_a_minus_infinity_logit_has_no_nan_value_or_gradient():
+    inf = float("-inf")
+    logits = torch.tensor([[[0.0, 0.0, inf, inf], [0.0, 0.0, 0.0, 0.0], [0.0] * 4]], requires_grad=True)
+    entropy = entropy_from_logits(logits)
+    assert entropy[0, 0].item() == pytest.approx(LOG(2)) and entropy[0, 1].item() == pytest.approx(LOG(4))
     entropy.sum().backward()
     assert torch.isfinite(logits.grad).all()
-
-
-def test_restricted_reference_is_the_same_model_exactly_and_finite_otherwise():
-    logits = torch.tensor([[[0.5, 0.3, 0.15, 0.05]] * 2]).log()
-    sampler = sampling_logits(logits, Sampling(temperature=2.0, top_k=2))
-    same = restrict_to(logits, torch.isinf(sampler), Sampling(temperature=2.0, top_k=2))
-    assert torch.equal(sampler, same)
-    other = torch.tensor([[[0.05, 0.15, 0.3, 0.5]] * 2]).log()  # would rank tokens 0 and 1 last
-    ids = torch.tensor([[0, 1]])
-    got = logprobs_from_logits(restrict_to(other, torch.isinf(sampler), Sampling(temperature=2.0, top_k=2)), ids)
-    roots = (math.sqrt(0.05), math.sqrt(0.15))
-    assert got.item() == pytest.approx(LOG(roots[1] / sum(roots)))
 
 
 def experience_batch():
@@ -212,19 +166,16 @@ def test_make_experience_by_hand_and_modes():
     assert reference.modes == [False] and reward.modes == [False]
 
 
-def test_make_experience_log_probs_describe_the_sampling_distribution():
+def test_make_experience_log_probs_are_tempered_and_unfiltered():
     batch, prompt_mask = experience_batch()
-    actor, reference = TableLM(TABLE), TableLM(TABLE)
-    sampling = Sampling(temperature=0.5, top_k=3)
+    actor, reference = TableLM(TABLE), TableLM(probs_table([[0.25] * 4] * 4))
+    sampling = Sampling(temperature=0.5, top_k=3, top_p=0.5)
     exp = make_experience(batch, prompt_mask, EOS, (actor, reference, TokenValue(), TokenValue()), sampling)
-    # Row 0, action 1 (3 -> 3): temperature 0.5 squares [0.1, 0.2, 0.3, 0.4], top-k 3 drops 0.1.
-    assert exp.logprobs[0, 1].item() == pytest.approx(LOG(0.16 / (0.04 + 0.09 + 0.16)))
-    # Row 1, action 1 (3 -> 0): token 0 is outside the top 3 of token 3's distribution — yet it was
-    # sampled here only because this batch is made up; where the sampler could not draw, -inf.
-    assert exp.logprobs[1, 1].item() == float("-inf")
-    # Identical actor and reference: the KL estimate is exactly 0 on every sampled token.
-    kl = exp.logprobs[0] - exp.ref_logprobs[0]
-    assert kl.tolist() == [0, 0, 0]
+    # Temperature 0.5 squares token 3's [0.1, 0.2, 0.3, 0.4] (sum 0.30) and the others' [0.4, 0.3, 0.2, 0.1].
+    # Row 0: 3 -> 3 (0.16), 3 -> EOS (0.09). Row 1: 3 -> 0 (0.01): outside top-k 3 and the 0.5 nucleus,
+    # drawn here only because this batch is made up — still finite, as a bf16 edge token must be; 0 -> 0.
+    assert close(exp.logprobs, [[0, LOG(0.16 / 0.3), LOG(0.09 / 0.3)], [0, LOG(0.01 / 0.3), LOG(0.16 / 0.3)]])
+    assert close(exp.ref_logprobs, [[0, LOG(0.25), LOG(0.25)], [0, LOG(0.25), LOG(0.25)]])  # uniform stays so
 
 
 def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
@@ -233,10 +184,13 @@ def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
     model = TableLM(TABLE)
     logprobs, entropy = policy_logprobs(model, batch.input_ids, attention, response, Sampling(top_k=1))
     assert logprobs[:, 0].tolist() == [0, 0] and entropy[:, 0].tolist() == [0, 0]
-    assert entropy[:, 1:].tolist() == [[0, 0], [0, 0]]  # top-k 1 leaves one token: no entropy
+    # Unfiltered entropies: every distribution in TABLE is a permutation of [0.1, 0.2, 0.3, 0.4].
+    h = -sum(p * LOG(p) for p in (0.1, 0.2, 0.3, 0.4))
+    assert close(entropy, [[0, h, h], [0, h, h]])
     for sampling in (Sampling(top_p=0.5), Sampling(top_k=1), Sampling(temperature=0.5, top_k=2, top_p=0.9)):
         mine, other = paired_logprobs(model, model, batch.input_ids, attention, response, sampling)
         assert torch.equal(mine, other), sampling  # one model against itself: KL exactly 0
+        assert torch.isfinite(mine).all(), sampling
 
 
 def test_module_rollout_passes_top_k_zero_not_the_models_default():

@@ -157,7 +157,7 @@ def test_the_kept_forward_is_the_updates_own_call_on_the_minibatchs_rows_in_its_
 
 
 @pytest.mark.parametrize("truncate", [False, True], ids=["plain", "top-k"])
-def test_the_frozen_models_run_before_the_actors_graph_is_held_unless_the_reference_needs_its_support(truncate):
+def test_the_frozen_models_run_before_the_actors_graph_is_held_top_k_or_not(truncate):
     cfg = PPOConfig(micro_batch_size=4, top_k=5 if truncate else 0)
     models, _ = setup(cfg)
     order: list[str] = []
@@ -168,9 +168,8 @@ def test_the_frozen_models_run_before_the_actors_graph_is_held_unless_the_refere
     four = (models.actor, models.reference, models.critic, models.reward)
     exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, four, trainer.sampling_of(cfg),
                                          torch.tensor([5, 0, 3, 2]), False)  # fmt: skip
-    kept_then_rest = ["actor", "actor"]
-    expected = ["reward", *kept_then_rest, "reference"] if truncate else ["reward", "reference", *kept_then_rest]
-    assert order == [*expected, "critic"]
+    # The reference's log-probs are unfiltered (losses.scaled_logits): it needs nothing of the actor.
+    assert order == ["reward", "reference", "actor", "actor", "critic"]
     assert first.values is None and not exp.values.requires_grad  # the critic is not kept by default
     whole = make_experience(batch, PROMPT_MASK, EOS, four, trainer.sampling_of(cfg))
     assert torch.equal(exp.values, whole.values) and torch.equal(exp.ref_logprobs, whole.ref_logprobs)

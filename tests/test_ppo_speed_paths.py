@@ -20,7 +20,7 @@ from kubealign.rl.experience import (
     response_masks,
     response_only,
 )
-from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, sampling_logits
+from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
 from tests.test_experience import TableLM, TokenValue
 
 PAD, EOS, BOS = 1, 2, 0
@@ -49,7 +49,7 @@ def random_experience(sampling: Sampling, seed: int = 0):
 def old_actor_loss(actor, exp, idx, advantages, cfg):
     """The update's actor loss as 892bdca computed it: a second log-softmax for the entropy, in autograd."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-    logits = sampling_logits(forward_logits(actor, ids, mask), trainer.sampling_of(cfg))
+    logits = scaled_logits(forward_logits(actor, ids, mask), trainer.sampling_of(cfg))
     logprobs = response_only(logprobs_from_logits(logits, ids), resp)
     entropy = response_only(entropy_from_logits(logits), resp)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
@@ -75,9 +75,9 @@ def test_entropy_coef_zero_gives_bit_identical_loss_and_gradients_and_the_same_l
     assert not entropy.requires_grad  # logged only: nothing of it in the backward graph
     assert torch.equal(loss, old_loss)
     assert torch.equal(grad_of(actor, loss), old_grad)
-    # The logged entropy is the sampling distribution's, computed explicitly: -sum p log p per action.
+    # The logged entropy is the tempered distribution's, computed explicitly: -sum p log p per action.
     resp = exp.response_mask[idx].bool()
-    logp = sampling_logits(actor.table.detach()[exp.input_ids[idx][:, :-1]], sampling).log_softmax(-1)
+    logp = scaled_logits(actor.table.detach()[exp.input_ids[idx][:, :-1]], sampling).log_softmax(-1)
     by_hand = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)[resp].mean()
     assert entropy.item() == pytest.approx(by_hand.item(), rel=1e-6)
     assert entropy.item() == pytest.approx(old_entropy.item(), rel=1e-6)
@@ -267,7 +267,7 @@ def test_log_prob_passes_skip_the_prompt_and_keep_the_ratio_exactly_one():
     assert first_response_action(torch.zeros(2, 4, dtype=torch.long)) == 0
     for sampling in (Sampling(), Sampling(0.7, 5, 0.9)):
         logprobs, ref = paired_logprobs(model, model, batch.input_ids, attention, response, sampling)
-        full = sampling_logits(forward_logits(model, batch.input_ids, attention), sampling)
+        full = scaled_logits(forward_logits(model, batch.input_ids, attention), sampling)
         by_hand = response_only(logprobs_from_logits(full, batch.input_ids), response)
         assert torch.allclose(logprobs, by_hand, atol=1e-6) and torch.equal(logprobs, ref)
         assert (logprobs[:, : PROMPTS.shape[1] - 1] == 0).all()

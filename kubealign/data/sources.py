@@ -153,10 +153,18 @@ def read_source(index: int, source: DataSource, data: DataConfig) -> SourceRead:
                 f"data.sources[{index}].path: {source.path}: unsupported file type "
                 f"(use {', '.join(FILE_KINDS)}, a dataset dir or a hub name)"
             )
-        return _read_file(source.path, path, kind, source.limit)
+        return nonempty(index, _read_file(source.path, path, kind, source.limit))
     if path.is_dir():
-        return _read_dataset(index, source, path)
+        return nonempty(index, _read_dataset(index, source, path))
     looks_local = kind is not None or source.path.startswith((".", "/", "~")) or source.path.count("/") > 1
     if looks_local:
         raise UserError(f"data.sources[{index}].path: no such file or directory: {source.path}")
-    return _read_dataset(index, source, None)
+    return nonempty(index, _read_dataset(index, source, None))
+
+
+def nonempty(index: int, read: SourceRead) -> SourceRead:
+    """A source that holds no row at all is a mistake (a wrong or truncated file), named as such: "no
+    usable rows" over all sources would not say which one."""
+    if not read.records:
+        raise UserError(f"data.sources[{index}].path: {read.label} has no rows (an empty {read.kind} source)")
+    return read

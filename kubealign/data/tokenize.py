@@ -7,9 +7,15 @@
 * Response: encoded without special tokens, followed by exactly one EOS token. Generation stops at
   EOS, so SFT teaches the model to emit it, the reward model scores the sequence at it, and PPO's
   rollouts end with it.
-* Over max_seq_len: the response keeps up to max_seq_len - min_prompt_tokens tokens (cut at its end,
-  EOS kept), and the prompt is cut from the left, keeping the turns nearest to the response (and a
-  leading BOS).
+* Over max_seq_len: the response (with its EOS) keeps at most max_seq_len - MIN_PROMPT_TOKENS tokens,
+  cut at its end. A response that had to be cut carries NO EOS: it did not end there, so SFT must not
+  learn to stop there, the reward model scores it at its last kept token, and DPO does not credit the
+  chosen answer for an ending the truncation made (DeepSpeed-Chat and TRL append nothing to a cut
+  response either). The prompt takes the rest, cut from the left: the turns nearest to the response
+  are kept (and a leading BOS).
+* A preference pair (encode_preference) shares ONE prompt: it is cut once, for the longer of the two
+  responses, so the chosen and the rejected sequence start with the same prompt ids and the reward
+  model's and DPO's comparisons are of two answers to the same question.
 """
 
 from __future__ import annotations
@@ -71,15 +77,32 @@ def encode_response(tokenizer: Any, response: str) -> list[int]:
     return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
+def fit_response(response_ids: list[int], max_seq_len: int) -> list[int]:
+    """A response's ids (EOS included) cut at the end to the room a prompt leaves: a cut response ends
+    where the cut fell, without EOS (module docstring)."""
+    return response_ids[: max(max_seq_len - MIN_PROMPT_TOKENS, 1)]
+
+
 def encode_pair(tokenizer: Any, prompt: str, response: str, max_seq_len: int) -> Encoded:
     """Prompt + response + EOS, truncated to max_seq_len as the module docstring says."""
-    prompt_ids = encode_prompt(tokenizer, prompt)
-    response_ids = encode_response(tokenizer, response)
-    room = max(max_seq_len - MIN_PROMPT_TOKENS, 1)
-    if len(response_ids) > room:
-        response_ids = response_ids[: room - 1] + [tokenizer.eos_token_id]
-    prompt_ids = cut_left(prompt_ids, max_seq_len - len(response_ids), getattr(tokenizer, "bos_token_id", None))
-    return Encoded(prompt_ids + response_ids, len(prompt_ids))
+    return encode_responses(tokenizer, prompt, [response], max_seq_len)[0]
+
+
+def encode_preference(
+    tokenizer: Any, prompt: str, chosen: str, rejected: str, max_seq_len: int
+) -> tuple[Encoded, Encoded]:
+    """(chosen, rejected) sequences of one preference pair, each at most max_seq_len tokens, whose
+    input_ids[:prompt_len] are identical: the prompt is cut once, for the longer response."""
+    encoded = encode_responses(tokenizer, prompt, [chosen, rejected], max_seq_len)
+    return encoded[0], encoded[1]
+
+
+def encode_responses(tokenizer: Any, prompt: str, responses: list[str], max_seq_len: int) -> list[Encoded]:
+    """Each response after one shared prompt, cut as the module docstring says."""
+    fitted = [fit_response(encode_response(tokenizer, r), max_seq_len) for r in responses]
+    room = max_seq_len - max(len(r) for r in fitted)
+    prompt_ids = cut_left(encode_prompt(tokenizer, prompt), room, getattr(tokenizer, "bos_token_id", None))
+    return [Encoded(prompt_ids + r, len(prompt_ids)) for r in fitted]
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int, side: str = "right") -> tuple[list[list[int]], list[list[int]]]:

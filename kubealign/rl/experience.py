@@ -2,8 +2,9 @@
 
 Generation goes through DeepSpeed's rollout API (HybridEngineRollout) on the hybrid-engine paths and
 through the module's generate on the plain-engine path; both return prompt (left-padded) + response.
-Everything after the first EOS of a response is padding. Log-probs describe the distribution that
-sampled (temperature, top-k, top-p: kubealign.rl.losses.sampling_logits). The actor is in eval mode while
+Everything after the first EOS of a response is padding. Log-probs, the reference's included, are of
+the temperature-scaled distribution, unfiltered by top-k / top-p (kubealign.rl.losses.scaled_logits: the
+peers' convention; finite for every sampled token in any precision). The actor is in eval mode while
 it generates (the hybrid engine's inference kernels) and in train mode for every log-prob pass, with its
 dropout disabled, so the PPO ratio is exactly 1 before the first update — DeepSpeed-Chat computes them
 with dropout live.
@@ -19,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.models.reward import token_values
-from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, restrict_to, sampling_logits
+from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, scaled_logits
 from kubealign.training.losses import last_token_scores, position_ids
 
 
@@ -79,10 +80,10 @@ def first_response_action(response_mask: torch.Tensor) -> int:
 
 def action_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                   sampling: Sampling) -> tuple[torch.Tensor, int]:  # fmt: skip
-    """(sampling_logits of positions first..T-1, first = first_response_action): what every action from
+    """(scaled_logits of positions first..T-1, first = first_response_action): what every action from
     `first` on needs; the actions before it get 0 (left_pad)."""
     first = first_response_action(response_mask)
-    return sampling_logits(forward_logits(model, input_ids, attention_mask, first), sampling), first
+    return scaled_logits(forward_logits(model, input_ids, attention_mask, first), sampling), first
 
 
 def left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -117,67 +118,37 @@ def generation_config(sampling: Sampling, max_new_tokens: int, tokenizer: Any) -
 
 
 def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """x on response actions, 0 elsewhere (also where x is -inf: a prompt token outside a top-k filter)."""
+    """x on response actions, 0 elsewhere (also where x is not finite)."""
     return torch.where(response_mask.bool(), x, torch.zeros_like(x))
-
-
-class PolicyPass(NamedTuple):
-    logprobs: torch.Tensor  # [n, A] of the sampling distribution on the response actions, 0 elsewhere
-    entropy: torch.Tensor  # [n, A] likewise
-    outside: torch.Tensor | None  # [n, T - first, V] bool: tokens the sampler could not draw; None untruncated
-
-
-def policy_pass(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                sampling: Sampling, entropy_grad: bool) -> PolicyPass:  # fmt: skip
-    """The policy's log-probs and entropies (policy_logprobs) with the support mask that the reference's
-    log-probs are restricted to (paired_logprobs): one forward serves the experience and the update."""
-    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
-    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
-    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
-    outside = torch.isinf(logits) if truncated(sampling) else None
-    return PolicyPass(response_only(logprobs, response_mask), response_only(entropy, response_mask), outside)
-
-
-def truncated(sampling: Sampling) -> bool:
-    """Whether sampling draws from a part of the vocabulary only (top-k or nucleus)."""
-    return sampling.top_k > 0 or sampling.top_p < 1
 
 
 def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                     sampling: Sampling, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(log-probs, entropies) [N, A] of the policy's sampling distribution (temperature, top-k, top-p) on
-    the response actions, 0 elsewhere. entropy_grad False: the entropy carries no gradient (logging only)."""
-    out = policy_pass(model, input_ids, attention_mask, response_mask, sampling, entropy_grad)
-    return out.logprobs, out.entropy
-
-
-def sampler_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                     sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor | None, int]:  # fmt: skip
-    """(log-probs [N, A] of the sampling distribution, 0 outside the response; its support mask, None when
-    untruncated; first_response_action) — policy_pass without the entropy."""
+    """(log-probs, entropies) [N, A] of the policy at the sampling temperature (scaled_logits) on the
+    response actions, 0 elsewhere: one forward serves the experience and the update. entropy_grad False:
+    the entropy carries no gradient (logging only)."""
     logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
-    logprobs = left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first)
-    outside = torch.isinf(logits) if truncated(sampling) else None  # a bool mask, not a second [N, T, V] of floats
-    return response_only(logprobs, response_mask), outside, first
+    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
+    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
+    return response_only(logprobs, response_mask), response_only(entropy, response_mask)
+
+
+def model_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                   sampling: Sampling) -> torch.Tensor:  # fmt: skip
+    """[N, A] log-probs of the sampled response tokens at the sampling temperature, 0 elsewhere —
+    policy_logprobs without the entropy, for the actor's other rows, the reference or a baseline."""
+    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
+    return response_only(left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first), response_mask)
 
 
 def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                     response_mask: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(sampler's, other's) log-probs [N, A] of the sampled response tokens, 0 elsewhere: the sampler's
-    under its sampling distribution, the other model's (reference, baseline) at the same temperature over
-    the tokens the sampler could draw (losses.restrict_to) — so their difference estimates a finite KL
-    that is exactly 0 for two copies of one model."""
-    logprobs, outside, first = sampler_logprobs(sampler, input_ids, attention_mask, response_mask, sampling)
-    return logprobs, restricted_logprobs(other, input_ids, attention_mask, response_mask, sampling, outside, first)
-
-
-def restricted_logprobs(other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                        sampling: Sampling, outside: torch.Tensor | None, first: int) -> torch.Tensor:  # fmt: skip
-    """[N, A] log-probs of another model (the reference) at the sampling temperature over the tokens the
-    sampler could draw (outside: its support mask from column `first` on), 0 outside the response."""
-    other_logits = restrict_to(forward_logits(other, input_ids, attention_mask, first), outside, sampling)
-    other_logprobs = left_pad(logprobs_from_logits(other_logits, input_ids[:, first:]), first)
-    return response_only(other_logprobs, response_mask)
+    """(sampler's, other's) log-probs [N, A] of the sampled response tokens, 0 elsewhere, both from the same
+    scaled_logits: their difference estimates a finite KL, exactly 0 for two copies of one model."""
+    return (
+        model_logprobs(sampler, input_ids, attention_mask, response_mask, sampling),
+        model_logprobs(other, input_ids, attention_mask, response_mask, sampling),
+    )
 
 
 @contextlib.contextmanager
@@ -254,7 +225,7 @@ class FirstPass(NamedTuple):
     graphs, so that its first step need not run them again (ppo.reuse_first_forward)."""
 
     rows: torch.Tensor  # [m] the minibatch's rows of the batch, in the minibatch's order
-    logprobs: torch.Tensor  # [m, A] policy_pass's, with grad
+    logprobs: torch.Tensor  # [m, A] policy_logprobs's, with grad
     entropy: torch.Tensor  # [m, A] with grad only when entropy_grad
     values: torch.Tensor | None  # [m, A] the critic's, with grad; None without a critic
 
@@ -284,30 +255,24 @@ def make_experience_keeping(
     order) run with autograd and kept — with keep_critic the critic's too: the very calls the update would
     make, on the same weights and inputs, so its first step's loss and gradients are those of running them
     again (PPO computes the old and the new log-probs of that minibatch from one set of weights). The
-    other rows run without autograd. Memory: the frozen models run before the actor's graph is held
-    (the reference only after it when sampling is truncated: it needs the actor's support); a kept critic
-    graph is held beside the actor's until the first step — one more graph at the peak."""
+    other rows run without autograd. Memory: the frozen models run before the actor's graph is held; a
+    kept critic graph is held beside the actor's until the first step — one more graph at the peak."""
     actor, reference, critic, reward = models
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
-    first = first_response_action(response)  # every row's response starts at this column (one prompt width)
     with torch.no_grad():
         _, scores = score_and_value(reward, input_ids, attention)
-        if not truncated(sampling):  # the reference needs nothing of the actor
-            ref_logprobs = restricted_logprobs(reference, input_ids, attention, response, sampling, None, first)
+        ref_logprobs = model_logprobs(reference, input_ids, attention, response, sampling)
     keep = (input_ids[rows], attention[rows], response[rows])
     rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)
     rest[rows] = False
     rest = rest.nonzero().squeeze(-1)
     others = (input_ids[rest], attention[rest], response[rest]) if rest.numel() else None
     with torch.enable_grad():
-        kept = policy_pass(actor, *keep, sampling, entropy_grad)
+        kept_logprobs, kept_entropy = policy_logprobs(actor, *keep, sampling, entropy_grad)
     with torch.no_grad():
-        other = sampler_logprobs(actor, *others, sampling) if others else None
-        logprobs = _stack_rows(rows, kept.logprobs.detach(), rest, other[0] if other else None)
-        if truncated(sampling):
-            outside = _stack_rows(rows, kept.outside, rest, other[1] if other else None)
-            ref_logprobs = restricted_logprobs(reference, input_ids, attention, response, sampling, outside, first)
+        other = model_logprobs(actor, *others, sampling) if others else None
+        logprobs = _stack_rows(rows, kept_logprobs.detach(), rest, other)
     values, kept_values = None, None
     if critic is not None and keep_critic:
         with torch.enable_grad():
@@ -319,4 +284,4 @@ def make_experience_keeping(
         with torch.no_grad():
             values = score_and_value(critic, input_ids, attention)[0].float()
     exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())
-    return exp, FirstPass(rows, kept.logprobs, kept.entropy, kept_values)
+    return exp, FirstPass(rows, kept_logprobs, kept_entropy, kept_values)

@@ -22,52 +22,41 @@ class ValueLoss(NamedTuple):
 
 
 class Sampling(NamedTuple):
-    """The sampling settings of a rollout; log-probs, entropies and KL estimates use the same ones."""
+    """The sampling settings of a rollout. top_k / top_p shape only what the rollout draws; the log-probs,
+    ratios, KL estimates and entropies take the temperature alone (scaled_logits)."""
 
     temperature: float = 1.0
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
 
 
-def sampling_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """[..., V] logits -> the logits of the distribution that sampling draws from, in float32: divided by
-    the temperature, then -inf outside the top-k tokens and outside the nucleus (the order and tie rules
-    of transformers' Temperature-, TopK- and TopPLogitsWarper, which generate() applies)."""
+def scaled_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+    """[..., V] logits -> the float32 logits every log-prob, ratio, KL and entropy is taken from: divided
+    by the sampling temperature and NOT filtered by top-k / top-p, as TRL, OpenRLHF and veRL take them.
+
+    Why unfiltered: the filter recomputed from a full forward does not reproduce the one the KV-cached
+    rollout applied once precision is bf16/fp16 (a token at the filter's edge falls outside it: measured
+    2 of 4,123 sampled tokens at top_p 0.9), and such a token's filtered log-prob is -inf, which makes the
+    KL, the whitened advantages and then the whole batch NaN. Unfiltered log-probs are finite for every
+    token; old and new log-probs still come from this one function, so the ratio is exactly 1 before the
+    first step, and the KL of a model to itself exactly 0. The cost is the peers' too: with a filter the
+    ratio's denominator is the unfiltered probability, not the sampler's (docs/ppo.md)."""
     scores = logits.float()
     if sampling.temperature != 1.0:  # x / 1 == x: no pass over [N, T, V] (and none in autograd) for nothing
         scores = scores / sampling.temperature
-    if 0 < sampling.top_k < scores.shape[-1]:
-        kth = torch.topk(scores, sampling.top_k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if sampling.top_p < 1.0:
-        ascending, order = torch.sort(scores, dim=-1)
-        cumulative = ascending.softmax(-1).cumsum(-1)
-        drop = cumulative <= 1 - sampling.top_p
-        drop[..., -1] = False  # the most likely token always stays
-        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return scores
-
-
-def restrict_to(logits: torch.Tensor, outside: torch.Tensor | None, sampling: Sampling) -> torch.Tensor:
-    """Another model's logits (the reference, an evaluation baseline) at the sampling temperature, -inf on
-    the tokens the sampler could not draw (outside: torch.isinf of its sampling_logits; None = it could
-    draw any). A KL estimate on the sampler's tokens is then finite (a truncated reference would give -inf
-    to a token the sampler drew outside the reference's own nucleus) and exactly 0 when both models are
-    the same."""
-    scaled = logits.float() if sampling.temperature == 1.0 else logits.float() / sampling.temperature
-    return scaled if outside is None else scaled.masked_fill(outside, float("-inf"))
 
 
 def logprobs_from_logits(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """[B, T, V] logits and [B, T] ids -> [B, T-1] log-probability of each next token (the actions).
-    Pass sampling_logits(...) to get the log-probs of the distribution that sampled."""
+    Pass scaled_logits(...) for the log-probs at the sampling temperature."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     return logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action (tokens at -inf, outside
-    a top-k / nucleus filter, contribute 0 and no NaN gradient)."""
+    """[B, T, V] -> [B, T-1] entropy of the next-token distribution at each action (tokens at -inf
+    contribute 0 and no NaN gradient)."""
     return entropy_from_logprobs(F.log_softmax(logits[:, :-1].float(), dim=-1))
 
 
@@ -103,7 +92,7 @@ def policy_loss(
 ) -> PolicyLoss:
     """Clipped surrogate: mean over response actions of max(-A r, -A clip(r, 1-eps, 1+eps)),
     r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize). Positions outside the
-    response do not matter, even at -inf (a prompt token outside a top-k / nucleus filter)."""
+    response do not matter, even at -inf."""
     log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio

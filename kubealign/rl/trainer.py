@@ -40,7 +40,7 @@ from kubealign.rl.experience import (
 from kubealign.rl.kl import KLController, k3
 from kubealign.rl.losses import PolicyLoss, Sampling, explained_variance, policy_loss, value_loss
 from kubealign.training import distributed
-from kubealign.training.loop import check_finite
+from kubealign.training.loop import NonFiniteLoss, check_finite
 
 
 class ModuleRollout:
@@ -366,6 +366,37 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
     return Targets(outcome_advantages(advantages, exp.response_mask), None, seq.kl, metrics)
 
 
+class NonFiniteExperience(NonFiniteLoss):
+    """The experience an update would train on holds a nan or inf (a reward score, a log-prob, a value):
+    the cause of the non-finite loss it would give is known, and it is not the learning rate."""
+
+
+def experience_fault(exp: Experience) -> str:
+    """'' when every value the update reads is finite; else which are not, counted over every rank (one
+    all_reduce, so every rank raises alike). Scores count per response; log-probs and values per
+    response token (what lies outside the response is never read)."""
+    fields = [
+        ("the reward score", "responses", exp.scores, None),
+        ("the actor's log-prob", "tokens", exp.logprobs, exp.response_mask),
+        ("the reference's log-prob", "tokens", exp.ref_logprobs, exp.response_mask),
+    ]
+    if exp.values is not None:
+        fields.append(("the critic's value", "tokens", exp.values, exp.response_mask))
+    counts, examples = [], []
+    for _, _, x, mask in fields:
+        where = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
+        bad = ~torch.isfinite(x) & where
+        counts += [float(bad.sum()), float(where.sum())]
+        examples.append(float(x[bad][0]) if bool(bad.any()) else None)
+    totals = distributed.all_reduce_sum(counts)
+    faults = []
+    for (name, unit, _, _), example, bad, total in zip(fields, examples, totals[::2], totals[1::2], strict=True):
+        if bad:
+            value = f" ({example:g})" if example is not None else ""
+            faults.append(f"{name} is not finite{value} for {int(bad)} of {int(total)} {unit}")
+    return "; ".join(faults)
+
+
 def iteration(
     models: PPOModels,
     prompt_ids: torch.Tensor,
@@ -390,6 +421,8 @@ def iteration(
     else:
         exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg))
     experienced = time.perf_counter()
+    if fault := experience_fault(exp):  # before any update: a nan here would poison every weight it reaches
+        raise NonFiniteExperience(fault)
     kl_coef = kl.value
     targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
     losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first)

@@ -24,6 +24,7 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import DPOConfig
 from kubealign.data import phases
+from kubealign.data.tokenize import encode_preference
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
@@ -47,10 +48,13 @@ log = logging.getLogger(__name__)
 
 
 def tokenize(rows: Any, tokenizer: Any, max_len: int) -> list[dict[str, Any]]:
-    """Pairs in the one sequence convention (training.lm.tokenize: prompt masked, response + EOS as targets)."""
-    chosen = lm.tokenize(rows, tokenizer, max_len, include_prompt=False)
-    rejected = lm.tokenize({"prompt": rows["prompt"], "chosen": rows["rejected"]}, tokenizer, max_len, False)
-    return [{"index": i, "chosen": c, "rejected": r} for i, (c, r) in enumerate(zip(chosen, rejected, strict=True))]
+    """Pairs in the one sequence convention (data.tokenize.encode_preference: one prompt cut once for
+    both responses, masked; the responses as targets, EOS only where they were not cut)."""
+    pairs = []
+    for i, (p, c, r) in enumerate(zip(rows["prompt"], rows["chosen"], rows["rejected"], strict=True)):
+        chosen, rejected = encode_preference(tokenizer, p, c, r, max_len)
+        pairs.append({"index": i, "chosen": lm.example(chosen, False), "rejected": lm.example(rejected, False)})
+    return pairs
 
 
 def collate(pairs: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
 from kubealign.rl.trainer import (
     ModuleRollout,
+    NonFiniteExperience,
     PPOModels,
     UnsupervisedData,
     disable_dropout,
@@ -264,8 +265,9 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
         except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
             lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
+            hint = "" if isinstance(exc, NonFiniteExperience) else f" ({lrs})"  # the cause is named already
             raise UserError(
-                f"{STAGE}: {exc} at iteration {step} ({lrs}); stopped before applying it, no model was written, "
+                f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
                 f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
             ) from None
         if ema is not None:

@@ -2,9 +2,10 @@
 
 The reward model is a transformer with a scalar head (transformers' AutoModelForSequenceClassification,
 num_labels=1, so the saved dir reloads with plain transformers). The head gives a value per token;
-the score of a sequence is the value at its last non-pad token (the EOS that ends every response),
-whatever the padding side. The PPO stage loads the same dir as critic (per-token values) and reward
-(sequence score). Loss: Bradley-Terry on sequence scores (see training.losses.bradley_terry_loss).
+the score of a sequence is the value at its last non-pad token (the EOS that ends every response that
+fits; the last kept token of one cut for length), whatever the padding side. The PPO stage loads the
+same dir as critic (per-token values) and reward (sequence score). Loss: Bradley-Terry on sequence
+scores (see training.losses.bradley_terry_loss).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
-from kubealign.data.tokenize import encode_pair, pad_batch
+from kubealign.data.tokenize import encode_preference, pad_batch
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model, token_values
 from kubealign.outputs import check_output_path
@@ -31,10 +32,12 @@ SCORES_FILE = "eval_scores.json"
 
 
 def tokenize(rows: Any, tokenizer: Any, max_len: int) -> list[tuple[list[int], list[int]]]:
-    return [
-        (encode_pair(tokenizer, p, c, max_len).input_ids, encode_pair(tokenizer, p, r, max_len).input_ids)
-        for p, c, r in zip(rows["prompt"], rows["chosen"], rows["rejected"], strict=True)
-    ]
+    """(chosen ids, rejected ids) per pair, one prompt cut once for both (data.tokenize.encode_preference)."""
+    pairs = []
+    for p, c, r in zip(rows["prompt"], rows["chosen"], rows["rejected"], strict=True):
+        chosen, rejected = encode_preference(tokenizer, p, c, r, max_len)
+        pairs.append((chosen.input_ids, rejected.input_ids))
+    return pairs
 
 
 def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:

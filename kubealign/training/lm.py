@@ -7,21 +7,25 @@ from typing import Any
 
 import torch
 
-from kubealign.data.tokenize import encode_pair, pad_batch
+from kubealign.data.tokenize import Encoded, encode_pair, pad_batch
 from kubealign.training import distributed
 from kubealign.training.losses import TokenLoss, lm_loss, position_ids
 
 
 def tokenize(rows: Any, tokenizer: Any, max_len: int, include_prompt: bool) -> list[dict[str, list[int]]]:
     """Rows with prompt/chosen columns -> {input_ids, loss_mask}; the prompt is masked unless include_prompt."""
-    examples = []
-    for prompt, chosen in zip(rows["prompt"], rows["chosen"], strict=True):
-        enc = encode_pair(tokenizer, prompt, chosen, max_len)
-        mask = [1] * len(enc.input_ids)
-        if not include_prompt:
-            mask[: enc.prompt_len] = [0] * enc.prompt_len
-        examples.append({"input_ids": enc.input_ids, "loss_mask": mask})
-    return examples
+    return [
+        example(encode_pair(tokenizer, prompt, chosen, max_len), include_prompt)
+        for prompt, chosen in zip(rows["prompt"], rows["chosen"], strict=True)
+    ]
+
+
+def example(enc: Encoded, include_prompt: bool) -> dict[str, list[int]]:
+    """One encoded sequence -> {input_ids, loss_mask}: every token a target, or the response's only."""
+    mask = [1] * len(enc.input_ids)
+    if not include_prompt:
+        mask[: enc.prompt_len] = [0] * enc.prompt_len
+    return {"input_ids": enc.input_ids, "loss_mask": mask}
 
 
 def collate(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
