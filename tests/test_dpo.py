@@ -161,6 +161,21 @@ def test_token_kl_by_hand():
     assert kl.tokens.tolist() == [3, 3, 2, 4]
 
 
+def test_token_kl_is_kl_of_the_policy_to_the_reference_not_the_reverse():
+    # One target position per row; row 1 is padding. p = [0.7, 0.2, 0.1], q = [0.2, 0.5, 0.3]:
+    # KL(p || q) = 0.7 ln 3.5 + 0.2 ln 0.4 + 0.1 ln(1/3) = 0.5823; KL(q || p) = 0.5336.
+    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.5, 0.3])
+    logits = torch.stack([torch.stack([p.log(), p.log()]), torch.stack([q.log(), q.log()])])  # [2, 2, 3]
+    ref_logits = torch.stack([torch.stack([q.log(), q.log()]), torch.stack([p.log(), p.log()])])
+    mask = torch.tensor([[0, 1], [0, 0]])
+    kl = token_kl(logits, ref_logits, mask)
+    forward = 0.7 * math.log(3.5) + 0.2 * math.log(0.4) + 0.1 * math.log(1 / 3)
+    assert kl.total.tolist() == pytest.approx([forward, 0.0], rel=1e-5) and kl.tokens.tolist() == [1, 0]
+    reverse = token_kl(ref_logits[:1], logits[:1], mask[:1]).total.item()
+    assert reverse == pytest.approx(0.2 * math.log(2 / 7) + 0.5 * math.log(2.5) + 0.3 * math.log(3), rel=1e-5)
+    assert abs(forward - reverse) > 0.04
+
+
 def test_pairs_follow_the_one_sequence_convention():
     from kubealign.data.tokenize import encode_pair
 

@@ -100,6 +100,16 @@ CASES = [
         r"data\.sources\[0\]\.path: cannot load dataset 'no-such-org/no-such-dataset'",
     ),
     (
+        "empty-source-file",
+        lambda t: ["--source", _file(t, "empty.jsonl", "")],
+        r"data\.sources\[0\]\.path: .*empty\.jsonl has no rows \(an empty jsonl source\)",
+    ),
+    (
+        "blank-lines-only",
+        lambda t: ["--source", "synthetic", "--source", _file(t, "blank.jsonl", "\n\n")],
+        r"data\.sources\[1\]\.path: .*blank\.jsonl has no rows",
+    ),
+    (
         "all-rows-dropped",
         lambda t: ["--source", _file(t, "d.jsonl", '{"prompt": "p", "chosen": " ", "rejected": "r"}\n')],
         r"data\.sources: no usable rows \(1 read; dropped: empty_chosen 1\)",

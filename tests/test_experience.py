@@ -295,3 +295,25 @@ def test_generation_config_turns_every_other_processor_off():
         "max_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id",
     ]  # fmt: skip
     assert [getattr(cfg, f) for f in fields] == [True, 0.8, 7, 0.9, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0, 0, 12, EOS, 3, 0]
+
+
+def test_a_non_finite_experience_names_what_is_not_finite_and_where():
+    from kubealign.rl.experience import Experience
+    from kubealign.rl.trainer import experience_fault
+
+    inf, nan = float("inf"), float("nan")
+    mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
+    finite = torch.tensor([[-inf, -1.0, -2.0], [nan, -1.0, nan]])  # non-finite outside the response only
+    ok = Experience(torch.zeros(2, 4), torch.ones(2, 4), mask, finite, finite, None, torch.tensor([1.0, 2.0]))
+    assert experience_fault(ok) == ""
+    bad = ok._replace(logprobs=torch.tensor([[0.0, -inf, -2.0], [0.0, -1.0, 0.0]]), scores=torch.tensor([1.0, nan]))
+    assert experience_fault(bad) == (
+        "the reward score is not finite (nan) for 1 of 2 responses; "
+        "the actor's log-prob is not finite (-inf) for 1 of 3 tokens"
+    )
+    values = torch.tensor([[0.0, 1.0, inf], [0.0, inf, 5.0]])
+    bad = ok._replace(values=values, ref_logprobs=torch.tensor([[0.0, -1.0, -inf], [0.0, -1.0, 0.0]]))
+    assert experience_fault(bad) == (
+        "the reference's log-prob is not finite (-inf) for 1 of 3 tokens; "
+        "the critic's value is not finite (inf) for 2 of 3 tokens"
+    )

@@ -58,6 +58,22 @@ def test_rloo_advantages_by_hand():
     assert rloo_advantages(REWARDS, 3).tolist() == pytest.approx([1.5 * x for x in (-2, -1, 3, 0, 0, 0)])
 
 
+# Three groups whose means differ (3, 12 and 5) and one whose rewards are all equal: centering on the batch
+# mean, or on any group's mean but its own, moves every advantage below.
+SPREAD = torch.tensor([1.0, 2.0, 6.0, 10.0, 14.0, 12.0, 5.0, 5.0, 5.0], dtype=torch.float64)
+
+
+def test_grpo_and_rloo_center_each_group_on_its_own_mean():
+    # group 0: mean 3, std sqrt(7); group 1: mean 12, deviations -2 2 0, unbiased std 2; group 2: all 5
+    s7 = math.sqrt(7) + GRPO_EPS
+    expected = [-2 / s7, -1 / s7, 3 / s7, -2 / (2 + GRPO_EPS), 2 / (2 + GRPO_EPS), 0.0, 0.0, 0.0, 0.0]
+    assert grpo_advantages(SPREAD, 3).tolist() == pytest.approx(expected, abs=1e-12)
+    assert rloo_advantages(SPREAD, 3).tolist() == [-3.0, -1.5, 4.5, -3.0, 3.0, 0.0, 0.0, 0.0, 0.0]
+    assert group_std(SPREAD, 3).tolist() == pytest.approx([math.sqrt(7), 2.0, 0.0])
+    # Groups of 9 / 1 ... are not groups of 3: a group of the whole batch gives other numbers.
+    assert grpo_advantages(SPREAD, 9).tolist() != pytest.approx(expected, abs=1e-6)
+
+
 def test_groups_must_divide_the_batch():
     with pytest.raises(ValueError, match="6 responses do not make groups of 4"):
         grpo_advantages(REWARDS, 4)
@@ -69,9 +85,28 @@ def test_k3_by_hand_and_masked():
     ref = torch.tensor([[-1.0, quarter, half, half]])
     mask = torch.tensor([[0, 1, 1, 1]])
     # exp(ref - logp) - (ref - logp) - 1: pi = 1/2, ref = 1/4 -> 1/2 + ln 2 - 1; pi = 1/4, ref = 1/2 -> 2 - ln 2 - 1;
-    # equal -> 0; the prompt position (-inf under a top-k filter) -> 0
+    # equal -> 0; the prompt position (-inf there) -> 0
     expected = [0.0, 0.5 + math.log(2) - 1, 2 - math.log(2) - 1, 0.0]
     assert k3(logprobs, ref, mask)[0].tolist() == pytest.approx(expected, abs=1e-6)
+
+
+def test_k3_is_bounded_finite_and_keeps_a_finite_gradient():
+    inf = float("-inf")
+    # d = ref - logp: 2 -> e^2 - 3; 3 -> e^3 - 4 = 16.1, capped at 10; -9 -> e^-9 + 8; -30 -> clamped to -20,
+    # 19 + e^-20, capped at 10; logp -inf (d = +inf) -> 10; ref -inf (d = -inf) -> 10; both -inf -> 0.
+    logprobs = torch.tensor([[-3.0, -4.0, -1.0, -1.0, inf, -2.0, inf]], requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.0, -10.0, -31.0, -2.0, inf, inf]])
+    mask = torch.ones(1, 7)
+    out = k3(logprobs, ref, mask)
+    expected = [math.exp(2) - 3, 10.0, math.exp(-9) + 8, 10.0, 10.0, 10.0, 0.0]
+    assert out[0].tolist() == pytest.approx(expected, rel=1e-6)
+    # A log-ratio of +100 in float32: exp overflows without the +-20 clamp, and 0 * inf in the backward is
+    # nan; clamped, the capped terms pass no gradient and the others theirs.
+    big = torch.tensor([[-101.0, -3.0]], requires_grad=True)
+    k3(big, torch.tensor([[-1.0, -1.0]]), torch.ones(1, 2)).sum().backward()
+    assert big.grad[0].tolist() == pytest.approx([0.0, -(math.exp(2) - 1)], rel=1e-6)
+    out.sum().backward()
+    assert torch.isfinite(logprobs.grad).all()
 
 
 def test_sequence_rewards_clip_the_score_and_subtract_the_summed_kl():

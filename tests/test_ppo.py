@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -198,3 +201,38 @@ def test_two_ranks_with_torchrun_at_zero3(trained, tmp_path: Path):
     from kubealign.training.export import state_sha256
 
     assert state_sha256(loading.load_causal_lm(str(out))) == hashes[0]
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_bf16_with_top_k_and_top_p_stays_finite(cli, trained, tmp_path: Path, algorithm):
+    """The issue's measurement: bf16 with top_k 20 and top_p 0.9 made -inf log-probs at the filter's edge
+    (ppo: kl_before NaN; grpo: "actor loss is nan at iteration 1")."""
+    out = tmp_path / algorithm
+    sets = [NO_TRACKING, "ppo.dtype=bf16", "ppo.top_k=20", "ppo.top_p=0.9", "ppo.num_iterations=12",
+            f"ppo.algorithm={algorithm}"]  # fmt: skip
+    result = cli(*ppo_args(trained, *(a for s in sets for a in ("--set", s)), "--output", out))
+    assert result.code == 0, result.err
+    res = result_of(out)
+    metrics = {k: v for k, v in res["metrics"].items() if isinstance(v, float)}
+    assert metrics and all(math.isfinite(v) for v in metrics.values()), metrics
+    assert metrics["kl_before"] == pytest.approx(0, abs=1e-3)  # the actor starts as the reference
+    for row in res["history"]:
+        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+
+
+def test_a_nan_reward_stops_ppo_naming_the_reward_not_the_learning_rate(cli, trained, tmp_path: Path):
+    from transformers import AutoModelForSequenceClassification
+
+    broken = tmp_path / "nan-rm"
+    shutil.copytree(trained["rm"], broken)
+    model = AutoModelForSequenceClassification.from_pretrained(broken)
+    with torch.no_grad():
+        model.score.weight.fill_(float("nan"))
+    model.save_pretrained(broken)
+    out = tmp_path / "ppo"
+    result = cli(*ppo_args(trained, "--reward", broken, "--set", NO_TRACKING, "--output", out))
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1, result.err[-800:]
+    assert re.search(r"ppo: the reward score is not finite \(nan\) for (\d+) of \1 responses at iteration 1; "
+                     r"stopped before applying it, no model was written", lines[0]), lines[0]  # fmt: skip
+    assert "learning rate" not in lines[0] and not out.exists()

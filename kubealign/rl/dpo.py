@@ -1,10 +1,10 @@
 """Direct Preference Optimization math: pure functions of tensors (Rafailov et al. 2023).
 
 Shapes: B = pairs, T = sequence length, V = vocabulary. The sequence convention is the project's one
-(kubealign.data.tokenize, kubealign.training.lm): prompt + response + one EOS, right-padded, and a
-`loss_mask` [B, T] that marks the response tokens as *targets*; the logits at position t predict token
-t + 1 (kubealign.rl.losses.logprobs_from_logits), so loss_mask[:, 0] is never used — exactly as the SFT
-loss (kubealign.training.losses.lm_loss) counts its tokens.
+(kubealign.data.tokenize, kubealign.training.lm): prompt + response (+ one EOS unless the response was
+cut for length), right-padded, and a `loss_mask` [B, T] that marks the response tokens as *targets*; the
+logits at position t predict token t + 1 (kubealign.rl.losses.logprobs_from_logits), so loss_mask[:, 0] is
+never used — exactly as the SFT loss (kubealign.training.losses.lm_loss) counts its tokens.
 
 Log-ratios are h = (log pi(y_c|x) - log ref(y_c|x)) - (log pi(y_r|x) - log ref(y_r|x)), and
   sigmoid (DPO eq. 7; cDPO with label smoothing eps):
