@@ -81,9 +81,9 @@ def score(reward: Any, rows: list[dict[str, Any]], size: int) -> None:
 @torch.no_grad()
 def kl_to(candidate: Any, baseline: Any, rows: list[dict[str, Any]], size: int, sampling: Sampling) -> float:
     """Monte-Carlo KL(candidate || baseline) on the candidate's samples: the mean over them of the summed
-    log-prob difference on response tokens, with the candidate's log-probs those of the distribution that
-    sampled (sampling's temperature, top-k, top-p) and the baseline's at the same temperature over the
-    same tokens (experience.paired_logprobs): 0 for a model against itself, finite always."""
+    log-prob difference on response tokens, both models' log-probs at the sampling temperature without the
+    top-k / top-p filter (experience.paired_logprobs, losses.scaled_logits): 0 for a model against
+    itself, finite always."""
     total = 0.0
     for _chunk, ids, attention, response in batched(rows, size):
         logprobs, base_logprobs = paired_logprobs(candidate, baseline, ids, attention, response, sampling)
