@@ -162,18 +162,33 @@ def test_token_kl_by_hand():
 
 
 def test_token_kl_is_kl_of_the_policy_to_the_reference_not_the_reverse():
-    # One target position per row; row 1 is padding. p = [0.7, 0.2, 0.1], q = [0.2, 0.5, 0.3]:
-    # KL(p || q) = 0.7 ln 3.5 + 0.2 ln 0.4 + 0.1 ln(1/3) = 0.5823; KL(q || p) = 0.5336.
-    p, q = torch.tensor([0.7, 0.2, 0.1]), torch.tensor([0.2, 0.5, 0.3])
-    logits = torch.stack([torch.stack([p.log(), p.log()]), torch.stack([q.log(), q.log()])])  # [2, 2, 3]
-    ref_logits = torch.stack([torch.stack([q.log(), q.log()]), torch.stack([p.log(), p.log()])])
-    mask = torch.tensor([[0, 1], [0, 0]])
+    # Row 0 has two targets (positions 1 and 2, predicted at 0 and 1), row 1 is padding. At position 0 the
+    # policy is p = [0.7, 0.2, 0.1] and the reference q = [0.2, 0.5, 0.3]: KL(p || q) = 0.5823, while
+    # KL(q || p) = 0.5336. At position 1 both are q: 0. The last position predicts nothing.
+    p, q = torch.tensor([0.7, 0.2, 0.1]).log(), torch.tensor([0.2, 0.5, 0.3]).log()
+    logits = torch.stack([torch.stack([p, q, p]), torch.stack([q, q, q])])  # [2, 3, 3]
+    ref_logits = torch.stack([torch.stack([q, q, q]), torch.stack([p, p, p])])
+    mask = torch.tensor([[0, 1, 1], [0, 0, 0]])
     kl = token_kl(logits, ref_logits, mask)
     forward = 0.7 * math.log(3.5) + 0.2 * math.log(0.4) + 0.1 * math.log(1 / 3)
-    assert kl.total.tolist() == pytest.approx([forward, 0.0], rel=1e-5) and kl.tokens.tolist() == [1, 0]
+    assert kl.total.tolist() == pytest.approx([forward, 0.0], rel=1e-5) and kl.tokens.tolist() == [2, 0]
     reverse = token_kl(ref_logits[:1], logits[:1], mask[:1]).total.item()
     assert reverse == pytest.approx(0.2 * math.log(2 / 7) + 0.5 * math.log(2.5) + 0.3 * math.log(3), rel=1e-5)
     assert abs(forward - reverse) > 0.04
+
+
+def test_one_token_responses_and_the_defaults_by_hand():
+    # ipo's per-token mean and RPO's NLL divide by the token count: 1 token divides by 1.
+    one = SequenceLogprobs(torch.tensor([-2.0, -0.5]), torch.tensor([1.0, 1.0]))
+    assert pair_logprobs(one, "ipo").tolist() == [-2.0, -0.5] and pair_logprobs(one, "sigmoid").tolist() == [-2.0, -0.5]
+    assert float(chosen_nll(SequenceLogprobs(torch.tensor([-3.0]), torch.tensor([1.0])))) == 3.0
+    # dpo_loss's defaults are plain DPO (no label smoothing, sigmoid): h = 2 ln 3 at beta 0.5
+    out = dpo_loss(torch.tensor([0.0]), torch.tensor([-2 * math.log(3)]), torch.zeros(1), torch.zeros(1), 0.5)
+    assert float(out.loss) == pytest.approx(math.log(1 + 1 / 3))  # -log sigmoid(ln 3)
+    assert set(reward_metrics(out, torch.zeros(1), torch.zeros(1))) == {
+        "loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen",
+        "logps_rejected",
+    }  # fmt: skip
 
 
 def test_pairs_follow_the_one_sequence_convention():

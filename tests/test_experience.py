@@ -124,6 +124,9 @@ def test_scaled_logits_take_the_temperature_and_ignore_top_k_and_top_p():
         hot = logprobs_from_logits(torch.cat([scaled_logits(logits, sampling)] * 2, 1), ids)
         assert hot.item() == pytest.approx(LOG(squares[3] / sum(squares)))
     assert scaled_logits(logits.half(), Sampling()).dtype == torch.float32
+    roots = [p**0.5 for p in (0.5, 0.3, 0.15, 0.05)]  # temperature 2: square roots
+    cool = logprobs_from_logits(torch.cat([scaled_logits(logits, Sampling(temperature=2.0))] * 2, 1), ids)
+    assert cool.item() == pytest.approx(LOG(roots[3] / sum(roots)))
 
 
 def test_entropy_with_a_minus_infinity_logit_has_no_nan_value_or_gradient():
@@ -182,7 +185,7 @@ def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
     batch, prompt_mask = experience_batch()
     attention, response = response_masks(batch.input_ids, prompt_mask, batch.response_start_idx, EOS)
     model = TableLM(TABLE)
-    logprobs, entropy = policy_logprobs(model, batch.input_ids, attention, response, Sampling(top_k=1))
+    logprobs, entropy = policy_logprobs(model, batch.input_ids, attention, response, Sampling(top_k=1), True)
     assert logprobs[:, 0].tolist() == [0, 0] and entropy[:, 0].tolist() == [0, 0]
     # Unfiltered entropies: every distribution in TABLE is a permutation of [0.1, 0.2, 0.3, 0.4].
     h = -sum(p * LOG(p) for p in (0.1, 0.2, 0.3, 0.4))

@@ -74,9 +74,13 @@ def test_grpo_and_rloo_center_each_group_on_its_own_mean():
     assert grpo_advantages(SPREAD, 9).tolist() != pytest.approx(expected, abs=1e-6)
 
 
-def test_groups_must_divide_the_batch():
+def test_groups_must_divide_the_batch_and_hold_two_responses_at_least():
     with pytest.raises(ValueError, match="6 responses do not make groups of 4"):
         grpo_advantages(REWARDS, 4)
+    for k in (1, 0):  # one response has nothing to be relative to (and rloo would divide by k - 1 = 0)
+        with pytest.raises(ValueError, match=f"groups of {k} \\(at least 2 each\\)"):
+            rloo_advantages(REWARDS, k)
+    assert rloo_advantages(torch.tensor([1.0, 3.0]), 2).tolist() == [-2.0, 2.0]  # the smallest group works
 
 
 def test_k3_by_hand_and_masked():
@@ -92,8 +96,8 @@ def test_k3_by_hand_and_masked():
 
 def test_k3_is_bounded_finite_and_keeps_a_finite_gradient():
     inf = float("-inf")
-    # d = ref - logp: 2 -> e^2 - 3; 3 -> e^3 - 4 = 16.1, capped at 10; -9 -> e^-9 + 8; -30 -> clamped to -20,
-    # 19 + e^-20, capped at 10; logp -inf (d = +inf) -> 10; ref -inf (d = -inf) -> 10; both -inf -> 0.
+    # d = ref - logp: 2 -> e^2 - 3; 3 -> e^3 - 4 = 16.1, capped at 10; -9 -> e^-9 + 8; -30 -> 29 + e^-30,
+    # capped at 10; logp -inf (d = +inf) -> 10; ref -inf (d = -inf) -> 10; both -inf -> 0.
     logprobs = torch.tensor([[-3.0, -4.0, -1.0, -1.0, inf, -2.0, inf]], requires_grad=True)
     ref = torch.tensor([[-1.0, -1.0, -10.0, -31.0, -2.0, inf, inf]])
     mask = torch.ones(1, 7)
@@ -116,6 +120,8 @@ def test_sequence_rewards_clip_the_score_and_subtract_the_summed_kl():
     out = sequence_rewards(logprobs, ref, torch.tensor([9.0, -1.0]), mask, kl_coef=0.5, reward_clip=5.0)
     # row 0: KL 0.5 + (-1) = -0.5 -> 5 + 0.25; row 1: KL 1 + 0 + 0.5 = 1.5 -> -1 - 0.75
     assert out.rewards.tolist() == [5.25, -1.75]
+    low = sequence_rewards(logprobs, ref, torch.tensor([-9.0, 7.0]), mask, kl_coef=0.0, reward_clip=5.0)
+    assert low.rewards.tolist() == [-5.0, 5.0]  # clipped on both sides
     assert out.kl.tolist() == [[0, 0.5, -1, 0], [0, 1, 0, 0.5]]
 
 

@@ -110,8 +110,8 @@ class SequenceRewards(NamedTuple):
 
 def grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
     """[G * k] -> [G, k]: row g holds the k contiguous responses of prompt g."""
-    if group_size < 1 or x.shape[0] % group_size:
-        raise ValueError(f"{x.shape[0]} responses do not make groups of {group_size}")
+    if group_size < 2 or x.shape[0] % group_size:  # one response has nothing to be relative to
+        raise ValueError(f"{x.shape[0]} responses do not make groups of {group_size} (at least 2 each)")
     return x.reshape(-1, group_size)
 
 

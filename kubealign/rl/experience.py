@@ -123,7 +123,7 @@ def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
 
 
 def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                    sampling: Sampling, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    sampling: Sampling, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(log-probs, entropies) [N, A] of the policy at the sampling temperature (scaled_logits) on the
     response actions, 0 elsewhere: one forward serves the experience and the update. entropy_grad False:
     the entropy carries no gradient (logging only)."""

@@ -34,20 +34,22 @@ class KLController:
         self.value = float(state["value"])
 
 
-# k3's bounds, veRL's (kl_penalty "low_var_kl"): the log-ratio is clamped to +-20 before exp, the estimate
-# to at most 10 per token. Unclamped, one token the updated policy gives a probability near 0 makes
-# exp(ref - logp) overflow to inf (and inf - inf = nan); clamped, that token's term is a large finite
-# penalty with no gradient past the bound, and the rest of the batch still trains.
+# k3's bounds, veRL's (kl_penalty "low_var_kl"): the log-ratio is clamped to at most 20 before exp, the
+# estimate to at most 10 per token. Unclamped, one token the updated policy gives a probability near 0
+# makes exp(ref - logp) overflow to inf (and inf - inf = nan, or 0 * inf = nan in the backward); clamped,
+# that token's term is a large finite penalty with no gradient past the bound, and the rest of the batch
+# still trains. veRL also clamps the log-ratio at -20; that bound never binds here: the estimate reaches
+# the cap of 10 already at a log-ratio of about -11, and exp(d) - d - 1 is finite down to d = -inf.
 K3_LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
 
 
 def k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """[B, A] per-token estimate of KL(pi || pi_ref) from tokens sampled by pi:
-        exp(d) - d - 1,   d = clamp(ref - logp, -20, 20),   then at most 10
+        exp(d) - d - 1,   d = min(ref - logp, 20),   then at most 10
     (Schulman 2020, "Approximating KL divergence"; DeepSeekMath eq. 4; the bounds are veRL's, see
     K3_BOUND): >= 0 for every token, 0 where the two log-probs agree and outside the response, finite
     always — also where a log-prob is -inf (two -inf agree: 0)."""
     delta = torch.where(response_mask.bool(), ref_logprobs - logprobs, torch.zeros_like(logprobs))
-    delta = torch.nan_to_num(delta, nan=0.0).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)
+    delta = torch.nan_to_num(delta).clamp(max=K3_LOG_RATIO_BOUND)  # nan (two -inf agree) -> 0; +-inf -> finite
     return (delta.exp() - delta - 1).clamp(max=K3_BOUND)

@@ -66,19 +66,17 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
 
 
 def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool,
-                         where: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                         where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(logprobs_from_logits, entropy_from_logits) of [B, T, V] logits from ONE log-softmax over the
     vocabulary. entropy_grad False: the entropy is for logging only (entropy_coef 0), computed without
     autograd — the backward pass holds and differentiates nothing the loss does not use — and only at
-    the [B, T-1] actions `where` marks (None: all), 0 elsewhere."""
+    the [B, T-1] actions `where` marks, 0 elsewhere (with entropy_grad: at every action)."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     logprobs = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     if entropy_grad:
         return logprobs, entropy_from_logprobs(logp)
     with torch.no_grad():
-        if where is None:
-            return logprobs, entropy_from_logprobs(logp.detach())
-        entropy = torch.zeros_like(logprobs, requires_grad=False)
+        entropy = torch.zeros_like(logprobs)
         entropy[where.bool()] = entropy_from_logprobs(logp.detach()[where.bool()])
         return logprobs, entropy
 
