@@ -30,4 +30,6 @@ def test_top_k_1_rollouts_keep_the_unfiltered_entropy_and_a_ratio_of_one(cli, tr
         assert row["approx_kl_first"] == 0 and row["clip_fraction_first"] == 0
         assert all(math.isfinite(v) for v in row.values())
     assert res["history"][0]["kl"] == 0  # the first rollout's actor is the reference: exactly 0
-    assert res["metrics"]["kl_before"] == 0 and res["metrics"]["kl_after"] > 0
+    # After the updates the actor differs from the reference. (The KL estimate on greedy samples is not
+    # KL(actor || reference): the tokens are not drawn from the unfiltered softmax, so it may be < 0.)
+    assert res["metrics"]["kl_before"] == 0 and res["metrics"]["kl_after"] != 0
