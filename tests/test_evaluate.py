@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import subprocess
 from pathlib import Path
@@ -211,9 +212,10 @@ def test_gate_refuses_a_candidate_trained_against_a_sabotaged_reward_model(cli, 
     assert any(line.startswith("FAIL: win_rate_lower_bound") for line in payload["gate"])
 
 
-def test_evaluation_kl_is_that_of_the_sampling_distributions(trained):  # noqa: F811
-    """KL(candidate || baseline) of the distributions that sampled: with top_k = 1 both are point masses on
-    the same argmax here, so the KL is exactly 0, while the full-vocabulary log-probs differ."""
+def test_evaluation_kl_is_tempered_and_unfiltered(trained):  # noqa: F811
+    """KL(candidate || baseline) from the tempered softmax over the whole vocabulary, whatever top-k or
+    top-p shaped the samples (losses.scaled_logits): the same with top_k 1 as without, finite, and exactly
+    0 for a model against itself."""
     from kubealign.config.schema import EvaluateConfig
     from kubealign.data.tokenize import encode_prompt
     from kubealign.rl.losses import Sampling
@@ -237,5 +239,7 @@ def test_evaluation_kl_is_that_of_the_sampling_distributions(trained):  # noqa: 
     prompts = [encode_prompt(tokenizer, p) for p in ("\n\nHuman: Tell me about bees.\n\nAssistant:",) * 2]
     cfg = EvaluateConfig(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=8, batch_size=2)
     rows = sample(model, tokenizer, prompts, cfg)  # greedy: also the sharper model's only possible sample
-    assert kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 1, 1.0)) == 0.0
-    assert kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 0, 1.0)) > 0.01  # over the whole vocabulary
+    greedy = kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 1, 1.0))
+    assert greedy == kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 0, 1.0))  # the filter changes nothing
+    assert greedy != 0 and math.isfinite(greedy)  # the softmaxes differ over the vocabulary
+    assert kl_to(model, model, rows, 2, Sampling(0.7, 1, 0.5)) == 0.0

@@ -308,15 +308,19 @@ def test_a_non_finite_experience_names_what_is_not_finite_and_where():
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])
     finite = torch.tensor([[-inf, -1.0, -2.0], [nan, -1.0, nan]])  # non-finite outside the response only
     ok = Experience(torch.zeros(2, 4), torch.ones(2, 4), mask, finite, finite, None, torch.tensor([1.0, 2.0]))
-    assert experience_fault(ok) == ""
+    assert experience_fault(ok) == ("", False)
     bad = ok._replace(logprobs=torch.tensor([[0.0, -inf, -2.0], [0.0, -1.0, 0.0]]), scores=torch.tensor([1.0, nan]))
     assert experience_fault(bad) == (
         "the reward score is not finite (nan) for 1 of 2 responses; "
-        "the actor's log-prob is not finite (-inf) for 1 of 3 tokens"
+        "the actor's log-prob is not finite (-inf) for 1 of 3 tokens",
+        True,  # the actor trains: the learning rate is a suspect
     )
+    assert experience_fault(ok._replace(scores=torch.tensor([1.0, nan]))).trained is False  # frozen only
     values = torch.tensor([[0.0, 1.0, inf], [0.0, inf, 5.0]])
     bad = ok._replace(values=values, ref_logprobs=torch.tensor([[0.0, -1.0, -inf], [0.0, -1.0, 0.0]]))
     assert experience_fault(bad) == (
         "the reference's log-prob is not finite (-inf) for 1 of 3 tokens; "
-        "the critic's value is not finite (inf) for 2 of 3 tokens"
+        "the critic's value is not finite (inf) for 2 of 3 tokens",
+        True,
     )
+    assert experience_fault(ok._replace(ref_logprobs=bad.ref_logprobs)).trained is False

@@ -368,33 +368,46 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
 
 class NonFiniteExperience(NonFiniteLoss):
     """The experience an update would train on holds a nan or inf (a reward score, a log-prob, a value):
-    the cause of the non-finite loss it would give is known, and it is not the learning rate."""
+    the cause of the non-finite loss it would give is known (see ExperienceFault)."""
+
+    def __init__(self, fault: ExperienceFault):
+        super().__init__(fault.message)
+        self.trained = fault.trained
 
 
-def experience_fault(exp: Experience) -> str:
-    """'' when every value the update reads is finite; else which are not, counted over every rank (one
-    all_reduce, so every rank raises alike). Scores count per response; log-probs and values per
-    response token (what lies outside the response is never read)."""
+class ExperienceFault(NamedTuple):
+    message: str  # what is not finite, and how often; '' when everything is
+    trained: bool  # a model that trains (actor, critic) is among them: diverged, the learning rate is the
+    # suspect; else only frozen models (reward model, reference), which no learning rate can have caused
+
+
+def experience_fault(exp: Experience) -> ExperienceFault:
+    """Which values the update reads are not finite, counted over every rank (one all_reduce, so every
+    rank raises alike). Scores count per response; log-probs and values per response token (what lies
+    outside the response is never read)."""
     fields = [
-        ("the reward score", "responses", exp.scores, None),
-        ("the actor's log-prob", "tokens", exp.logprobs, exp.response_mask),
-        ("the reference's log-prob", "tokens", exp.ref_logprobs, exp.response_mask),
+        ("the reward score", "responses", exp.scores, None, False),
+        ("the actor's log-prob", "tokens", exp.logprobs, exp.response_mask, True),
+        ("the reference's log-prob", "tokens", exp.ref_logprobs, exp.response_mask, False),
     ]
     if exp.values is not None:
-        fields.append(("the critic's value", "tokens", exp.values, exp.response_mask))
+        fields.append(("the critic's value", "tokens", exp.values, exp.response_mask, True))
     counts, examples = [], []
-    for _, _, x, mask in fields:
+    for _, _, x, mask, _ in fields:
         where = torch.ones_like(x, dtype=torch.bool) if mask is None else mask.bool()
         bad = ~torch.isfinite(x) & where
         counts += [float(bad.sum()), float(where.sum())]
         examples.append(float(x[bad][0]) if bool(bad.any()) else None)
     totals = distributed.all_reduce_sum(counts)
-    faults = []
-    for (name, unit, _, _), example, bad, total in zip(fields, examples, totals[::2], totals[1::2], strict=True):
+    faults, trained = [], False
+    for (name, unit, _, _, trains), example, bad, total in zip(
+        fields, examples, totals[::2], totals[1::2], strict=True
+    ):
         if bad:
-            value = f" ({example:g})" if example is not None else ""
+            value = f" ({example:g})" if example is not None else ""  # another rank's: no example here
             faults.append(f"{name} is not finite{value} for {int(bad)} of {int(total)} {unit}")
-    return "; ".join(faults)
+            trained = trained or trains
+    return ExperienceFault("; ".join(faults), trained)
 
 
 def iteration(
@@ -421,7 +434,8 @@ def iteration(
     else:
         exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg))
     experienced = time.perf_counter()
-    if fault := experience_fault(exp):  # before any update: a nan here would poison every weight it reaches
+    fault = experience_fault(exp)
+    if fault.message:  # before any update: a nan here would poison every weight it reaches
         raise NonFiniteExperience(fault)
     kl_coef = kl.value
     targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)

@@ -265,7 +265,8 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
         except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
             lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
-            hint = "" if isinstance(exc, NonFiniteExperience) else f" ({lrs})"  # the cause is named already
+            frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
+            hint = "" if frozen else f" ({lrs})"
             raise UserError(
                 f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
                 f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
