@@ -1,0 +1,42 @@
+"""Do DeepSpeed's prebuilt CUDA ops load here? Run by run.sh on the GPU machine after the wheels are
+installed, in the environment the benchmark uses. Prints one JSON line; exit 0: every op the installed
+DeepSpeed lists as prebuilt loads (or none is listed: the pure wheel, which JIT-builds); 1: a prebuilt op
+does not load (run.sh then installs the pure wheel instead); 3: no CUDA here, nothing was checked.
+
+It asks DeepSpeed's own op_builder.load(), which for a prebuilt op checks the torch and CUDA versions it
+was built with against the running ones (validate_torch_version, validate_torch_op_version) and imports
+it; for an op that is not prebuilt, load() would JIT-compile it, so such ops are not loaded here.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+OPS = {"fused_adam": "FusedAdamBuilder", "transformer_inference": "InferenceBuilder"}
+
+
+def main() -> int:
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import installed_ops, torch_info
+
+    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "built_with": torch_info,
+              "prebuilt": sorted(op for op in OPS if installed_ops.get(op))}  # fmt: skip
+    if not torch.cuda.is_available():
+        report["checked"] = "no: no CUDA here (a prebuilt op needs the CUDA accelerator and libcuda to load)"
+        print(json.dumps(report))
+        return 3
+    failed = {}
+    for op in report["prebuilt"]:
+        try:
+            get_accelerator().create_op_builder(OPS[op]).load(verbose=False)
+        except Exception as exc:  # a version check, an undefined symbol, a missing library
+            failed[op] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    report.update(checked="yes", failed=failed)
+    print(json.dumps(report))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
