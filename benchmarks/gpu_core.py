@@ -75,7 +75,7 @@ def free_port() -> int:
 def settings(dry: bool) -> dict[str, Any]:
     """Everything a measurement's size depends on; written into every record."""
     if dry:
-        return {"dry": True, "dtype": "fp32", "prompt_len": 8, "new_tokens": 8, "batches": [2], "reps": 1,
+        return {"dry": True, "dtype": "fp32", "prompt_len": 8, "new_tokens": 8, "batches": [2, 3], "reps": 1,
                 "correctness": {"updates": 1, "batch": 2, "prompt_len": 8, "new_tokens": 8},
                 "iteration": {"iterations": 2, "prompt_len": 8, "new_tokens": 8, "batch": 2}}  # fmt: skip
     return {"dry": False, "dtype": "bf16", "prompt_len": 256, "new_tokens": 256, "batches": [16, 64], "reps": 2,

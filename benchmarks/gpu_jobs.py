@@ -360,7 +360,19 @@ def subprocess_job(spec: dict[str, Any], timeout: float, env: Any) -> dict[str, 
         return found
 
 
+def die_with_parent() -> None:
+    """A child runs in a process session of its own (so that a timeout kills what it started): the device
+    machine then would not end it with the command, so it ends itself when its parent goes (Linux)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent went before the line above
+            os._exit(1)
+
+
 def child(spec_file: str) -> None:
+    die_with_parent()
     spec = json.loads(Path(spec_file).read_text())
     log_event(spec.get("run_log"), event="child", job=spec["job"], case=spec.get("case"))
     progress = Progress(Path(spec["result_file"]))

@@ -62,6 +62,9 @@ SETUP_S = {"run.sh": 40, "process": 15, "opt-1.3b": 25, "opt-350m": 10, "llama-1
 # module's split / sft / reward fixture)
 TESTS_S = 180.0
 
+# A case of one batch is named by the GPU's batch size (hf-static-compile-b16, ...), also in a dry run, where
+# it runs at the dry batch of the same rank: `--only` then picks the same cases in both.
+GPU_BATCHES = settings(False)["batches"]
 CORRECTNESS = (("kubealign-he-z2", "he-plain", 2, False), ("kubealign-he-z3", "he-plain", 3, False),
                ("kubealign-he-z2-lora", "he-plain", 2, True), ("kubealign-engine-z2", "engine", 2, False))  # fmt: skip
 ITERATION = (("z2-lora", 2, True), ("z2-full", 2, False), ("z3-lora", 3, True), ("z3-full", 3, False))
@@ -105,7 +108,7 @@ def generation_cases(args: argparse.Namespace, cuda: bool) -> list[Case]:
             elif path == "hf-static-compile":
                 for rank, batch in enumerate(s["batches"]):
                     spec = {"job": "hf", "compiled": True, "actor": model, "batches": [batch], **common}
-                    case = Case("generation", f"{path}-b{batch}", estimate("generation", path, rank),
+                    case = Case("generation", f"{path}-b{GPU_BATCHES[rank]}", estimate("generation", path, rank),
                                 {**base, "path": path}, spec if cuda else None, models=(model,))  # fmt: skip
                     case.status = None if cuda else NEEDS_CUDA
                     cases.append(case)
@@ -133,7 +136,8 @@ def legacy_cases(args: argparse.Namespace, cuda: bool, base: dict[str, Any], sha
                     "reps": s["reps"], "prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"],
                     "correctness": s["correctness"] if rank == 0 else None}  # fmt: skip
             runs = cuda or not cases
-            case = Case("generation", f"{path}-b{batch}", estimate("generation", path, rank), {**base, "path": path},
+            name = f"{path}-b{GPU_BATCHES[rank]}"
+            case = Case("generation", name, estimate("generation", path, rank), {**base, "path": path},
                         spec if runs else None, None if runs else NEEDS_CUDA)  # fmt: skip
             cases.append(case)
     return cases

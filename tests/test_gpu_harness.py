@@ -153,9 +153,10 @@ def test_dry_run_passes_once_over_each_case(dry):
     assert Counter(e["case"] for e in events if e["event"] == "case") == planned  # each case ended once
     children = Counter(e["case"] for e in events if e["event"] == "child")
     assert children and set(children.values()) == {1}  # the legacy import checks, one child each
-    for measurement in ("generation", "correctness", "iteration"):  # one batch each when dry: one line a case
-        names = Counter((c.get("model"), c["case"]) for c in dry[measurement]["cases"])
-        assert set(names.values()) == {1} and len(names) == sum(1 for c in planned if c.startswith(measurement))
+    for measurement in ("generation", "correctness", "iteration"):  # a line per case (and batch measured)
+        lines = Counter((c.get("model"), c["case"], c.get("batch")) for c in dry[measurement]["cases"])
+        cases = {(model, case) for model, case, _ in lines}
+        assert set(lines.values()) == {1} and len(cases) == sum(1 for c in planned if c.startswith(measurement))
 
 
 def test_dry_records_say_what_ran_where(dry):
@@ -171,17 +172,24 @@ def test_dry_generation_times_each_path_or_says_why_not(dry):
     assert record["roofline"]["spec_Bps"] is None and record["roofline"]["used_Bps"] > 0  # CPU: a measured copy
     opt = by_path(record, "opt-1.3b")
     for path, rollout_path in (("hf-eager", None), ("kubealign-engine-z2", "engine"), ("kubealign-he-z2", "he-plain")):
-        (case,) = opt[path]
-        assert case["status"] == "ok" and case.get("rollout_path") == rollout_path, case
-        assert case["generated_tokens"] == 8 and case["ms_per_decode_step"] > 0
-        assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
-    assert [c["status"] for c in opt["hf-static-compile"]] == ["skipped: needs CUDA"]
+        assert [c["batch"] for c in opt[path]] == [2, 3]  # one process, the smaller batch first
+        for case in opt[path]:
+            assert case["status"] == "ok" and case.get("rollout_path") == rollout_path, case
+            # (full - prefill) / 7 decode steps; its sign is noise at 8 tiny tokens on a shared CPU
+            step_ms = (case["full_s"] - case["prefill_s"]) / 7 * 1e3
+            assert case["generated_tokens"] == 8 and case["ms_per_decode_step"] == pytest.approx(step_ms)
+            assert case["full_s"] > 0 and case["prefill_s"] > 0 and case["ms_per_decode_step"] != 0
+            assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
+    # a case per batch, named by the GPU's batch size
+    assert [(c["case"], c["status"]) for c in opt["hf-static-compile"]] == [
+        ("hf-static-compile-b16", "skipped: needs CUDA"), ("hf-static-compile-b64", "skipped: needs CUDA")]  # fmt: skip
     # on a CPU only the first legacy case runs a child (the side environment imports); the rest need CUDA
-    (legacy,) = opt["legacy-he-injected-z2"]
-    assert legacy["status"] == "skipped: needs CUDA" and legacy["injection_policies"] > 0
-    assert legacy["transformers"] and legacy["side_environment"].startswith("none given")
-    for variant in ("legacy-he-injected-z2-cuda-graph", "legacy-he-injected-z3"):
-        assert [c["status"] for c in opt[variant]] == ["skipped: needs CUDA"]
+    legacy = sorted(opt["legacy-he-injected-z2"], key=lambda c: int(c["case"].rsplit("-b", 1)[1]))
+    assert [c["case"] for c in legacy] == ["legacy-he-injected-z2-b16", "legacy-he-injected-z2-b64"]
+    assert legacy[0]["status"] == "skipped: needs CUDA" and legacy[0]["injection_policies"] > 0
+    assert legacy[0]["transformers"] and legacy[0]["side_environment"].startswith("none given")
+    for case in legacy[1:] + opt["legacy-he-injected-z2-cuda-graph"] + opt["legacy-he-injected-z3"]:
+        assert case["status"] == "skipped: needs CUDA" and "injection_policies" not in case
     llama = by_path(record, "llama-1.3b")
     assert llama["hf-eager"][0]["status"] == "ok"
     # DeepSpeed's hybrid engine cannot build LLaMA on CPU: recorded as an error line, the run goes on

@@ -1,7 +1,8 @@
 """Do DeepSpeed's prebuilt CUDA ops load here? Run by run.sh on the GPU machine after the wheels are
 installed, in the environment the benchmark uses. Prints one JSON line; exit 0: every op the installed
 DeepSpeed lists as prebuilt loads (or none is listed: the pure wheel, which JIT-builds); 1: a prebuilt op
-does not load (run.sh then installs the pure wheel instead); 3: no CUDA here, nothing was checked.
+does not load (run.sh then installs the pure wheel instead); 2: DeepSpeed itself does not import (the pure
+wheel would not either: run.sh's import check says why); 3: no CUDA here, nothing was checked.
 
 It asks DeepSpeed's own op_builder.load(), which for a prebuilt op checks the torch and CUDA versions it
 was built with against the running ones (validate_torch_version, validate_torch_op_version) and imports
@@ -18,8 +19,13 @@ OPS = {"fused_adam": "FusedAdamBuilder", "transformer_inference": "InferenceBuil
 
 def main() -> int:
     import torch
-    from deepspeed.accelerator import get_accelerator
-    from deepspeed.git_version_info import installed_ops, torch_info
+
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.git_version_info import installed_ops, torch_info
+    except Exception as exc:
+        print(json.dumps({"deepspeed_imports": False, "error": f"{type(exc).__name__}: {exc}"}))
+        return 2
 
     report = {"torch": torch.__version__, "cuda": torch.version.cuda, "built_with": torch_info,
               "prebuilt": sorted(op for op in OPS if installed_ops.get(op))}  # fmt: skip
