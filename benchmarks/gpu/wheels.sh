@@ -7,7 +7,7 @@
 #   DEST/legacy/*.whl  the side environment of path (d): transformers 4.44.2 with the tokenizers and
 #                      huggingface-hub it needs (DeepSpeed's injected kernels stop working after 4.48)
 #   DEST/ops/*.whl     deepspeed again, with fused_adam and transformer_inference prebuilt for sm_90 against
-#                      torch 2.11.0 + CUDA 13.0 (benchmarks/gpu/ops.sh: slow the first time, then cached);
+#                      torch 2.11.0 + CUDA 13.0 (benchmarks/gpu/ops.sh: minutes the first time, then cached);
 #                      run.sh installs it over the pure one and goes back to the pure one if an op fails to load.
 #                      NO_OPS=1 leaves it out.
 # What the device image already has (torch 2.11, transformers 5.17, accelerate, safetensors, pyarrow,
