@@ -396,6 +396,12 @@ def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     import torch
     import transformers
 
+    from kubealign.training import oplocks
+
+    # A JIT build of an op killed at an earlier case's timeout leaves its lock, on which this process would
+    # wait forever: cleared first (as every stage does through oplocks.guard), then watched while DeepSpeed
+    # loads or builds its ops (below).
+    progress.update(stale_locks_removed=[p.parent.name for p in oplocks.clear_stale()])
     progress.update(transformers=transformers.__version__, deepspeed=version("deepspeed"))
     # Imported before the CUDA check: a dry run on CPU proves the side environment loads DeepSpeed's
     # injection policies beside this transformers before any GPU time is spent on it.
@@ -406,8 +412,6 @@ def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"status": NEEDS_CUDA}
     from transformers import AutoModelForCausalLM
-
-    from kubealign.training import oplocks
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(free_port()))  # fmt: skip
@@ -428,9 +432,7 @@ def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
           "zero_optimization": {"stage": spec["zero"]}, "hybrid_engine": block,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9}  # fmt: skip
     start = time.perf_counter()
-    # The engine loads (or, without the prebuilt ops, JIT-builds) fused_adam and transformer_inference: a
-    # build killed at an earlier case's timeout left its lock behind, which would hang this one.
-    with oplocks.guard():
+    with oplocks.guard():  # loads (or, without the prebuilt ops, JIT-builds) fused_adam, transformer_inference
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
     progress.update(init_s=time.perf_counter() - start, injected_layers=len(engine._inference_containers),
                     cuda_graphs=getattr(engine, "_decode_graphs", None) is not None)  # fmt: skip

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+STARTED = time.perf_counter()  # --deadline-s counts from here
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 for path in (str(HERE), str(REPO)):  # gpu_core / gpu_jobs beside this file; kubealign from this checkout
@@ -108,8 +109,8 @@ class RunLog:
 class Budget:
     """The call's one deadline (--deadline-s from the start of this script; 0: none)."""
 
-    def __init__(self, deadline_s: float):
-        self.deadline_s, self.started = deadline_s, time.perf_counter()
+    def __init__(self, deadline_s: float, started: float | None = None):
+        self.deadline_s, self.started = deadline_s, time.perf_counter() if started is None else started
 
     def left_s(self) -> float:
         return (self.deadline_s or float("inf")) - (time.perf_counter() - self.started)
@@ -133,10 +134,11 @@ def setup(cases: list[Case], work: Path, dry: bool) -> dict[str, str]:
     return dirs
 
 
-def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, Any], log: RunLog) -> list[Path]:
+def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, Any], log: RunLog,
+        budget: Budget | None = None) -> list[Path]:  # fmt: skip
     """The planned cases in order, each within the call's budget: a case whose estimate does not fit the
     time left is skipped; one that runs gets a timeout (gpu_plan.timeout_s). One record per measurement."""
-    budget = Budget(args.deadline_s)
+    budget = budget or Budget(args.deadline_s)
     records: dict[str, Record] = {}
     for case in cases:
         if case.measurement not in records:
@@ -149,6 +151,10 @@ def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, 
                 rec.data["dschat_epoch"] = DSCHAT_EPOCH
     started = time.perf_counter()
     dirs = setup(cases, work, args.dry)
+    if env.get("gpu"):
+        import torch
+
+        torch.cuda.empty_cache()  # the model dirs were built here; the jobs run in children
     print(f"setup: {time.perf_counter() - started:.1f} s (estimated {setup_s(cases, run_sh=False):.0f} s)", flush=True)
     for case in cases:
         rec = records[case.measurement]
@@ -269,15 +275,17 @@ def main(argv: list[str] | None = None) -> None:
     env = environment()
     log = RunLog(args.out, args, env)
     cases = plan(args, cuda)
+    if not cases:
+        sys.exit(f"gpu_rollout.py: no case matches --only {','.join(args.only)} (case names: benchmarks/gpu_plan.py)")
     log(event="start", measurement=args.measurement, command=command_line(argv, args.out),
         cases=[case_id(c) for c in cases])  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-rollout-")))
         work.mkdir(parents=True, exist_ok=True)
-        started = time.perf_counter()
-        paths = run(cases, args, work, env, log)
-    log(event="end", measurement=args.measurement, seconds=time.perf_counter() - started)
-    print(f"{args.measurement}: {time.perf_counter() - started:.1f} s, written to {', '.join(map(str, paths))}")
+        paths = run(cases, args, work, env, log, Budget(args.deadline_s, STARTED))
+    seconds = time.perf_counter() - STARTED
+    log(event="end", measurement=args.measurement, seconds=seconds)
+    print(f"{args.measurement}: {seconds:.1f} s, written to {', '.join(map(str, paths))}")
 
 
 if __name__ == "__main__":

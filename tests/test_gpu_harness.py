@@ -23,6 +23,7 @@ BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_core  # noqa: E402
+import gpu_jobs  # noqa: E402
 import gpu_plan  # noqa: E402
 import gpu_rollout  # noqa: E402
 
@@ -274,6 +275,28 @@ def test_legacy_runs_one_process_per_batch_size():
     found = sorted((c.fields["path"], c.spec["batches"], c.spec["correctness"] is not None) for c in cases)
     assert found == [(f"legacy-{v}", [b], b == 16) for v, _, _ in gpu_core.LEGACY_VARIANTS for b in (16, 64)]
     assert all(c.spec["job"] == "legacy" and c.status is None for c in cases)
+
+
+def test_the_legacy_job_clears_a_stale_build_lock_first(tmp_path: Path):
+    """A JIT build of an op killed at an earlier case's timeout leaves its lock, on which DeepSpeed would
+    wait forever: path (d)'s child removes it before anything else (here it then stops: no CUDA)."""
+    lock = tmp_path / "ext" / "transformer_inference" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")  # no process holds it: its builder is gone
+    spec = {"job": "legacy", "shape": gpu_core.DRY_SHAPES["opt-1.3b"], "zero": 2, "cuda_graph": False,
+            "batches": [2], "reps": 1, "prompt_len": 8, "new_tokens": 8, "correctness": None}  # fmt: skip
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": ""}
+    result = gpu_jobs.subprocess_job(spec, 300, env)
+    assert result["status"] == "skipped: needs CUDA" and result["stale_locks_removed"] == ["transformer_inference"]
+    assert not lock.exists()
+
+
+def test_an_only_that_matches_no_case_stops_before_any_work(tmp_path: Path):
+    cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "generation", "--dry", "--only", "hf-eagre",
+           "--out", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "no case matches --only hf-eagre" in proc.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # no records, and no run log line either
 
 
 def documented_calls() -> list[tuple[str, str, str]]:
