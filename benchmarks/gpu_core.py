@@ -75,7 +75,7 @@ def free_port() -> int:
 def settings(dry: bool) -> dict[str, Any]:
     """Everything a measurement's size depends on; written into every record."""
     if dry:
-        return {"dry": True, "dtype": "fp32", "prompt_len": 8, "new_tokens": 8, "batches": [2], "reps": 1,
+        return {"dry": True, "dtype": "fp32", "prompt_len": 8, "new_tokens": 8, "batches": [2, 3], "reps": 1,
                 "correctness": {"updates": 1, "batch": 2, "prompt_len": 8, "new_tokens": 8},
                 "iteration": {"iterations": 2, "prompt_len": 8, "new_tokens": 8, "batch": 2}}  # fmt: skip
     return {"dry": False, "dtype": "bf16", "prompt_len": 256, "new_tokens": 256, "batches": [16, 64], "reps": 2,
@@ -211,6 +211,9 @@ def bandwidth(env: dict[str, Any]) -> dict[str, Any]:
     dst.copy_(src)
     seconds, _ = timed(lambda: [dst.copy_(src) for _ in range(10)])
     measured = 2 * n * 10 / seconds
+    src = dst = None  # noqa: F841  (freed: the lambda above held them)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the jobs run in children: this process keeps no GPU memory it does not use
     return {"spec_Bps": spec, "measured_copy_Bps": measured, "used_Bps": spec or measured,
             "used": "data sheet" if spec else "measured copy (no data-sheet figure for this device)",
             "formula": ROOFLINE_FORMULA}  # fmt: skip

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,37 @@ from gpu_core import (
 )
 
 SCRIPT = Path(__file__).resolve().parent / "gpu_rollout.py"  # its `_child` entry runs a job
+
+
+class Progress:
+    """What a job has measured so far. In a child it is written to the job's result file after every step,
+    so a job killed at its timeout, or one whose CUDA context died (an illegal memory access), keeps the
+    figures it had: the parent reads them beside the error."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path
+        self.data: dict[str, Any] = {"status": "running", "cases": []}
+
+    def add(self, case: dict[str, Any]) -> None:
+        self.data["cases"].append(case)
+        self.write()
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.write()
+
+    def write(self) -> None:
+        if self.path is not None:
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, default=str))
+            tmp.replace(self.path)
+
+
+def log_event(path: str | None, **event: Any) -> None:
+    """One JSON line in the run log (gpu_rollout.RunLog): what started, in which process, when."""
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"time": time.time(), "pid": os.getpid(), **event}, default=str) + "\n")
 
 
 def build_dir(name: str, kind: str, root: Path, dry: bool) -> Path:
@@ -143,7 +175,7 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
     return cfg, models, check
 
 
-def job_rollout(spec: dict[str, Any]) -> dict[str, Any]:
+def job_rollout(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Path (c): kubealign.rl.trainer.generate through the PPOModels the ppo stage builds."""
     from kubealign.rl.trainer import generate
     from kubealign.training import distributed
@@ -157,11 +189,68 @@ def job_rollout(spec: dict[str, Any]) -> dict[str, Any]:
 
         return once
 
-    cases = [measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]) for b in spec["batches"]]
-    return {"rollout_path": check.path, "rollout_notes": check.notes, "cases": cases}
+    progress.update(rollout_path=check.path, rollout_notes=check.notes)
+    for b in sorted(spec["batches"]):  # the smaller first: a failure at the larger keeps its figures
+        progress.add(measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
+    return {}
 
 
-def job_correctness(spec: dict[str, Any]) -> dict[str, Any]:
+def hf_generate(directory: Path, dtype: str, compiled: bool) -> Any:
+    """HF generate on one model: eager, or with a static cache (transformers then compiles the decode step
+    with torch.compile, mode reduce-overhead: CUDA graphs)."""
+    import torch
+    from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    model = model.to(device).eval()
+    extra = {"cache_implementation": "static", "compile_config": CompileConfig()} if compiled else {}
+
+    def for_batch(ids: Any, mask: Any) -> Any:
+        def once(n: int) -> Any:
+            settings_ = GenerationConfig(
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                temperature=1.0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                **{f"{k}_token_id": v for k, v in SPECIAL.items()},
+            )
+            with torch.no_grad():
+                return model.generate(input_ids=ids, attention_mask=mask, generation_config=settings_, **extra)
+
+        return once
+
+    return model, for_batch
+
+
+def job_hf(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """Paths hf-eager and hf-static-compile: HF generate on the actor dir, one measured case per batch."""
+    model, for_batch = hf_generate(Path(spec["actor"]), spec["dtype"], compiled=spec["compiled"])
+    for batch in sorted(spec["batches"]):
+        ids, mask = random_prompts(batch, spec["prompt_len"], spec["vocab"], model.device)
+        progress.add(measure(for_batch(ids, mask), batch, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
+    return {}
+
+
+def job_probe(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
+    """The harness's own check, no model: steps of {"add": {...}} (a measured case), {"raise": message},
+    {"sleep": seconds} or {"exit": code} (the process dies without a word, as on a CUDA fault). The dry
+    tests run it to prove that a failing or hanging case keeps its figures and stops no other case."""
+    for step in spec["steps"]:
+        if "add" in step:
+            progress.add(step["add"])
+        elif "raise" in step:
+            raise RuntimeError(step["raise"])
+        elif "sleep" in step:
+            time.sleep(step["sleep"])
+        elif "exit" in step:
+            os._exit(step["exit"])
+    return {}
+
+
+def job_correctness(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Item 2: ppo iterations through kubealign's loop (ratio 1 and KL 0 at step 0), then the greedy rollout
     (top_k 1) of the trained actor against HF eager generation from the same, gathered weights."""
     import torch
@@ -179,6 +268,7 @@ def job_correctness(spec: dict[str, Any]) -> dict[str, Any]:
         ids, mask = random_prompts(cfg.generation_batch_size, cfg.max_prompt_len, spec["vocab"], device, seed=step + 1)
         metrics, _ = iteration(models, ids, mask, cfg, kl, gen)
         history.append({k: metrics[k] for k in ("kl", "approx_kl_first", "clip_fraction_first", "policy_loss")})
+        progress.update(rollout_path=check.path, history=history)
     ids, mask = random_prompts(cfg.generation_batch_size, cfg.max_prompt_len, spec["vocab"], device, seed=99)
     rollout = generate(models, ids, mask, cfg.model_copy(update={"top_k": 1})).input_ids[:, ids.shape[1] :]
     model, _ = export.gather_model(models.actor, AutoModelForCausalLM, cfg.actor_lora, "CAUSAL_LM")
@@ -196,7 +286,7 @@ def job_correctness(spec: dict[str, Any]) -> dict[str, Any]:
             "passed": passed}  # fmt: skip
 
 
-def job_iteration(spec: dict[str, Any]) -> dict[str, Any]:
+def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off."""
     import resource
 
@@ -225,60 +315,102 @@ def job_iteration(spec: dict[str, Any]) -> dict[str, Any]:
             "history": result["history"], "wall_time_s": result["metrics"]["wall_time_s"], **peak}  # fmt: skip
 
 
-JOBS = {"rollout": job_rollout, "correctness": job_correctness, "iteration": job_iteration}
-
-
 def run_job(spec: dict[str, Any], isolate: bool, timeout: float) -> dict[str, Any]:
-    """A job in a fresh process (isolate: its own DeepSpeed state and peak memory) or in this one."""
+    """A job in a fresh process (isolate: its own DeepSpeed state, peak memory and CUDA context; killed at
+    `timeout`) or in this one (the CPU dry run: no timeout). Never raises: an error is a result."""
     if not isolate:
+        progress = Progress()
         try:
-            return {"status": "ok", **JOBS[spec["job"]](spec)}
+            done = jobs()[spec["job"]](spec, progress)  # first: it fills progress.data
+            return {**progress.data, "status": "ok", **done}
         except Exception as exc:
-            return failure(exc)
+            return {**progress.data, **failure(exc)}
     return subprocess_job(spec, timeout, env=os.environ)
 
 
+def jobs() -> dict[str, Any]:
+    return {"hf": job_hf, "rollout": job_rollout, "correctness": job_correctness, "iteration": job_iteration,
+            "legacy": job_legacy, "probe": job_probe}  # fmt: skip
+
+
 def subprocess_job(spec: dict[str, Any], timeout: float, env: Any) -> dict[str, Any]:
+    """The job in a child process of its own session, killed with everything it started (a ninja build, the
+    compile workers) at `timeout`: status `timeout`. What the child had measured comes back either way."""
     with tempfile.TemporaryDirectory() as tmp:
         spec_file, out_file = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_file.write_text(json.dumps({**spec, "result_file": str(out_file)}))
         cmd = [sys.executable, str(SCRIPT), "_child", str(spec_file)]
-        try:  # the child's output goes to this one's: a JIT build or a crash shows in the log
-            proc = subprocess.run(cmd, env=env, timeout=max(timeout, 30))
+        # the child's output goes to this one's: a JIT build or a crash shows in the log
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        try:
+            code: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            return {"status": "error", "error": f"timeout after {max(timeout, 30):.0f} s"}
-        if out_file.is_file():
-            return json.loads(out_file.read_text())
-        return {"status": "error", "error": f"the child exited with {proc.returncode} and wrote no result"}
+            code = None
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the child's group: what it started goes too
+            proc.wait()
+        found = json.loads(out_file.read_text()) if out_file.is_file() else {"cases": []}
+        if code is None and found.get("status") == "ok":  # done, then hung on its way out (a teardown)
+            return {**found, "note": f"killed at its timeout, {timeout:.0f} s, after it had finished"}
+        if code is None:
+            return {**found, "status": "timeout", "error": f"killed at its timeout, {timeout:.0f} s"}
+        if found.get("status") in (None, "running"):
+            return {**found, "status": "error", "error": f"the child exited with {code} before it finished"}
+        return found
+
+
+def die_with_parent() -> None:
+    """A child runs in a process session of its own (so that a timeout kills what it started): the device
+    machine then would not end it with the command, so it ends itself when its parent goes (Linux)."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the parent went before the line above
+            os._exit(1)
 
 
 def child(spec_file: str) -> None:
+    die_with_parent()
     spec = json.loads(Path(spec_file).read_text())
-    job = job_legacy if spec["job"] == "legacy" else JOBS[spec["job"]]
+    log_event(spec.get("run_log"), event="child", job=spec["job"], case=spec.get("case"))
+    progress = Progress(Path(spec["result_file"]))
+    progress.write()
     try:
-        result = {"status": "ok", **job(spec)}
+        done = jobs()[spec["job"]](spec, progress)  # first: it fills progress.data
+        result = {**progress.data, "status": "ok", **done}
     except Exception as exc:
         traceback.print_exc()
-        result = failure(exc)
-    Path(spec["result_file"]).write_text(json.dumps(result, default=str))
+        result = {**progress.data, **failure(exc)}
+    progress.data = result
+    progress.write()
 
 
-def job_legacy(spec: dict[str, Any]) -> dict[str, Any]:
+def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     """DeepSpeedHybridEngine with kernel injection, as DeepSpeed-Chat drives it (engine.eval(), then
-    module.generate), at one ZeRO stage with or without enable_cuda_graph: speed, then 3 training steps
+    module.generate), at one ZeRO stage with or without enable_cuda_graph and ONE batch size: DeepSpeed's
+    inference workspace is sized at the engine's first forward and never grows, so each batch size gets a
+    fresh process and engine (gpu_plan.legacy_cases). Speed, then (spec["correctness"]) 3 training steps
     and greedy tokens against HF eager generation from the same (gathered) weights."""
     import torch
     import transformers
 
-    found = {"transformers": transformers.__version__, "deepspeed": version("deepspeed")}
+    from kubealign.training import oplocks
+
+    # A JIT build of an op killed at an earlier case's timeout leaves its lock, on which this process would
+    # wait forever: cleared first (as every stage does through oplocks.guard), then watched while DeepSpeed
+    # loads or builds its ops (below).
+    progress.update(stale_locks_removed=[p.parent.name for p in oplocks.clear_stale()])
+    progress.update(transformers=transformers.__version__, deepspeed=version("deepspeed"))
     # Imported before the CUDA check: a dry run on CPU proves the side environment loads DeepSpeed's
     # injection policies beside this transformers before any GPU time is spent on it.
     import deepspeed
     from deepspeed.module_inject.replace_policy import replace_policies
 
-    found["injection_policies"] = len(replace_policies)
+    progress.update(injection_policies=len(replace_policies))
     if not torch.cuda.is_available():
-        return {**found, "status": NEEDS_CUDA}
+        return {"status": NEEDS_CUDA}
     from transformers import AutoModelForCausalLM
 
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -300,9 +432,10 @@ def job_legacy(spec: dict[str, Any]) -> dict[str, Any]:
           "zero_optimization": {"stage": spec["zero"]}, "hybrid_engine": block,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9}  # fmt: skip
     start = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    found.update(init_s=time.perf_counter() - start, injected_layers=len(engine._inference_containers),
-                 cuda_graphs=getattr(engine, "_decode_graphs", None) is not None)  # fmt: skip
+    with oplocks.guard():  # loads (or, without the prebuilt ops, JIT-builds) fused_adam, transformer_inference
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
+    progress.update(init_s=time.perf_counter() - start, injected_layers=len(engine._inference_containers),
+                    cuda_graphs=getattr(engine, "_decode_graphs", None) is not None)  # fmt: skip
     ids, mask = random_prompts(max(spec["batches"]), spec["prompt_len"], spec["shape"]["vocab_size"], "cuda")
     engine.eval()
 
@@ -314,9 +447,11 @@ def job_legacy(spec: dict[str, Any]) -> dict[str, Any]:
 
         return once
 
-    found["cases"] = [measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]) for b in spec["batches"]]
-    found["correctness"] = legacy_correctness(engine, config, spec)
-    return found
+    for b in spec["batches"]:
+        progress.add(measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
+    if spec.get("correctness"):
+        progress.update(correctness=legacy_correctness(engine, config, spec))
+    return {}
 
 
 def legacy_correctness(engine: Any, config: Any, spec: dict[str, Any]) -> dict[str, Any]:

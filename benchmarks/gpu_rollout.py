@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+STARTED = time.perf_counter()  # --deadline-s counts from here
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 for path in (str(HERE), str(REPO)):  # gpu_core / gpu_jobs beside this file; kubealign from this checkout
@@ -45,23 +46,18 @@ from gpu_core import (  # noqa: E402
     DSCHAT_EPOCH,
     GEN_PATHS,
     LAUNCHER_VARS,
-    LEGACY_VARIANTS,
-    NEEDS_CUDA,
     SHAPES,
-    SPECIAL,
     bandwidth,
     dschat_epoch,
     environment,
-    failure,
     hf_config,
-    measure,
-    random_prompts,
     roofline,
     scrub,
     settings,
     slug,
 )
-from gpu_jobs import build_dir, child, parameters, run_job, subprocess_job, write_prompts  # noqa: E402
+from gpu_jobs import build_dir, child, log_event, run_job, subprocess_job, write_prompts  # noqa: E402
+from gpu_plan import Case, plan, setup_s, timeout_s  # noqa: E402
 
 
 def command_line(argv: list[str], out: Path) -> str:
@@ -80,20 +76,13 @@ class Record:
 
     def __init__(self, out: Path, measurement: str, args: argparse.Namespace, env: dict[str, Any]):
         self.path = out / f"gpu-{measurement}-{args.label or slug(env, args.dry)}.json"
-        self.started = self.last = time.perf_counter()
         self.data: dict[str, Any] = {"measurement": measurement, "environment": env,
                                      "command": command_line(args.argv, out), "settings": settings(args.dry),
                                      "random_init": True, "tokenizer": "kubealign tiny-opt (vocabulary 1024)",
                                      "cases": []}  # fmt: skip
-        self.deadline = args.deadline_s
-
-    def left_s(self) -> float:
-        return (self.deadline or 1e9) - (time.perf_counter() - self.started)
 
     def add(self, case: dict[str, Any]) -> None:
-        now = time.perf_counter()
-        self.data["cases"].append({**case, "case_s": now - self.last})  # since the previous case
-        self.last = now
+        self.data["cases"].append(case)
         self.write()
 
     def write(self) -> None:
@@ -103,123 +92,126 @@ class Record:
         tmp.replace(self.path)
 
 
-def hf_generate(directory: Path, dtype: str, compiled: bool) -> Any:
-    """HF generate on one model: eager, or with a static cache (transformers then compiles the decode step
-    with torch.compile, mode reduce-overhead: CUDA graphs)."""
-    import torch
-    from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig
+class RunLog:
+    """gpu-run-<label>.jsonl under --out, appended to (never rewritten): one line when this script starts,
+    one per case when it ends (status, seconds, estimate), one from each child process when it starts.
+    It shows what a records file cannot: a second pass over the same cases (the records are rewritten
+    from zero), a child started twice, and how the estimates of gpu_plan compare with the GPU's times."""
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    model = model.to(device).eval()
-    extra = {"cache_implementation": "static", "compile_config": CompileConfig()} if compiled else {}
+    def __init__(self, out: Path, args: argparse.Namespace, env: dict[str, Any]):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / f"gpu-run-{args.label or slug(env, args.dry)}.jsonl"
 
-    def for_batch(ids: Any, mask: Any) -> Any:
-        def once(n: int) -> Any:
-            settings_ = GenerationConfig(
-                do_sample=True,
-                top_k=0,
-                top_p=1.0,
-                temperature=1.0,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                **{f"{k}_token_id": v for k, v in SPECIAL.items()},
-            )
-            with torch.no_grad():
-                return model.generate(input_ids=ids, attention_mask=mask, generation_config=settings_, **extra)
-
-        return once
-
-    return model, for_batch
+    def __call__(self, **event: Any) -> None:
+        log_event(str(self.path), **event)
 
 
-def generation(args: argparse.Namespace, work: Path, env: dict[str, Any]) -> Path:
-    """Item 1: every path x architecture x batch, as a fraction of the decode roofline."""
-    import gc
+class Budget:
+    """The call's one deadline (--deadline-s from the start of this script; 0: none)."""
 
-    import torch
+    def __init__(self, deadline_s: float, started: float | None = None):
+        self.deadline_s, self.started = deadline_s, time.perf_counter() if started is None else started
 
-    s = settings(args.dry)
-    rec = Record(args.out, "generation", args, env)
-    bw = bandwidth(env)
-    rec.data["roofline"] = bw
-    critic = build_dir("opt-350m", "score", work, args.dry)
-    for arch in args.arch:
-        name = ACTORS[arch]
-        shape = (DRY_SHAPES if args.dry else SHAPES)[name]
-        actor = build_dir(name, "causal", work, args.dry)
-        params = parameters(actor)
-        base = {"model": name, "parameters": params, "dtype": s["dtype"], "prompt_len": s["prompt_len"],
-                "new_tokens": s["new_tokens"], "sampling": "temperature 1, top_k 0, top_p 1"}  # fmt: skip
-        for path in [p for p in GEN_PATHS if p in args.paths]:
-            if rec.left_s() < 30:
-                rec.add({**base, "path": path, "status": "skipped: time budget"})
-                continue
-            print(f"generation: {name} {path}", flush=True)
-            if path == "legacy":
-                for case in legacy(args, s, shape, rec):
-                    rec.add({**base, **case})
-                continue
-            if path == "hf-static-compile" and not torch.cuda.is_available():
-                rec.add({**base, "path": path, "status": NEEDS_CUDA})
-                continue
-            if path.startswith("hf-"):
-                try:
-                    model, for_batch = hf_generate(actor, s["dtype"], compiled=path == "hf-static-compile")
-                    for batch in s["batches"]:
-                        ids, mask = random_prompts(batch, s["prompt_len"], shape["vocab_size"], model.device)
-                        case = measure(for_batch(ids, mask), batch, s["prompt_len"], s["new_tokens"], s["reps"])
-                        roofline(case, shape, params, s, bw["used_Bps"])
-                        rec.add({**base, "path": path, "status": "ok", **case})
-                    del model, for_batch
-                except Exception as exc:
-                    rec.add({**base, "path": path, **failure(exc)})
-                gc.collect()
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-                continue
-            zero = int(path[-1])
-            spec = {"job": "rollout", "path": "engine" if "engine" in path else "he-plain", "zero": zero,
-                    "dtype": s["dtype"], "batch": max(s["batches"]), "batches": s["batches"], "reps": s["reps"],
-                    "prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"], "vocab": shape["vocab_size"],
-                    "actor": str(actor), "critic": str(critic)}  # fmt: skip
-            result = run_job(spec, args.isolate, rec.left_s())
-            cases = result.pop("cases", None)
-            if result.get("status") != "ok" or not cases:
-                rec.add({**base, "path": path, **result})
-                continue
-            for case in cases:
-                roofline(case, shape, params, s, bw["used_Bps"])
-                rec.add({**base, "path": path, **result, **case})
-    return rec.path
+    def left_s(self) -> float:
+        return (self.deadline_s or float("inf")) - (time.perf_counter() - self.started)
 
 
-def legacy(args: argparse.Namespace, s: dict[str, Any], shape: dict[str, Any], rec: Record) -> list[dict[str, Any]]:
-    """Path (d) in the side environment, one subprocess per variant; errors become cases."""
-    site = args.legacy_site
-    env = dict(os.environ)
-    side = "none given: the child runs in this environment"
-    if site:
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(site).resolve()), env.get("PYTHONPATH")) if p)
-        side = "--legacy-site (transformers 4.44 side environment)"
-    cases = []
-    for variant, zero, graphs in LEGACY_VARIANTS:
-        spec = {"job": "legacy", "shape": shape, "zero": zero, "cuda_graph": graphs, "batches": s["batches"],
-                "reps": s["reps"], "prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"],
-                "correctness": s["correctness"]}  # fmt: skip
-        if rec.left_s() < 60:
-            cases.append({"path": f"legacy-{variant}", "status": "skipped: time budget"})
+def case_id(case: Case) -> str:
+    return f"{case.measurement}:{case.fields.get('model')}:{case.name}"
+
+
+def setup(cases: list[Case], work: Path, dry: bool) -> dict[str, str]:
+    """The model dirs (and the prompt split) the planned cases read, built once per --work dir."""
+    needed = {m for c in cases if c.spec is not None for m in c.models}
+    dirs = {}
+    for name in ("opt-1.3b", "llama-1.3b", "opt-350m"):
+        if name in needed:
+            dirs[name] = str(build_dir(name, "score" if name == "opt-350m" else "causal", work, dry))
+    if "prompts" in needed:
+        it = settings(dry)["iteration"]
+        batch = it["batch"] or 4  # the preset's generation_batch_size (4) unless dry
+        dirs["prompts"] = str(write_prompts(work, train=batch * it["iterations"] * 2, evaluation=batch))
+    return dirs
+
+
+def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, Any], log: RunLog,
+        budget: Budget | None = None) -> list[Path]:  # fmt: skip
+    """The planned cases in order, each within the call's budget: a case whose estimate does not fit the
+    time left is skipped; one that runs gets a timeout (gpu_plan.timeout_s). One record per measurement."""
+    budget = budget or Budget(args.deadline_s)
+    records: dict[str, Record] = {}
+    for case in cases:
+        if case.measurement not in records:
+            records[case.measurement] = rec = Record(args.out, case.measurement, args, env)
+            rec.data["plan"] = [{"case": c.name, "model": c.fields.get("model"), "estimate_s": c.estimate_s}
+                                for c in cases if c.measurement == case.measurement]  # fmt: skip
+            if case.measurement == "generation":
+                rec.data["roofline"] = bandwidth(env)
+            if case.measurement == "iteration":
+                rec.data["dschat_epoch"] = DSCHAT_EPOCH
+    started = time.perf_counter()
+    dirs = setup(cases, work, args.dry)
+    if env.get("gpu"):
+        import torch
+
+        torch.cuda.empty_cache()  # the model dirs were built here; the jobs run in children
+    print(f"setup: {time.perf_counter() - started:.1f} s (estimated {setup_s(cases, run_sh=False):.0f} s)", flush=True)
+    for case in cases:
+        rec = records[case.measurement]
+        base = {**case.fields, "case": case.name, "estimate_s": case.estimate_s}
+        left = budget.left_s()
+        if case.spec is None or case.estimate_s > left:
+            status = case.status or f"skipped: time budget ({case.estimate_s:.0f} s estimated, {left:.0f} s left)"
+            rec.add({**base, "status": status})
+            log(event="case", case=case_id(case), status=status)
             continue
-        result = subprocess_job(spec, rec.left_s(), env)
-        result["side_environment"] = side
-        measured = result.pop("cases", None) or [{}]
-        for case in measured:
-            if case:
-                roofline(case, shape, parameters_of(shape), s, rec.data["roofline"]["used_Bps"])
-            cases.append({"path": f"legacy-{variant}", **result, **case})
-        if str(result.get("status", "")).startswith(NEEDS_CUDA) or "transformers" not in result:
-            break  # no CUDA, or the side environment does not import: the other variants would say the same
-    return cases
+        limit = timeout_s(case, left)
+        print(f"{case.measurement}: {case.fields.get('model')} {case.name} (estimated {case.estimate_s:.0f} s, "
+              f"timeout {limit:.0f} s)", flush=True)  # fmt: skip
+        spec = {**case.spec, "case": case_id(case), "run_log": str(log.path)}
+        spec.update({k: dirs[spec[k]] for k in ("actor", "critic", "prompts") if k in spec})
+        started = time.perf_counter()
+        if spec["job"] == "legacy":  # always a child: it runs in the side environment
+            env_, side = legacy_env(args.legacy_site)
+            result = {**subprocess_job(spec, limit, env_), "side_environment": side}
+        else:
+            result = run_job(spec, args.isolate, limit)
+        seconds = time.perf_counter() - started
+        for line in lines(case, result, rec, args.dry):
+            rec.add({**base, "timeout_s": limit, "case_s": seconds, **line})
+        log(event="case", case=case_id(case), status=result.get("status"), case_s=seconds,
+            estimate_s=case.estimate_s)  # fmt: skip
+    return [rec.path for rec in records.values()]
+
+
+def legacy_env(site: str | None) -> tuple[dict[str, str], str]:
+    """Path (d)'s environment: transformers 4.44 and its tokenizers / hub in front of the path."""
+    env = dict(os.environ)
+    if not site:
+        return env, "none given: the child runs in this environment"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(Path(site).resolve()), env.get("PYTHONPATH")) if p)
+    return env, "--legacy-site (transformers 4.44 side environment)"
+
+
+def lines(case: Case, result: dict[str, Any], rec: Record, dry: bool) -> list[dict[str, Any]]:
+    """A job's result as record lines: one per measured batch (status ok, with the roofline), and a line
+    with the status and error when the job did not finish; figures measured before a failure stay."""
+    measured = result.pop("cases", None) or []
+    status = result.get("status")
+    if case.measurement == "iteration" and status == "ok":
+        result["dschat_epoch"] = dschat_epoch(result["per_iteration_mean"]["samples_per_s"], not dry)
+    if case.measurement != "generation":
+        return [result]
+    shape = (DRY_SHAPES if dry else SHAPES)[case.fields["model"]]
+    params = parameters_of(shape)
+    kept = {k: v for k, v in result.items() if k not in ("status", "error", "where")}
+    out = []
+    for figures in measured:
+        roofline(figures, shape, params, settings(dry), rec.data["roofline"]["used_Bps"])
+        out.append({"parameters": params, **kept, "status": "ok", **figures})
+    if status != "ok" or not measured:
+        out.append({"parameters": params, **result})
+    return out
 
 
 def parameters_of(shape: dict[str, Any]) -> int:
@@ -231,66 +223,7 @@ def parameters_of(shape: dict[str, Any]) -> int:
         return sum(p.numel() for p in AutoModelForCausalLM.from_config(hf_config(shape)).parameters())
 
 
-def correctness(args: argparse.Namespace, work: Path, env: dict[str, Any]) -> Path:
-    """Item 2 for each kubealign path that trains (the legacy injected path reports its own in `generation`)."""
-    s = settings(args.dry)
-    c = s["correctness"]
-    rec = Record(args.out, "correctness", args, env)
-    actor, critic = build_dir("opt-1.3b", "causal", work, args.dry), build_dir("opt-350m", "score", work, args.dry)
-    vocab = (DRY_SHAPES if args.dry else SHAPES)["opt-1.3b"]["vocab_size"]
-    variants = (("he-plain", 2, False), ("he-plain", 3, False), ("he-plain", 2, True), ("engine", 2, False))
-    for path, zero, lora in variants:
-        name = f"kubealign-{'he' if path == 'he-plain' else 'engine'}-z{zero}{'-lora' if lora else ''}"
-        case = {"path": name, "model": "opt-1.3b", "critic": "opt-350m", "dtype": s["dtype"], **c}
-        if rec.left_s() < 60:
-            rec.add({**case, "status": "skipped: time budget"})
-            continue
-        print(f"correctness: {name}", flush=True)
-        spec = {"job": "correctness", "path": path, "zero": zero, "lora": lora, "dtype": s["dtype"],
-                "batch": c["batch"], "prompt_len": c["prompt_len"], "new_tokens": c["new_tokens"],
-                "updates": c["updates"], "vocab": vocab, "actor": str(actor), "critic": str(critic)}  # fmt: skip
-        rec.add({**case, **run_job(spec, args.isolate, rec.left_s())})
-    return rec.path
-
-
-def iteration(args: argparse.Namespace, work: Path, env: dict[str, Any]) -> Path:
-    """Item 3: opt-1.3b-1gpu's shape (actor with and without LoRA, ZeRO 2 and 3), DeepSpeed-Chat's epoch."""
-    s = settings(args.dry)
-    it = s["iteration"]
-    rec = Record(args.out, "iteration", args, env)
-    rec.data["dschat_epoch"] = DSCHAT_EPOCH
-    actor, critic = build_dir("opt-1.3b", "causal", work, args.dry), build_dir("opt-350m", "score", work, args.dry)
-    batch = it["batch"] or 4  # the preset's generation_batch_size (4) unless dry
-    prompts = write_prompts(work, train=batch * it["iterations"] * 2, evaluation=batch)
-    common = ["tracking.enabled=false", f"ppo.num_iterations={it['iterations']}", "ppo.sample_every_iterations=0",
-              "ppo.save_every_iterations=0", f"ppo.max_prompt_len={it['prompt_len']}",
-              f"ppo.max_new_tokens={it['new_tokens']}", f"ppo.generation_batch_size={batch}",
-              f"ppo.micro_batch_size={batch}"]  # fmt: skip
-    if args.dry:  # no fp16 on a CPU; a LoRA rank that fits width 64
-        common += ["ppo.dtype=fp32", "ppo.actor_lora.r=8", "ppo.actor_lora.alpha=8"]
-    for zero in (2, 3):
-        for lora in (True, False):
-            name = f"z{zero}-{'lora' if lora else 'full'}"
-            overrides = [*common, f"ppo.actor_zero_stage={zero}", f"ppo.critic_zero_stage={zero}"]
-            overrides += [] if lora else ["ppo.actor_lora.r=0", "ppo.actor_lora.only_lora=false"]
-            case = {"variant": name, "preset": "configs/opt-1.3b-1gpu.yaml", "overrides": overrides}
-            if rec.left_s() < 90:
-                rec.add({**case, "status": "skipped: time budget"})
-                continue
-            print(f"iteration: {name}", flush=True)
-            spec = {"job": "iteration", "overrides": overrides, "prompts": str(prompts), "actor": str(actor),
-                    "critic": str(critic), "path": args.iteration_path}  # fmt: skip
-            result = run_job(spec, args.isolate, rec.left_s())
-            if result.get("status") == "ok":
-                result["dschat_epoch"] = dschat_epoch(result["per_iteration_mean"]["samples_per_s"], not args.dry)
-            rec.add({**case, **result})
-    return rec.path
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["_child"]:
-        return child(argv[1])
+def parse(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("measurement", choices=("generation", "correctness", "iteration", "all"))
     parser.add_argument("--out", type=Path, default=HERE / "results", help="results dir")
@@ -299,6 +232,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--paths", default=",".join(GEN_PATHS), help="generation: comma-separated, of " + ",".join(GEN_PATHS)
     )
+    parser.add_argument("--only", default="", help="comma-separated case names or globs (gpu_plan): run only these")
     parser.add_argument("--legacy-site", default=os.environ.get("KUBEALIGN_LEGACY_SITE"),
                         help="dir with transformers 4.44, tokenizers 0.19, huggingface-hub 0.x: path (d)")  # fmt: skip
     parser.add_argument(
@@ -307,38 +241,51 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="iteration: force a rollout path (default: the preflight decides, as in a real run)",
     )
-    parser.add_argument("--deadline-s", type=float, default=0.0, help="skip cases once this much time is spent")
+    parser.add_argument("--deadline-s", type=float, default=0.0,
+                        help="the call's budget from this script's start: a case whose estimate does not fit "
+                             "what is left is skipped, one that runs is killed when it is spent (0: none)")  # fmt: skip
     parser.add_argument("--work", type=Path, default=None, help="model dirs (built once, reused when present)")
     parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                        help="each DeepSpeed build in its own process (default: on CUDA)")  # fmt: skip
+                        help="each case in its own process, with a timeout (default: on CUDA)")  # fmt: skip
     parser.add_argument("--label", default=None, help="results file suffix (default: the GPU's name)")
     args = parser.parse_args(argv)
     args.argv = argv
     args.arch = [a for a in args.arch.split(",") if a]
     args.paths = [p for p in args.paths.split(",") if p]
+    args.only = [p for p in args.only.split(",") if p]
     if bad := [a for a in args.arch if a not in ACTORS] + [p for p in args.paths if p not in GEN_PATHS]:
         parser.error(f"unknown --arch / --paths value(s): {', '.join(bad)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_child"]:
+        return child(argv[1])
+    args = parse(argv)
     for name in LAUNCHER_VARS:  # see gpu_core.LAUNCHER_VARS
         os.environ.pop(name, None)
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
 
+    cuda = torch.cuda.is_available()
     if args.isolate is None:
-        args.isolate = torch.cuda.is_available()
+        args.isolate = cuda
     env = environment()
+    log = RunLog(args.out, args, env)
+    cases = plan(args, cuda)
+    if not cases:
+        sys.exit(f"gpu_rollout.py: no case matches --only {','.join(args.only)} (case names: benchmarks/gpu_plan.py)")
+    log(event="start", measurement=args.measurement, command=command_line(argv, args.out),
+        cases=[case_id(c) for c in cases])  # fmt: skip
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-rollout-")))
         work.mkdir(parents=True, exist_ok=True)
-        steps = [generation, correctness, iteration] if args.measurement == "all" else [globals()[args.measurement]]
-        for step in steps:
-            started = time.perf_counter()
-            path = step(args, work, env)
-            print(f"{step.__name__}: {time.perf_counter() - started:.1f} s, written to {path}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        paths = run(cases, args, work, env, log, Budget(args.deadline_s, STARTED))
+    seconds = time.perf_counter() - STARTED
+    log(event="end", measurement=args.measurement, seconds=seconds)
+    print(f"{args.measurement}: {seconds:.1f} s, written to {', '.join(map(str, paths))}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,15 @@ issue 17's figures come only from a run on one (docs/gpu.md)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
+import shlex
 import socket
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,9 @@ BENCH = REPO / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import gpu_core  # noqa: E402
+import gpu_jobs  # noqa: E402
+import gpu_plan  # noqa: E402
+import gpu_rollout  # noqa: E402
 
 
 def test_roofline_counts_weights_and_the_mean_kv_cache_by_hand():
@@ -97,7 +104,7 @@ def test_scrub_keeps_machine_paths_out_of_committed_results():
 
 
 def test_run_sh_without_wheels_says_how_to_make_them(tmp_path: Path):
-    env = {**os.environ, "WHL": str(tmp_path / "none"), "SITE": str(tmp_path / "site")}
+    env = {**os.environ, "WHL": str(tmp_path / "none"), "SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}
     proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "generation"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=60)  # fmt: skip
     assert proc.returncode == 2 and "benchmarks/gpu/wheels.sh" in proc.stderr and not (tmp_path / "site").exists()
@@ -119,10 +126,13 @@ def dry(tmp_path_factory) -> dict[str, dict]:
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == [f"gpu-{m}-cpu-dry.json" for m in ("correctness", "generation", "iteration")], files
-    return {
+    records = [f"gpu-{m}-cpu-dry.json" for m in ("correctness", "generation", "iteration")]
+    assert files == [*records, "gpu-run-cpu-dry.jsonl"], files
+    found = {
         m: json.loads((out / f"gpu-{m}-cpu-dry.json").read_text()) for m in ("generation", "correctness", "iteration")
     }
+    found["run_log"] = [json.loads(line) for line in (out / "gpu-run-cpu-dry.jsonl").read_text().splitlines()]
+    return found
 
 
 def by_path(record: dict, model: str) -> dict[str, list[dict]]:
@@ -133,8 +143,25 @@ def by_path(record: dict, model: str) -> dict[str, list[dict]]:
     return cases
 
 
+def test_dry_run_passes_once_over_each_case(dry):
+    """The run log is appended to, never rewritten: a second pass over the cases (the script's main run
+    twice, a child job started twice) shows there even though every records file is rewritten from zero."""
+    events = dry["run_log"]
+    (start,) = [e for e in events if e["event"] == "start"]
+    assert [e["event"] for e in events].count("end") == 1
+    planned = Counter(start["cases"])
+    assert len(planned) > 20 and set(planned.values()) == {1}
+    assert Counter(e["case"] for e in events if e["event"] == "case") == planned  # each case ended once
+    children = Counter(e["case"] for e in events if e["event"] == "child")
+    assert children and set(children.values()) == {1}  # the legacy import checks, one child each
+    for measurement in ("generation", "correctness", "iteration"):  # a line per case (and batch measured)
+        lines = Counter((c.get("model"), c["case"], c.get("batch")) for c in dry[measurement]["cases"])
+        cases = {(model, case) for model, case, _ in lines}
+        assert set(lines.values()) == {1} and len(cases) == sum(1 for c in planned if c.startswith(measurement))
+
+
 def test_dry_records_say_what_ran_where(dry):
-    for record in dry.values():
+    for record in (dry[m] for m in ("generation", "correctness", "iteration")):
         assert record["command"].startswith("python3 benchmarks/gpu_rollout.py all --dry --out")
         assert record["settings"]["dry"] and record["random_init"]
         assert record["environment"]["gpu"] is None and record["environment"]["deepspeed"]
@@ -146,13 +173,24 @@ def test_dry_generation_times_each_path_or_says_why_not(dry):
     assert record["roofline"]["spec_Bps"] is None and record["roofline"]["used_Bps"] > 0  # CPU: a measured copy
     opt = by_path(record, "opt-1.3b")
     for path, rollout_path in (("hf-eager", None), ("kubealign-engine-z2", "engine"), ("kubealign-he-z2", "he-plain")):
-        (case,) = opt[path]
-        assert case["status"] == "ok" and case.get("rollout_path") == rollout_path, case
-        assert case["generated_tokens"] == 8 and case["ms_per_decode_step"] > 0
-        assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
-    assert [c["status"] for c in opt["hf-static-compile"]] == ["skipped: needs CUDA"]
-    (legacy,) = opt["legacy-he-injected-z2"]  # no side environment given: the variants stop at the first
-    assert legacy["status"] == "skipped: needs CUDA" and legacy["injection_policies"] > 0
+        assert [c["batch"] for c in opt[path]] == [2, 3]  # one process, the smaller batch first
+        for case in opt[path]:
+            assert case["status"] == "ok" and case.get("rollout_path") == rollout_path, case
+            # (full - prefill) / 7 decode steps; its sign is noise at 8 tiny tokens on a shared CPU
+            step_ms = (case["full_s"] - case["prefill_s"]) / 7 * 1e3
+            assert case["generated_tokens"] == 8 and case["ms_per_decode_step"] == pytest.approx(step_ms)
+            assert case["full_s"] > 0 and case["prefill_s"] > 0 and case["ms_per_decode_step"] != 0
+            assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
+    # a case per batch, named by the GPU's batch size
+    assert [(c["case"], c["status"]) for c in opt["hf-static-compile"]] == [
+        ("hf-static-compile-b16", "skipped: needs CUDA"), ("hf-static-compile-b64", "skipped: needs CUDA")]  # fmt: skip
+    # on a CPU only the first legacy case runs a child (the side environment imports); the rest need CUDA
+    legacy = sorted(opt["legacy-he-injected-z2"], key=lambda c: int(c["case"].rsplit("-b", 1)[1]))
+    assert [c["case"] for c in legacy] == ["legacy-he-injected-z2-b16", "legacy-he-injected-z2-b64"]
+    assert legacy[0]["status"] == "skipped: needs CUDA" and legacy[0]["injection_policies"] > 0
+    assert legacy[0]["transformers"] and legacy[0]["side_environment"].startswith("none given")
+    for case in legacy[1:] + opt["legacy-he-injected-z2-cuda-graph"] + opt["legacy-he-injected-z3"]:
+        assert case["status"] == "skipped: needs CUDA" and "injection_policies" not in case
     llama = by_path(record, "llama-1.3b")
     assert llama["hf-eager"][0]["status"] == "ok"
     # DeepSpeed's hybrid engine cannot build LLaMA on CPU: recorded as an error line, the run goes on
@@ -161,11 +199,12 @@ def test_dry_generation_times_each_path_or_says_why_not(dry):
 
 def test_dry_correctness_passes_each_training_path(dry):
     cases = dry["correctness"]["cases"]
+    # cheapest first by gpu_plan's estimates
     assert [c["path"] for c in cases] == [
-        "kubealign-he-z2",
-        "kubealign-he-z3",
-        "kubealign-he-z2-lora",
         "kubealign-engine-z2",
+        "kubealign-he-z2",
+        "kubealign-he-z2-lora",
+        "kubealign-he-z3",
     ]
     for case in cases:
         assert case["status"] == "ok" and case["passed"], case
@@ -176,6 +215,7 @@ def test_dry_correctness_passes_each_training_path(dry):
 def test_dry_iteration_runs_the_ppo_stage_at_each_variant(dry):
     record = dry["iteration"]
     assert [c["variant"] for c in record["cases"]] == ["z2-lora", "z2-full", "z3-lora", "z3-full"]
+    assert [c["estimate_s"] for c in record["cases"]] == sorted(c["estimate_s"] for c in record["cases"])
     for case in record["cases"]:
         assert case["status"] == "ok" and case["rollout_path"] == "he-plain", case
         assert case["iterations"] == 2 and case["iterations_averaged"] == 1
@@ -183,3 +223,109 @@ def test_dry_iteration_runs_the_ppo_stage_at_each_variant(dry):
         mean = case["per_iteration_mean"]
         assert case["dschat_epoch"]["hours"] == pytest.approx(131_900 / mean["samples_per_s"] / 3600)
         assert not case["dschat_epoch"]["comparable"] and case["peak_rss_bytes"] > 0
+
+
+def probe(name: str, estimate: float, *steps: dict) -> gpu_plan.Case:
+    return gpu_plan.Case("generation", name, estimate, {"model": "opt-1.3b", "path": "probe"},
+                         {"job": "probe", "steps": list(steps)})  # fmt: skip
+
+
+def figures(n: int) -> dict:
+    return {"add": {"batch": 2, "ms_per_decode_step": 1.0, "figure": n}}
+
+
+def test_a_failing_dying_or_hanging_case_keeps_its_figures_and_stops_no_other(tmp_path: Path):
+    """Each case in a child of its own (as on a GPU): one that raises after two figures (a CUDA error), one
+    that dies without a word (a crashed process), one that hangs (killed at its timeout, 2 x 1.5 s): each
+    keeps what it measured, and the case after them runs. The deadline (8 s) counts the time spent: a case
+    estimated at 6 s fitted at the start but is skipped once the hang has taken its 3 s."""
+    cases = [
+        probe("raises", 1, figures(1), figures(2), {"raise": "CUDA error: an illegal memory access"}),
+        probe("dies", 1, figures(3), {"exit": 3}),
+        probe("hangs", 1.5, figures(4), {"sleep": 60}),
+        probe("fine", 1, figures(5)),
+        probe("too-long", 6, figures(6)),
+    ]
+    args = argparse.Namespace(out=tmp_path / "out", label="probe", dry=True, argv=["generation"], deadline_s=8.0,
+                              isolate=True, legacy_site=None)  # fmt: skip
+    env = {"gpu": None}
+    log = gpu_rollout.RunLog(args.out, args, env)
+    (path,) = gpu_rollout.run(cases, args, tmp_path / "work", env, log)
+    lines = json.loads(path.read_text())["cases"]
+    assert [(c["case"], c["status"], c.get("figure")) for c in lines] == [
+        ("raises", "ok", 1), ("raises", "ok", 2), ("raises", "error", None),
+        ("dies", "ok", 3), ("dies", "error", None),
+        ("hangs", "ok", 4), ("hangs", "timeout", None),
+        ("fine", "ok", 5),
+        ("too-long", lines[-1]["status"], None),
+    ]  # fmt: skip
+    assert "illegal memory access" in lines[2]["error"] and "exited with 3" in lines[4]["error"]
+    assert lines[6]["timeout_s"] == 3.0 and 3.0 <= lines[6]["case_s"] < 10
+    assert lines[-1]["status"].startswith("skipped: time budget (6 s estimated")
+    assert all(c["roofline_fraction"] > 0 for c in lines if c["status"] == "ok")  # figures carry their roofline
+    events = [json.loads(line) for line in log.path.read_text().splitlines()]
+    assert sorted(e["case"].rsplit(":", 1)[1] for e in events if e["event"] == "child") == [
+        "dies", "fine", "hangs", "raises"]  # fmt: skip
+
+
+def test_legacy_runs_one_process_per_batch_size():
+    """DeepSpeed sizes its inference workspace at the engine's first forward: each batch size of path (d)
+    is a case (a process, an engine) of its own, and one failing stops none of the others."""
+    cases = gpu_plan.plan(gpu_rollout.parse(["generation", "--arch", "opt", "--paths", "legacy"]), cuda=True)
+    found = sorted((c.fields["path"], c.spec["batches"], c.spec["correctness"] is not None) for c in cases)
+    assert found == [(f"legacy-{v}", [b], b == 16) for v, _, _ in gpu_core.LEGACY_VARIANTS for b in (16, 64)]
+    assert all(c.spec["job"] == "legacy" and c.status is None for c in cases)
+
+
+def test_the_legacy_job_clears_a_stale_build_lock_first(tmp_path: Path):
+    """A JIT build of an op killed at an earlier case's timeout leaves its lock, on which DeepSpeed would
+    wait forever: path (d)'s child removes it before anything else (here it then stops: no CUDA)."""
+    lock = tmp_path / "ext" / "transformer_inference" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_text("")  # no process holds it: its builder is gone
+    spec = {"job": "legacy", "shape": gpu_core.DRY_SHAPES["opt-1.3b"], "zero": 2, "cuda_graph": False,
+            "batches": [2], "reps": 1, "prompt_len": 8, "new_tokens": 8, "correctness": None}  # fmt: skip
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": ""}
+    result = gpu_jobs.subprocess_job(spec, 300, env)
+    assert result["status"] == "skipped: needs CUDA" and result["stale_locks_removed"] == ["transformer_inference"]
+    assert not lock.exists()
+
+
+def test_an_only_that_matches_no_case_stops_before_any_work(tmp_path: Path):
+    cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "generation", "--dry", "--only", "hf-eagre",
+           "--out", str(tmp_path / "out")]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "no case matches --only hf-eagre" in proc.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # no records, and no run log line either
+
+
+def documented_calls() -> list[tuple[str, str, str]]:
+    text = (REPO / "docs" / "gpu.md").read_text()
+    return re.findall(r"^\| (\d+) \| `bash benchmarks/gpu/run\.sh ([^`]+)` \| (\d+) s \|", text, re.M)
+
+
+def test_each_documented_call_fits_eight_minutes_cheapest_first():
+    """Every call docs/gpu.md lists: its cases ordered cheapest first and, with run.sh's setup and the
+    model dirs it builds, estimated (gpu_plan.ESTIMATES_S) at most 480 s on a machine just started, as the
+    docs state; together the calls cover every case of the three measurements, and item 4."""
+    calls = documented_calls()
+    assert len(calls) >= 5
+    covered, steps = Counter(), []
+    for number, command, stated in calls:
+        argv = shlex.split(command)
+        steps.append(argv[0])
+        if argv[0] == "tests":
+            total = gpu_plan.SETUP_S["run.sh"] + gpu_plan.TESTS_S
+        else:
+            cases = gpu_plan.plan(gpu_rollout.parse(argv), cuda=True)
+            assert cases and all(c.spec is not None for c in cases), command
+            assert [c.estimate_s for c in cases] == sorted(c.estimate_s for c in cases), command
+            covered.update(gpu_rollout.case_id(c) for c in cases)
+            total = gpu_plan.call_estimate(cases)
+        assert total <= gpu_plan.CALL_BUDGET_S, f"call {number}: {command}: {total:.0f} s"
+        assert int(stated) == round(total), f"call {number}: docs say {stated} s, the plan {total:.0f} s"
+    everything = gpu_plan.plan(gpu_rollout.parse(["all"]), cuda=True)
+    assert covered == Counter(gpu_rollout.case_id(c) for c in everything)  # each case in exactly one call
+    assert "tests" in steps
+    run_sh = (BENCH / "gpu" / "run.sh").read_text()
+    assert "DEADLINE_S=${DEADLINE_S:-540}" in run_sh  # cases are cut before the device's 600 s

@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # On the GPU machine, in the repository root (docs/gpu.md): install the wheels benchmarks/gpu/wheels.sh
-# carried in, then run one step. Each step fits one device call (10 minutes): its --deadline-s skips the
-# cases that would not finish, and the results file is rewritten after every case.
+# carried in, then run one step of benchmarks/gpu_rollout.py. A step plans its cases cheapest first within
+# the call's deadline (benchmarks/gpu_plan.py): a case that would not fit is skipped, one that runs is
+# killed at its timeout, and the results file is rewritten after every case.
 #   bash benchmarks/gpu/run.sh generation|correctness|iteration|all [gpu_rollout.py options]
 #   bash benchmarks/gpu/run.sh tests      # item 4: pytest -m gpu
-# Environment: WHL (default .whl), OUT (results dir; default benchmarks/results), SITE and LEGACY_SITE
-# (where the wheels go; reused while the machine stays warm), DEADLINE_S (default 540).
+# Environment: WHL (default .whl), OUT (results and logs; default benchmarks/results), SITE and LEGACY_SITE
+# (where the wheels go; reused while the machine stays warm), DEADLINE_S (default 540, counted from this
+# script's start: a device call is cut at 600 s).
+# Everything it prints also goes to OUT/gpu-run-STEP-TIME.log: a device call returns only the last 12,000
+# characters of its output, the log comes back whole with the results.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 step=${1:?usage: run.sh generation|correctness|iteration|all|tests [options]}
@@ -16,27 +20,58 @@ TMP=${TMPDIR:-/tmp}
 SITE=${SITE:-$TMP/kubealign-site}
 LEGACY_SITE=${LEGACY_SITE:-$TMP/kubealign-legacy}
 WORK=${WORK:-$TMP/kubealign-gpu-work}
+DEADLINE_S=${DEADLINE_S:-540}
+ls "$WHL"/*.whl >/dev/null 2>&1 || { echo "run.sh: no wheels in $WHL: run benchmarks/gpu/wheels.sh here first" >&2; exit 2; }
+mkdir -p "$OUT"
+LOG="$OUT/gpu-run-$step-$(date -u +%Y%m%dT%H%M%S).log"
 
-install() {  # WHEEL_DIR TARGET: once per machine
-    [ -f "$2/.installed" ] && return
-    ls "$1"/*.whl >/dev/null 2>&1 || { echo "run.sh: no wheels in $1: run benchmarks/gpu/wheels.sh here first" >&2; exit 2; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$2" "$1"/*.whl
-    touch "$2/.installed"
+install() {  # WHEEL... -> TARGET (the last argument)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "${@: -1}" "${@:1:$#-1}"
 }
-install "$WHL" "$SITE"
-install "$WHL/legacy" "$LEGACY_SITE"
-export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-# DeepSpeed JIT-compiles its CUDA ops once per machine; keep them out of the home directory.
-export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$TMP/kubealign-torch-extensions}
-# A carried wheel that does not fit the image's packages fails here, in seconds, not in a measurement.
-python3 -c "import deepspeed, datasets, pydantic, kubealign.stages.ppo" 2>&1 | grep -v WARNING || true
-python3 -c "import deepspeed, datasets, pydantic, kubealign.stages.ppo" >/dev/null 2>&1 \
-    || { echo "run.sh: the carried wheels do not import beside this image's packages (above)" >&2; exit 2; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
 
-if [ "$step" = tests ]; then
-    mkdir -p "$OUT"
-    exec python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu_ppo.py "$@" --junitxml "$OUT/gpu-tests.xml"
-fi
-exec python3 benchmarks/gpu_rollout.py "$step" --out "$OUT" --work "$WORK" --legacy-site "$LEGACY_SITE" \
-    --deadline-s "${DEADLINE_S:-540}" "$@"
+setup() {  # once per machine: the wheels, then DeepSpeed's prebuilt ops if they load here
+    [ -f "$SITE/.installed" ] && return
+    install "$WHL"/*.whl "$SITE"
+    install "$WHL"/legacy/*.whl "$LEGACY_SITE"
+    if ls "$WHL"/ops/deepspeed-*.whl >/dev/null 2>&1; then
+        install "$WHL"/ops/deepspeed-*.whl "$SITE"
+        local rc=0
+        python3 benchmarks/gpu/ops_check.py 2>&1 | grep -v WARNING || rc=${PIPESTATUS[0]}
+        if [ "$rc" = 1 ]; then
+            echo "run.sh: a prebuilt DeepSpeed op does not load here (above): the pure wheel instead, ops JIT-compile"
+            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --force-reinstall \
+                --target "$SITE" "$WHL"/deepspeed-*.whl
+        fi
+    fi
+    touch "$SITE/.installed"
+}
+
+main() {
+    echo "run.sh $step $*: $(date -u +%FT%TZ), log $LOG"
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    # DeepSpeed JIT-compiles an op that is not prebuilt once per machine; keep it out of the home directory.
+    export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$TMP/kubealign-torch-extensions}
+    setup
+    # A carried wheel that does not fit the image's packages fails here, in seconds, not in a measurement.
+    local found
+    if ! found=$(python3 -c "import typing_extensions, pydantic, deepspeed, datasets, kubealign.stages.ppo" 2>&1); then
+        grep -v WARNING <<<"$found" >&2
+        echo "run.sh: the carried wheels do not import beside this image's packages (above)" >&2
+        return 2
+    fi
+    python3 -c "import deepspeed.git_version_info as v; print('deepspeed', v.version, 'prebuilt ops:',
+        sorted(k for k, on in v.installed_ops.items() if on) or 'none (JIT)')" 2>&1 | grep -v WARNING || true
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+    local left=$((DEADLINE_S - SECONDS))
+    echo "run.sh: setup took ${SECONDS} s; ${left} s left for the step"
+    if [ "$step" = tests ]; then
+        timeout -k 10 "$left" python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu_ppo.py "$@" \
+            --junitxml "$OUT/gpu-tests.xml"
+        return
+    fi
+    python3 benchmarks/gpu_rollout.py "$step" --out "$OUT" --work "$WORK" --legacy-site "$LEGACY_SITE" \
+        --deadline-s "$left" "$@"
+}
+
+main "$@" 2>&1 | tee -a "$LOG"
+exit "${PIPESTATUS[0]}"

@@ -6,6 +6,10 @@
 #                      at the versions of requirements/lock-cpu.txt
 #   DEST/legacy/*.whl  the side environment of path (d): transformers 4.44.2 with the tokenizers and
 #                      huggingface-hub it needs (DeepSpeed's injected kernels stop working after 4.48)
+#   DEST/ops/*.whl     deepspeed again, with fused_adam and transformer_inference prebuilt for sm_90 against
+#                      torch 2.11.0 + CUDA 13.0 (benchmarks/gpu/ops.sh: minutes the first time, then cached);
+#                      run.sh installs it over the pure one and goes back to the pure one if an op fails to load.
+#                      NO_OPS=1 leaves it out.
 # What the device image already has (torch 2.11, transformers 5.17, accelerate, safetensors, pyarrow,
 # ninja, msgpack, py-cpuinfo, psutil, nvidia-ml-py, pyyaml, ...) is not carried: two versions of one
 # package stop the install there. Python 3.12, x86-64, manylinux.
@@ -29,11 +33,12 @@ BINARY=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp 
 # ppo path (datasets for the prompt split, with dill and multiprocess; peft at the version the tests here
 # pass with, in front of the image's own). mlflow, kfp, kubernetes and jsonschema are not needed: the
 # benchmark and the gpu tests run with tracking off and never compile a pipeline.
-CORE=(hjson pydantic pydantic_core annotated-types typing-inspection datasets dill multiprocess peft)
+# typing_extensions: pydantic_core needs >= 4.14 at import, and the image's own version is unknown.
+CORE=(hjson pydantic pydantic_core annotated-types typing-inspection typing_extensions datasets dill multiprocess peft)
 LEGACY=(transformers==4.44.2 tokenizers==0.19.1 huggingface-hub==0.24.7)
 
-mkdir -p "$DEST/legacy"
-rm -f "$DEST"/*.whl "$DEST"/legacy/*.whl  # one version of each, from this run only
+mkdir -p "$DEST/legacy" "$DEST/ops"
+rm -f "$DEST"/*.whl "$DEST"/legacy/*.whl "$DEST"/ops/*.whl  # one version of each, from this run only
 specs=()
 for name in "${CORE[@]}"; do specs+=("$(locked "$name")"); done
 "$PY" -m pip download -q "${BINARY[@]}" --abi none --abi abi3 -d "$DEST" "${specs[@]}"
@@ -42,5 +47,7 @@ for name in "${CORE[@]}"; do specs+=("$(locked "$name")"); done
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$DEST" "$(locked deepspeed)"
 "$PY" -m pip download -q "${BINARY[@]}" --abi none --abi abi3 -d "$DEST/legacy" "${LEGACY[@]}"
 
-ls "$DEST"/*.whl "$DEST"/legacy/*.whl | sed 's|.*/||'
+[ "${NO_OPS:-0}" = 1 ] || bash benchmarks/gpu/ops.sh "$DEST/ops"
+
+ls "$DEST"/*.whl "$DEST"/legacy/*.whl "$DEST"/ops/*.whl 2>/dev/null | sed "s|^$DEST/||"
 du -sh "$DEST" | awk '{print "wheels.sh: " $1 " in total (a device call carries at most 64 MiB)"}'
