@@ -325,3 +325,61 @@ def test_grpo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_pat
     assert len(a["history"]) == 4 and strip(a["history"]) == strip(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
+
+
+# --- the GRPO settings verifiable-reward users expect (TRL's GRPOTrainer, Dr. GRPO, DAPO) --------------------
+
+
+def test_loss_aggregation_by_hand():
+    from kubealign.rl.losses import aggregate
+
+    # Row 0: 3 response tokens (1, 2, 3); row 1: 1 token (4); row 2: no response at all. max_new_tokens 4.
+    per_token = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    assert aggregate(per_token, mask, "token").item() == pytest.approx((1 + 2 + 3 + 4) / 4)  # every token alike
+    assert aggregate(per_token, mask, "sequence").item() == pytest.approx((2 + 4) / 2)  # every response alike
+    assert aggregate(per_token, mask, "constant", max_tokens=4).item() == pytest.approx(10 / (3 * 4))
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        aggregate(per_token, mask, "mean")
+
+
+def test_clip_higher_widens_only_the_upper_bound():
+    from kubealign.rl.losses import policy_loss
+
+    # Row 0: ratio 1.5 with advantage +1; row 1: ratio 0.5 with advantage -1 (one token each).
+    logprobs = torch.tensor([[math.log(1.5)], [math.log(0.5)]])
+    old, mask, adv = torch.zeros(2, 1), torch.ones(2, 1), torch.tensor([[1.0], [-1.0]])
+    symmetric = policy_loss(logprobs, old, adv, mask, 0.2)
+    # row 0: max(-1.5, -1.2) = -1.2; row 1: max(0.5, 0.8) = 0.8 -> mean -0.2
+    assert symmetric.loss.item() == pytest.approx(-0.2) and symmetric.clip_fraction.item() == 1.0
+    higher = policy_loss(logprobs, old, adv, mask, 0.2, cliprange_high=0.28)
+    assert higher.loss.item() == pytest.approx((-1.28 + 0.8) / 2)  # the lower bound 1 - 0.2 unchanged
+    constant = policy_loss(logprobs, old, adv, mask, 0.2, aggregation="constant", max_tokens=4)
+    assert constant.loss.item() == pytest.approx((-1.2 + 0.8) / (2 * 4))
+
+
+def test_grpo_scales_rewards_per_group_per_batch_or_not_at_all():
+    centered = [-2.0, -1.0, 3.0, -2.0, 2.0, 0.0, 0.0, 0.0, 0.0]  # SPREAD minus each group's own mean
+    batch_std = float(SPREAD.std())
+    got = grpo_advantages(SPREAD, 3, scale="batch", batch_std=batch_std)
+    assert got.tolist() == pytest.approx([c / (batch_std + GRPO_EPS) for c in centered], abs=1e-12)
+    assert grpo_advantages(SPREAD, 3, scale="none").tolist() == centered  # Dr. GRPO
+    with pytest.raises(ValueError, match="unknown scale_rewards 'rank'"):
+        grpo_advantages(SPREAD, 3, scale="rank")
+
+
+def test_groups_with_equal_rewards_are_left_out_of_the_loss_and_counted(monkeypatch):
+    actor, exp = hand_experience(REWARDS)  # group 0 rewards 1 2 6, group 1 all 3
+    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True)
+    targets = trainer.group_targets(exp, cfg, beta=0.1)
+    assert targets.keep.tolist() == [True] * 3 + [False] * 3 and targets.metrics["groups_dropped"] == 1
+    assert trainer.group_targets(exp, cfg.model_copy(update={"drop_equal_reward_groups": False}), 0.1).keep is None
+    # The loss over all six rows with group 1 left out is the loss over group 0's rows alone (token mean:
+    # group 1's zero advantages no longer dilute it), and the k3 term likewise.
+    rows = torch.arange(6)
+    kept = trainer.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1, keep=targets.keep)
+    alone = trainer.actor_objective(actor, exp, rows[:3], targets.advantages, cfg, 0.1)
+    everything = trainer.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1)
+    assert kept.loss.item() == pytest.approx(alone.loss.item(), abs=1e-6)
+    assert kept.kl.item() == pytest.approx(alone.kl.item(), abs=1e-6)
+    assert abs(everything.loss.item() - alone.loss.item()) > 1e-3

@@ -245,7 +245,29 @@ class PPOConfig(Section):
     kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, samples.")
     gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
     lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip epsilon.")
+    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip epsilon (the lower bound 1 - eps).")
+    cliprange_high: float | None = Field(
+        None,
+        gt=0,
+        description="Upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (DAPO's "
+        "clip-higher, e.g. 0.28 with cliprange 0.2: unlikely tokens can gain more); None = cliprange.",
+    )
+    loss_aggregation: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description="How the per-token policy loss (and grpo's k3 term) becomes one number: token = mean over every "
+        "response token of the minibatch (DAPO, TRL); sequence = mean over responses of each one's token mean "
+        "(DeepSeekMath); constant = sum over response tokens / (responses x max_new_tokens) (Dr. GRPO).",
+    )
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "group",
+        description="grpo only: divide each group-centred reward by its group's std (DeepSeekMath), by the std of "
+        "every reward in the batch (TRL's 'batch'), or by nothing (Dr. GRPO).",
+    )
+    drop_equal_reward_groups: bool = Field(
+        False,
+        description="grpo / rloo: leave the groups whose rewards are all equal (no learning signal; their advantages "
+        "are 0) out of the policy loss and its normalization; their count is logged as groups_dropped.",
+    )
     cliprange_value: float = Field(0.2, gt=0, description="Value clip epsilon.")
     reward_clip: float = Field(5.0, gt=0, description="Reward score clipped to [-c, c].")
     whiten_advantages: bool = Field(

@@ -81,21 +81,46 @@ def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_
         return logprobs, entropy
 
 
+def aggregate(per_token: torch.Tensor, response_mask: torch.Tensor, how: str = "token", max_tokens: int = 0):
+    """[B, A] per-token loss -> scalar, over the response actions (ppo.loss_aggregation):
+    token     sum over every response token of the minibatch / their count (DAPO, TRL's default):
+              each token weighs the same, so a long response weighs more;
+    sequence  mean over responses of each response's token mean (DeepSeekMath eq. 3, PPO in
+              DeepSpeed-Chat's per-sequence form): each response weighs the same;
+    constant  sum over every response token / (B * max_tokens) (Dr. GRPO, Liu et al. 2025, sec. 3.1):
+              no length normalization at all, so no bias towards long wrong or short right answers."""
+    mask = response_mask.to(per_token.dtype)
+    if how == "token":
+        return masked_mean(per_token, mask)
+    if how == "sequence":
+        rows = mask.sum(-1)
+        per_row = (per_token * mask).sum(-1) / rows.clamp(min=1)
+        return per_row.sum() / (rows > 0).sum().clamp(min=1)  # a row without response tokens is no response
+    if how == "constant":
+        return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
+    raise ValueError(f"unknown loss aggregation {how!r} (expected token, sequence or constant)")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
+    cliprange_high: float | None = None,
+    aggregation: str = "token",
+    max_tokens: int = 0,
 ) -> PolicyLoss:
-    """Clipped surrogate: mean over response actions of max(-A r, -A clip(r, 1-eps, 1+eps)),
-    r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize). Positions outside the
-    response do not matter, even at -inf."""
+    """Clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)) per response action, aggregated
+    (`aggregate`), r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize; eps_high =
+    cliprange_high, DAPO's clip-higher, Yu et al. 2025 eq. 10; None = eps). Positions outside the response
+    do not matter, even at -inf. clip_fraction and approx_kl are token means whatever the aggregation."""
     log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.maximum(unclipped, clipped), response_mask)
+    high = cliprange if cliprange_high is None else cliprange_high
+    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
+    loss = aggregate(torch.maximum(unclipped, clipped), response_mask, aggregation, max_tokens)
     clip_fraction = masked_mean((clipped > unclipped).to(logprobs.dtype), response_mask)
     approx_kl = masked_mean((ratio - 1) - log_ratio, response_mask)  # k3: unbiased, always >= 0
     return PolicyLoss(loss, clip_fraction.detach(), approx_kl.detach())

@@ -38,7 +38,7 @@ from kubealign.rl.experience import (
     score_and_value,
 )
 from kubealign.rl.kl import KLController, k3
-from kubealign.rl.losses import PolicyLoss, Sampling, explained_variance, policy_loss, value_loss
+from kubealign.rl.losses import PolicyLoss, Sampling, aggregate, explained_variance, policy_loss, value_loss
 from kubealign.training import distributed
 from kubealign.training.loop import NonFiniteLoss, check_finite
 
@@ -225,28 +225,32 @@ class ActorObjective(NamedTuple):
     policy: PolicyLoss
     entropy: torch.Tensor  # mean over the minibatch's response actions
     loss: torch.Tensor  # what the actor's backward takes
-    kl: torch.Tensor | None  # grpo: mean k3 KL to the reference over response actions (the loss term); else None
+    kl: torch.Tensor | None  # grpo: the aggregated k3 KL to the reference (the loss term); else None
 
 
 def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig,
-                    kl_coef: float = 0.0, first: FirstPass | None = None) -> ActorObjective:  # fmt: skip
+                    kl_coef: float = 0.0, first: FirstPass | None = None,
+                    keep: torch.Tensor | None = None) -> ActorObjective:  # fmt: skip
     """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
     (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
-    kl_coef * the mean k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term
-    instead of a reward penalty, so the advantages stay purely group-relative. first: the experience
-    pass's forward of exactly these rows (idx == first.rows), used instead of running it again."""
+    kl_coef * the k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term instead of
+    a reward penalty, so the advantages stay purely group-relative; both aggregated by ppo.loss_aggregation.
+    first: the experience pass's forward of exactly these rows (idx == first.rows), used instead of running
+    it again. keep: [N] the rows the policy loss and the KL term count (drop_equal_reward_groups); None: all."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
     use_entropy = cfg.entropy_coef > 0
     if first is not None:
         logprobs, entropy = first.logprobs, first.entropy
     else:
         logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
-    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
+    counted = resp if keep is None else resp * keep[idx].unsqueeze(1).to(resp.dtype)
+    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], counted, cfg.cliprange, cfg.cliprange_high,
+                     cfg.loss_aggregation, cfg.max_new_tokens)  # fmt: skip
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
     kl = None
     if cfg.algorithm == "grpo":
-        kl = masked_mean(k3(logprobs, exp.ref_logprobs[idx], resp), resp)
+        kl = aggregate(k3(logprobs, exp.ref_logprobs[idx], resp), counted, cfg.loss_aggregation, cfg.max_new_tokens)
         actor_loss = actor_loss + kl_coef * kl if kl_coef > 0 else actor_loss
     return ActorObjective(pl, mean_entropy, actor_loss, kl)
 
@@ -262,12 +266,15 @@ def update(
     kl_coef: float = 0.0,
     plan: list[torch.Tensor] | None = None,
     first: FirstPass | None = None,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes of clipped policy updates (+ value updates for ppo) over shuffled minibatches of
     the whole batch's advantages, computed before (a grpo / rloo group spans minibatches: its advantages
     are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient.
     plan: the first epoch's minibatches, drawn from gen before the experience pass (iteration); first:
-    the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping)."""
+    the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping). keep:
+    the rows the policy loss counts (Targets.keep). A minibatch whose every row is left out still takes
+    its step, with a zero loss, so that every rank steps together."""
     stats: dict[str, list[float]] = {}
     with_critic = cfg.algorithm == "ppo"
     models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
@@ -279,7 +286,8 @@ def update(
         for step, idx in enumerate(minibatches):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
             reused = first if epoch == 0 and step == 0 else None
-            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef, reused)
+            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef, reused,
+                                                               keep)  # fmt: skip
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
@@ -334,6 +342,7 @@ class Targets(NamedTuple):
     returns: torch.Tensor | None  # [N, A] the critic's regression target (ppo); None without a critic
     kl: torch.Tensor  # [N, A] per-token KL estimate log pi - log pi_ref (0 outside the response)
     metrics: dict[str, float]  # the algorithm's own per-iteration quantities
+    keep: torch.Tensor | None = None  # [N] rows the policy loss counts (drop_equal_reward_groups); None: all
 
 
 def ppo_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
@@ -354,7 +363,11 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
     rloo = cfg.algorithm == "rloo"
     seq = sequence_rewards(exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta if rloo else 0.0,
                            cfg.reward_clip)  # fmt: skip
-    advantages = rloo_advantages(seq.rewards, k) if rloo else grpo_advantages(seq.rewards, k)
+    if rloo:
+        advantages = rloo_advantages(seq.rewards, k)
+    else:  # the batch's std pools every rank's rewards, as TRL gathers them before scaling
+        batch_std = global_stats(seq.rewards)[1] if cfg.scale_rewards == "batch" else 0.0
+        advantages = grpo_advantages(seq.rewards, k, scale=cfg.scale_rewards, batch_std=batch_std)
     std = group_std(seq.rewards, k)
     zero = torch.isclose(std, torch.zeros_like(std))  # every response of the prompt got the same reward
     std_sum, zeros, groups = distributed.all_reduce_sum([float(std.sum()), float(zero.sum()), float(std.numel())])
@@ -363,7 +376,11 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
         "zero_std_fraction": zeros / groups,  # groups with no learning signal: all their advantages are 0
         "advantage_abs_mean": global_stats(advantages.abs())[0],
     }
-    return Targets(outcome_advantages(advantages, exp.response_mask), None, seq.kl, metrics)
+    keep = None
+    if cfg.drop_equal_reward_groups:
+        keep = (~zero).repeat_interleave(k)  # a group's k rows are contiguous
+        metrics["groups_dropped"] = zeros
+    return Targets(outcome_advantages(advantages, exp.response_mask), None, seq.kl, metrics, keep)
 
 
 class NonFiniteExperience(NonFiniteLoss):
@@ -439,7 +456,8 @@ def iteration(
         raise NonFiniteExperience(fault)
     kl_coef = kl.value
     targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
-    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first)
+    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first,
+                    targets.keep)  # fmt: skip
     trained = time.perf_counter()
     kl_mean = update_kl(kl, targets.kl.sum(-1))
     reward_mean, reward_std, _ = global_stats(exp.scores)
