@@ -363,6 +363,9 @@ def test_grpo_scales_rewards_per_group_per_batch_or_not_at_all():
     batch_std = float(SPREAD.std())
     got = grpo_advantages(SPREAD, 3, scale="batch", batch_std=batch_std)
     assert got.tolist() == pytest.approx([c / (batch_std + GRPO_EPS) for c in centered], abs=1e-12)
+    assert grpo_advantages(SPREAD, 3, scale="batch").tolist() == pytest.approx(got.tolist(), abs=1e-12)  # this rank's
+    pooled = grpo_advantages(SPREAD, 3, scale="batch", batch_std=2.0)  # every rank's std, given
+    assert pooled.tolist() == pytest.approx([c / (2.0 + GRPO_EPS) for c in centered], abs=1e-12)
     assert grpo_advantages(SPREAD, 3, scale="none").tolist() == centered  # Dr. GRPO
     with pytest.raises(ValueError, match="unknown scale_rewards 'rank'"):
         grpo_advantages(SPREAD, 3, scale="rank")

@@ -132,12 +132,13 @@ def sequence_rewards(
 
 
 def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS, scale: str = "group", batch_std: float = 0.0
+    rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS, scale: str = "group", batch_std: float | None = None
 ) -> torch.Tensor:
     """[G * k] -> [G * k]: A_i = (R_i - mean_g R) / s, centred on each prompt's group (ppo.scale_rewards):
       group  s = std_g R + eps, the group's own (Shao et al. 2024, DeepSeekMath sec. 4.1.2);
       batch  s = batch_std + eps, one std of every response's reward in the batch, every rank's (TRL's
-             scale_rewards="batch": a group with a tiny spread is not blown up to unit scale);
+             scale_rewards="batch": a group with a tiny spread is not blown up to unit scale; None:
+             the std of `rewards`, this rank's);
       none   s = 1 (Dr. GRPO, Liu et al. 2025: the std division biases towards groups that are too easy or
              too hard).
     std is the unbiased one (divisor k - 1, torch.std), as TRL, OpenRLHF and veRL compute it."""
@@ -146,7 +147,8 @@ def grpo_advantages(
     if scale == "group":
         return (centered / (g.std(-1, keepdim=True) + eps)).reshape(-1)
     if scale == "batch":
-        return (centered / (batch_std + eps)).reshape(-1)
+        std = float(rewards.std()) if batch_std is None else batch_std
+        return (centered / (std + eps)).reshape(-1)
     if scale == "none":
         return centered.reshape(-1)
     raise ValueError(f"unknown scale_rewards {scale!r} (expected group, batch or none)")
