@@ -78,30 +78,24 @@ def hh_split(tmp_path_factory) -> Path:
     return out
 
 
-def test_reward_on_real_hh_pairs_compares_answers_to_one_prompt(cli, hh_split, tmp_path, monkeypatch):
+def reward_pair(pair):
+    return pair  # reward.tokenize: (chosen ids, rejected ids)
+
+
+def dpo_pair(pair):
+    # dpo.tokenize: the loss masks mark exactly the response tokens, which start at one place on both sides
+    assert pair["chosen"]["loss_mask"].index(1) == pair["rejected"]["loss_mask"].index(1)
+    return pair["chosen"]["input_ids"], pair["rejected"]["input_ids"]
+
+
+@pytest.mark.parametrize(("stage", "module", "sequences"), [("reward", reward, reward_pair), ("dpo", dpo, dpo_pair)])
+def test_real_hh_pairs_compare_answers_to_one_prompt(cli, hh_split, tmp_path, monkeypatch, stage, module, sequences):
     seen: list = []
-    spy(monkeypatch, reward, seen)
-    out = tmp_path / "rm"
-    args = ["--set", f"reward.max_seq_len={MAX_LEN}", "--set", "reward.num_train_epochs=0.2", "--set", NO_TRACKING]
-    result = cli("reward", "--data", hh_split, *args, "--output", out)
+    spy(monkeypatch, module, seen)
+    out = tmp_path / stage
+    args = ["--set", f"{stage}.max_seq_len={MAX_LEN}", "--set", f"{stage}.num_train_epochs=0.2", "--set", NO_TRACKING]
+    result = cli(stage, "--data", hh_split, *args, "--output", out)
     assert result.code == 0, result.err
-    tokenizer = loading.load_tokenizer("tiny-opt")
-    pairs, cut = check_pairs(seen, tokenizer, lambda pair: pair)
+    pairs, cut = check_pairs(seen, loading.load_tokenizer("tiny-opt"), sequences)
     assert pairs > 500 and cut > pairs / 2  # most pairs have a response cut: the case the rule is for
-    assert all(math.isfinite(v) for v in result_of(out)["metrics"].values() if isinstance(v, float))
-
-
-def test_dpo_on_real_hh_pairs_compares_answers_to_one_prompt(cli, hh_split, tmp_path, monkeypatch):
-    seen: list = []
-    spy(monkeypatch, dpo, seen)
-    out = tmp_path / "dpo"
-    args = ["--set", f"dpo.max_seq_len={MAX_LEN}", "--set", "dpo.num_train_epochs=0.2", "--set", NO_TRACKING]
-    result = cli("dpo", "--data", hh_split, *args, "--output", out)
-    assert result.code == 0, result.err
-    tokenizer = loading.load_tokenizer("tiny-opt")
-    pairs, cut = check_pairs(seen, tokenizer, lambda p: (p["chosen"]["input_ids"], p["rejected"]["input_ids"]))
-    assert pairs > 500 and cut > pairs / 2
-    for _, out_pairs in seen:  # the loss masks mark exactly the response tokens of each side
-        for pair in out_pairs:
-            assert pair["chosen"]["loss_mask"].index(1) == pair["rejected"]["loss_mask"].index(1)
     assert all(math.isfinite(v) for v in result_of(out)["metrics"].values() if isinstance(v, float))
