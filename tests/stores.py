@@ -145,7 +145,7 @@ class S3Server:
         return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.ACCESS_KEY,
                             aws_secret_access_key=self.SECRET_KEY, region_name="us-east-1", config=config)  # fmt: skip
 
-    def keys(self) -> list[str]:
+    def object_keys(self) -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
         return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
 

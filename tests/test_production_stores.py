@@ -60,12 +60,15 @@ LEASE_TAKES = (
 
 
 class Production:
-    """The rendered pod's two containers, run here against `pg` and `s3`."""
+    """The rendered pod's two containers, for `pg` and `s3`: `migration_argv`/`server_argv` and
+    `migration_vars`/`server_vars` are what the containers get (argv with Kubernetes' $(VAR) expansion
+    done); `migrate()` and `server` run them here, with this environment's `mlflow`."""
 
     def __init__(self, root: Path, pg: PostgresCluster, s3: S3Server):
         self.pg, self.s3 = pg, s3
-        port = free_port()
-        deploy = next(d for d in render({"mlflow": {**PRODUCTION, "port": port}}) if d["kind"] == "Deployment")
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        deploy = next(d for d in render({"mlflow": {**PRODUCTION, "port": self.port}}) if d["kind"] == "Deployment")
         pod = deploy["spec"]["template"]["spec"]
         [init], [server] = pod["initContainers"], pod["containers"]
         secrets = {
@@ -74,13 +77,16 @@ class Production:
             (S3_SECRET, "AWS_SECRET_ACCESS_KEY"): s3.SECRET_KEY,
         }
         host = {"MLFLOW_S3_ENDPOINT_URL": s3.url}
-        init_env, server_env = container_env(init, secrets, host), container_env(server, secrets, host)
-        self.migration = self._local(expand(init["command"] + init["args"], init_env))
-        self.migration_env = process_env(init_env)
-        command = self._local(expand(server["command"] + server["args"], server_env))
-        assert "--host=0.0.0.0" in command, command  # the pod listens on every address; this test on loopback
-        command[command.index("--host=0.0.0.0")] = "--host=127.0.0.1"
-        self.server = MlflowServer(root, command=command, env=process_env(server_env), port=port)
+        self.migration_vars, self.server_vars = container_env(init, secrets, host), container_env(server, secrets, host)
+        self.migration_argv = expand(init["command"] + init["args"], self.migration_vars)
+        self.server_argv = expand(server["command"] + server["args"], self.server_vars)
+        # the pod listens on every address; here only loopback
+        assert "--host=0.0.0.0" in self.server_argv, self.server_argv
+        self.server_argv[self.server_argv.index("--host=0.0.0.0")] = "--host=127.0.0.1"
+        self.migration = self._local(self.migration_argv)
+        self.migration_env = process_env(self.migration_vars)
+        local = self._local(self.server_argv)
+        self.server = MlflowServer(root, command=local, env=process_env(self.server_vars), port=self.port)
 
     @staticmethod
     def _local(argv: list[str]) -> list[str]:
@@ -161,7 +167,7 @@ def test_promote_registers_in_postgresql_with_its_files_in_the_bucket_and_loads_
     alias = f"SELECT version FROM registered_model_aliases WHERE name = '{name}' AND alias = 'champion'"
     assert production.pg.query(alias) == [(1,)]
     # ... and the model's files are objects in the bucket, written through the server
-    keys = production.s3.keys()
+    keys = production.s3.object_keys()
     assert any(k.endswith("/MLmodel") for k in keys) and any(k.endswith(".safetensors") for k in keys), keys
     import mlflow
 
@@ -358,7 +364,7 @@ def test_the_shortened_dag_tracks_and_registers_on_the_production_stores(
     assert {"after_perplexity", "before_perplexity"} <= {row[0] for row in stored}
     assert aliases(url, name) == {"champion": "1", "challenger": "1"}
     # artifacts of the pipeline's runs are objects in the bucket
-    keys = production.s3.keys()
+    keys = production.s3.object_keys()
     assert any(parent in k and k.endswith("config/resolved.json") for k in keys), keys[:20]
     import mlflow
 
