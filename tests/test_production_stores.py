@@ -146,6 +146,38 @@ def test_the_init_container_migrated_postgresql_and_reruns_as_a_no_op(production
     assert done.returncode == 0, done.stderr[-3000:]
 
 
+def test_two_replicas_migrating_a_new_store_at_once_end_with_the_schema_current(production: Production) -> None:
+    """The chart's comment on its init container: replicas that start together on an empty database race
+    in `mlflow db upgrade`; one may fail (measured: one of the two, 3 times of 3), and its retry (Kubernetes
+    restarts a failed init container) finds the schema current."""
+    import psycopg
+    from alembic.script import ScriptDirectory
+    from mlflow.store.db.utils import _get_alembic_config
+
+    pg = production.pg
+    with psycopg.connect(pg.admin_uri("postgres"), autocommit=True, connect_timeout=10) as conn:
+        conn.execute("CREATE DATABASE fresh")
+    fresh = [arg.replace(pg.uri, pg.uri.rsplit("/", 1)[0] + "/fresh") for arg in production.migration]
+    assert fresh != production.migration
+    procs = [subprocess.Popen(fresh, env=production.migration_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]  # fmt: skip
+    try:
+        codes = [(p.communicate(timeout=MIGRATION_LIMIT_S), p.returncode)[1] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert 0 in codes, codes  # one of them migrated
+    for code in codes:
+        if code != 0:  # the restarted init container
+            retry = subprocess.run(fresh, env=production.migration_env, capture_output=True, text=True,
+                                   timeout=MIGRATION_LIMIT_S)  # fmt: skip
+            assert retry.returncode == 0, retry.stderr[-3000:]
+    head = ScriptDirectory.from_config(_get_alembic_config(pg.uri)).get_current_head()
+    with psycopg.connect(pg.admin_uri("fresh"), connect_timeout=10) as conn:
+        assert conn.execute("SELECT version_num FROM alembic_version").fetchall() == [(head,)]
+
+
 @pytest.fixture(scope="module")
 def champion(production: Production, tmp_path_factory: pytest.TempPathFactory) -> str:
     """A registered model whose version 1 `kubealign promote` made champion through the chart's server;
