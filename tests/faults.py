@@ -29,24 +29,28 @@ def free_port() -> int:
 
 
 class MlflowServer:
-    """`mlflow server` with a sqlite backend and served artifacts under `root`, in its own process group."""
+    """`mlflow server` with a sqlite backend and served artifacts under `root`, in its own process group.
 
-    def __init__(self, root: Path):
+    `command` (listening on 127.0.0.1:`port`) and `env` replace that default server: the chart's own
+    command line, for instance (tests/test_production_stores.py)."""
+
+    def __init__(self, root: Path, command: list[str] | None = None, env: dict[str, str] | None = None, port: int = 0):
         self.root = root
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.command, self.env = command, env
 
     def start(self) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         mlflow = Path(sys.executable).with_name("mlflow")
-        cmd = [
+        cmd = self.command or [
             str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
             "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
             "--artifacts-destination", str(self.root / "artifacts"),
         ]  # fmt: skip
         log = (self.root / "server.log").open("ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, env=self.env)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -36,6 +36,9 @@ VALUE_SETS = {
         "nodeSelector": {"pool": "system"},
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
     },  # fmt: skip
+    "postgres-pvc-artifacts": {
+        "mlflow": {"backendStore": {"type": "postgresql", "existingSecret": "mlflow-db", "secretKey": "url"}},
+    },
     "external-mlflow-no-runtime": {
         "mlflow": {"enabled": False},
         "pipelineDefaults": {"mlflowTrackingUri": "https://mlflow.example.com"},
@@ -91,6 +94,30 @@ def test_mlflow_server_settings() -> None:
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "minio"
 
 
+@pytest.mark.parametrize("name", ["postgres-s3-networkpolicy-upload", "postgres-pvc-artifacts"])
+def test_postgresql_schema_is_migrated_before_the_server_starts(name: str) -> None:
+    """An init container runs `mlflow db upgrade` on the server's own URI, from the server's image."""
+    deploy = next(d for d in render(VALUE_SETS[name]) if d["kind"] == "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    [upgrade] = pod["initContainers"]
+    assert upgrade["command"] + upgrade["args"] == ["mlflow", "db", "upgrade", "$(MLFLOW_BACKEND_STORE_URI)"]
+    assert upgrade["image"] == server["image"]
+    # Kubernetes expands $(VAR) from the container's own env: the init container must define it, from
+    # the very Secret key the server reads
+    [uri] = [e for e in upgrade["env"] if e["name"] == "MLFLOW_BACKEND_STORE_URI"]
+    assert uri in server["env"]
+    secret = VALUE_SETS[name]["mlflow"]["backendStore"]
+    assert uri["valueFrom"]["secretKeyRef"] == {"name": "mlflow-db", "key": secret.get("secretKey", "uri")}
+    assert "--backend-store-uri=$(MLFLOW_BACKEND_STORE_URI)" in server["args"]
+    assert "strategy" not in deploy["spec"]  # rolling updates: PostgreSQL takes many writers
+
+
+def test_sqlite_needs_no_migration_container() -> None:
+    deploy = next(d for d in render({}) if d["kind"] == "Deployment")
+    assert "initContainers" not in deploy["spec"]["template"]["spec"]  # the server creates its sqlite schema
+
+
 def test_pods_are_hardened() -> None:
     docs = render(VALUE_SETS["postgres-s3-networkpolicy-upload"]) + render({})
     pods = []
@@ -100,10 +127,11 @@ def test_pods_are_hardened() -> None:
         elif doc["kind"] == "ClusterTrainingRuntime":
             pods.append(doc["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"])
     assert len(pods) >= 4
+    assert any(pod.get("initContainers") for pod in pods)  # the PostgreSQL schema migration is checked too
     for pod in pods:
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
-        for container in pod["containers"]:
+        for container in pod["containers"] + pod.get("initContainers", []):
             ctx = container["securityContext"]
             assert ctx["readOnlyRootFilesystem"] is True and ctx["allowPrivilegeEscalation"] is False
             assert ctx["capabilities"]["drop"] == ["ALL"]

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,53 @@ def test_the_dag_in_containers_matches_the_subprocess_runner(cpu_image, docker_c
     assert _result(in_docker, "promote")["version"]
     print(f"\nDAG wall time: docker {docker_s:.0f} s, subprocess {process_s:.0f} s ({docker_s / process_s:.2f}x)")
     assert "promote" in printed
+
+
+@pytest.mark.container
+def test_the_charts_mlflow_server_runs_from_the_image_on_postgresql_and_s3(cpu_image, docker_client, tmp_path: Path):
+    """The chart's production pod from the built CPU image: its init container (`mlflow db upgrade`) and
+    its server, each with exactly the rendered command, args and env (tests/test_production_stores.py
+    fills in only what is host-specific) and the pod's restrictions (uid 10001, read-only root
+    filesystem with /tmp writable, no capabilities), against a throwaway PostgreSQL and moto's S3 on this
+    host; then a promotion through it."""
+    from tests.stores import PostgresCluster, S3Server, ensure_postgresql
+    from tests.test_faults_registry import aliases, evaluation, promote
+    from tests.test_production_stores import BUCKET, Production
+
+    reason = ensure_postgresql()
+    if reason:
+        pytest.skip(reason)
+    pg, s3 = PostgresCluster().start(), S3Server(BUCKET).start()
+    pod = {"network_mode": "host", "user": "10001:10001", "read_only": True, "tmpfs": {"/tmp": ""},
+           "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"]}  # fmt: skip
+    server = None
+    try:
+        prod = Production(tmp_path / "server", pg, s3)
+        docker_client.containers.run(images.cpu_image(), prod.migration_argv, environment=prod.migration_vars,
+                                     remove=True, **pod)  # fmt: skip  # raises ContainerError on a non-zero exit
+        assert pg.query("SELECT count(*) FROM alembic_version") == [(1,)]
+        server = docker_client.containers.run(images.cpu_image(), prod.server_argv, environment=prod.server_vars,
+                                              detach=True, **pod)  # fmt: skip
+        deadline = time.monotonic() + 180
+        while True:
+            server.reload()
+            assert server.status == "running", server.logs()[-3000:].decode(errors="replace")
+            try:
+                with urllib.request.urlopen(f"{prod.url}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, server.logs()[-3000:].decode(errors="replace")
+            time.sleep(0.5)
+        done, _ = promote(prod.url, "in-image", evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0),
+                          tmp_path / "out")  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:] + server.logs()[-3000:].decode(errors="replace")
+        assert aliases(prod.url, "in-image") == {"champion": "1", "challenger": "1"}
+        assert any(k.endswith("/MLmodel") for k in s3.object_keys())
+        assert pg.query("SELECT count(*) FROM model_versions WHERE name = 'in-image'") == [(1,)]
+    finally:
+        if server is not None:
+            server.remove(force=True)
+        s3.stop()
+        pg.stop()

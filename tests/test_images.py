@@ -99,3 +99,28 @@ def test_components_take_their_image_from_kubealign_images() -> None:
     assert used == {images.TRAIN_IMAGE, images.CPU_IMAGE}
     source = (REPO / "components" / "stages.py").read_text(encoding="utf-8")
     assert 'base_image="' not in source and "packages_to_install" not in source
+
+
+def test_the_cpu_image_carries_the_mlflow_servers_production_store_clients() -> None:
+    """The chart's MLflow server runs from the CPU image, whose dependencies are kubealign's runtime ones
+    at the lock's versions: a PostgreSQL store needs a driver for both URI forms (SQLAlchemy 2.1 opens
+    postgresql:// with psycopg 3; postgresql+psycopg2:// is MLflow's documented form) and an S3 artifact
+    store needs boto3."""
+    import importlib.metadata
+
+    import sqlalchemy
+
+    runtime = {
+        re.split(r"[<>=!~;\[ ]", req)[0].lower()
+        for req in importlib.metadata.requires("kubealign") or []
+        if "extra ==" not in req
+    }
+    locked = lock()
+    for name in ("psycopg", "psycopg2-binary", "boto3"):
+        assert name in runtime and name in locked, name
+    for name in ("psycopg-binary", "botocore", "s3transfer", "jmespath"):  # theirs, pinned alike
+        assert name in locked, name
+    for uri, driver in (("postgresql://", "psycopg"), ("postgresql+psycopg2://", "psycopg2")):
+        engine = sqlalchemy.create_engine(f"{uri}mlflow@127.0.0.1:1/mlflow")  # loads the driver, connects never
+        assert engine.dialect.driver == driver
+    import boto3  # noqa: F401  # what MLflow's S3 artifact repository imports
