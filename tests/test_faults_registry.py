@@ -77,6 +77,35 @@ def aliases(url: str, name: str) -> dict[str, str]:
     return {a: str(v) for a, v in MlflowClient(url).get_registered_model(name).aliases.items()}
 
 
+def run_together(argvs: list[list[str]], env: dict[str, str]) -> list[tuple[tuple[str, str], int]]:
+    """Start every command at once; ((stdout, stderr), exit code) of each, none left running."""
+    procs = [
+        subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for argv in argvs
+    ]
+    try:
+        return [(p.communicate(timeout=CALL_LIMIT_S), p.returncode) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def promote_twice_at_once(uri: str, client, name: str, root: Path, attempt: int) -> None:
+    """Two promotes of one evaluation at once: both succeed, one version is registered and both report it,
+    the aliases are those of a first promote, and the lease is released."""
+    eval_dir = evaluation(root, "good", win=0.7, gain=0.3, reward=1.0)
+    outs = [root / f"out{i}" for i in range(2)]
+    results = run_together([[str(KUBEALIGN), *promote_args(name, eval_dir, out)] for out in outs], kubealign_env(uri))
+    for (_, err), code in results:
+        assert code == 0, err[-3000:]
+    versions = client.search_model_versions(f"name = '{name}'")
+    assert len(versions) == 1, f"attempt {attempt}: {len(versions)} versions of one evaluation"
+    reported = {json.loads((out / "result.json").read_text())["version"] for out in outs}
+    assert reported == {int(versions[0].version)}
+    assert aliases(uri, name) == {"champion": "1", "challenger": "1"}
+    assert not client.search_registered_models(f"name = '{name}.promotion-lease'")  # released
+
+
 def one_line_error(done: subprocess.CompletedProcess) -> str:
     """The error line of a failed command: exit code 2, no traceback, exactly one `kubealign: error:` line."""
     assert done.returncode == 2, (done.returncode, done.stderr[-3000:])
@@ -235,30 +264,4 @@ def test_concurrent_promotes_of_one_evaluation_register_one_version(
     if client.get_experiment_by_name(experiment) is None:  # two stage runs creating it at once would race
         client.create_experiment(experiment, artifact_location=(tmp_path / "artifacts").as_uri())
     for attempt in range(TRIES):
-        name = f"concurrent-{store}-{attempt}"
-        eval_dir = evaluation(tmp_path / f"try{attempt}", "good", win=0.7, gain=0.3, reward=1.0)
-        outs = [tmp_path / f"try{attempt}" / f"out{i}" for i in range(2)]
-        procs = [
-            subprocess.Popen(
-                [str(KUBEALIGN), *promote_args(name, eval_dir, out)],
-                env=kubealign_env(uri),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for out in outs
-        ]
-        try:
-            results = [(p.communicate(timeout=CALL_LIMIT_S), p.returncode) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for (_, err), code in results:
-            assert code == 0, err[-3000:]
-        versions = client.search_model_versions(f"name = '{name}'")
-        assert len(versions) == 1, f"attempt {attempt}: {len(versions)} versions of one evaluation"
-        reported = {json.loads((out / "result.json").read_text())["version"] for out in outs}
-        assert reported == {int(versions[0].version)}
-        assert aliases(uri, name) == {"champion": "1", "challenger": "1"}
-        assert not client.search_registered_models(f"name = '{name}.promotion-lease'")  # released
+        promote_twice_at_once(uri, client, f"concurrent-{store}-{attempt}", tmp_path / f"try{attempt}", attempt)

@@ -28,16 +28,15 @@ from tests.faults import FaultProxy, MlflowServer, free_port
 from tests.stores import PostgresCluster, S3Server, container_env, ensure_postgresql, expand, process_env
 from tests.test_chart import render
 from tests.test_faults_registry import (
-    CALL_LIMIT_S,
     FAULT_TO_EXIT_S,
-    KUBEALIGN,
     aliases,
     evaluation,
     killing_the_server_after,
     kubealign_env,
     one_line_error,
     promote,
-    promote_args,
+    promote_twice_at_once,
+    run_together,
 )
 
 pytestmark = pytest.mark.faults
@@ -215,28 +214,7 @@ def test_concurrent_promotes_of_one_evaluation_register_one_version(production: 
 
     url, client = production.server.url, MlflowClient(production.server.url)
     for attempt in range(TRIES):
-        name = f"prod-concurrent-{attempt}"
-        eval_dir = evaluation(tmp_path / f"try{attempt}", "good", win=0.7, gain=0.3, reward=1.0)
-        outs = [tmp_path / f"try{attempt}" / f"out{i}" for i in range(2)]
-        procs = [
-            subprocess.Popen([str(KUBEALIGN), *promote_args(name, eval_dir, out)], env=kubealign_env(url),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for out in outs
-        ]  # fmt: skip
-        try:
-            results = [(p.communicate(timeout=CALL_LIMIT_S), p.returncode) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for (_, err), code in results:
-            assert code == 0, err[-3000:]
-        versions = client.search_model_versions(f"name = '{name}'")
-        assert len(versions) == 1, f"attempt {attempt}: {len(versions)} versions of one evaluation"
-        reported = {json.loads((out / "result.json").read_text())["version"] for out in outs}
-        assert reported == {int(versions[0].version)}
-        assert aliases(url, name) == {"champion": "1", "challenger": "1"}
-        assert not client.search_registered_models(f"name = '{name}.promotion-lease'")  # released
+        promote_twice_at_once(url, client, f"prod-concurrent-{attempt}", tmp_path / f"try{attempt}", attempt)
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -282,17 +260,8 @@ def test_taking_the_lease_while_its_holder_releases_it_is_no_error(production: P
     from mlflow.tracking import MlflowClient
 
     url, lock = production.server.url, "prod-race.promotion-lease"
-    procs = [
-        subprocess.Popen([sys.executable, "-c", LEASE_RACE, url, lock, str(LEASE_TAKES), f"p{i}"],
-                         env=kubealign_env(url), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for i in range(2)
-    ]  # fmt: skip
-    try:
-        results = [(p.communicate(timeout=CALL_LIMIT_S), p.returncode) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    argvs = [[sys.executable, "-c", LEASE_RACE, url, lock, str(LEASE_TAKES), f"p{i}"] for i in range(2)]
+    results = run_together(argvs, kubealign_env(url))
     for (out, err), code in results:
         assert code == 0 and out.strip() == "[]", (out, err[-2000:])
     assert not MlflowClient(url).search_registered_models(f"name = '{lock}'")
