@@ -102,7 +102,10 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
 def load_config(config: str | Path | None = None, overrides: list[str] | None = None) -> KubealignConfig:
     """Resolve a config: file or preset (default: the tiny-cpu preset), then overrides, then validate."""
     label, text = _read_source(config)
-    return _validate(label, _parse_yaml(label, text), overrides)
+    resolved = _validate(label, _parse_yaml(label, text), overrides)
+    if not label.startswith("preset "):  # a file: its reward functions' relative paths start from its directory
+        resolved._base_dir = str(Path(label).resolve().parent)
+    return resolved
 
 
 def config_to_json(config: KubealignConfig) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-SourceFormat = Literal["auto", "prompt_chosen_rejected", "hh", "prompt_response", "messages"]
+SourceFormat = Literal["auto", "prompt_chosen_rejected", "hh", "prompt_response", "messages", "prompt_only"]
 DType = Literal["fp32", "bf16", "fp16"]
 
 
@@ -33,7 +33,8 @@ class DataSource(Section):
         "auto",
         description="Row schema; 'auto' detects it per row from the keys. prompt_chosen_rejected: "
         "Dahoas rm-static style; hh: HH-RLHF full chosen/rejected dialogues; prompt_response: SFT-only "
-        "rows; messages: chat-message lists.",
+        "rows; messages: chat-message lists; prompt_only: {prompt, ...} with no response, for phase 3 only (its "
+        "other fields become columns the reward functions get).",
     )
     limit: int | None = Field(None, gt=0, description="Use at most this many rows (the first ones), rows.")
     weight: float = Field(
@@ -324,6 +325,68 @@ class PromoteConfig(Section):
     min_reward_gain: float = Field(0.0, description="Gate: mean reward gain over baseline, reward units.")
     max_kl: float | None = Field(None, gt=0, description="Gate: max KL to baseline, nats; None = no cap.")
     require_beat_champion: bool = Field(True, description="Also beat the current @champion's metrics.")
+    metric: str | None = Field(
+        None,
+        description="Gate on this evaluate metric too: the candidate's value must reach min_metric and (with "
+        "require_beat_champion) exceed the champion's, e.g. fn/exact_answer/candidate (a reward function's mean); "
+        "None = the win-rate gate alone.",
+    )
+    min_metric: float | None = Field(None, description="Threshold of `metric`; None = only compared with the champion.")
+
+    @model_validator(mode="after")
+    def _check_metric(self) -> PromoteConfig:
+        if self.min_metric is not None and self.metric is None:
+            raise ValueError("promote.min_metric needs promote.metric (the evaluate metric it applies to)")
+        return self
+
+
+class RewardFunction(Section):
+    path: str = Field(
+        description="FILE.py:NAME (a Python file, relative to the config file) or module:NAME (an importable "
+        "module): a function f(prompts, completions, **columns) -> list[float | None], one value per completion.",
+        min_length=3,
+    )
+    weight: float = Field(1.0, description="Its weight in the score: model_weight * RM + sum(weight * f).")
+
+    @field_validator("path")
+    @classmethod
+    def _check_path(cls, value: str) -> str:
+        where, sep, name = value.rpartition(":")
+        if not sep or not where or not name.isidentifier():
+            raise ValueError(f"expected FILE.py:NAME or module:NAME, got {value!r}")
+        return value
+
+    @property
+    def name(self) -> str:
+        """The function's name (what metrics fn/<NAME>/... and errors call it)."""
+        return self.path.rpartition(":")[2]
+
+
+class RewardsConfig(Section):
+    """What scores a response in ppo / grpo / rloo and in evaluate: the reward model, reward functions as code
+    (verifiable rewards), or both. Functions are the user's own code and run with the task's permissions."""
+
+    functions: list[RewardFunction] = Field(default_factory=list, description="Reward functions, in order.")
+    model_weight: float = Field(
+        1.0,
+        ge=0,
+        description="Weight of the reward model's score; 0 with functions = no reward model at all (the reward "
+        "stage is skipped in the DAG, ppo's critic starts from the SFT model with a new value head).",
+    )
+    timeout_s: float = Field(60.0, gt=0, description="Per-call limit of one reward function on one batch, s.")
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether a reward model is trained and scores responses."""
+        return self.model_weight > 0 or not self.functions
+
+    @model_validator(mode="after")
+    def _check_functions(self) -> RewardsConfig:
+        names = [f.name for f in self.functions]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"two reward functions named {repeated[0]!r}: their metrics fn/<NAME>/... would collide")
+        return self
 
 
 class TrackingConfig(Section):
@@ -409,11 +472,19 @@ class KubealignConfig(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
+    rewards: RewardsConfig = Field(default_factory=RewardsConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    # The directory of the YAML file this config came from (None: a preset, JSON, or built in code):
+    # relative reward-function files are resolved against it. Not a field: not dumped, not hashed.
+    _base_dir: str | None = PrivateAttr(default=None)
+
+    @property
+    def base_dir(self) -> str | None:
+        return self._base_dir
 
     def route(self) -> str:
         """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo)."""

@@ -1,0 +1,94 @@
+"""One scorer for every stage that scores responses: the reward model, reward functions, or both.
+
+score = rewards.model_weight * RM score + sum_i weight_i * f_i, where a function's None ("does not apply
+to this row", as in TRL) adds 0 and is left out of that function's mean. The ppo stage's experience pass
+and evaluate both call a Scorer with the token ids of prompt + response and the rows the prompts came
+from; neither knows which kind of scorer it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from kubealign.rewards.functions import FunctionRunner
+from kubealign.rewards.sources import FunctionSpec
+
+
+class Rows(NamedTuple):
+    """The phase-3 rows behind a batch of responses, one entry per response (a prompt's group repeats it)."""
+
+    prompts: list[str]  # the prompt text as in the data (not the token-cut one)
+    columns: dict[str, list[Any]]  # the rows' other fields (e.g. answer), one list per field
+    origins: list[str]  # data-split origin of each row (FILE:LINE), for errors
+
+    def repeat(self, k: int) -> Rows:
+        """Each row k times in a row: the rows of k responses per prompt."""
+        rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
+        return Rows(rep(self.prompts), {c: rep(v) for c, v in self.columns.items()}, rep(self.origins))
+
+    def take(self, start: int, stop: int) -> Rows:
+        return Rows(self.prompts[start:stop], {c: v[start:stop] for c, v in self.columns.items()},
+                    self.origins[start:stop])  # fmt: skip
+
+
+def combine(model_scores: list[float] | None, model_weight: float, values: list[list[float | None]],
+            weights: list[float]) -> list[float]:  # fmt: skip
+    """model_weight * model score + sum of weight * value over the functions (None adds 0), per response."""
+    n = len(model_scores) if model_scores is not None else len(values[0])
+    total = [model_weight * s for s in model_scores] if model_scores is not None else [0.0] * n
+    for function_values, weight in zip(values, weights, strict=True):
+        total = [t + (weight * v if v is not None else 0.0) for t, v in zip(total, function_values, strict=True)]
+    return total
+
+
+def completions_of(tokenizer: Any, input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """The response text of each row: the tokens the response actions produced (action t made token t + 1),
+    decoded without special tokens (the EOS)."""
+    tokens = input_ids[:, 1:]
+    return [tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True) for row, mask in
+            zip(tokens, response_mask, strict=True)]  # fmt: skip
+
+
+class Scorer:
+    """Callable: (input_ids [N, T], attention_mask [N, T], response_mask [N, T-1], rows) -> scores [N] float.
+
+    model: the reward model (module or frozen engine) or None; runner: the functions' FunctionRunner or None.
+    After each call `last` holds each function's (sum, count) over the rows it applied to."""
+
+    def __init__(self, model: Any, model_weight: float, runner: FunctionRunner | None, tokenizer: Any):
+        self.model, self.model_weight, self.runner, self.tokenizer = model, model_weight, runner, tokenizer
+        self.specs: list[FunctionSpec] = runner.specs if runner is not None else []
+        self.last: dict[str, tuple[float, int]] = {}
+
+    def eval(self) -> Scorer:
+        if self.model is not None:
+            self.model.eval()
+        return self
+
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+                 rows: Rows | None) -> torch.Tensor:  # fmt: skip
+        return torch.tensor(self.score(input_ids, attention_mask, response_mask, rows)[0], device=input_ids.device)
+
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+              rows: Rows | None) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
+        """(scores, each function's values) of the rows."""
+        from kubealign.rl.experience import score_and_value
+
+        model_scores = None
+        if self.model is not None:
+            model_scores = score_and_value(self.model, input_ids, attention_mask)[1].float().tolist()
+        values: dict[str, list[float | None]] = {}
+        if self.specs:
+            assert self.runner is not None and rows is not None, "reward functions need the rows of the batch"
+            completions = completions_of(self.tokenizer, input_ids, response_mask)
+            for spec in self.specs:
+                values[spec.name] = self.runner.call(spec, rows.prompts, completions, rows.columns, rows.origins)
+        self.last = {
+            name: (sum(v for v in vs if v is not None), sum(v is not None for v in vs)) for name, vs in values.items()
+        }
+        weights = [s.weight for s in self.specs]
+        return combine(model_scores, self.model_weight, list(values.values()), weights), values
