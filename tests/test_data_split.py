@@ -45,7 +45,7 @@ def test_synthetic_default(cli, tmp_path: Path):
     assert res["outputs"]["phase1_sft"] == "phase1_sft"
     assert "phase1_sft" in result.out and "computed" in result.out
     phase2 = load_phases(out)["phase2_reward"]["train"]
-    assert phase2.column_names == ["prompt", "chosen", "rejected", "source", "origin"]
+    assert phase2.column_names == ["prompt", "chosen", "rejected", "columns", "source", "origin"]
     assert None not in phase2["rejected"]
 
 

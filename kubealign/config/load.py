@@ -103,7 +103,10 @@ def load_config(config: str | Path | None = None, overrides: list[str] | None = 
     """Resolve a config: file or preset (default: the tiny-cpu preset), then overrides, then validate."""
     label, text = _read_source(config)
     resolved = _validate(label, _parse_yaml(label, text), overrides)
-    if not label.startswith("preset "):  # a file: its reward functions' relative paths start from its directory
+    # relative reward-function files are relative to the YAML file: a preset's to the installed presets
+    if label.startswith("preset "):
+        resolved._base_dir = str(Path(str(resources.files("kubealign.configs"))).resolve())
+    else:
         resolved._base_dir = str(Path(label).resolve().parent)
     return resolved
 

@@ -10,6 +10,8 @@ Recognized schemas (`format` of a source; 'auto' detects per row from its keys):
 * prompt_response — {"prompt", "response"}: SFT-only rows.
 * messages — {"messages": [{"role", "content"}, ...]} ending in an assistant turn (SFT-only), or
   {"chosen": [...], "rejected": [...]} message lists sharing all turns but the last.
+* prompt_only — {"prompt", ...} with no response: a prompt for phase 3 only (PPO / GRPO / RLOO and
+  evaluate); its other fields (e.g. "answer") are kept as the row's columns, which reward functions get.
 
 Message lists are rendered in the plain HH dialogue format: "\\n\\nHuman: ...\\n\\nAssistant: ..."
 (a system turn renders as "\\n\\nSystem: ..."), the prompt ending in "\\n\\nAssistant:" and the
@@ -19,6 +21,7 @@ row that cannot be used raises RowDrop (a reason counted in the manifest).
 
 from __future__ import annotations
 
+import json
 from typing import Any, NamedTuple
 
 ASSISTANT = "\n\nAssistant:"
@@ -27,8 +30,9 @@ ROLE_LABELS = {"user": "Human", "human": "Human", "assistant": "Assistant", "sys
 
 class Pair(NamedTuple):
     prompt: str
-    chosen: str
+    chosen: str | None  # None: a prompt-only row
     rejected: str | None
+    columns: str | None = None  # a prompt-only row's other fields, canonical JSON of an object
 
 
 class RowError(Exception):
@@ -76,6 +80,8 @@ def detect_format(row: dict[str, Any]) -> str:
         return "prompt_response"
     if "chosen" in row and "rejected" in row:
         return "hh"
+    if "prompt" in row and not {"chosen", "rejected", "response"} & set(row):
+        return "prompt_only"
     keys = ", ".join(sorted(map(str, row))[:8]) or "none"
     raise RowError(
         None,
@@ -135,6 +141,16 @@ def _messages(row: dict[str, Any]) -> Pair:
     return Pair(prompt, chosen, rejected)
 
 
+def _prompt_only(row: dict[str, Any]) -> Pair:
+    prompt = _string(row, "prompt")
+    columns = {k: v for k, v in row.items() if k != "prompt"}
+    try:  # what the functions get must survive JSON (the worker protocol, the saved dataset)
+        text = json.dumps(columns, sort_keys=True, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise RowError(None, f"a prompt-only row's fields must be JSON values ({exc})") from None
+    return Pair(prompt, None, None, text)
+
+
 def normalize(row: Any, fmt: str = "auto") -> Pair:
     """Normalize one raw row. Raises RowError (malformed) or RowDrop (unusable)."""
     if not isinstance(row, dict):
@@ -149,6 +165,8 @@ def normalize(row: Any, fmt: str = "auto") -> Pair:
         return _hh(row)
     if fmt == "messages":
         return _messages(row)
+    if fmt == "prompt_only":
+        return _prompt_only(row)
     raise ValueError(f"unknown format {fmt!r}")  # the config schema only admits the names above
 
 
@@ -156,6 +174,8 @@ def row_problem(pair: Pair) -> str | None:
     """Row-level quality checks after normalization: a drop reason, or None if the row is usable."""
     if not pair.prompt.strip():
         return "empty_prompt"
+    if pair.chosen is None:  # a prompt-only row
+        return None
     if not pair.chosen.strip():
         return "empty_chosen"
     if pair.rejected is not None:

@@ -7,7 +7,11 @@ two phases (the reward model and PPO would see the same prompts). Here the unit 
    once with the seed and cut at the cumulative ratio boundaries; SFT-only prompts join phase 1.
 2. Inside each phase, `eval_fraction` of its prompts (at least one when the fraction > 0 and the phase
    has two or more prompts, never all of them) form the eval split.
-3. Phase 2 keeps only preference rows; phase 3 keeps one row per prompt (the prompt is what PPO uses).
+3. Phase 2 keeps only preference rows; phase 3 keeps one row per prompt (the prompt is what PPO uses;
+   a prompt-only row first, for its columns).
+   Prompt-only rows (chosen None: {prompt, ...} with no response) go to phase 3 and nowhere else: their
+   prompts join phase 3 after the cut; one whose prompt also has responses follows them, and is dropped
+   (prompt_only_outside_phase3) when they land in phase 1 or 2.
 4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
 """
 
@@ -20,7 +24,7 @@ from typing import Any, NamedTuple
 
 PHASES = ("phase1_sft", "phase2_reward", "phase3_prompts")
 SPLITS = ("train", "eval")
-Row = dict[str, Any]  # keys: prompt, chosen, rejected (str | None), source, origin
+Row = dict[str, Any]  # keys: prompt, chosen (None: prompt-only), rejected (str | None), columns, source, origin
 
 
 def round_half_up(x: float) -> int:
@@ -37,13 +41,17 @@ def phase_boundaries(n: int, ratios: Sequence[float]) -> tuple[int, int]:
 
 
 def assign_prompts(
-    preference_prompts: Sequence[str], sft_prompts: Sequence[str], ratios: Sequence[float], seed: int
+    preference_prompts: Sequence[str],
+    sft_prompts: Sequence[str],
+    ratios: Sequence[float],
+    seed: int,
+    prompt_only: Sequence[str] = (),
 ) -> list[list[str]]:
     """Prompts of each phase. preference_prompts are unique and in a fixed (first-seen) order."""
     order = list(preference_prompts)
     random.Random(seed).shuffle(order)
     b1, b2 = phase_boundaries(len(order), ratios)
-    return [order[:b1] + list(sft_prompts), order[b1:b2], order[b2:]]
+    return [order[:b1] + list(sft_prompts), order[b1:b2], order[b2:] + list(prompt_only)]
 
 
 def eval_count(n: int, fraction: float) -> int:
@@ -94,8 +102,13 @@ def split_rows(
     for row in rows:
         groups.setdefault(row["prompt"], []).append(row)
     preference = [p for p, g in groups.items() if any(r["rejected"] is not None for r in g)]
-    sft_only = [p for p, g in groups.items() if all(r["rejected"] is None for r in g)]
-    phase_prompts = assign_prompts(preference, sft_only, ratios, seed)
+    sft_only = [
+        p
+        for p, g in groups.items()
+        if all(r["rejected"] is None for r in g) and any(r["chosen"] is not None for r in g)
+    ]
+    only = [p for p, g in groups.items() if all(r["chosen"] is None for r in g)]
+    phase_prompts = assign_prompts(preference, sft_only, ratios, seed, only)
 
     phases: dict[str, dict[str, list[Row]]] = {}
     counts: dict[str, dict[str, int]] = {}
@@ -106,11 +119,15 @@ def split_rows(
         out: dict[str, list[Row]] = {"train": [], "eval": []}
         for prompt in prompts:
             group = groups[prompt]
+            if k < 2:  # a prompt-only row has nothing to train on in SFT or the reward model
+                dropped += [("prompt_only_outside_phase3", r) for r in group if r["chosen"] is None]
+                group = [r for r in group if r["chosen"] is not None]
             if k == 1:  # the reward phase needs pairs
                 dropped += [("unpaired_in_reward_phase", r) for r in group if r["rejected"] is None]
                 group = [r for r in group if r["rejected"] is not None]
-            elif k == 2:  # PPO needs each prompt once; prefer a row that has a rejected response
-                group = [next((r for r in group if r["rejected"] is not None), group[0])]
+            elif k == 2:  # PPO needs each prompt once: a prompt-only row (its columns), else one with a pair
+                paired = next((r for r in group if r["rejected"] is not None), group[0])
+                group = [next((r for r in group if r["chosen"] is None), paired)]
             out["eval" if prompt in held else "train"].extend(group)
         counts[phase] = {"train": len(prompts) - len(held), "eval": len(held)}
         if weights and any(w != 1.0 for w in weights.values()):

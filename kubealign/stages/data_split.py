@@ -2,7 +2,8 @@
 
 Output (appears atomically in --output DIR):
   DIR/phase1_sft, DIR/phase2_reward, DIR/phase3_prompts   datasets save_to_disk dirs, splits train/eval,
-                                                          columns prompt, chosen, rejected, source, origin
+                                                          columns prompt, chosen, rejected, columns, source,
+                                                          origin (chosen None: a prompt-only phase-3 row)
   DIR/manifest.json   counts per phase and split, sha256 per phase and per source, config hash, cache
                       key, drop report (count and first locations per reason), skipped malformed rows
   DIR/result.json     metrics and produced paths
@@ -36,9 +37,10 @@ from kubealign.tracking import stage_run
 
 STAGE = "data-split"
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1  # bump when the output layout or the split rules change: it is part of the cache key
+FORMAT_VERSION = 2  # bump when the output layout or the split rules change: it is part of the cache key
 MANIFEST = "manifest.json"
-COLUMNS = ("prompt", "chosen", "rejected", "source", "origin")
+# columns: a prompt-only row's other fields as a JSON object (the reward functions' columns); None otherwise
+COLUMNS = ("prompt", "chosen", "rejected", "columns", "source", "origin")
 
 
 @dataclass
@@ -73,7 +75,7 @@ def cache_key(data: DataConfig, sources: list[SourceRead]) -> str:
 def clean_rows(data: DataConfig, sources: list[SourceRead], report: Report) -> list[dict[str, Any]]:
     """Normalize every record, raise or skip malformed ones, drop unusable rows and exact duplicates."""
     rows: list[dict[str, Any]] = []
-    seen: set[tuple[str, str, str | None]] = set()
+    seen: set[tuple[str, str | None, str | None, str | None]] = set()
     total = sum(len(s.records) for s in sources)
     bar = tqdm(total=total, desc="normalize", unit="row", leave=False, delay=1.0)
     for config_source, source in zip(data.sources, sources, strict=True):
