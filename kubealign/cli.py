@@ -93,13 +93,17 @@ def build_parser() -> argparse.ArgumentParser:
     ppo = sub.add_parser(
         "ppo",
         help="stage 3: PPO with the DeepSpeed Hybrid Engine (actor, reference, critic, reward)",
-        description="PPO on phase-3 prompts: actor and reference from the SFT dir, critic and reward from the RM dir.",
+        description="PPO (GRPO, RLOO: ppo.algorithm) on phase-3 prompts: actor and reference from the SFT dir, the "
+        "score from the reward model (--reward, else --critic) and / or the reward functions of rewards.functions. "
+        "The critic (ppo only): --critic, else the reward model, else the SFT model with a new value head.",
     )
     _add_config_options(ppo)
     ppo.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output (or phase3)")
     ppo.add_argument("--actor", required=True, type=Path, metavar="SFT_DIR", help="SFT model dir (actor + reference)")
-    ppo.add_argument("--critic", required=True, type=Path, metavar="RM_DIR", help="reward model dir (critic)")
-    ppo.add_argument("--reward", type=Path, metavar="RM_DIR", help="reward model dir (default: --critic)")
+    ppo.add_argument("--critic", type=Path, metavar="RM_DIR", help="critic start (ppo; default: the reward model)")
+    ppo.add_argument(
+        "--reward", type=Path, metavar="RM_DIR", help="reward model (default: --critic; none: rewards.model_weight 0)"
+    )
     ppo.add_argument("--output", required=True, type=Path, metavar="DIR", help="output actor directory")
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
 
@@ -107,13 +111,16 @@ def build_parser() -> argparse.ArgumentParser:
         "evaluate",
         help="stage 4: compare the PPO candidate with the SFT baseline on held-out prompts",
         description="Sample baseline and candidate on phase-3 eval prompts with the same seed, score both with "
-        "the reward model; win-rate, KL, lengths, perplexity, sample table and plots.",
+        "the reward model and / or the reward functions (rewards.functions; their means as fn/NAME/baseline and "
+        "fn/NAME/candidate); win-rate, KL, lengths, perplexity, sample table and plots.",
     )
     _add_config_options(evaluate)
     evaluate.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output")
     evaluate.add_argument("--baseline", required=True, type=Path, metavar="SFT_DIR", help="baseline model dir")
     evaluate.add_argument("--candidate", required=True, type=Path, metavar="PPO_DIR", help="candidate model dir")
-    evaluate.add_argument("--reward", required=True, type=Path, metavar="RM_DIR", help="reward model dir")
+    evaluate.add_argument(
+        "--reward", type=Path, metavar="RM_DIR", help="reward model dir (none with rewards.model_weight 0)"
+    )
     evaluate.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
 
     promote = sub.add_parser(
@@ -287,6 +294,9 @@ def _ppo(args: argparse.Namespace) -> None:
         m = result["metrics"]
         print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")
         print(f"  eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL to reference {m['kl_after']:.3f}")
+        for key in (k for k in m if k.startswith("fn/") and k.endswith("/before")):
+            name = key.removesuffix("/before")
+            print(f"  {name} {m[key]:.3f} -> {m.get(name + '/after', float('nan')):.3f}")
         print(f"  time: generation {m['generation_time_s']:.1f} s, training {m['training_time_s']:.1f} s")
 
 

@@ -6,8 +6,9 @@ stage another stage's phase (a phase-3 dir to SFT) is an error: the phases are d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubealign.data.split import PHASES
 from kubealign.errors import UserError, first_line
@@ -46,3 +47,35 @@ def load(data: Path, phase: str, need_rejected: bool = False) -> Any:
     if need_rejected and None in loaded["train"]["rejected"]:
         raise UserError(f"--data {path}: rows without a rejected response; the reward stage needs pairs")
     return loaded
+
+
+class Rows(NamedTuple):
+    """Phase-3 rows behind a batch of prompts or responses, one entry each: what reward functions read."""
+
+    prompts: list[str]  # the prompt text as in the data (not the token-cut one)
+    columns: dict[str, list[Any]]  # the rows' other fields (a prompt-only row's, e.g. answer), one list each
+    origins: list[str]  # each row's data-split origin (FILE:LINE), for errors
+
+    def repeat(self, k: int) -> Rows:
+        """Each row k times in a row: the rows of k responses per prompt (a group is contiguous)."""
+        rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
+        return Rows(rep(self.prompts), {c: rep(v) for c, v in self.columns.items()}, rep(self.origins))
+
+    def take(self, indices: list[int]) -> Rows:
+        pick = lambda xs: [xs[i] for i in indices]  # noqa: E731
+        return Rows(pick(self.prompts), {c: pick(v) for c, v in self.columns.items()}, pick(self.origins))
+
+
+def prompt_rows(split: Any) -> Rows:
+    """The unique prompts of a phase-3 split (first occurrence: a reweighted split repeats rows) with their
+    columns: the union of every row's fields, None where a row has no such field."""
+    first: dict[str, int] = {}
+    for i, prompt in enumerate(split["prompt"]):
+        first.setdefault(prompt, i)
+    order = list(first.values())
+    names = split.column_names
+    raw = split["columns"] if "columns" in names else [None] * len(split)
+    fields = [json.loads(raw[i]) if raw[i] else {} for i in order]
+    keys = sorted({k for f in fields for k in f})
+    origins = split["origin"] if "origin" in names else [f"row {i + 1}" for i in range(len(split))]
+    return Rows(list(first), {k: [f.get(k) for f in fields] for k in keys}, [origins[i] for i in order])

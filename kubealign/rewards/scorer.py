@@ -8,29 +8,13 @@ from; neither knows which kind of scorer it holds.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from kubealign.data.phases import Rows
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.sources import FunctionSpec
-
-
-class Rows(NamedTuple):
-    """The phase-3 rows behind a batch of responses, one entry per response (a prompt's group repeats it)."""
-
-    prompts: list[str]  # the prompt text as in the data (not the token-cut one)
-    columns: dict[str, list[Any]]  # the rows' other fields (e.g. answer), one list per field
-    origins: list[str]  # data-split origin of each row (FILE:LINE), for errors
-
-    def repeat(self, k: int) -> Rows:
-        """Each row k times in a row: the rows of k responses per prompt."""
-        rep = lambda xs: [x for x in xs for _ in range(k)]  # noqa: E731
-        return Rows(rep(self.prompts), {c: rep(v) for c, v in self.columns.items()}, rep(self.origins))
-
-    def take(self, start: int, stop: int) -> Rows:
-        return Rows(self.prompts[start:stop], {c: v[start:stop] for c, v in self.columns.items()},
-                    self.origins[start:stop])  # fmt: skip
 
 
 def combine(model_scores: list[float] | None, model_weight: float, values: list[list[float | None]],

@@ -31,7 +31,7 @@ class Experience(NamedTuple):
     logprobs: torch.Tensor  # [N, A]
     ref_logprobs: torch.Tensor  # [N, A]
     values: torch.Tensor | None  # [N, A] critic values; None without a critic (grpo, rloo)
-    scores: torch.Tensor  # [N] reward-model score of each sequence
+    scores: torch.Tensor  # [N] score of each sequence (reward model and / or reward functions: rewards.scorer)
 
 
 def response_masks(
@@ -177,6 +177,17 @@ def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return values[:, :-1], last_token_scores(values, attention_mask)
 
 
+def sequence_scores(reward: Any, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
+                    rows: Any) -> torch.Tensor:  # fmt: skip
+    """[N] float scores: a Scorer (kubealign.rewards.scorer: reward model, functions or both) gets the rows the
+    prompts came from; a bare reward model scores each sequence at its last real token."""
+    from kubealign.rewards.scorer import Scorer
+
+    if isinstance(reward, Scorer):
+        return reward(input_ids, attention, response, rows).float()
+    return score_and_value(reward, input_ids, attention)[1].float()
+
+
 def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask, response_mask) of a rollout batch."""
     input_ids = batch.input_ids
@@ -203,9 +214,11 @@ def make_experience(
     eos_id: int,
     models: tuple[Any, Any, Any, Any],
     sampling: Sampling,
+    rows: Any = None,
 ) -> Experience:
     """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask;
-    models: (actor, reference, critic or None, reward). The actor and the critic are put in train mode first, as
+    models: (actor, reference, critic or None, reward: a Scorer or a reward model); rows: the rewards.scorer.Rows
+    of the responses (what reward functions read). The actor and the critic are put in train mode first, as
     DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
     log-probs then come from the very function the PPO update differentiates); the frozen reference and
     reward models in eval mode."""
@@ -216,8 +229,8 @@ def make_experience(
     values = None
     if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
         values = score_and_value(critic, input_ids, attention)[0].float()
-    _, scores = score_and_value(reward, input_ids, attention)
-    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())
+    scores = sequence_scores(reward, input_ids, attention, response, rows)
+    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores)
 
 
 class FirstPass(NamedTuple):
@@ -250,6 +263,7 @@ def make_experience_keeping(
     rows: torch.Tensor,
     entropy_grad: bool,
     keep_critic: bool = False,
+    scored_rows: Any = None,
 ) -> tuple[Experience, FirstPass]:
     """make_experience, with the actor's forward of the rows `rows` (the update's first minibatch, in its
     order) run with autograd and kept — with keep_critic the critic's too: the very calls the update would
@@ -261,7 +275,7 @@ def make_experience_keeping(
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     with torch.no_grad():
-        _, scores = score_and_value(reward, input_ids, attention)
+        scores = sequence_scores(reward, input_ids, attention, response, scored_rows)
         ref_logprobs = model_logprobs(reference, input_ids, attention, response, sampling)
     keep = (input_ids[rows], attention[rows], response[rows])
     rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)
@@ -283,5 +297,5 @@ def make_experience_keeping(
     elif critic is not None:
         with torch.no_grad():
             values = score_and_value(critic, input_ids, attention)[0].float()
-    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores.float())
+    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores)
     return exp, FirstPass(rows, kept_logprobs, kept_entropy, kept_values)

@@ -86,7 +86,7 @@ class PPOModels:
     actor: Any  # DeepSpeed engine (hybrid or plain), trainable
     critic: Any  # DeepSpeed engine, trainable; None for grpo / rloo (critic-free)
     reference: Any  # frozen module or engine
-    reward: Any  # frozen module or engine
+    reward: Any  # a rewards.scorer.Scorer (reward model and / or functions), or a bare frozen reward model
     rollout: Any  # HybridEngineRollout or ModuleRollout
     tokenizer: Any
     synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
@@ -427,6 +427,16 @@ def experience_fault(exp: Experience) -> ExperienceFault:
     return ExperienceFault("; ".join(faults), trained)
 
 
+def function_means(scorer: Any) -> dict[str, float]:
+    """fn/<NAME>: each reward function's mean over every rank's responses it applied to (None rows left out)
+    in the scorer's last call; a function that applied to none is not logged."""
+    last = getattr(scorer, "last", None) or {}
+    if not last:  # the same on every rank (one config): no collective is skipped on one rank only
+        return {}
+    totals = distributed.all_reduce_sum([x for total, count in last.values() for x in (total, float(count))])
+    return {f"fn/{name}": s / c for name, s, c in zip(last, totals[::2], totals[1::2], strict=True) if c}
+
+
 def iteration(
     models: PPOModels,
     prompt_ids: torch.Tensor,
@@ -435,8 +445,10 @@ def iteration(
     kl: KLController,
     gen: Any,
     unsup: UnsupervisedData | None = None,
+    rows: Any = None,
 ) -> tuple[dict[str, float], Experience]:
-    """Rollout + update for one batch of prompts; returns (metrics, experience)."""
+    """Rollout + update for one batch of prompts (rows: their rewards.scorer.Rows, one per prompt, for reward
+    functions); returns (metrics, experience)."""
     started = time.perf_counter()
     batch = generate(models, prompt_ids, prompt_mask, cfg)
     generated = time.perf_counter()
@@ -444,12 +456,13 @@ def iteration(
     eos = models.tokenizer.eos_token_id
     plan = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # the first epoch's, as update() drew it
     first = None
+    scored = rows.repeat(cfg.group_size) if rows is not None else None  # a prompt's k responses are contiguous
     if cfg.reuse_first_forward != "none":
         both = cfg.reuse_first_forward == "both"
         exp, first = make_experience_keeping(batch, prompt_mask, eos, four, sampling_of(cfg), plan[0],
-                                             cfg.entropy_coef > 0, keep_critic=both)  # fmt: skip
+                                             cfg.entropy_coef > 0, keep_critic=both, scored_rows=scored)  # fmt: skip
     else:
-        exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg))
+        exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg), scored)
     experienced = time.perf_counter()
     fault = experience_fault(exp)
     if fault.message:  # before any update: a nan here would poison every weight it reaches
@@ -468,6 +481,7 @@ def iteration(
         "kl": kl_mean,
         "kl_coef": kl_coef,
         **targets.metrics,
+        **function_means(models.reward),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,

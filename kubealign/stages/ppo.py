@@ -1,6 +1,10 @@
 """Stage 3, ppo: the four-model RLHF engine — actor (DeepSpeed Hybrid Engine when the preflight allows),
 frozen reference, critic (from the RM dir, per-token values) and frozen reward (sequence score).
 ppo.algorithm grpo / rloo run the same stage critic-free: three models, no critic is loaded.
+The score of a response comes from a rewards.scorer.Scorer: the reward model, the configured reward
+functions (rewards.functions, run in a worker process), or both, weighted. With functions and
+rewards.model_weight 0 no reward model is loaded at all, and ppo's critic starts from the SFT model with
+a new value head (DeepSpeed-Chat starts it from the reward model, which there is none of).
 
 Output (atomic) in --output DIR: the actor as a self-contained HF dir (adapters merged), DIR/critic (ppo
 only), DIR/ema (when ppo.ema_coef is set) and result.json: the algorithm, reward and KL on the phase-3
@@ -13,19 +17,24 @@ from __future__ import annotations
 import os
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kubealign.config import KubealignConfig
-from kubealign.config.schema import PPOConfig, TrainConfig
+from kubealign.config.schema import PPOConfig, RewardsConfig, TrainConfig
 from kubealign.data import phases
+from kubealign.data.phases import Rows
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_result
+from kubealign.rewards import sources
+from kubealign.rewards.functions import FunctionRunner
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl import preflight
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
@@ -47,10 +56,31 @@ from kubealign.training.loop import FAULT_ENV, NonFiniteLoss, checkpoint_note, n
 STAGE = "ppo"
 
 
-def check_inputs(cfg: PPOConfig, actor: Path, critic: Path, reward: Path) -> None:
+def model_dirs(cfg: PPOConfig, rewards: RewardsConfig, actor: Path, critic: Path | None, reward: Path | None
+               ) -> tuple[Path | None, Path | None]:  # fmt: skip
+    """(critic dir or None, reward model dir or None) to load. The reward model: --reward, else --critic,
+    when rewards use one. The critic (ppo only): --critic, else the reward model, else the SFT model (a new
+    value head: with reward functions alone there is no reward model to start it from)."""
+    reward_dir = None
+    if rewards.uses_model:
+        reward_dir = reward or critic
+        if reward_dir is None:
+            raise UserError(
+                "ppo: --reward RM_DIR (or --critic RM_DIR) is needed: rewards.model_weight is "
+                f"{rewards.model_weight:g}{'' if rewards.functions else ' and no rewards.functions are set'}; "
+                "for reward functions alone set rewards.model_weight: 0"
+            )
+    critic_dir = (critic or reward_dir or actor) if cfg.algorithm == "ppo" else None
+    return critic_dir, reward_dir
+
+
+def check_inputs(cfg: PPOConfig, actor: Path, critic: Path | None, reward: Path | None) -> None:
     """Model dirs of the right kind, and lengths that fit every model and the hybrid engine's KV budget."""
-    wanted = (("--actor", actor, "ForCausalLM", "actor"), ("--critic", critic, "ForSequenceClassification", "critic"),
-              ("--reward", reward, "ForSequenceClassification", "reward model"))  # fmt: skip
+    wanted = [("--actor", actor, "ForCausalLM", "actor")]
+    if critic is not None:  # a critic from the SFT model is a causal LM that gets a new value head
+        wanted.append(("--critic", critic, "ForCausalLM" if critic == actor else "ForSequenceClassification", "critic"))
+    if reward is not None:
+        wanted.append(("--reward", reward, "ForSequenceClassification", "reward model"))
     configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}
     total = cfg.max_prompt_len + cfg.max_new_tokens
     for flag, _, _, role in wanted:  # the critic and the reward model read the whole prompt + response too
@@ -85,23 +115,29 @@ def encode_prompts(rows: Any, tokenizer: Any, max_len: int) -> list[list[int]]:
     return [cut_left(encode_prompt(tokenizer, p), max_len, bos) for p in dict.fromkeys(rows["prompt"])]
 
 
-def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int, world: int, pad: int):
-    """Left-padded prompts of iteration `step` for this rank: a seeded permutation per epoch."""
+def prompt_order(n: int, step: int, cfg: PPOConfig, rank: int, world: int) -> list[int]:
+    """Indices of the prompts of iteration `step` for this rank: a seeded permutation per epoch."""
     per_step = cfg.generation_batch_size * world
-    per_epoch = len(prompts) // per_step
+    per_epoch = n // per_step
     epoch, j = divmod(step, per_epoch)
-    order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
     start = j * per_step + rank * cfg.generation_batch_size
-    ids, mask = pad_batch([prompts[i] for i in order[start : start + cfg.generation_batch_size]], pad, "left")
+    return order[start : start + cfg.generation_batch_size]
+
+
+def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int, world: int, pad: int):
+    """Left-padded prompts of iteration `step` for this rank (prompt_order's)."""
+    ids, mask = pad_batch([prompts[i] for i in prompt_order(len(prompts), step, cfg, rank, world)], pad, "left")
     device = distributed.device()
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
 
 @torch.no_grad()
-def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig) -> dict[str, float]:
-    """Mean reward and KL to the reference on the eval prompts, sampled with a fixed seed (the training
-    RNG, CPU and GPU, is left untouched)."""
-    scores, kls = [], []
+def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: Rows | None = None) -> dict[str, float]:
+    """Mean reward and KL to the reference on the eval prompts (rows: theirs, for reward functions), sampled
+    with a fixed seed (the training RNG, CPU and GPU, is left untouched); with reward functions also each
+    one's mean, fn/<NAME>."""
+    scores, kls, sums = [], [], {}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []  # generate samples on the GPU
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)
@@ -110,14 +146,20 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig) -> dic
             ids, mask = torch.tensor(ids, device=distributed.device()), torch.tensor(mask, device=distributed.device())
             batch = generate(models, ids, mask, cfg)
             four = (models.actor, models.reference, models.critic, models.reward)
-            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, four, sampling_of(cfg))
+            chunk = rows.take(list(range(i, i + ids.shape[0]))).repeat(cfg.group_size) if rows else None
+            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, four, sampling_of(cfg), chunk)
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
-    return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls)}
+            for name, (total, count) in (getattr(models.reward, "last", None) or {}).items():
+                sums[name] = (sums.get(name, (0.0, 0))[0] + total, sums.get(name, (0.0, 0))[1] + count)
+    fns = {f"fn/{name}": total / count for name, (total, count) in sums.items() if count}
+    return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **fns}
 
 
-def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: str, world: int) -> tuple[PPOModels, Any]:
-    """Load the four models and wrap them in DeepSpeed engines; returns (models, preflight)."""
+def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str | None, reward_dir: str | None, world: int,
+                 model_weight: float = 1.0, runner: FunctionRunner | None = None) -> tuple[PPOModels, Any]:  # fmt: skip
+    """Load the models and wrap them in DeepSpeed engines; returns (models, preflight). critic_dir None: no
+    critic (grpo / rloo); reward_dir None: no reward model (the runner's functions alone score)."""
     from transformers import __version__ as transformers_version
 
     tokenizer = loading.load_tokenizer(actor_dir)
@@ -138,11 +180,11 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
         transformers_version,
     )
     critic = None
-    if cfg.algorithm == "ppo":  # grpo / rloo: the baseline is the prompt's other responses, not a critic
+    if critic_dir is not None:  # grpo / rloo: the baseline is the prompt's other responses, not a critic
         with engines.zero3_loading(engines.ds_config(critic_cfg, world, cuda)):
             critic = load_reward_model(critic_dir, False, tokenizer.pad_token_id, cfg.dtype)
     reference = loading.load_causal_lm(actor_dir, dtype=loading.torch_dtype(cfg.dtype))
-    reward = load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
+    reward = None if reward_dir is None else load_reward_model(reward_dir, False, tokenizer.pad_token_id, cfg.dtype)
     samples = cfg.generation_batch_size * cfg.group_size
     total = cfg.num_iterations * cfg.ppo_epochs * -(-samples // cfg.micro_batch_size)  # optimizer steps
     actor_engine = engines.trainable(actor, actor_cfg, "CAUSAL_LM", world, total, check.hybrid_engine)
@@ -153,7 +195,9 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
     ref_stage = cfg.actor_zero_stage if cfg.reference_zero_stage is None else cfg.reference_zero_stage
     reward_stage = cfg.actor_zero_stage if cfg.reward_zero_stage is None else cfg.reward_zero_stage
     reference = engines.frozen(reference, ref_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
-    reward = engines.frozen(reward, reward_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
+    if reward is not None:
+        reward = engines.frozen(reward, reward_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
+    scorer = Scorer(reward, model_weight if runner is not None else 1.0, runner, tokenizer)
     synced = world > 1 and cfg.actor_zero_stage == 3  # each decode forward gathers parameters collectively
     if check.path == "engine":
         rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=synced)
@@ -161,7 +205,7 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str, reward_dir: st
         from deepspeed.runtime.rollout import HybridEngineRollout, RolloutConfig
 
         rollout = HybridEngineRollout(engine=actor_engine, tokenizer=tokenizer, cfg=RolloutConfig())
-    return PPOModels(actor_engine, critic_engine, reference, reward, rollout, tokenizer, synced), check
+    return PPOModels(actor_engine, critic_engine, reference, scorer, rollout, tokenizer, synced), check
 
 
 class EMA:
@@ -236,8 +280,10 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
 
 
-def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup):
-    """The iteration loop; returns (history, before, after, time split)."""
+def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup,
+          rows: Rows | None = None, eval_rows: Rows | None = None):  # fmt: skip
+    """The iteration loop (rows / eval_rows: the prompts' rows, for reward functions); returns (history, before,
+    after, time split)."""
     from tqdm import tqdm
 
     rank, world = distributed.init()
@@ -250,7 +296,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
     ema = EMA(cfg.ema_coef) if cfg.ema_coef else None
     state = load_checkpoint(models, checkpoints, kl, ema, cfg.algorithm) if resume else {"iteration": 0}
     start = state["iteration"]
-    before = state.get("before") or evaluate(models, eval_prompts, cfg)
+    before = state.get("before") or evaluate(models, eval_prompts, cfg, eval_rows)
     history = state.get("history", [])
     tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -261,8 +307,9 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
     for step in range(start + 1, cfg.num_iterations + 1):
         ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
+        batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
         try:
-            metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup)
+            metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
         except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
             lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
             frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
@@ -288,7 +335,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
         if os.environ.get(FAULT_ENV) == str(step):
             os.kill(os.getpid(), signal.SIGKILL)
     bar.close()
-    after = evaluate(models, eval_prompts, cfg)
+    after = evaluate(models, eval_prompts, cfg, eval_rows)
     if nonfinite(after):  # the last update can diverge the actor with no loss computed after it
         raise UserError(
             f"{STAGE}: the evaluation after the last iteration gives {nonfinite(after)}: the actor diverged (actor "
@@ -300,29 +347,47 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
 
 
 def run(
-    config: KubealignConfig, prompts: Path, actor: Path, critic: Path, reward: Path | None, output: Path, resume=False
+    config: KubealignConfig,
+    prompts: Path,
+    actor: Path,
+    critic: Path | None,
+    reward: Path | None,
+    output: Path,
+    resume: bool = False,
+    functions: list[sources.FunctionSpec] | None = None,
 ) -> dict:
-    """PPO (or GRPO / RLOO: ppo.algorithm) on DATA's phase 3, from the SFT dir (actor + reference) and the RM
-    dir (critic + reward; grpo / rloo load it as the reward only)."""
+    """PPO (or GRPO / RLOO: ppo.algorithm) on DATA's phase 3, from the SFT dir (actor + reference), scored by
+    the reward model (--reward, else --critic) and / or the reward functions: `functions` as a pipeline task
+    was handed them (their source embedded), else resolved from config.rewards. See model_dirs for the critic."""
     cfg = config.ppo
     check_output_path(output, STAGE)
-    check_inputs(cfg, actor, critic, reward or critic)
+    critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
+    check_inputs(cfg, actor, critic, reward)
+    specs = sources.resolve(config.rewards, config.base_dir) if functions is None else functions
+    sources.check_matches(specs, config.rewards)
     dataset = phases.load(prompts, "phase3_prompts")
     if len(dataset["train"]) == 0:
         raise UserError(f"--prompts {prompts}: the phase3_prompts train split is empty")
     rank, world = distributed.init()
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
-        models, check = build_models(cfg, str(actor), str(critic), str(reward or critic), world)
+    runner = FunctionRunner(specs, config.rewards.timeout_s) if specs else None
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
+        models, check = build_models(
+            cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
+        )
         tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
         tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})
+        rows, eval_rows = phases.prompt_rows(dataset["train"]), phases.prompt_rows(dataset["eval"])
         train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)
-        eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32] or train_prompts[:8]
+        eval_prompts = encode_prompts(dataset["eval"], models.tokenizer, cfg.max_prompt_len)[:32]
+        eval_rows = eval_rows.take(list(range(len(eval_prompts))))
+        if not eval_prompts:  # no eval split: the first training prompts
+            eval_prompts, eval_rows = train_prompts[:8], rows.take(list(range(min(8, len(train_prompts)))))
         checkpoints = Path(f"{output}.checkpoints")
         unsup = unsupervised_data(cfg, prompts, models.tokenizer)
         history, before, after, ema = train(
-            models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup
+            models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup, rows, eval_rows
         )
         summary = {
             "reward_before": before["reward"],
@@ -338,6 +403,8 @@ def run(
             "training_time_s": sum(h["training_time_s"] for h in history),
             "wall_time_s": time.perf_counter() - started,
             "world_size": world,
+            **{f"{k}/before": v for k, v in before.items() if k.startswith("fn/")},
+            **{f"{k}/after": v for k, v in after.items() if k.startswith("fn/")},
         }
         critic_out = {"critic": "critic"} if models.critic is not None else {}
         result = {
