@@ -325,18 +325,20 @@ class PromoteConfig(Section):
     min_reward_gain: float = Field(0.0, description="Gate: mean reward gain over baseline, reward units.")
     max_kl: float | None = Field(None, gt=0, description="Gate: max KL to baseline, nats; None = no cap.")
     require_beat_champion: bool = Field(True, description="Also beat the current @champion's metrics.")
-    metric: str | None = Field(
-        None,
-        description="Gate on this evaluate metric too: the candidate's value must reach min_metric and (with "
-        "require_beat_champion) exceed the champion's, e.g. fn/exact_answer/candidate (a reward function's mean); "
-        "None = the win-rate gate alone.",
+    metric: str = Field(
+        "win_rate",
+        min_length=1,
+        description="What the gate ranks by: win_rate (min_win_rate, min_win_rate_lower_bound, and the champion's "
+        "candidate_reward_mean) or another evaluate metric, e.g. fn/<NAME>/candidate (a reward function's mean): "
+        "then it must reach min_metric, exceed the SFT baseline's (fn/<NAME>/baseline) and the champion's value "
+        "in place of the win-rate checks.",
     )
-    min_metric: float | None = Field(None, description="Threshold of `metric`; None = only compared with the champion.")
+    min_metric: float | None = Field(None, description="Threshold of `metric` when it is not win_rate; None = none.")
 
     @model_validator(mode="after")
     def _check_metric(self) -> PromoteConfig:
-        if self.min_metric is not None and self.metric is None:
-            raise ValueError("promote.min_metric needs promote.metric (the evaluate metric it applies to)")
+        if self.metric == "win_rate" and self.min_metric is not None:
+            raise ValueError("promote.min_metric applies to another promote.metric; the win-rate's is min_win_rate")
         return self
 
 

@@ -1,7 +1,9 @@
 """Stage 4, evaluate: the PPO candidate against the SFT baseline on held-out phase-3 prompts.
 
-Both models sample from the same prompts with the same seeded settings (evaluate section); the reward
-model scores every response at its EOS. Metrics: mean reward of each, win-rate of the candidate (ties
+Both models sample from the same prompts with the same seeded settings (evaluate section); the scorer
+(rewards.scorer: the reward model at each response's EOS and / or the reward functions, weighted) scores
+every response, and each reward function's mean over the rows it applies to is reported as
+fn/<NAME>/baseline and fn/<NAME>/candidate. Metrics: mean reward of each, win-rate of the candidate (ties
 counted separately), KL(candidate || baseline) estimated on the candidate's samples, response lengths,
 phase-1 eval perplexity of each, and reward-hacking signals (length drift, repeated-bigram rate).
 Output (atomic): result.json, samples.html / samples.md (the first `sample_rows` prompts), eval_samples.json
@@ -15,6 +17,7 @@ import html
 import json
 import math
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +27,14 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
+from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.reward import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
-from kubealign.rl.experience import generation_config, paired_logprobs, response_masks, score_and_value
+from kubealign.rewards import sources
+from kubealign.rewards.functions import FunctionRunner
+from kubealign.rewards.scorer import Scorer
+from kubealign.rl.experience import generation_config, paired_logprobs, response_masks
 from kubealign.rl.losses import Sampling
 from kubealign.tracking import stage_run
 
@@ -71,11 +78,29 @@ def batched(rows: list[dict[str, Any]], size: int):
 
 
 @torch.no_grad()
-def score(reward: Any, rows: list[dict[str, Any]], size: int) -> None:
-    for chunk, ids, attention, _ in batched(rows, size):
-        _, scores = score_and_value(reward, ids, attention)
-        for row, value in zip(chunk, scores.tolist(), strict=True):
+def score(scorer: Scorer, rows: list[dict[str, Any]], size: int, data: phases.Rows | None = None) -> None:
+    """Each sample row gets "score" (the scorer's) and "fn" (each reward function's value, None where it does not
+    apply); `data` holds the phase-3 rows the samples were drawn for, in the same order."""
+    done = 0
+    for chunk, ids, attention, response in batched(rows, size):
+        part = data.take(list(range(done, done + len(chunk)))) if data is not None else None
+        scores, values = scorer.score(ids, attention, response, part)
+        for i, (row, value) in enumerate(zip(chunk, scores, strict=True)):
             row["score"] = value
+            row["fn"] = {name: vs[i] for name, vs in values.items()}
+        done += len(chunk)
+
+
+def function_means(base: list[dict], cand: list[dict]) -> dict[str, float]:
+    """fn/<NAME>/baseline and fn/<NAME>/candidate: each reward function's mean over the responses it applies to
+    (a None is left out); a function that applies to none of a model's responses gets no metric."""
+    metrics = {}
+    for label, rows in (("baseline", base), ("candidate", cand)):
+        for name in rows[0].get("fn", {}) if rows else ():
+            values = [r["fn"][name] for r in rows if r["fn"][name] is not None]
+            if values:
+                metrics[f"fn/{name}/{label}"] = sum(values) / len(values)
+    return metrics
 
 
 @torch.no_grad()
@@ -188,7 +213,7 @@ def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dic
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.hist([r["score"] for r in base], bins=20, alpha=0.6, label="baseline (SFT)")
     ax.hist([r["score"] for r in cand], bins=20, alpha=0.6, label="candidate")
-    ax.set(xlabel="reward-model score", ylabel="responses", title="Reward distribution")
+    ax.set(xlabel="score (reward model and / or reward functions)", ylabel="responses", title="Reward distribution")
     ax.legend()
     fig.tight_layout()
     fig.savefig(directory / "reward_distribution.png", dpi=100)
@@ -209,13 +234,20 @@ def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dic
     return made
 
 
-def check_inputs(config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path) -> None:
-    """Two policies and a reward model (the same check as ppo's: a causal LM given as --reward would get a
-    random score head), and lengths that fit every model: prompts are cut to ppo.max_prompt_len and get
-    up to evaluate.max_new_tokens more; the perplexity rows are cut to sft.max_seq_len."""
-    wanted = (("--baseline", baseline, "ForCausalLM", "baseline"),
-              ("--candidate", candidate, "ForCausalLM", "candidate"),
-              ("--reward", reward, "ForSequenceClassification", "reward model"))  # fmt: skip
+def check_inputs(config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path | None) -> None:
+    """Two policies and a reward model when rewards use one (the same check as ppo's: a causal LM given as
+    --reward would get a random score head), and lengths that fit every model: prompts are cut to
+    ppo.max_prompt_len and get up to evaluate.max_new_tokens more; the perplexity rows are cut to sft.max_seq_len."""
+    if config.rewards.uses_model and reward is None:
+        raise UserError(
+            f"evaluate: --reward RM_DIR is needed: rewards.model_weight is {config.rewards.model_weight:g}"
+            f"{'' if config.rewards.functions else ' and no rewards.functions are set'}; for reward functions alone "
+            "set rewards.model_weight: 0"
+        )
+    wanted = [("--baseline", baseline, "ForCausalLM", "baseline"),
+              ("--candidate", candidate, "ForCausalLM", "candidate")]  # fmt: skip
+    if config.rewards.uses_model:
+        wanted.append(("--reward", reward, "ForSequenceClassification", "reward model"))
     configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}
     total = config.ppo.max_prompt_len + config.evaluate.max_new_tokens
     for flag, _, _, role in wanted:
@@ -226,26 +258,44 @@ def check_inputs(config: KubealignConfig, prompts: Path, baseline: Path, candida
 
 
 def run(
-    config: KubealignConfig, prompts: Path, baseline: Path, candidate: Path, reward: Path, output: Path
+    config: KubealignConfig,
+    prompts: Path,
+    baseline: Path,
+    candidate: Path,
+    reward: Path | None,
+    output: Path,
+    functions: list[sources.FunctionSpec] | None = None,
 ) -> dict[str, Any]:
+    """functions: the reward functions as a pipeline task was handed them (source embedded); None = resolved
+    from config.rewards. reward: the reward model dir, when rewards use one (else ignored)."""
     cfg = config.evaluate
     check_output_path(output, STAGE)
     check_inputs(config, prompts, baseline, candidate, reward)
+    reward = reward if config.rewards.uses_model else None
+    specs = sources.resolve(config.rewards, config.base_dir) if functions is None else functions
+    sources.check_matches(specs, config.rewards)
     split = phases.load(prompts, "phase3_prompts")
     rows = split["eval"] if len(split["eval"]) else split["train"]
     started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
+    runner = FunctionRunner(specs, config.rewards.timeout_s) if specs else None
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
         tokenizer = loading.load_tokenizer(str(baseline))
-        texts = list(dict.fromkeys(rows["prompt"]))[: cfg.max_prompts]
+        data = phases.prompt_rows(rows)
+        data = data.take(list(range(min(cfg.max_prompts, len(data.prompts)))))
+        texts = data.prompts
         cap, bos = config.ppo.max_prompt_len, tokenizer.bos_token_id  # cut as PPO cuts its prompts
         encoded = [cut_left(encode_prompt(tokenizer, p), cap, bos) for p in texts]
         base_model = loading.load_causal_lm(str(baseline)).eval()
         cand_model = loading.load_causal_lm(str(candidate)).eval()
-        reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
+        reward_model = None
+        if reward is not None:
+            reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
+        scorer = Scorer(reward_model, config.rewards.model_weight if specs else 1.0, runner, tokenizer)
         base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
-        score(reward_model, base, cfg.batch_size)
-        score(reward_model, cand, cfg.batch_size)
+        score(scorer, base, cfg.batch_size, data)
+        score(scorer, cand, cfg.batch_size, data)
         metrics = compare(base, cand, cfg.seed)
+        metrics.update(function_means(base, cand))
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
         if (Path(prompts) / "phase1_sft").is_dir():
             sft_eval = phases.load(prompts, "phase1_sft")["eval"]
@@ -259,6 +309,7 @@ def run(
                 "candidate": decode(c),
                 "baseline_score": b["score"],
                 "candidate_score": c["score"],
+                **({"baseline_fn": b["fn"], "candidate_fn": c["fn"]} if b["fn"] else {}),
             }
             for p, b, c in zip(texts, base, cand, strict=True)
         ]
@@ -276,7 +327,7 @@ def run(
             paths = {
                 "baseline": str(baseline),
                 "candidate": str(candidate),
-                "reward": str(reward),
+                "reward": None if reward is None else str(reward),
                 "prompts": str(prompts),
             }
             result = write_result(tmp, STAGE, metrics, outputs, models=paths)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import random
 import socket
@@ -84,31 +85,60 @@ OPTIONAL_METRICS = ("win_rate_lower_bound",)  # gated only when its threshold is
 
 
 def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None) -> tuple[bool, list[str]]:
-    """(passed, one line per check) for an evaluation's metrics against the thresholds and the champion."""
-    checks = [
-        (metrics["win_rate"] >= cfg.min_win_rate, f"win_rate {metrics['win_rate']:.3f} >= {cfg.min_win_rate}"),
+    """(passed, one line per check) for an evaluation's metrics against the thresholds and the champion.
+    promote.metric win_rate: the win-rate checks and the champion's candidate_reward_mean; another metric
+    (e.g. fn/<NAME>/candidate) replaces them: min_metric, the baseline's value, the champion's value."""
+    checks = [] if cfg.metric != "win_rate" else win_rate_checks(metrics, cfg)
+    checks.append(
         (
             metrics["reward_gain"] >= cfg.min_reward_gain,
             f"reward_gain {metrics['reward_gain']:.3f} >= {cfg.min_reward_gain}",
-        ),
-    ]
+        )
+    )
+    if cfg.max_kl is not None:
+        kl = metrics["kl_to_baseline"]
+        checks.append((kl <= cfg.max_kl, f"kl_to_baseline {kl:.3f} <= {cfg.max_kl}"))
+    if cfg.metric != "win_rate":
+        checks += metric_checks(metrics, cfg, champion)
+    elif champion is not None and cfg.require_beat_champion:
+        ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
+        checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
+    return all(ok for ok, _ in checks), [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
+
+
+def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple[bool, str]]:
+    checks = [(metrics["win_rate"] >= cfg.min_win_rate, f"win_rate {metrics['win_rate']:.3f} >= {cfg.min_win_rate}")]
     if cfg.min_win_rate_lower_bound is not None:
         bound = metrics.get("win_rate_lower_bound")
         if bound is None:
             raise UserError("promote.min_win_rate_lower_bound is set but the evaluation has no win_rate_lower_bound")
-        checks.append(
-            (
-                bound >= cfg.min_win_rate_lower_bound,
-                f"win_rate_lower_bound {bound:.3f} >= {cfg.min_win_rate_lower_bound}",
-            )
-        )
-    if cfg.max_kl is not None:
-        kl = metrics["kl_to_baseline"]
-        checks.append((kl <= cfg.max_kl, f"kl_to_baseline {kl:.3f} <= {cfg.max_kl}"))
+        threshold = cfg.min_win_rate_lower_bound
+        checks.append((bound >= threshold, f"win_rate_lower_bound {bound:.3f} >= {threshold}"))
+    return checks
+
+
+def metric_checks(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None
+                  ) -> list[tuple[bool, str]]:  # fmt: skip
+    """promote.metric's checks: its threshold, the SFT baseline's value of an fn/<NAME>/candidate metric, and
+    the champion's value (a champion registered without this metric is not compared: said so)."""
+    name = cfg.metric
+    if name not in metrics:
+        have = ", ".join(sorted(m for m in metrics if m.startswith("fn/"))) or "no fn/ metrics"
+        raise UserError(f"promote.metric {name}: the evaluation has no such metric ({have})")
+    ours = metrics[name]
+    checks = []
+    if cfg.min_metric is not None:
+        checks.append((ours >= cfg.min_metric, f"{name} {ours:.3f} >= {cfg.min_metric}"))
+    if name.endswith("/candidate") and name.removesuffix("/candidate") + "/baseline" in metrics:
+        base = metrics[name.removesuffix("/candidate") + "/baseline"]
+        checks.append((ours > base, f"{name} {ours:.3f} > the baseline's {base:.3f}"))
     if champion is not None and cfg.require_beat_champion:
-        ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
-        checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
-    return all(ok for ok, _ in checks), [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
+        theirs = champion.get(name, float("nan"))
+        if math.isnan(theirs):
+            checks.append((True, f"{name}: the champion has none recorded, not compared"))
+        else:
+            checks.append((ours > theirs, f"{name} {ours:.3f} > champion's {theirs:.3f}"))
+    return checks
 
 
 @contextlib.contextmanager
@@ -379,7 +409,8 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
         raise UserError(f"--model-dir {model_dir}: not a model directory (no config.json)")
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: promotion needs the MLflow registry")
-    tags = {f"kubealign.metric.{m}": str(metrics[m]) for m in (*GATED_METRICS, *OPTIONAL_METRICS) if m in metrics}
+    recorded = [*GATED_METRICS, *OPTIONAL_METRICS, *(m for m in metrics if m.startswith("fn/"))]
+    tags = {f"kubealign.metric.{m}": str(metrics[m]) for m in recorded if m in metrics}
     tags.update({"kubealign.code_version": __version__, "kubealign.evaluation": str(evaluation.resolve())})
     tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
     tags["kubealign.data_sha256"] = data_hash(result)
@@ -429,7 +460,8 @@ def promote_in_registry(
         champion_metrics = None
         if champion is not None and champion != ours:
             theirs = client.get_model_version(name, champion).tags
-            champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in GATED_METRICS}
+            wanted = [*GATED_METRICS, *([cfg.metric] if cfg.metric != "win_rate" else [])]
+            champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in wanted}
         passed, checks = gate(metrics, cfg, champion_metrics)
         plan: list[tuple[str, str | None]] = [(CHALLENGER, ours)]
         if passed and champion != ours:
