@@ -68,6 +68,7 @@ def ppo(
     config_json: str,
     algorithm: str,
     num_iterations: int,
+    reward_functions: str,
     prompts: Input[Dataset],
     actor: Input[Model],
     critic: Input[Model],
@@ -75,11 +76,13 @@ def ppo(
     metrics: Output[Metrics],
 ):
     """ppo: PPO, GRPO or RLOO (`algorithm`) with the DeepSpeed Hybrid Engine; torchrun on a multi-GPU pod, a
-    TrainJob on several nodes. GRPO and RLOO use no critic: `critic` is then only the reward model's copy."""
+    TrainJob on several nodes. `critic` is the reward model (critic start and reward), or with reward functions
+    alone the SFT model (ppo's critic start); GRPO and RLOO use no critic. reward_functions: the functions'
+    specs with their source (embedded at compile time; part of this task's cache key)."""
     from kubealign import tasks
 
     overrides = [f"ppo.algorithm={algorithm}", f"ppo.num_iterations={num_iterations}"]
-    result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path)
+    result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path, reward_functions)
     tasks.to_kfp(result, metrics, model)
 
 
@@ -95,6 +98,7 @@ def dpo(config_json: str, data: Input[Dataset], actor: Input[Model], model: Outp
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
 def evaluate(
     config_json: str,
+    reward_functions: str,
     prompts: Input[Dataset],
     baseline: Input[Model],
     candidate: Input[Model],
@@ -104,11 +108,19 @@ def evaluate(
     report: Output[HTML],
     samples: Output[Markdown],
 ):
-    """evaluate: PPO candidate vs SFT baseline on held-out prompts; report = samples + plots in one page."""
+    """evaluate: PPO candidate vs SFT baseline on held-out prompts; report = samples + plots in one page.
+    reward_model is not read when the reward functions alone score (the DAG then passes the SFT model)."""
     from kubealign import tasks
 
     result = tasks.evaluate(
-        config_json, [], prompts.path, baseline.path, candidate.path, reward_model.path, evaluation.path
+        config_json,
+        [],
+        prompts.path,
+        baseline.path,
+        candidate.path,
+        reward_model.path,
+        evaluation.path,
+        reward_functions,
     )
     tasks.to_kfp(result, metrics, evaluation)
     tasks.write_report(evaluation.path, report.path, samples.path)

@@ -38,8 +38,10 @@ def _add_set_option(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_pipeline_config(parser: argparse.ArgumentParser) -> None:
-    """The pipeline commands take the config as a positional (`kubealign run [CONFIG]`) plus --set."""
+    """The pipeline commands take the config as a positional (`kubealign run [CONFIG]`) or as --config, the
+    stage commands' spelling (`kubealign run --config tiny-cpu-verifiable`), plus --set."""
     parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same as the positional CONFIG")
     _add_set_option(parser)
 
 
@@ -105,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward", type=Path, metavar="RM_DIR", help="reward model (default: --critic; none: rewards.model_weight 0)"
     )
     ppo.add_argument("--output", required=True, type=Path, metavar="DIR", help="output actor directory")
+    _add_functions_option(ppo)
     ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
 
     evaluate = sub.add_parser(
@@ -122,6 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--reward", type=Path, metavar="RM_DIR", help="reward model dir (none with rewards.model_weight 0)"
     )
     evaluate.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
+    _add_functions_option(evaluate)
 
     promote = sub.add_parser(
         "promote",
@@ -266,6 +270,27 @@ def _data_split(args: argparse.Namespace) -> None:
     _print_split_summary(data_split.run(config, args.output, force=args.force))
 
 
+def _add_functions_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reward-functions",
+        type=Path,
+        metavar="JSON",
+        help="the reward functions with their source, as a pipeline task hands them on (default: rewards.functions)",
+    )
+
+
+def _functions(args: argparse.Namespace) -> list | None:
+    """The specs of --reward-functions, or None (resolved from the config's rewards.functions)."""
+    if args.reward_functions is None:
+        return None
+    from kubealign.rewards import sources
+
+    try:
+        return sources.from_json(args.reward_functions.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"--reward-functions {args.reward_functions}: {exc.strerror}") from None
+
+
 def _train(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
 
@@ -289,7 +314,8 @@ def _ppo(args: argparse.Namespace) -> None:
     from kubealign.stages import ppo
 
     config = load_config(args.config, args.overrides)
-    result = ppo.run(config, args.prompts, args.actor, args.critic, args.reward, args.output, resume=args.resume)
+    result = ppo.run(config, args.prompts, args.actor, args.critic, args.reward, args.output, resume=args.resume,
+                     functions=_functions(args))  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         m = result["metrics"]
         print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")
@@ -306,7 +332,8 @@ def _evaluate(args: argparse.Namespace) -> None:
     from kubealign.summary import evaluate_lines
 
     config = load_config(args.config, args.overrides)
-    result = evaluate.run(config, args.prompts, args.baseline, args.candidate, args.reward, args.output)
+    result = evaluate.run(config, args.prompts, args.baseline, args.candidate, args.reward, args.output,
+                          functions=_functions(args))  # fmt: skip
     m = result["metrics"]
     print(f"evaluate: {result['output']}  ({m['prompts']} prompts)")
     for line in evaluate_lines(m):
@@ -465,7 +492,12 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config_option", None) is not None:
+        if args.config is not None:
+            parser.error(f"the config is given twice ({args.config} and --config {args.config_option}): give one")
+        args.config = args.config_option
     try:
         COMMANDS[args.command](args)
     except UserError as exc:

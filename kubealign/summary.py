@@ -21,12 +21,14 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
     if stage == "reward":
         return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
     if stage == "ppo":
+        fns = "".join(f", {k.removesuffix('/before')} {m[k]:.2f} -> {m[k.removesuffix('/before') + '/after']:.2f}"
+                      for k in m if k.startswith("fn/") and k.endswith("/before"))  # fmt: skip
         if r.get("algorithm") not in (None, "ppo"):
-            return (f"{r['algorithm']}: eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, "
+            return (f"{r['algorithm']}: eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, "
                     f"KL {m['kl_after']:.3f}, rollout path {r.get('rollout_path')}")  # fmt: skip
         target = f" (adaptive target {r['kl_target']})" if r.get("kl_target") is not None else ""
-        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL {m['kl_after']:.3f}{target}, "
-                f"rollout path {r.get('rollout_path')}")  # fmt: skip
+        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, KL {m['kl_after']:.3f}"
+                f"{target}, rollout path {r.get('rollout_path')}")  # fmt: skip
     if stage == "dpo":
         return (f"eval loss {m['before_loss']:.3f} -> {m['after_loss']:.3f}, implicit-reward accuracy "
                 f"{m['after_rewards_accuracy']:.2f}, margin {m['after_rewards_margin']:.2f}, "
@@ -47,6 +49,10 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
         f"reward {m['baseline_reward_mean']:.3f} (SFT) vs {m['candidate_reward_mean']:.3f} ({label}), "
         f"win-rate {m['win_rate']:.2f}{bound}, ties {m['tie_rate']:.2f}, KL {m['kl_to_baseline']:.3f}"
     ]
+    for key in (k for k in m if k.startswith("fn/") and k.endswith("/candidate")):
+        name = key.removesuffix("/candidate")
+        base = m.get(f"{name}/baseline", float("nan"))
+        lines.append(f"{name.removeprefix('fn/')} (reward function): {base:.3f} (SFT) -> {m[key]:.3f} ({label})")
     if "candidate_preferred_rate" in m:
         lines.append(
             f"preferred answers {m['baseline_preferred_rate']:.0%} (SFT) -> "

@@ -85,21 +85,48 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
     return stage.run(config, Path(data), model or None, Path(output))
 
 
-def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic: str, output: str) -> dict:
-    """PPO in-process, under torchrun on a multi-GPU pod, or as a multi-node TrainJob."""
+def reward_functions(config: KubealignConfig, functions_json: str) -> list:
+    """The reward functions a task scores with: as the compiled pipeline embedded them (functions_json, from
+    kubealign.rewards.sources.to_json), checked against config.rewards; none when the config has none."""
+    from kubealign.rewards import sources
+
+    specs = sources.from_json(functions_json) if functions_json else []
+    if config.rewards.functions and not specs:
+        raise UserError("rewards.functions are set but the task got no reward_functions: compile the pipeline again")
+    sources.check_matches(specs, config.rewards)
+    return specs
+
+
+def _functions_file(specs: list, directory: Path) -> list[str]:
+    """CLI args handing the embedded functions to a `kubealign ppo|evaluate` process (torchrun, a TrainJob)."""
+    from kubealign.rewards import sources
+
+    if not specs:
+        return []
+    path = directory / "reward_functions.json"
+    path.write_text(sources.to_json(specs), encoding="utf-8")
+    return ["--reward-functions", str(path)]
+
+
+def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic: str, output: str,
+        functions_json: str = "") -> dict:  # fmt: skip
+    """PPO in-process, under torchrun on a multi-GPU pod, or as a multi-node TrainJob. critic: the reward
+    model's dir (critic and reward), or with reward functions alone the SFT dir (ppo's critic start)."""
     config = load(config_json, overrides)
+    specs = reward_functions(config, functions_json)
     if config.kubernetes.ppo_nodes > 1:
-        return ppo_trainjob(config, prompts, actor, critic, output)
+        return ppo_trainjob(config, prompts, actor, critic, output, specs)
     nproc = device_count()
     if nproc > 1:
-        args = ["ppo", "--prompts", prompts, "--actor", actor, "--critic", critic, "--output", output]
-        return _run_distributed(config, nproc, args, Path(output))
+        with tempfile.TemporaryDirectory(prefix="kubealign-fns-") as tmp:
+            args = ["ppo", "--prompts", prompts, "--actor", actor, "--critic", critic, "--output", output]
+            return _run_distributed(config, nproc, args + _functions_file(specs, Path(tmp)), Path(output))
     from kubealign.stages import ppo as stage
 
-    return stage.run(config, Path(prompts), Path(actor), Path(critic), None, Path(output))
+    return stage.run(config, Path(prompts), Path(actor), Path(critic), None, Path(output), functions=specs)
 
 
-def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str) -> dict:
+def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str, specs: list) -> dict:
     """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back."""
     from kubealign.cluster import trainjob
     from kubealign.images import train_image
@@ -114,6 +141,7 @@ def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str,
     cli_args = ["ppo", "--config", str(shared / "config.yaml"), "--output", str(shared / "output")]
     for label in ("prompts", "actor", "critic"):
         cli_args += [f"--{label}", str(shared / label)]
+    cli_args += _functions_file(specs, shared)
     env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
     body = trainjob.manifest(name, k8s, k8s.train_image or train_image(), torchrun_command(0, cli_args, True), env)
     trainjob.submit_and_wait(body, k8s.trainjob_timeout_s)
@@ -134,13 +162,22 @@ _FORWARDED_ENV = (
 
 
 def evaluate(
-    config_json: str, overrides: list[str], prompts: str, baseline: str, candidate: str, reward: str, output: str
+    config_json: str,
+    overrides: list[str],
+    prompts: str,
+    baseline: str,
+    candidate: str,
+    reward: str,
+    output: str,
+    functions_json: str = "",
 ) -> dict[str, Any]:
+    """reward: the reward model's dir (not read when rewards.model_weight is 0 with functions)."""
     from kubealign.stages import evaluate as stage
 
-    return stage.run(
-        load(config_json, overrides), Path(prompts), Path(baseline), Path(candidate), Path(reward), Path(output)
-    )
+    config = load(config_json, overrides)
+    specs = reward_functions(config, functions_json)
+    paths = (Path(prompts), Path(baseline), Path(candidate), Path(reward), Path(output))
+    return stage.run(config, *paths, functions=specs)
 
 
 def promote(config_json: str, overrides: list[str], evaluation: str, model_dir: str, output: str) -> dict[str, Any]:

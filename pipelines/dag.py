@@ -15,8 +15,16 @@ pipeline parameter `config_json` (editable in the Kubeflow UI), next to the comm
 | reward_model         | reward.model            | reward                        |
 | algorithm            | pipeline.algorithm      | which of ppo / dpo runs; ppo.algorithm |
 | ppo_num_iterations   | ppo.num_iterations      | ppo                           |
+| reward_functions     | rewards.functions, with each FILE.py's source embedded | ppo, evaluate (cache key) |
 | data_fingerprint     | (sources' content hash) | data_split (cache key only)   |
 | sft_model_fingerprint / reward_model_fingerprint | (base models' hashes) | sft / reward (cache key only) |
+
+Reward functions (rewards.functions) travel inside the compiled pipeline: the parameter reward_functions
+holds their specs with each FILE.py function's source, read when the pipeline is built, so the image need
+not carry them and editing one changes the cache key of exactly the tasks that score with it (ppo and
+evaluate; promote is never cached). With functions alone (rewards.model_weight 0) there is no reward task:
+ppo's critic starts from the SFT model and evaluate's reward_model input is the SFT model, not read; the
+pipeline's outputs then have no `reward`.
 
 Everything about the cluster is set here, from `config.kubernetes`, never in the components: GPUs per
 stage, CPU/memory requests, /dev/shm as a memory emptyDir on training pods, MLflow and object-store
@@ -37,6 +45,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
+from kubealign.rewards import sources
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
@@ -49,6 +58,16 @@ class Outputs(NamedTuple):
     data_split: Dataset
     sft: Model
     reward: Model
+    candidate: Model
+    evaluate: Artifact
+    promote: Artifact
+
+
+class FunctionOutputs(NamedTuple):
+    """Outputs of a pipeline scored by reward functions alone: no reward task."""
+
+    data_split: Dataset
+    sft: Model
     candidate: Model
     evaluate: Artifact
     promote: Artifact
@@ -89,8 +108,10 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     shared = config.model_copy(
         update={"pipeline": PipelineConfig(), "ppo": config.ppo.model_copy(update={"algorithm": "ppo"})}
     )
+    with_model = config.rewards.uses_model
     defaults = {
         "config_json": config_to_json(shared),
+        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
         "data_fingerprint": data_fingerprint(config),
         "sft_model_fingerprint": model_fingerprint(config.sft.model),
         "reward_model_fingerprint": model_fingerprint(config.reward.model),
@@ -103,11 +124,6 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             task.set_env_variable(key, value)
         return task
 
-    @dsl.pipeline(
-        name=PIPELINE_NAME,
-        description="RLHF: data split, SFT, reward model, PPO (DeepSpeed Hybrid Engine), evaluation, "
-        "MLflow registry promotion.",
-    )
     def kubealign_pipeline(
         config_json: str = defaults["config_json"],
         algorithm: str = route,
@@ -117,7 +133,8 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         data_fingerprint: str = defaults["data_fingerprint"],
         sft_model_fingerprint: str = defaults["sft_model_fingerprint"],
         reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
-    ) -> Outputs:
+        reward_functions: str = defaults["reward_functions"],
+    ):
         split = stages.data_split(config_json=config_json, data_fingerprint=data_fingerprint)
         place(split, "data split", 0, cpu, training=False)
         dataset = split.outputs["dataset"]
@@ -125,13 +142,16 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             config_json=config_json, model_name=sft_model, model_fingerprint=sft_model_fingerprint, data=dataset
         )
         place(sft, "supervised fine-tuning", k8s.sft_gpus, train, training=True)
-        reward = stages.reward(
-            config_json=config_json,
-            model_name=reward_model,
-            model_fingerprint=reward_model_fingerprint,
-            data=dataset,
-        )
-        place(reward, "reward model", k8s.reward_gpus, train, training=True)
+        scorer = sft.outputs["model"]  # functions alone: the critic's start; evaluate does not read it
+        if with_model:
+            reward = stages.reward(
+                config_json=config_json,
+                model_name=reward_model,
+                model_fingerprint=reward_model_fingerprint,
+                data=dataset,
+            )
+            place(reward, "reward model", k8s.reward_gpus, train, training=True)
+            scorer = reward.outputs["model"]
         with dsl.If(algorithm == "dpo", name="dpo route"):
             dpo = stages.dpo(config_json=config_json, data=dataset, actor=sft.outputs["model"])
             place(dpo, "DPO", k8s.sft_gpus, train, training=True)
@@ -140,18 +160,20 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
                 config_json=config_json,
                 algorithm=algorithm,
                 num_iterations=ppo_num_iterations,
+                reward_functions=reward_functions,
                 prompts=dataset,
                 actor=sft.outputs["model"],
-                critic=reward.outputs["model"],
+                critic=scorer,
             )
             place(ppo, "PPO / GRPO / RLOO (hybrid engine)", k8s.ppo_gpus, train, training=True)
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
         evaluation = stages.evaluate(
             config_json=config_json,
+            reward_functions=reward_functions,
             prompts=dataset,
             baseline=sft.outputs["model"],
             candidate=candidate,
-            reward_model=reward.outputs["model"],
+            reward_model=scorer,
         )
         place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
         promote = stages.promote(
@@ -161,13 +183,19 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
         # skip the gate against a champion that may have changed since.
         promote.set_caching_options(False)
-        return Outputs(
-            data_split=dataset,
-            sft=sft.outputs["model"],
-            reward=reward.outputs["model"],
-            candidate=candidate,
-            evaluate=evaluation.outputs["evaluation"],
-            promote=promote.outputs["promotion"],
-        )
+        done = {
+            "data_split": dataset,
+            "sft": sft.outputs["model"],
+            "candidate": candidate,
+            "evaluate": evaluation.outputs["evaluation"],
+            "promote": promote.outputs["promotion"],
+        }
+        return Outputs(reward=scorer, **done) if with_model else FunctionOutputs(**done)
 
-    return kubealign_pipeline
+    # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
+    kubealign_pipeline.__annotations__["return"] = Outputs if with_model else FunctionOutputs
+    return dsl.pipeline(
+        name=PIPELINE_NAME,
+        description="RLHF: data split, SFT, reward model and / or reward functions, PPO (DeepSpeed Hybrid Engine), "
+        "evaluation, MLflow registry promotion.",
+    )(kubealign_pipeline)

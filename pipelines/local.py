@@ -34,6 +34,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
 from kubealign.models.tiny import cache_root
 from kubealign.outputs import read_json, tree_sha256, write_json
+from kubealign.rewards import sources
 from kubealign.tracking import PARENT_RUN_ENV, default_store
 from kubealign.training.distributed import RENDEZVOUS_ENV
 
@@ -49,9 +50,11 @@ def candidate_stage(algorithm: str) -> str:
     return "dpo" if algorithm == "dpo" else "ppo"
 
 
-def stages_for(algorithm: str) -> tuple[str, ...]:
-    """The tasks a run of the DAG executes for `algorithm`, in DAG order."""
-    return tuple(candidate_stage(algorithm) if stage == "ppo" else stage for stage in STAGES)
+def stages_for(algorithm: str, reward_model: bool = True) -> tuple[str, ...]:
+    """The tasks a run of the DAG executes for `algorithm`, in DAG order (no reward task when reward
+    functions alone score: reward_model False)."""
+    kept = (s for s in STAGES if reward_model or s != "reward")
+    return tuple(candidate_stage(algorithm) if stage == "ppo" else stage for stage in kept)
 
 
 @contextlib.contextmanager
@@ -175,7 +178,7 @@ def run(
     pipeline_root.mkdir(parents=True, exist_ok=True)
     logs = output / LOGS_DIR
     logs.mkdir(exist_ok=True)
-    route = stages_for(config.route())
+    route = stages_for(config.route(), config.rewards.uses_model)
     display = None if verbose else Display(stream or sys.stdout, list(route))
     with quiet_parent(logs, verbose):
         client, uri, experiment_id, parent = parent_run(config, output)
@@ -227,6 +230,7 @@ def run(
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     extra = {
         "config_json": config_to_json(config),
+        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
         "wall_time_s": wall,
         "succeeded": ok,
         "mlflow": mlflow,

@@ -42,8 +42,9 @@ UPSTREAM = {
 
 
 def upstream(stage: str, route: tuple[str, ...]) -> tuple[str, ...]:
+    """The stages of `route` whose outputs `stage` reads (no reward when reward functions alone score)."""
     candidate = next(s for s in route if s in ("ppo", "dpo"))
-    return tuple(candidate if up == "candidate" else up for up in UPSTREAM[stage])
+    return tuple(candidate if up == "candidate" else up for up in UPSTREAM[stage] if up in route or up == "candidate")
 
 
 def downstream_of(stage: str, route: tuple[str, ...] = STAGES) -> list[str]:
@@ -55,8 +56,10 @@ def downstream_of(stage: str, route: tuple[str, ...] = STAGES) -> list[str]:
     return [s for s in route if s in found and s != stage]
 
 
-def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str) -> dict[str, Any]:
+def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str, functions: str
+               ) -> dict[str, Any]:  # fmt: skip
     d = {name: str(path) for name, path in dirs.items()}
+    scorer = d.get("reward", d.get("sft", ""))  # as the DAG: the SFT model where no reward model is trained
     candidate = candidate_stage(algorithm)
     if stage == "data-split":
         return tasks.data_split(config_json, [], str(out))
@@ -67,9 +70,9 @@ def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, a
     if stage == "ppo":
         # as the DAG's ppo task: the route sets ppo.algorithm (pipeline.algorithm=grpo alone means GRPO)
         overrides = [f"ppo.algorithm={algorithm}"]
-        return tasks.ppo(config_json, overrides, d["data-split"], d["sft"], d["reward"], str(out))
+        return tasks.ppo(config_json, overrides, d["data-split"], d["sft"], scorer, str(out), functions)
     if stage == "evaluate":
-        return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], d["reward"], str(out))
+        return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], scorer, str(out), functions)
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
@@ -81,7 +84,7 @@ def rerun(
     if "config_json" not in index:
         raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
     config = config_from_json(index["config_json"], overrides)
-    route = stages_for(config.route())
+    route = stages_for(config.route(), config.rewards.uses_model)
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]
@@ -101,16 +104,19 @@ def rerun(
     client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
     env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
     config_json = config_to_json(config)
+    # the functions' code as the run used it (run.json), not as the files read now: a rerun repeats the run
+    functions = index.get("reward_functions", "")
     status = "FAILED"
     try:
         with scoped_environ(env):
             for name in todo:
-                _run_stage(name, config_json, dirs, output / name, config.route())
+                _run_stage(name, config_json, dirs, output / name, config.route(), functions)
                 dirs[name] = output / name
         status = "FINISHED"
     finally:
         client.set_terminated(parent, status)
     reused = sorted(set(dirs) - set(todo))
     extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
+    extra["reward_functions"] = functions
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     return write_index(output, dirs, extra)
