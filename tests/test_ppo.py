@@ -238,3 +238,35 @@ def test_a_nan_reward_stops_ppo_naming_the_reward_not_the_learning_rate(cli, tra
     assert re.search(r"ppo: the reward score is not finite \(nan\) for (\d+) of \1 responses at iteration 1; "
                      r"stopped before applying it, no model was written", lines[0]), lines[0]  # fmt: skip
     assert "learning rate" not in lines[0] and not out.exists()
+
+
+COURTEOUS_CHECK = """
+from kubealign.data import synthetic
+
+
+def courteous(prompts, completions, **columns):
+    # the synthetic task's own grammar as a verifiable reward: a courteous opener and an on-topic fact
+    return [float(synthetic.judge(p, c).preferred) for p, c in zip(prompts, completions)]
+"""
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_reward_functions_alone_raise_their_mean(cli, trained, tmp_path: Path, algorithm):
+    """No reward model at all (rewards.model_weight 0): the checker is the reward; ppo's critic starts from the
+    SFT model. SFT imitated demonstrations that are courteous 15 % of the time: there is room to rise."""
+    (tmp_path / "check.py").write_text(COURTEOUS_CHECK, encoding="utf-8")
+    config = tmp_path / "c.yaml"
+    config.write_text("rewards: {model_weight: 0, functions: [{path: check.py:courteous}]}\n", encoding="utf-8")
+    out = tmp_path / algorithm
+    sets = [NO_TRACKING, f"ppo.algorithm={algorithm}", "ppo.num_iterations=30", "ppo.actor_learning_rate=3e-4"]
+    sets += ["ppo.generation_batch_size=8"] if algorithm == "grpo" else []  # 8 prompts x 4 responses
+    args = [a for s in sets for a in ("--set", s)]
+    result = cli("ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"], *args,
+                 "--output", out)  # fmt: skip
+    assert result.code == 0, result.err
+    res = result_of(out)
+    m = res["metrics"]
+    assert m["fn/courteous/after"] > m["fn/courteous/before"] + 0.2, m
+    assert m["reward_before"] == pytest.approx(m["fn/courteous/before"])  # the score is the function alone
+    assert all("fn/courteous" in h for h in res["history"])
+    assert ("critic" in res["outputs"]) == (algorithm == "ppo")

@@ -375,3 +375,58 @@ def test_the_function_source_is_embedded_and_keys_only_ppo_and_evaluate(tmp_path
 def test_with_a_reward_model_the_dag_keeps_its_reward_task(fns: Path, tmp_path: Path):
     ir = compiled(load_config(), tmp_path / "p.yaml")
     assert "reward" in ir["root"]["dag"]["tasks"] and "reward" in ir["root"]["outputDefinitions"]["artifacts"]
+
+
+# --- the whole DAG through kfp.local, scored by a function alone -----------------------------------------
+
+CHECK = """
+def short(prompts, completions, **columns):
+    # a checkable property: the response is at most 12 characters
+    return [float(len(c.strip()) <= 12) for c in completions]
+"""
+
+
+@pytest.mark.kfp
+@pytest.mark.integration
+def test_the_dag_without_a_reward_model_and_an_edited_function_reruns_only_ppo_and_evaluate(tmp_path: Path, capsys):
+    from kubealign.cli import main
+
+    (tmp_path / "check.py").write_text(CHECK, encoding="utf-8")
+    config = tmp_path / "c.yaml"
+    settings = {
+        "pipeline": {"algorithm": "grpo"},
+        "rewards": {"model_weight": 0, "functions": [{"path": "check.py:short"}]},
+        "sft": {"num_train_epochs": 2},
+        "ppo": {"num_iterations": 2, "generation_batch_size": 4},
+        "evaluate": {"max_prompts": 8},
+        "promote": {"metric": "fn/short/candidate", "min_reward_gain": -100},
+    }
+    config.write_text(yaml.safe_dump(settings), encoding="utf-8")
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(["run", "--config", str(config), "--output", str(first), "--cache"]) == 0
+    capsys.readouterr()
+    index = json.loads((first / "run.json").read_text(encoding="utf-8"))
+    assert sorted(index["stages"]) == ["data-split", "evaluate", "ppo", "promote", "sft"]  # no reward task
+    metrics = json.loads((Path(index["stages"]["evaluate"]["dir"]) / "result.json").read_text())["metrics"]
+    assert {"fn/short/baseline", "fn/short/candidate"} <= set(metrics)
+    gate_lines = json.loads((Path(index["stages"]["promote"]["dir"]) / "result.json").read_text())["gate"]
+    assert any("fn/short/candidate" in line for line in gate_lines) and not any("win_rate" in g for g in gate_lines)
+
+    (tmp_path / "check.py").write_text(CHECK + "# edited: only the tasks that score run again\n", encoding="utf-8")
+    assert main(["run", "--config", str(config), "--output", str(second), "--cache"]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    shown = sorted(" ".join(line.split()[:2]) for line in printed[: printed.index("")])
+    assert shown == sorted(["data-split cached", "sft cached"] + [f"{s} {w}" for s in ("ppo", "evaluate", "promote")
+                                                                 for w in ("running", "done")])  # fmt: skip
+    again = json.loads((second / "run.json").read_text(encoding="utf-8"))
+    for stage in ("data-split", "sft"):
+        assert again["stages"][stage]["dir"] == index["stages"][stage]["dir"], stage
+    for stage in ("ppo", "evaluate"):
+        assert again["stages"][stage]["dir"] != index["stages"][stage]["dir"], stage
+    assert "# edited" in json.loads(again["reward_functions"])[0]["source"]
+
+    # a rerun repeats the run: the functions' code as that run embedded it, not the file as it is now
+    rerun = tmp_path / "rerun"
+    assert main(["rerun", "evaluate", "--from", str(first), "--output", str(rerun)]) == 0
+    assert "# edited" not in json.loads(json.loads((rerun / "run.json").read_text())["reward_functions"])[0]["source"]
+    assert (rerun / "evaluate" / "result.json").is_file()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 SourceFormat = Literal["auto", "prompt_chosen_rejected", "hh", "prompt_response", "messages", "prompt_only"]
 DType = Literal["fp32", "bf16", "fp16"]
@@ -250,6 +250,8 @@ class PPOConfig(Section):
     cliprange_high: float | None = Field(
         None,
         gt=0,
+        # TRL and the issue tracker spell it clip_range_high (TRL's epsilon_high): both keys are accepted
+        validation_alias=AliasChoices("cliprange_high", "clip_range_high"),
         description="Upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (DAPO's "
         "clip-higher, e.g. 0.28 with cliprange 0.2: unlikely tokens can gain more); None = cliprange.",
     )
