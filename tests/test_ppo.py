@@ -240,33 +240,34 @@ def test_a_nan_reward_stops_ppo_naming_the_reward_not_the_learning_rate(cli, tra
     assert "learning rate" not in lines[0] and not out.exists()
 
 
-COURTEOUS_CHECK = """
-from kubealign.data import synthetic
-
-
-def courteous(prompts, completions, **columns):
-    # the synthetic task's own grammar as a verifiable reward: a courteous opener and an on-topic fact
-    return [float(synthetic.judge(p, c).preferred) for p, c in zip(prompts, completions)]
+BREVITY_CHECK = """
+def brevity(prompts, completions, **columns):
+    # a checkable, dense reward: a tenth of a point off per word (SFT's answers run about ten words)
+    return [-0.1 * len(c.split()) for c in completions]
 """
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
 def test_reward_functions_alone_raise_their_mean(cli, trained, tmp_path: Path, algorithm):
     """No reward model at all (rewards.model_weight 0): the checker is the reward; ppo's critic starts from the
-    SFT model. SFT imitated demonstrations that are courteous 15 % of the time: there is room to rise."""
-    (tmp_path / "check.py").write_text(COURTEOUS_CHECK, encoding="utf-8")
+    SFT model. (A sparse 0/1 check of the synthetic grammar's preferred answer, 15 % right after SFT, did not
+    rise within 30 iterations here: the reward model's dense score does; benchmarks/verifiable_quality.py
+    measures a sparse check on a task made for it.)"""
+    (tmp_path / "check.py").write_text(BREVITY_CHECK, encoding="utf-8")
     config = tmp_path / "c.yaml"
-    config.write_text("rewards: {model_weight: 0, functions: [{path: check.py:courteous}]}\n", encoding="utf-8")
+    config.write_text("rewards: {model_weight: 0, functions: [{path: check.py:brevity}]}\n", encoding="utf-8")
     out = tmp_path / algorithm
     sets = [NO_TRACKING, f"ppo.algorithm={algorithm}", "ppo.num_iterations=30", "ppo.actor_learning_rate=3e-4"]
     sets += ["ppo.generation_batch_size=8"] if algorithm == "grpo" else []  # 8 prompts x 4 responses
+    # ppo: the new value head must learn the returns before its advantages mean much
+    sets += ["ppo.critic_learning_rate=1e-3", "ppo.actor_learning_rate=5e-4"] if algorithm == "ppo" else []
     args = [a for s in sets for a in ("--set", s)]
     result = cli("ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"], *args,
                  "--output", out)  # fmt: skip
     assert result.code == 0, result.err
     res = result_of(out)
     m = res["metrics"]
-    assert m["fn/courteous/after"] > m["fn/courteous/before"] + 0.2, m
-    assert m["reward_before"] == pytest.approx(m["fn/courteous/before"])  # the score is the function alone
-    assert all("fn/courteous" in h for h in res["history"])
+    assert m["fn/brevity/after"] > m["fn/brevity/before"] + 0.2, m  # two words shorter on average
+    assert m["reward_before"] == pytest.approx(m["fn/brevity/before"])  # the score is the function alone
+    assert all("fn/brevity" in h for h in res["history"])
     assert ("critic" in res["outputs"]) == (algorithm == "ppo")

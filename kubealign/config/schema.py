@@ -490,6 +490,13 @@ class KubealignConfig(Section):
     def base_dir(self) -> str | None:
         return self._base_dir
 
+    def __eq__(self, other: object) -> bool:
+        # equal settings are equal configs, wherever they were read from (pydantic compares private attrs too)
+        return isinstance(other, KubealignConfig) and self.model_dump() == other.model_dump()
+
+    def __hash__(self) -> int:
+        return hash(self.model_dump_json())
+
     def route(self) -> str:
         """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo)."""
         return self.pipeline.algorithm if self.pipeline.algorithm != "ppo" else self.ppo.algorithm
