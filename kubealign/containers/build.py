@@ -140,12 +140,17 @@ def _cuda_wheels(repo: Path, lock: Path, wheels: Path) -> None:
     finally:
         constraints.unlink()
     pinned = {**pins(lock), **pins(train / "cuda.txt"), **pins(train / "cuda-build.txt")}
-    for line in requirements(wheels).splitlines():
-        name, version = line.split("==")
-        if pinned.get(re.sub(r"[-_.]+", "-", name)) != version:
-            raise UserError(
-                f"the train wheelhouse holds {name} {version}, pinned neither by the lock nor by images/train/cuda*.txt"
-            )
+    floating = unpinned(requirements(wheels), pinned)
+    if floating:
+        raise UserError(
+            f"the train wheelhouse holds {', '.join(floating)}, pinned by neither the lock nor images/train/cuda*.txt"
+        )
+
+
+def unpinned(requirements_txt: str, pinned: dict[str, str]) -> list[str]:
+    """The `name==version` lines of requirements_txt whose version `pinned` does not give."""
+    lines = [line for line in requirements_txt.splitlines() if "==" in line]
+    return [line for line in lines if pinned.get(re.sub(r"[-_.]+", "-", line.split("==")[0])) != line.split("==")[1]]
 
 
 def _link_or_copy(files: Iterable[Path], dest: Path) -> None:
