@@ -128,9 +128,9 @@ def test_train_cuda_pins_agree_with_what_torch_s_cuda_build_requires() -> None:
         requirement = Requirement(line)
         version = pinned.get(requirement.name)
         assert version is not None and requirement.specifier.contains(version, prereleases=True), line
-    assert set(pinned) - {"torch", "cuda-pathfinder"} == {
+    assert set(pinned) - {"torch", "cuda-pathfinder", "nvidia-ml-py"} == {
         Requirement(line).name for line in TORCH_REQUIRES + [r for e in extras for r in CUDA_TOOLKIT_13_0_3[e]]
-    }  # nothing pinned that torch does not need (cuda-pathfinder: cuda-bindings' own)
+    }  # nothing pinned that torch does not need (cuda-pathfinder: cuda-bindings'; nvidia-ml-py: DeepSpeed's)
     cuda = args(DOCKERFILES["train"])["CUDA_VERSION"]
     assert (
         ".".join(pinned["cuda-toolkit"].split(".")[:2]) == cuda == ".".join(pinned["nvidia-cuda-nvcc"].split(".")[:2])
