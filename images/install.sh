@@ -41,8 +41,10 @@ case "$1 ${2:-}" in
     done
     ln -s "$cu"/lib/*.a "$CUDA_HOME/lib64/"
     nvcc --version | tail -2
+    started="$(date +%s)"
     $pip wheel --no-index --find-links "$context/deps" --no-binary deepspeed --no-deps --no-build-isolation \
       --wheel-dir /tmp/ds "$deepspeed"
+    echo "install.sh: DeepSpeed with its ops for $TORCH_CUDA_ARCH_LIST built in $(($(date +%s) - started)) s"
     $pip install --no-index --no-deps /tmp/ds/deepspeed-*.whl
     $pip uninstall -y -r /tmp/build.txt
     rm -rf /tmp/ds /tmp/cuda /tmp/build.txt /tmp/requirements.txt

@@ -150,6 +150,8 @@ def test_the_in_image_check_expects_the_lock_with_cuda_txt_over_it() -> None:
     assert expected["versions"]["torch"] == "2.13.0" and expected["versions"]["transformers"] == lock()["transformers"]
     assert expected["versions"]["nvidia-cudnn-cu13"] == build.pins(TRAIN / "cuda.txt")["nvidia-cudnn-cu13"]
     assert "nvidia-cuda-nvcc" in expected["absent"] and expected["cuda"] == images.TRAIN_CUDA_VERSION
+    assert {"torch", "nvidia-cudnn-cu13", "deepspeed", "kubealign"} <= set(expected["required"])
+    assert "pytest" in expected["versions"] and "pytest" not in expected["required"]  # the lock's dev tools
     assert expected["uid"] == 10001 and expected["ops"] == ["fused_adam", "transformer_inference", "cpu_adam"]
     for op in ("FUSED_ADAM", "TRANSFORMER_INFERENCE", "CPU_ADAM"):  # the ops the Dockerfile builds
         assert f"DS_BUILD_{op}=1" in DOCKERFILES["train"].read_text(encoding="utf-8")

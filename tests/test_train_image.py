@@ -51,8 +51,9 @@ def test_the_build_checks_the_image_and_prints_what_it_built(train_image, docker
     assert match, train_image["printed"]
     assert match.group(1) == images.train_image() and match.group(3).startswith("3.11.")
     checked = lines[-2]
+    cuda = images.TRAIN_CUDA_VERSION
     assert checked.startswith(
-        f"checked in the image: torch 2.13.0 (CUDA {images.TRAIN_CUDA_VERSION}), deepspeed 0.19.8"
+        f"checked in the image: torch 2.13.0+cu{cuda.replace('.', '')} (CUDA {cuda}), deepspeed 0.19.8"
     )
     assert "cpu_adam, fused_adam, transformer_inference prebuilt and loading" in checked and "uid 10001" in checked
     print(f"\ntrain image: {lines[-2]}\n{lines[-1]} (the command took {train_image['seconds']:.0f} s)")
@@ -62,12 +63,23 @@ def test_the_check_in_the_image_reports_cuda_torch_and_the_prebuilt_ops(train_im
     report = build.check_train(docker_client, images.train_image(), REPO)
     assert report["problems"] == [] and report["uid"] == 10001
     torch = report["torch"]
-    assert torch["version"] == "2.13.0" and torch["cuda"] == images.TRAIN_CUDA_VERSION and torch["cuda_built"]
+    assert torch["version"] == "2.13.0+cu130" and torch["cuda"] == images.TRAIN_CUDA_VERSION and torch["cuda_built"]
     assert torch["cudnn"] and not torch["cuda_available"]  # no GPU here
     ds = report["deepspeed"]
     assert ds["accelerator"] == "cuda" and ds["built_with"]["cuda_version"] == images.TRAIN_CUDA_VERSION
     assert set(ds["installed_ops"]) >= set(build.TRAIN_OPS) == set(ds["loaded"])
     assert ds["loaded"]["fused_adam"].startswith("ops/adam/fused_adam_op.")
+
+
+def test_ds_report_lists_the_ops_as_installed(train_image, docker_client) -> None:  # noqa: F811
+    """DeepSpeed's own report (what a user runs first), under the cuda accelerator as on a GPU node."""
+    out = docker_client.containers.run(
+        images.train_image(), ["ds_report"], remove=True, network_mode="none", environment={"DS_ACCELERATOR": "cuda"}
+    ).decode()
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    installed = set(re.findall(r"^(\w+) \.+ \[YES\]", plain, flags=re.M))
+    assert installed == set(build.TRAIN_OPS), plain
+    assert re.search(r"^deepspeed wheel compiled w\. \.+ torch 2\.13, cuda 13\.0$", plain, flags=re.M), plain
 
 
 def test_the_image_runs_as_its_user_with_its_labels(train_image, docker_client) -> None:  # noqa: F811

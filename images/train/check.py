@@ -3,8 +3,10 @@ the image it built (`docker run IMAGE python -c <this file> EXPECTED`, no networ
 and fails the build on any problem; the `train_image` test tier asserts on its report.
 
 EXPECTED (one JSON argument): {"uid": 10001, "cuda": "13.0", "ops": [op names DeepSpeed must list as
-installed], "versions": {name: version every distribution must have}, "allowed": [names that may also be
-there at any version: pip], "absent": [names that must not be there: the build-only CUDA compiler]}.
+installed], "versions": {name: the version a distribution of that name must have}, "required": [names that
+must be there: torch's CUDA build and what it brings, deepspeed, kubealign], "allowed": [names that may also
+be there at any version: pip], "absent": [names that must not be there: the build-only CUDA compiler]}.
+Every other distribution is a problem: nothing from outside the lock and images/train/cuda.txt.
 
 Prints one JSON report; exit 0 when it lists no problem, 1 otherwise. No GPU is needed: a prebuilt op is
 loaded through DeepSpeed's own op builder under the cuda accelerator, which imports the compiled module
@@ -39,7 +41,7 @@ def distributions(expected: dict) -> tuple[dict, list[str]]:
             problems.append(f"{name} {version} is build-only and must not be in the image")
         elif name not in expected["allowed"]:
             problems.append(f"{name} {version} is neither in the lock nor in images/train/cuda.txt")
-    missing = sorted(set(expected["versions"]) - set(inside))
+    missing = sorted(set(expected["required"]) - set(inside))
     problems += [f"{name} is missing" for name in missing]
     return inside, problems
 

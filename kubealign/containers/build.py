@@ -265,6 +265,7 @@ def train_expectations(repo: Path) -> dict[str, Any]:
         "cuda": cuda.group(1) if cuda else "",
         "ops": list(TRAIN_OPS),
         "versions": versions,
+        "required": sorted({*pins(train / "cuda.txt"), "deepspeed", "kubealign"}),
         "allowed": ["pip"],  # the venv's own; setuptools is in the lock
         "absent": sorted(pins(train / "cuda-build.txt")),
     }
