@@ -251,3 +251,19 @@ def test_the_cpu_image_carries_the_mlflow_servers_production_store_clients() -> 
         engine = sqlalchemy.create_engine(f"{uri}mlflow@127.0.0.1:1/mlflow")  # loads the driver, connects never
         assert engine.dialect.driver == driver
     import boto3  # noqa: F401  # what MLflow's S3 artifact repository imports
+
+
+def test_the_train_image_takes_a_base_like_the_cpu_image_and_a_well_formed_arch_list() -> None:
+    """`--base auto` takes the Python image the daemon has (a pullable base, as for the cpu image); a
+    malformed --cuda-arch-list, or one for the cpu image, is refused before anything is built."""
+    from types import SimpleNamespace
+
+    from kubealign.errors import UserError
+
+    have = {images.TRAIN_BASE_IMAGE: object(), "registry.internal/python:3.11-cuda": object()}
+    client = SimpleNamespace(images=SimpleNamespace(get=have.__getitem__))
+    assert build.choose_base(client, "auto", "train", print) == images.TRAIN_BASE_IMAGE
+    assert build.choose_base(client, "registry.internal/python:3.11-cuda", "train", print).endswith("cuda")
+    for flavour, archs in (("train", "sm_90"), ("train", "9.0,8.0"), ("cpu", "9.0")):
+        with pytest.raises(UserError, match="--cuda-arch-list"):
+            build.build(None, flavour, cuda_arch_list=archs)
