@@ -7,8 +7,10 @@
 # build host. Two steps, so that a change to kubealign rebuilds one small layer, not the dependencies':
 #
 #   install.sh deps cpu    a venv at /opt/kubealign with the dependencies, CPU torch (the lock's X+cpu)
-#   install.sh deps train  the same over the base image's CUDA torch (--system-site-packages), with
-#                          DeepSpeed compiled here from its sdist, ops chosen by the DS_BUILD_* variables
+#   install.sh deps train  the same with PyPI's CUDA torch and the CUDA libraries it requires (the
+#                          wheelhouse holds them instead of the +cpu one: images/train/cuda.txt), and
+#                          DeepSpeed compiled here from its sdist, ops chosen by the DS_BUILD_* variables,
+#                          by CUDA's compiler from PyPI's wheels (cuda-build.txt), uninstalled afterwards
 #   install.sh kubealign   kubealign itself into that venv, then pip check
 set -eu
 context=/tmp/context
@@ -20,14 +22,32 @@ case "$1 ${2:-}" in
     $pip install --no-index --find-links "$context/deps" -r "$context/deps/requirements.txt"
     ;;
   "deps train")
-    # The base image's torch is the CUDA build: it stays, and no CPU torch is installed over it.
-    python3 -m venv --system-site-packages "$venv"
-    grep -v -E '^(torch|deepspeed)==' "$context/deps/requirements.txt" > /tmp/requirements.txt
+    python3 -m venv "$venv"
+    grep -v -E '^(#|$)' "$context/cuda-build.txt" > /tmp/build.txt
+    grep -v -E '^deepspeed==' "$context/deps/requirements.txt" | grep -v -x -F -f /tmp/build.txt > /tmp/requirements.txt
     deepspeed="$(grep -E '^deepspeed==' "$context/deps/requirements.txt")"
+    $pip install --no-index --find-links "$context/deps" -r /tmp/requirements.txt
+    $pip install --no-index --find-links "$context/deps" --no-deps -r /tmp/build.txt
+    # A CUDA_HOME as torch's cpp_extension expects it, made of the wheels' files (benchmarks/gpu/ops.sh):
+    # bin/nvcc, include, nvvm, and lib64 with the unversioned names the linker looks for (-lcudart, ...).
+    cu="$("$venv/bin/python" -c 'import nvidia, os; print(os.path.join(nvidia.__path__[0], "cu'"${CUDA_VERSION%%.*}"'"))')"
+    export CUDA_HOME=/tmp/cuda PATH="/tmp/cuda/bin:$PATH"
+    mkdir -p "$CUDA_HOME/lib64"
+    for part in bin include nvvm; do ln -s "$cu/$part" "$CUDA_HOME/$part"; done
+    for lib in "$cu"/lib/*.so*; do
+      name="$(basename "$lib")"
+      ln -sf "$lib" "$CUDA_HOME/lib64/$name"
+      ln -sf "$lib" "$CUDA_HOME/lib64/${name%%.so*}.so"
+    done
+    ln -s "$cu"/lib/*.a "$CUDA_HOME/lib64/"
+    nvcc --version | tail -2
+    started="$(date +%s)"
     $pip wheel --no-index --find-links "$context/deps" --no-binary deepspeed --no-deps --no-build-isolation \
       --wheel-dir /tmp/ds "$deepspeed"
-    $pip install --no-index --find-links "$context/deps" -r /tmp/requirements.txt /tmp/ds/deepspeed-*.whl
-    rm -rf /tmp/ds /tmp/requirements.txt
+    echo "install.sh: DeepSpeed with its ops for $TORCH_CUDA_ARCH_LIST built in $(($(date +%s) - started)) s"
+    $pip install --no-index --no-deps /tmp/ds/deepspeed-*.whl
+    $pip uninstall -y -r /tmp/build.txt
+    rm -rf /tmp/ds /tmp/cuda /tmp/build.txt /tmp/requirements.txt
     ;;
   "kubealign ")
     $pip install --no-index --no-deps "$context"/own/kubealign-*.whl

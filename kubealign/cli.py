@@ -177,8 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--base",
         default="auto",
         metavar="auto|bootstrap|IMAGE",
-        help="cpu image base: auto (the Python image if it can be had, else bootstrap), bootstrap (Debian "
-        "bookworm made here with debootstrap) or an image the daemon has",
+        help="base of either image: auto (the Python image if it can be had, else bootstrap), bootstrap (Debian "
+        "bookworm made here with debootstrap) or an image the daemon has (Python 3.11 with venv, headers, g++)",
+    )
+    build.add_argument(
+        "--cuda-arch-list",
+        metavar="ARCHS",
+        help="train image: TORCH_CUDA_ARCH_LIST to compile DeepSpeed's ops for (default: the Dockerfile's "
+        "'8.0;8.6;8.9;9.0'; each arch adds build time)",
     )
     daemon_ = images_sub.add_parser("daemon", help="start, stop or show kubealign's private dockerd")
     daemon_.add_argument("action", choices=["start", "stop", "status"])
@@ -393,9 +399,16 @@ def _images(args: argparse.Namespace) -> None:
         return
     client = daemon.client()
     try:
-        built = build.build(client, args.image, args.base, say=print)
+        built = build.build(client, args.image, args.base, say=print, cuda_arch_list=args.cuda_arch_list)
     finally:
         client.close()
+    if built.check:
+        torch, ds = built.check["torch"], built.check["deepspeed"]
+        print(
+            f"checked in the image: torch {torch['version']} (CUDA {torch['cuda']}), "
+            f"deepspeed {ds['version']} with {', '.join(sorted(ds['loaded']))} prebuilt and loading, "
+            f"{built.check['distributions']} distributions at their pinned versions, uid {built.check['uid']}"
+        )
     print(
         f"built {built.image}: {built.size_bytes / 1e9:.2f} GB, Python {built.python}, base {built.base}, "
         f"{built.seconds:.0f} s"

@@ -15,12 +15,19 @@ from kubealign import __version__
 REGISTRY_ENV = "KUBEALIGN_IMAGE_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/kubealign"
 
-# The bases images/*/Dockerfile build FROM; tests/test_images.py checks them (and the torch, deepspeed and
-# Python versions) against the Dockerfiles and requirements/lock-cpu.txt.
-CUDA_BASE_IMAGE = "pytorch/pytorch:2.13.0-cuda12.8-cudnn9-runtime"
+# The bases images/*/Dockerfile build FROM by default (`kubealign images build --base` picks another, or a
+# debootstrapped Debian where no registry is reachable); tests/test_images.py checks them (and the torch,
+# CUDA, deepspeed and Python versions) against the Dockerfiles, requirements/lock-cpu.txt and
+# images/train/cuda.txt.
 # Not the slim variant: DeepSpeed on CPU JIT-compiles an op at start-up and needs g++ and the Python headers,
 # which slim lacks and an offline build cannot apt-get.
 CPU_BASE_IMAGE = "python:3.11.7-bookworm"
+# No CUDA base image: PyPI's torch wheels carry the CUDA runtime libraries (the driver comes from the node),
+# and DeepSpeed's ops are compiled in the build by PyPI's CUDA compiler wheels. The same Python as the CPU
+# image, so that one wheelhouse of the lock serves both.
+TRAIN_BASE_IMAGE = CPU_BASE_IMAGE
+# The CUDA torch 2.13.0 from PyPI is built for (torch.version.cuda), which the ops are compiled with.
+TRAIN_CUDA_VERSION = "13.0"
 
 
 def _registry() -> str:

@@ -1,8 +1,10 @@
-"""images/: hadolint passes, the versions the Dockerfiles pin are the locked ones, and the image
-references the components use come from kubealign.images."""
+"""images/: hadolint passes, the versions the Dockerfiles pin are the locked ones, the training image's
+CUDA pins (images/train/cuda*.txt) agree with the lock and with what torch's CUDA build requires, its
+in-image check finds what it must, and the image references the components use come from kubealign.images."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -10,11 +12,46 @@ from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from kubealign import __version__, images
+from kubealign.containers import build
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = {name: REPO / "images" / name / "Dockerfile" for name in ("train", "cpu")}
+TRAIN = REPO / "images" / "train"
+# torch 2.13.0's METADATA (PyPI's cp311 manylinux_2_28 wheel, a CUDA 13.0 build): its Linux requirements
+# beyond the lock's, and the pins cuda-toolkit 13.0.3's extras add. Copied from the wheels; the
+# train_image tier (tests/test_train_image.py) compares TORCH_REQUIRES with the wheel in the wheelhouse.
+TORCH_REQUIRES = [
+    "cuda-toolkit[cublas,cudart,cufft,cufile,cupti,curand,cusolver,cusparse,nvjitlink,nvrtc,nvtx]==13.0.3",
+    "cuda-bindings<14,>=13.0.3",
+    "nvidia-cudnn-cu13==9.20.0.48",
+    "nvidia-cusparselt-cu13==0.8.1",
+    "nvidia-nccl-cu13==2.29.7",
+    "nvidia-nvshmem-cu13==3.4.5",
+    "triton==3.7.1",
+]
+CUDA_TOOLKIT_13_0_3 = {  # extra -> what it pins (a trailing .* in the METADATA, dropped here)
+    "cublas": ["nvidia-cublas==13.1.1.3", "nvidia-cuda-nvrtc==13.0.88"],
+    "cudart": ["nvidia-cuda-runtime==13.0.96"],
+    "cufft": ["nvidia-cufft==12.0.0.61", "nvidia-nvjitlink<14,>=13.0.88"],
+    "cufile": ["nvidia-cufile==1.15.1.6"],
+    "cupti": ["nvidia-cuda-cupti==13.0.85"],
+    "curand": ["nvidia-curand==10.4.0.35"],
+    "cusolver": ["nvidia-cusolver==12.0.4.66", "nvidia-cusparse==12.6.3.3", "nvidia-nvjitlink<14,>=13.0.88"],
+    "cusparse": ["nvidia-cusparse==12.6.3.3", "nvidia-nvjitlink<14,>=13.0.88"],
+    "nvjitlink": ["nvidia-nvjitlink<14,>=13.0.88"],
+    "nvrtc": ["nvidia-cuda-nvrtc==13.0.88"],
+    "nvtx": ["nvidia-nvtx==13.0.85"],
+    # the compiler's: images/train/cuda-build.txt
+    "nvcc": ["nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-cuda-runtime==13.0.96",
+             "nvidia-nvvm==13.0.88"],
+    "cccl": ["nvidia-cuda-cccl==13.0.85"],
+    "crt": ["nvidia-cuda-crt==13.0.88"],
+    "nvvm": ["nvidia-nvvm==13.0.88"],
+    "profiler": ["nvidia-cuda-profiler-api==13.0.85"],
+}  # fmt: skip
 
 
 def args(dockerfile: Path) -> dict[str, str]:
@@ -55,15 +92,101 @@ def test_every_hadolint_ignore_is_justified(name: str) -> None:
 def test_pinned_versions_match_the_lock() -> None:
     locked = lock()
     torch = locked["torch"].split("+")[0]  # the lock holds the CPU build, 2.13.0+cpu
+    header = (REPO / "requirements" / "lock-cpu.txt").read_text(encoding="utf-8").splitlines()[0]
     for name, dockerfile in DOCKERFILES.items():
         pinned = args(dockerfile)
         assert pinned["TORCH_VERSION"] == torch, name
         assert pinned["VERSION"] == __version__, name
-    assert args(DOCKERFILES["train"])["DEEPSPEED_VERSION"] == locked["deepspeed"]
-    assert args(DOCKERFILES["cpu"])["DEEPSPEED_VERSION"] == locked["deepspeed"]
-    python = re.fullmatch(r"python:([\d.]+)-bookworm", args(DOCKERFILES["cpu"])["BASE_IMAGE"]).group(1)
-    header = (REPO / "requirements" / "lock-cpu.txt").read_text(encoding="utf-8").splitlines()[0]
-    assert f"Python {'.'.join(python.split('.')[:2])}" in header  # the lock was resolved for this Python
+        assert pinned["DEEPSPEED_VERSION"] == locked["deepspeed"], name
+        python = re.fullmatch(r"python:([\d.]+)-bookworm", pinned["BASE_IMAGE"]).group(1)
+        assert f"Python {'.'.join(python.split('.')[:2])}" in header, name  # the lock was resolved for this Python
+
+
+def test_train_cuda_pins_are_torch_s_cuda_build_and_the_lock() -> None:
+    """cuda.txt: the lock's torch version as PyPI's CUDA build (=== keeps a +cpu wheel out), nothing the
+    lock pins otherwise; cuda-build.txt: only the compiler, named as deps/requirements.txt names it (the
+    install step filters it out by exact line)."""
+    cuda, compiler, locked = build.pins(TRAIN / "cuda.txt"), build.pins(TRAIN / "cuda-build.txt"), lock()
+    text = (TRAIN / "cuda.txt").read_text(encoding="utf-8")
+    assert f"\ntorch==={locked['torch'].split('+')[0]}\n" in text and "+" not in cuda["torch"]
+    locked_names = {re.sub(r"[-_.]+", "-", name) for name in locked}
+    assert not (set(cuda) - {"torch"}) & locked_names and not set(compiler) & (locked_names | set(cuda))
+    for line in (TRAIN / "cuda-build.txt").read_text(encoding="utf-8").splitlines():
+        if line and not line.startswith("#"):
+            assert line == line.lower() and "_" not in line and line.count("==") == 1, line
+    assert args(DOCKERFILES["train"])["CUDA_VERSION"] == images.TRAIN_CUDA_VERSION
+
+
+def test_train_cuda_pins_agree_with_what_torch_s_cuda_build_requires() -> None:
+    """Every requirement torch 2.13.0 (CUDA 13.0) states, and every pin of the cuda-toolkit extras it and
+    the compiler use, is met by exactly the version cuda.txt / cuda-build.txt pin; the CUDA major.minor
+    of the toolkit, the compiler and the Dockerfile's CUDA_VERSION are one."""
+    pinned = {**build.pins(TRAIN / "cuda.txt"), **build.pins(TRAIN / "cuda-build.txt")}
+    toolkit = Requirement(TORCH_REQUIRES[0])
+    extras = sorted(toolkit.extras) + ["nvcc", "cccl", "crt", "nvvm", "profiler"]
+    for line in TORCH_REQUIRES + [req for extra in extras for req in CUDA_TOOLKIT_13_0_3[extra]]:
+        requirement = Requirement(line)
+        version = pinned.get(requirement.name)
+        assert version is not None and requirement.specifier.contains(version, prereleases=True), line
+    assert set(pinned) - {"torch", "cuda-pathfinder", "nvidia-ml-py"} == {
+        Requirement(line).name for line in TORCH_REQUIRES + [r for e in extras for r in CUDA_TOOLKIT_13_0_3[e]]
+    }  # nothing pinned that torch does not need (cuda-pathfinder: cuda-bindings'; nvidia-ml-py: DeepSpeed's)
+    cuda = args(DOCKERFILES["train"])["CUDA_VERSION"]
+    assert (
+        ".".join(pinned["cuda-toolkit"].split(".")[:2]) == cuda == ".".join(pinned["nvidia-cuda-nvcc"].split(".")[:2])
+    )
+    assert all(name.endswith(f"-cu{cuda.split('.')[0]}") for name in pinned if re.search(r"-cu\d+$", name))
+
+
+def _check_module():
+    spec = importlib.util.spec_from_file_location("train_image_check", TRAIN / "check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_in_image_check_expects_the_lock_with_cuda_txt_over_it() -> None:
+    expected = build.train_expectations(REPO)
+    assert expected["versions"]["torch"] == "2.13.0" and expected["versions"]["transformers"] == lock()["transformers"]
+    assert expected["versions"]["nvidia-cudnn-cu13"] == build.pins(TRAIN / "cuda.txt")["nvidia-cudnn-cu13"]
+    assert "nvidia-cuda-nvcc" in expected["absent"] and expected["cuda"] == images.TRAIN_CUDA_VERSION
+    assert {"torch", "nvidia-cudnn-cu13", "deepspeed", "kubealign"} <= set(expected["required"])
+    assert "pytest" in expected["versions"] and "pytest" not in expected["required"]  # the lock's dev tools
+    assert expected["uid"] == 10001 and expected["ops"] == ["fused_adam", "transformer_inference", "cpu_adam"]
+    for op in ("FUSED_ADAM", "TRANSFORMER_INFERENCE", "CPU_ADAM"):  # the ops the Dockerfile builds
+        assert f"DS_BUILD_{op}=1" in DOCKERFILES["train"].read_text(encoding="utf-8")
+
+
+def test_the_in_image_check_fails_on_this_cpu_environment() -> None:
+    """Run here (the dev venv: CPU torch, no CUDA wheels, pytest & co.), the check names what is wrong."""
+    check, expected = _check_module(), build.train_expectations(REPO)
+    _, problems = check.distributions(expected)
+    assert "torch 2.13.0+cpu, expected 2.13.0" in problems
+    assert "nvidia-cudnn-cu13 is missing" in problems
+    _, problems = check.torch_report(expected)
+    assert problems and "is not a CUDA 13.0 build" in problems[0]
+
+
+def test_a_wheel_nothing_pins_is_refused() -> None:
+    pinned = {"torch": "2.13.0", "nvidia-nccl-cu13": "2.29.7"}
+    assert build.unpinned("nvidia-nccl-cu13==2.29.7\ntorch==2.13.0\n", pinned) == []
+    assert build.unpinned("nvidia_nccl_cu13==2.32.3\nnumpy==2.0.0\n", pinned) == [
+        "nvidia_nccl_cu13==2.32.3",
+        "numpy==2.0.0",
+    ]
+
+
+def test_the_train_context_carries_the_cuda_pins(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheelhouse"
+    wheels.mkdir()
+    for name in ("torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl", "nvidia_cuda_nvcc-13.0.88-py3-none-any.whl"):
+        (wheels / name).write_bytes(b"x")
+    context = build.stage_context(REPO, "train", wheels, tmp_path / "context")
+    for name in ("Dockerfile", "cuda.txt", "cuda-build.txt"):
+        assert (context / name).read_bytes() == (TRAIN / name).read_bytes()
+    required = (context / "deps" / "requirements.txt").read_text(encoding="utf-8").splitlines()
+    assert required == ["nvidia-cuda-nvcc==13.0.88", "torch==2.13.0"]
+    assert "nvidia-cuda-nvcc==13.0.88" in (TRAIN / "cuda-build.txt").read_text(encoding="utf-8").splitlines()
 
 
 def test_both_images_install_through_the_one_offline_step() -> None:
@@ -74,13 +197,17 @@ def test_both_images_install_through_the_one_offline_step() -> None:
         assert "pip install" not in text and "pip wheel" not in text, name  # only install.sh installs
     script = (REPO / "images" / "install.sh").read_text(encoding="utf-8")
     pip_lines = [line for line in script.splitlines() if "$pip install" in line or "$pip wheel" in line]
-    assert len(pip_lines) == 4 and all("--no-index" in line for line in pip_lines)
+    # cpu: 1; train: dependencies, compiler, DeepSpeed's wheel and its install; kubealign: 1
+    assert len(pip_lines) == 6 and all("--no-index" in line for line in pip_lines)
 
 
 def test_base_images_are_the_ones_kubealign_names() -> None:
-    assert from_lines(DOCKERFILES["train"])[-1] == images.CUDA_BASE_IMAGE
-    assert from_lines(DOCKERFILES["cpu"])[-1] == images.CPU_BASE_IMAGE
-    assert from_lines(DOCKERFILES["train"])[0].endswith("-devel")  # ops compile against the CUDA toolkit
+    """Both stages of both images build FROM the one BASE_IMAGE argument (`--base`), whose default is the
+    one kubealign.images names: no CUDA base image."""
+    assert from_lines(DOCKERFILES["train"]) == [images.TRAIN_BASE_IMAGE] * 2
+    assert from_lines(DOCKERFILES["cpu"]) == [images.CPU_BASE_IMAGE] * 2
+    for dockerfile in DOCKERFILES.values():
+        assert re.findall(r"^FROM (\S+)", dockerfile.read_text(encoding="utf-8"), flags=re.M)[-1] == "${BASE_IMAGE}"
 
 
 def test_image_references(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,3 +251,19 @@ def test_the_cpu_image_carries_the_mlflow_servers_production_store_clients() -> 
         engine = sqlalchemy.create_engine(f"{uri}mlflow@127.0.0.1:1/mlflow")  # loads the driver, connects never
         assert engine.dialect.driver == driver
     import boto3  # noqa: F401  # what MLflow's S3 artifact repository imports
+
+
+def test_the_train_image_takes_a_base_like_the_cpu_image_and_a_well_formed_arch_list() -> None:
+    """`--base auto` takes the Python image the daemon has (a pullable base, as for the cpu image); a
+    malformed --cuda-arch-list, or one for the cpu image, is refused before anything is built."""
+    from types import SimpleNamespace
+
+    from kubealign.errors import UserError
+
+    have = {images.TRAIN_BASE_IMAGE: object(), "registry.internal/python:3.11-cuda": object()}
+    client = SimpleNamespace(images=SimpleNamespace(get=have.__getitem__))
+    assert build.choose_base(client, "auto", "train", print) == images.TRAIN_BASE_IMAGE
+    assert build.choose_base(client, "registry.internal/python:3.11-cuda", "train", print).endswith("cuda")
+    for flavour, archs in (("train", "sm_90"), ("train", "9.0,8.0"), ("cpu", "9.0")):
+        with pytest.raises(UserError, match="--cuda-arch-list"):
+            build.build(None, flavour, cuda_arch_list=archs)

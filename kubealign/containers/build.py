@@ -6,8 +6,13 @@
 2. A staged build context: the image's Dockerfile, images/install.sh, the lock and the wheels. The
    build runs with no network (network_mode none) and installs with --no-index: what it installs is
    exactly what the wheelhouse holds.
-3. The base: --base IMAGE, or `auto`: the Dockerfile's slim Python image if the daemon has it or can
-   pull it, else a Debian bookworm made here with debootstrap (kubealign.containers.base).
+   The train image's wheelhouse swaps the lock's +cpu torch for PyPI's CUDA build and the CUDA
+   libraries it requires, and adds CUDA's compiler for its build stage and DeepSpeed's sdist: the
+   versions of images/train/cuda.txt and cuda-build.txt, every one pinned (checked here).
+3. The base: --base IMAGE, or `auto`: the Dockerfile's Python image if the daemon has it or can pull
+   it, else a Debian bookworm made here with debootstrap (kubealign.containers.base). Both images.
+4. The train image is then checked inside (images/train/check.py): its torch a CUDA build, DeepSpeed's
+   ops prebuilt and loading, every distribution at the lock's or cuda.txt's version, its user.
 
 It prints what it built, with sizes; the daemon's build output goes to state_dir()/build-<image>.log.
 """
@@ -15,7 +20,9 @@ It prints what it built, with sizes; the daemon's build output goes to state_dir
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,6 +41,9 @@ from kubealign.errors import UserError
 FLAVOURS = {"cpu": images.cpu_image, "train": images.train_image}
 SOURCE_DIRS = ("kubealign", "components", "pipelines", "configs")
 SOURCE_LABEL = "io.kubealign.source-sha256"
+# The train image's distributions beyond the lock (runtime) and its build stage's CUDA compiler.
+CUDA_PINS = ("cuda.txt", "cuda-build.txt")
+TRAIN_OPS = ("fused_adam", "transformer_inference", "cpu_adam")  # the Dockerfile's DS_BUILD_* ones
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,7 @@ class Built:
     seconds: float
     size_bytes: int
     python: str
+    check: dict[str, Any] | None = None  # the train image's in-image report (images/train/check.py)
 
 
 def repo_root() -> Path:
@@ -78,7 +89,10 @@ def _pip(args: list[str], what: str) -> None:
 def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
     """The dependency wheels for `flavour` (cached by the lock's and pyproject's content)."""
     lock = repo / "requirements" / "lock-cpu.txt"
-    key = hashlib.sha256(lock.read_bytes() + (repo / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    keyed = [lock, repo / "pyproject.toml"] + (
+        [repo / "images" / "train" / n for n in CUDA_PINS] if flavour == "train" else []
+    )
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in keyed)).hexdigest()[:16]
     cached = state_dir() / f"wheelhouse-{flavour}-{key}"
     if (cached / ".complete").is_file():
         return cached
@@ -90,6 +104,7 @@ def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
         for own in tmp.glob("kubealign-*.whl"):
             own.unlink()  # made fresh for every build
         if flavour == "train":
+            _cuda_wheels(repo, lock, tmp)
             # compiled inside the CUDA build with its ops; the lock's version, as a source distribution
             deepspeed = next(line for line in lock.read_text().splitlines() if line.startswith("deepspeed=="))
             _pip(["download", "-q", "--no-deps", "--no-binary", ":all:", "-d", str(tmp), deepspeed], "pip download")
@@ -99,6 +114,43 @@ def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return cached
+
+
+def pins(path: Path) -> dict[str, str]:
+    """normalized name -> version of a requirements file's `name==version` (or `===`) lines."""
+    found = re.findall(
+        r"^([A-Za-z0-9][\w.-]*)(?:\[[^]]*\])?===?([^\s;,]+)", path.read_text(encoding="utf-8"), flags=re.M
+    )
+    return {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in found}
+
+
+def _cuda_wheels(repo: Path, lock: Path, wheels: Path) -> None:
+    """Replace the +cpu torch in `wheels` by PyPI's CUDA build and what it requires, plus the CUDA compiler
+    wheels, resolved by pip against the lock and images/train/cuda*.txt: a pin that disagrees with torch's
+    requirements fails here, and a requirement nothing pins is refused (the image would float)."""
+    for old in wheels.glob("torch-*.whl"):
+        old.unlink()
+    train = repo / "images" / "train"
+    constraints = wheels.parent / f".{wheels.name}-constraints.txt"
+    lines = [line for line in lock.read_text(encoding="utf-8").splitlines() if not line.startswith("torch==")]
+    constraints.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    try:
+        args = ["download", "-q", "--only-binary", ":all:", "-c", str(constraints), "-d", str(wheels)]
+        _pip([*args, *(arg for name in CUDA_PINS for arg in ("-r", str(train / name)))], "pip download (CUDA wheels)")
+    finally:
+        constraints.unlink()
+    pinned = {**pins(lock), **pins(train / "cuda.txt"), **pins(train / "cuda-build.txt")}
+    floating = unpinned(requirements(wheels), pinned)
+    if floating:
+        raise UserError(
+            f"the train wheelhouse holds {', '.join(floating)}, pinned by neither the lock nor images/train/cuda*.txt"
+        )
+
+
+def unpinned(requirements_txt: str, pinned: dict[str, str]) -> list[str]:
+    """The `name==version` lines of requirements_txt whose version `pinned` does not give."""
+    lines = [line for line in requirements_txt.splitlines() if "==" in line]
+    return [line for line in lines if pinned.get(re.sub(r"[-_.]+", "-", line.split("==")[0])) != line.split("==")[1]]
 
 
 def _link_or_copy(files: Iterable[Path], dest: Path) -> None:
@@ -129,39 +181,51 @@ def stage_context(repo: Path, flavour: str, wheels: Path, dest: Path) -> Path:
     dest.mkdir(parents=True)
     shutil.copy2(repo / "images" / flavour / "Dockerfile", dest / "Dockerfile")
     shutil.copy2(repo / "images" / "install.sh", dest / "install.sh")
+    if flavour == "train":
+        for name in CUDA_PINS:
+            shutil.copy2(repo / "images" / "train" / name, dest / name)
     _link_or_copy([p for p in wheels.iterdir() if p.name != ".complete"], dest / "deps")
     (dest / "deps" / "requirements.txt").write_text(requirements(wheels), encoding="utf-8")
     _pip(["wheel", "-q", "--no-deps", "--wheel-dir", str(dest / "own"), str(repo)], "pip wheel (kubealign)")
     return dest
 
 
-def choose_base(client: Any, requested: str, flavour: str, say: Callable[[str], None]) -> str | None:
-    """The BASE_IMAGE build argument (None: the Dockerfile's own FROM, for the train image)."""
-    if flavour == "train":
-        if requested not in ("auto",):
-            raise UserError("--base applies to the cpu image; the train image's base is the CUDA PyTorch image")
-        return None
+def choose_base(client: Any, requested: str, flavour: str, say: Callable[[str], None]) -> str:
+    """The BASE_IMAGE build argument. Both images build on a Python 3.11 Debian: the train image's CUDA
+    comes from torch's wheels, not from the base."""
+    default = images.TRAIN_BASE_IMAGE if flavour == "train" else images.CPU_BASE_IMAGE
     if requested == "bootstrap":
         return base.bootstrap(client, say)
     if requested != "auto":
         if not base.exists(client, requested):
             raise UserError(f"--base {requested}: the daemon has no such image (load or pull it first)")
         return requested
-    if base.exists(client, images.CPU_BASE_IMAGE):
-        return images.CPU_BASE_IMAGE
+    if base.exists(client, default):
+        return default
     try:
-        repository, tag = images.CPU_BASE_IMAGE.rsplit(":", 1)
+        repository, tag = default.rsplit(":", 1)
         client.images.pull(repository, tag=tag)
-        return images.CPU_BASE_IMAGE
+        return default
     except Exception as exc:
-        say(f"{images.CPU_BASE_IMAGE} cannot be pulled ({str(exc).splitlines()[0][:120]}); using a bootstrapped base")
+        say(f"{default} cannot be pulled ({str(exc).splitlines()[0][:120]}); using a bootstrapped base")
     return base.bootstrap(client, say)
 
 
-def build(client: Any, flavour: str = "cpu", base_image: str = "auto", say: Callable[[str], None] = print) -> Built:
-    """Build one image offline; returns what was built."""
+def build(
+    client: Any,
+    flavour: str = "cpu",
+    base_image: str = "auto",
+    say: Callable[[str], None] = print,
+    cuda_arch_list: str | None = None,
+) -> Built:
+    """Build one image offline; returns what was built. cuda_arch_list: the train image's
+    TORCH_CUDA_ARCH_LIST (default: the Dockerfile's)."""
     if flavour not in FLAVOURS:
         raise UserError(f"unknown image {flavour!r}: choose one of {', '.join(FLAVOURS)}")
+    if cuda_arch_list is not None and (
+        flavour != "train" or not re.fullmatch(r"\d+\.\d+(\+PTX)?(;\d+\.\d+(\+PTX)?)*", cuda_arch_list)
+    ):
+        raise UserError(f"--cuda-arch-list {cuda_arch_list!r}: the train image's, as '8.0;9.0' (optionally 9.0+PTX)")
     repo = repo_root()
     tag = FLAVOURS[flavour]()
     started = time.perf_counter()
@@ -171,21 +235,61 @@ def build(client: Any, flavour: str = "cpu", base_image: str = "auto", say: Call
     with tempfile.TemporaryDirectory(prefix="kubealign-context-") as tmp:
         context = stage_context(repo, flavour, wheels, Path(tmp) / "context")
         buildargs = {
+            "BASE_IMAGE": chosen,
             "VERSION": __version__,
             "SOURCE_SHA256": source_sha256(repo),
             "REVISION": _revision(repo),
             "CREATED": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         }
-        if chosen:
-            buildargs["BASE_IMAGE"] = chosen
-        say(f"building {tag} from {chosen or 'the Dockerfile base'} (log: {log})")
+        if cuda_arch_list:
+            buildargs["TORCH_CUDA_ARCH_LIST"] = cuda_arch_list
+        say(f"building {tag} from {chosen} (log: {log})")
         _stream_build(client, context, tag, buildargs, log)
     # the image this tag held before is now untagged: drop it (and its layers), or every rebuild adds ~2 GB
     client.images.prune(filters={"dangling": True})
     image = client.images.get(tag)
     python = client.containers.run(tag, ["python", "-c", "import platform; print(platform.python_version())"],
                                    remove=True, network_mode="none").decode().strip()  # fmt: skip
-    return Built(tag, chosen or "(Dockerfile)", time.perf_counter() - started, int(image.attrs["Size"]), python)
+    report = check_train(client, tag, repo) if flavour == "train" else None
+    return Built(tag, chosen, time.perf_counter() - started, int(image.attrs["Size"]), python, report)
+
+
+def train_expectations(repo: Path) -> dict[str, Any]:
+    """What images/train/check.py checks the train image against: the lock's versions with
+    images/train/cuda.txt's over them (torch's CUDA build for the lock's +cpu one), no build-only wheel."""
+    train = repo / "images" / "train"
+    versions = {**pins(repo / "requirements" / "lock-cpu.txt"), **pins(train / "cuda.txt"), "kubealign": __version__}
+    cuda = re.search(r"^ARG CUDA_VERSION=(\S+)$", (train / "Dockerfile").read_text(encoding="utf-8"), flags=re.M)
+    return {
+        "uid": 10001,
+        "cuda": cuda.group(1) if cuda else "",
+        "ops": list(TRAIN_OPS),
+        "versions": versions,
+        "required": sorted({*pins(train / "cuda.txt"), "deepspeed", "kubealign"}),
+        "allowed": ["pip"],  # the venv's own; setuptools is in the lock
+        "absent": sorted(pins(train / "cuda-build.txt")),
+    }
+
+
+def check_train(client: Any, tag: str, repo: Path) -> dict[str, Any]:
+    """Run images/train/check.py in the built image (no network, as its user); its report, or a UserError
+    naming the problems it found."""
+    script = (repo / "images" / "train" / "check.py").read_text(encoding="utf-8")
+    command = ["python", "-c", script, json.dumps(train_expectations(repo))]
+    container = client.containers.run(tag, command, detach=True, network_mode="none")
+    try:
+        container.wait(timeout=300)
+        out = container.logs(stdout=True, stderr=False).decode()
+        err = container.logs(stdout=False, stderr=True).decode()
+    finally:
+        container.remove(force=True)
+    lines = [line for line in out.strip().splitlines() if line.startswith("{")]
+    if not lines:
+        raise UserError(f"the check in {tag} printed no report: {(out + err).strip()[-300:]}")
+    report = json.loads(lines[-1])
+    if report["problems"]:
+        raise UserError(f"{tag} fails its check: {'; '.join(report['problems'])}")
+    return report
 
 
 def _revision(repo: Path) -> str:
