@@ -94,7 +94,8 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra config overrides")
     parser.add_argument("--label", default=f"verifiable-quality-{PRESET}")
     args = parser.parse_args()
-    runs = []
+    runs: list[dict] = []
+    out = HERE / "results" / f"{args.label}.json"
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
             runs.append(one_seed(Path(tmp), seed, args.overrides))
@@ -102,9 +103,9 @@ def main() -> None:
         print(f"seed {seed}: right {r['sft_data_accuracy']:.2f} (SFT data) -> {r['baseline_accuracy']:.2f} (SFT) -> "
               f"{r['candidate_accuracy']:.2f} (GRPO) on {r['prompts']} prompts; KL {r['kl_to_baseline']:.2f}; "
               f"champion {r['champion']}; {r['total_wall_s']:.0f} s")  # fmt: skip
-    record = {"preset": PRESET, "overrides": args.overrides, "runs": runs, "machine": machine()}
-    out = HERE / "results" / f"{args.label}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
+        # written after every seed: a run cut short still records the seeds it finished
+        record = {"preset": PRESET, "overrides": args.overrides, "runs": runs, "machine": machine()}
+        out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written to {out}")
 
 
