@@ -22,11 +22,11 @@ from kubealign.outputs import tree_sha256
 
 
 def data_fingerprint(config: KubealignConfig) -> str:
-    from kubealign.data.sources import read_source
+    from kubealign.data.sources import BUILT_IN, read_source
 
     parts = [section_sha256(config.data)]
     for index, source in enumerate(config.data.sources):
-        if source.path == "synthetic" or Path(source.path).exists():
+        if source.path in BUILT_IN or Path(source.path).exists():
             parts.append(read_source(index, source, config.data).sha256)
         else:
             parts.append(f"name:{source.path}:{source.name}:{source.split}")

@@ -51,6 +51,7 @@ def test_wheel_holds_only_the_kubealign_namespace(tmp_path: Path):
     assert "kubealign/components/__init__.py" in names
     assert "kubealign/pipelines/__init__.py" in names
     assert "kubealign/configs/tiny-cpu.yaml" in names
+    assert "kubealign/configs/rewards/arithmetic.py" in names  # a preset's reward function travels with it
 
 
 def test_console_script_lists_every_stage():

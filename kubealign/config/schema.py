@@ -25,9 +25,10 @@ class Section(BaseModel):
 
 class DataSource(Section):
     path: str = Field(
-        description="'synthetic' (built-in generator), a local .jsonl/.jsonl.gz/.json/.parquet file, a "
-        "datasets save_to_disk dir, a local dataset dir, or a Hugging Face hub dataset name "
-        "(loaded with datasets.load_dataset). Relative paths are resolved against the working directory."
+        description="'synthetic' or 'synthetic-arithmetic' (built-in generators), a local "
+        ".jsonl/.jsonl.gz/.json/.parquet file, a datasets save_to_disk dir, a local dataset dir, or a Hugging Face "
+        "hub dataset name (loaded with datasets.load_dataset). Relative paths are resolved against the working "
+        "directory."
     )
     format: SourceFormat = Field(
         "auto",
@@ -69,7 +70,13 @@ class DataConfig(Section):
     )
     synthetic_pairs: int = Field(1000, ge=1, description="Preference rows the 'synthetic' source generates, rows.")
     synthetic_sft_rows: int = Field(
-        200, ge=0, description="Extra SFT-only (prompt/response) rows of 'synthetic', rows."
+        200,
+        ge=0,
+        description="Extra SFT-only (prompt/response) rows of 'synthetic' (of 'synthetic-arithmetic': "
+        "its demonstrations), rows.",
+    )
+    synthetic_prompts: int = Field(
+        500, ge=0, description="Prompt-only rows {prompt, answer} of 'synthetic-arithmetic' (phase 3 only), rows."
     )
     report_examples: int = Field(5, ge=0, description="How many example locations the manifest keeps per drop reason.")
 

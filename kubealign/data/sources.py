@@ -1,10 +1,10 @@
 """Read data sources into raw records that remember where they came from (file:line).
 
-A source is 'synthetic', a local file (.jsonl, .jsonl.gz, .json, .parquet), a datasets save_to_disk
-dir, a local dataset dir, or a hub dataset name; the last two go through datasets.load_dataset, the
-same code path a hub download takes. Problems with a whole source (missing, not gzip, not parquet)
-are UserErrors; problems with one line (bad UTF-8, bad JSON) become records carrying an error, so
-the stage can raise or skip them per `data.on_error`.
+A source is 'synthetic' or 'synthetic-arithmetic' (built-in generators), a local file (.jsonl, .jsonl.gz,
+.json, .parquet), a datasets save_to_disk dir, a local dataset dir, or a hub dataset name; the last two go
+through datasets.load_dataset, the same code path a hub download takes. Problems with a whole source
+(missing, not gzip, not parquet) are UserErrors; problems with one line (bad UTF-8, bad JSON) become
+records carrying an error, so the stage can raise or skip them per `data.on_error`.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from kubealign.config.schema import DataConfig, DataSource
-from kubealign.data import synthetic
+from kubealign.data import arithmetic, synthetic
 from kubealign.errors import UserError, first_line
 
+BUILT_IN = ("synthetic", "synthetic-arithmetic")  # source paths that name a generator, not a file
 FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".json": "json", ".parquet": "parquet"}
 
 
@@ -140,11 +141,16 @@ def _read_dataset(index: int, source: DataSource, path: Path | None) -> SourceRe
 
 def read_source(index: int, source: DataSource, data: DataConfig) -> SourceRead:
     """Read one configured source (data.sources[index]) fully into raw records."""
-    if source.path == "synthetic":
-        rows = synthetic.generate(data.synthetic_pairs, data.synthetic_sft_rows, data.seed)
+    if source.path in BUILT_IN:
+        if source.path == "synthetic":
+            rows = synthetic.generate(data.synthetic_pairs, data.synthetic_sft_rows, data.seed)
+            version = synthetic.VERSION
+        else:
+            rows = arithmetic.generate(data.synthetic_prompts, data.synthetic_sft_rows, data.seed)
+            version = arithmetic.VERSION
         rows = rows[: source.limit] if source.limit else rows
-        records = [RawRecord(f"synthetic:row {i}", row, None) for i, row in enumerate(rows, 1)]
-        return SourceRead("synthetic", "synthetic", _rows_sha256([synthetic.VERSION, *rows]), records)
+        records = [RawRecord(f"{source.path}:row {i}", row, None) for i, row in enumerate(rows, 1)]
+        return SourceRead(source.path, "synthetic", _rows_sha256([version, *rows]), records)
     path = Path(source.path).expanduser()
     kind = _file_kind(source.path)
     if path.is_file():
