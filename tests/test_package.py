@@ -59,3 +59,13 @@ def test_console_script_lists_every_stage():
     assert out.returncode == 0
     for command in ("data-split", "tiny-model", "config"):
         assert command in out.stdout
+
+
+def test_every_package_of_the_library_is_installed():
+    """A package missing from pyproject's list installs nowhere: the wheel and the images lack it (an
+    editable install in the repo hides that)."""
+    import tomllib
+
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "kubealign").rglob("__init__.py")}
+    assert found <= listed, sorted(found - listed)

@@ -74,13 +74,15 @@ def model_dirs(cfg: PPOConfig, rewards: RewardsConfig, actor: Path, critic: Path
     return critic_dir, reward_dir
 
 
-def check_inputs(cfg: PPOConfig, actor: Path, critic: Path | None, reward: Path | None) -> None:
-    """Model dirs of the right kind, and lengths that fit every model and the hybrid engine's KV budget."""
+def check_inputs(cfg: PPOConfig, actor: Path, critic: Path | None, reward: Path | None, reward_flag: str = "--reward"
+                 ) -> None:  # fmt: skip
+    """Model dirs of the right kind, and lengths that fit every model and the hybrid engine's KV budget.
+    reward_flag: the option the reward model came from (--critic when it stands for both)."""
     wanted = [("--actor", actor, "ForCausalLM", "actor")]
     if critic is not None:  # a critic from the SFT model is a causal LM that gets a new value head
         wanted.append(("--critic", critic, "ForCausalLM" if critic == actor else "ForSequenceClassification", "critic"))
     if reward is not None:
-        wanted.append(("--reward", reward, "ForSequenceClassification", "reward model"))
+        wanted.append((reward_flag, reward, "ForSequenceClassification", "reward model"))
     configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}
     total = cfg.max_prompt_len + cfg.max_new_tokens
     for flag, _, _, role in wanted:  # the critic and the reward model read the whole prompt + response too
@@ -361,8 +363,9 @@ def run(
     was handed them (their source embedded), else resolved from config.rewards. See model_dirs for the critic."""
     cfg = config.ppo
     check_output_path(output, STAGE)
+    reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
-    check_inputs(cfg, actor, critic, reward)
+    check_inputs(cfg, actor, critic, reward, reward_flag)
     specs = sources.resolve(config.rewards, config.base_dir) if functions is None else functions
     sources.check_matches(specs, config.rewards)
     dataset = phases.load(prompts, "phase3_prompts")
