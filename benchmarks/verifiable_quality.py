@@ -18,28 +18,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_quality import kubealign  # noqa: E402  (one stage command, timed: the main demo's benchmark's)
 from train_throughput import machine  # noqa: E402
 
 PRESET = "tiny-cpu-verifiable"
 HERE = Path(__file__).resolve().parent
 SEEDED = ("data.seed", "sft.seed", "ppo.seed", "evaluate.seed")
 METRIC = "fn/exact_answer"
-
-
-def kubealign(*args: str) -> float:
-    """Run one stage command; returns its wall time in seconds."""
-    exe = str(Path(sys.executable).parent / "kubealign")
-    started = time.perf_counter()
-    subprocess.run([exe, *args], check=True, env={**os.environ, "TQDM_DISABLE": "1"}, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - started
 
 
 def demonstration_accuracy(split: Path) -> float:

@@ -153,7 +153,8 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
             for name, (total, count) in (getattr(models.reward, "last", None) or {}).items():
-                sums[name] = (sums.get(name, (0.0, 0))[0] + total, sums.get(name, (0.0, 0))[1] + count)
+                before_total, before_count = sums.get(name, (0.0, 0))
+                sums[name] = (before_total + total, before_count + count)
     fns = {f"fn/{name}": total / count for name, (total, count) in sums.items() if count}
     return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **fns}
 
