@@ -142,3 +142,48 @@ def promote(
     result = tasks.promote(config_json, [], evaluation.path, candidate.path, promotion.path)
     tasks.to_kfp(result, metrics, promotion)
     return tasks.held_aliases(result)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def compare(
+    config_json: str,
+    routes: str,
+    comparison: Output[Artifact],
+    metrics: Output[Metrics],
+    leaderboard: Output[Markdown],
+    report: Output[HTML],
+    ppo_evaluation: Input[Artifact] = None,
+    grpo_evaluation: Input[Artifact] = None,
+    rloo_evaluation: Input[Artifact] = None,
+    dpo_evaluation: Input[Artifact] = None,
+):
+    """compare: rank the routes of one run (pipeline.algorithms) by their evaluations; a leaderboard for the
+    UI (Markdown table, HTML page with plots). routes: the routes the DAG trains, comma-separated. The DAG runs
+    this task even when a route failed (ignore_upstream_failure): that route's evaluation is then absent."""
+    from kubealign import tasks
+
+    given = {"ppo": ppo_evaluation, "grpo": grpo_evaluation, "rloo": rloo_evaluation, "dpo": dpo_evaluation}
+    evaluations = {route: None if artifact is None else artifact.path for route, artifact in given.items()}
+    result = tasks.compare(config_json, [], routes.split(","), evaluations, comparison.path)
+    tasks.to_kfp(result, metrics, comparison)
+    tasks.write_leaderboard(comparison.path, leaderboard.path, report.path)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def promote_ranked(
+    config_json: str,
+    comparison: Input[Artifact],
+    evaluation: Input[Artifact],
+    candidate: Input[Model],
+    promotion: Output[Artifact],
+    metrics: Output[Metrics],
+) -> str:
+    """promote, one route of several: register the candidate tagged with its route and rank; only the
+    comparison's leader can move the aliases, through the same gate as a one-route run.
+
+    Returns the aliases the new version holds ("" for a route that is not the leader)."""
+    from kubealign import tasks
+
+    result = tasks.promote(config_json, [], evaluation.path, candidate.path, promotion.path, comparison.path)
+    tasks.to_kfp(result, metrics, promotion)
+    return tasks.held_aliases(result)

@@ -213,7 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
 
     rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
-    rerun.add_argument("stage", choices=["data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote"])
+    rerun.add_argument(
+        "stage",
+        choices=["data-split", "sft", "reward", "ppo", "grpo", "rloo", "dpo", "evaluate", "promote", "compare"],
+        help="a stage; in a run comparing several routes, a route (its training, evaluation, then the comparison "
+        "and the promotions) or compare",
+    )
     rerun.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR",
                        help="--output of an earlier `kubealign run`")  # fmt: skip
     rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",

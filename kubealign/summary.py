@@ -62,8 +62,53 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
     return lines
 
 
+def _result(path: Path) -> dict[str, Any] | None:
+    return json.loads((path / "result.json").read_text(encoding="utf-8")) if (path / "result.json").is_file() else None
+
+
+def _seconds(*results: dict[str, Any] | None) -> str:
+    times = [r.get("metrics", {}).get("wall_time_s", r.get("wall_time_s")) for r in results if r]
+    times = [t for t in times if isinstance(t, int | float)]
+    return f"{sum(times):.1f} s" if times else "-"
+
+
+def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
+    """One line per route of a several-route run, in the comparison's order: its evaluation against the
+    SFT model (win-rate with its interval, reward, KL), its registry version and why it did not lead;
+    a failed route with its error line and log. Time: the route's training plus its evaluation."""
+    comparison = _result(dirs["compare"]) if "compare" in dirs else None
+    if comparison is None:
+        return [f"{'compare':<11}{'-':>8}  no comparison (see the failed task above)"]
+    lines = [
+        f"{'compare':<11}{_seconds(comparison):>8}  {len(comparison['standings'])} route(s) ranked by "
+        f"{comparison['measure']}, then candidate_reward_mean, then lower kl_to_baseline"
+    ]
+    for standing in comparison["standings"]:
+        route = standing["route"]
+        trained, evaluation = _result(dirs[route]), _result(dirs[f"evaluate-{route}"])
+        m = {"win_rate_upper_bound": float("nan"), **(evaluation or {}).get("metrics", {})}
+        text = (
+            f"win-rate {m['win_rate']:.2f} [{m['win_rate_lower_bound']:.2f}, {m['win_rate_upper_bound']:.2f}], "
+            f"reward {m['candidate_reward_mean']:.3f} (SFT {m['baseline_reward_mean']:.3f}), "
+            f"KL {m['kl_to_baseline']:.3f}"
+        )
+        promoted = _result(dirs[f"promote-{route}"]) if f"promote-{route}" in dirs else None
+        if promoted is not None:
+            held = ",".join(sorted(a for a, v in promoted.get("aliases", {}).items() if v == promoted.get("version")))
+            text += f"; version {promoted.get('version')}{' ' + held if held else ''}"
+            if standing["rank"] == 1 and not promoted.get("metrics", {}).get("gate_passed"):
+                text += " (gate refused)"
+        if standing["why"]:
+            text += f"; behind: {standing['why']}"
+        lines.append(f"{standing['rank']} {route:<9}{_seconds(trained, evaluation):>8}  {text}")
+    for route, message in indexed.get("failed_routes", {}).items():
+        lines.append(f"- {route:<9}{'-':>8}  FAILED: {message}")
+    return lines
+
+
 def summarize(run_dir: Path) -> list[str]:
-    """Lines: stage, wall time, headline metrics — for every stage whose result.json exists."""
+    """Lines: stage, wall time, headline metrics — for every stage whose result.json exists; with several
+    routes, the shared stages and then one line per route (route_lines)."""
     lines = [f"{'stage':<11}{'time':>8}  result"]
     index = run_dir / "run.json"
     dirs = {stage: run_dir / stage for stage in STAGES}
@@ -72,7 +117,14 @@ def summarize(run_dir: Path) -> list[str]:
         indexed = json.loads(index.read_text(encoding="utf-8"))
         dirs.update({k: Path(v["dir"]) for k, v in indexed["stages"].items()})
         label = str(indexed.get("algorithm", "ppo")).upper()
-    for stage in STAGES:
+        if len(indexed.get("algorithms", [])) > 1:
+            shared = [s for s in ("data-split", "sft", "reward") if s in indexed["stages"]]
+            return _stage_lines(lines, shared, dirs, label) + route_lines(indexed, dirs)
+    return _stage_lines(lines, STAGES, dirs, label)
+
+
+def _stage_lines(lines: list[str], stages: Any, dirs: dict[str, Path], label: str) -> list[str]:
+    for stage in stages:
         path = dirs[stage] / "result.json"
         if not path.is_file():
             continue

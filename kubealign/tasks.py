@@ -180,10 +180,33 @@ def evaluate(
     return stage.run(config, *paths, functions=specs)
 
 
-def promote(config_json: str, overrides: list[str], evaluation: str, model_dir: str, output: str) -> dict[str, Any]:
+def promote(
+    config_json: str, overrides: list[str], evaluation: str, model_dir: str, output: str, comparison: str = ""
+) -> dict[str, Any]:
+    """comparison: the compare stage's output when several routes ran (only its leader moves aliases)."""
     from kubealign.stages import promote as stage
 
-    return stage.run(load(config_json, overrides), Path(evaluation), Path(model_dir), Path(output))
+    ranked = Path(comparison) if comparison else None
+    return stage.run(load(config_json, overrides), Path(evaluation), Path(model_dir), Path(output), ranked)
+
+
+def compare(
+    config_json: str, overrides: list[str], routes: list[str], evaluations: dict[str, str | None], output: str
+) -> dict[str, Any]:
+    """evaluations: route -> its evaluate output, None where the route failed."""
+    from kubealign.stages import compare as stage
+
+    paths = {route: None if path is None else Path(path) for route, path in evaluations.items()}
+    return stage.run(load(config_json, overrides), routes, paths, Path(output))
+
+
+def write_leaderboard(comparison_dir: str, markdown_path: str, html_path: str) -> None:
+    """The comparison's leaderboard as the KFP Markdown and HTML artifacts."""
+    import shutil
+
+    for name, target in (("leaderboard.md", markdown_path), ("leaderboard.html", html_path)):
+        Path(target).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(Path(comparison_dir) / name, target)
 
 
 def roc(reward_dir: str) -> tuple[list[float], list[float], list[float], list[list[int]]]:

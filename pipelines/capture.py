@@ -19,6 +19,11 @@ for one run and puts them back after:
   raises on a `dsl.OneOf` of artifacts ("Expected 1 artifact in ArtifactSelectorSpec"), which the DAG's
   algorithm branches use; the replacement takes the one branch that produced the artifact, as kfp.local
   already does for parameters and as the KFP backend does.
+* OrchestratorUtils.make_task_arguments: a task marked `.ignore_upstream_failure()` (the route comparison)
+  runs after an upstream task failed, as it should, but kfp.local then raises looking for the failed
+  task's output ("task ... not found") instead of leaving the optional input at its default, which is
+  what the compiler's check for such tasks (inputs from upstream must be optional) promises; the
+  replacement drops artifact inputs whose producer failed or was skipped, so the default (None) applies.
 
 tests/test_run_output.py fails if kfp changes either seam (names, parameters, or how they are called).
 """
@@ -178,6 +183,7 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
     original_run = subprocess_task_handler.run_local_subprocess
     original_docker = docker_task_handler.run_docker_container
     original_dag_artifacts = utils.__dict__["get_dag_output_artifacts"]
+    original_arguments = utils.__dict__["make_task_arguments"]
 
     def execute_single_task(*args: Any, **kwargs: Any) -> Any:
         return cap.execute_single_task(original_execute, *args, **kwargs)
@@ -186,6 +192,12 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
     subprocess_task_handler.run_local_subprocess = cap.run_local_subprocess
     docker_task_handler.run_docker_container = cap.run_docker_container
     utils.get_dag_output_artifacts = classmethod(dag_output_artifacts)
+
+    def task_arguments(cls: Any, task_inputs_spec: Any, io_store: Any) -> dict[str, Any]:
+        kept = without_failed_producers(task_inputs_spec, io_store)
+        return original_arguments.__func__(cls, kept, io_store)
+
+    utils.make_task_arguments = classmethod(task_arguments)
     try:
         yield cap
     finally:
@@ -193,6 +205,7 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
         subprocess_task_handler.run_local_subprocess = original_run
         docker_task_handler.run_docker_container = original_docker
         utils.get_dag_output_artifacts = original_dag_artifacts
+        utils.make_task_arguments = original_arguments
 
 
 def dag_output_artifacts(cls: Any, dag_outputs_spec: Any, io_store: Any) -> dict[str, Any]:
@@ -209,3 +222,21 @@ def dag_output_artifacts(cls: Any, dag_outputs_spec: Any, io_store: Any) -> dict
             raise ValueError(f"DAG output {key!r}: {len(found)} of its branches produced it, expected exactly one")
         outputs[key] = found[0]
     return outputs
+
+
+def without_failed_producers(task_inputs_spec: Any, io_store: Any) -> Any:
+    """A copy of a task's TaskInputsSpec without the artifact inputs whose producer failed (or was skipped
+    because its own upstream failed: kfp.local records both as FAILED). Only a task that runs although its
+    upstream failed (ignore_upstream_failure) meets such an input; the compiler made it optional."""
+    kept = type(task_inputs_spec)()
+    kept.CopyFrom(task_inputs_spec)
+    for name, spec in task_inputs_spec.artifacts.items():
+        if not spec.HasField("task_output_artifact"):
+            continue
+        try:
+            state = io_store.get_task_status(spec.task_output_artifact.producer_task)
+        except ValueError:  # not ended (cannot happen after a topological order) or unknown: leave it
+            continue
+        if state == "FAILED":
+            del kept.artifacts[name]
+    return kept

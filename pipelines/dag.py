@@ -34,7 +34,8 @@ the promote task (it always registers a challenger; only a candidate that passes
 
 # No `from __future__ import annotations` here: KFP reads the pipeline function's annotations as objects.
 from collections.abc import Callable
-from typing import NamedTuple
+from copy import deepcopy
+from typing import Any, NamedTuple
 
 from kfp import dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Model
@@ -49,6 +50,7 @@ from kubealign.rewards import sources
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
+ROUTES = ("ppo", "grpo", "rloo", "dpo")  # pipeline.algorithms' choices; compare takes an evaluation of each
 
 
 class Outputs(NamedTuple):
@@ -71,6 +73,24 @@ class FunctionOutputs(NamedTuple):
     candidate: Model
     evaluate: Artifact
     promote: Artifact
+
+
+class RoutesOutputs(NamedTuple):
+    """Outputs of a pipeline comparing several routes: the shared tasks' and the comparison's (each route's
+    candidate, evaluation and promotion are named in the comparison's result and in the task list)."""
+
+    data_split: Dataset
+    sft: Model
+    reward: Model
+    compare: Artifact
+
+
+class RoutesFunctionOutputs(NamedTuple):
+    """RoutesOutputs of a pipeline scored by reward functions alone: no reward task."""
+
+    data_split: Dataset
+    sft: Model
+    compare: Artifact
 
 
 def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool) -> None:
@@ -98,7 +118,9 @@ def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: 
 
 
 def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
-    """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run)."""
+    """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run).
+    One route (pipeline.algorithm, or a one-entry pipeline.algorithms): the route is the `algorithm`
+    parameter. Several: a branch per route, built here (see build_routes)."""
     check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
     k8s = config.kubernetes
     train, cpu = k8s.train_image or train_image(), k8s.cpu_image or cpu_image()
@@ -124,6 +146,41 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             task.set_env_variable(key, value)
         return task
 
+    def upstream(config_json: str, sft_model: str, reward_model: str, data_fingerprint: str,
+                 sft_model_fingerprint: str, reward_model_fingerprint: str) -> tuple[Any, Any, Any]:  # fmt: skip
+        """The shared tasks: (dataset, SFT model, scorer: the reward model, or with reward functions alone the
+        SFT model, which is then the critic's start and not read by evaluate)."""
+        split = stages.data_split(config_json=config_json, data_fingerprint=data_fingerprint)
+        place(split, "data split", 0, cpu, training=False)
+        dataset = split.outputs["dataset"]
+        sft = stages.sft(
+            config_json=config_json, model_name=sft_model, model_fingerprint=sft_model_fingerprint, data=dataset
+        )
+        place(sft, "supervised fine-tuning", k8s.sft_gpus, train, training=True)
+        scorer = sft.outputs["model"]
+        if with_model:
+            reward = stages.reward(
+                config_json=config_json,
+                model_name=reward_model,
+                model_fingerprint=reward_model_fingerprint,
+                data=dataset,
+            )
+            place(reward, "reward model", k8s.reward_gpus, train, training=True)
+            scorer = reward.outputs["model"]
+        return dataset, sft.outputs["model"], scorer
+
+    def evaluate(component: Any, config_json: str, reward_functions: str, dataset: Any, sft: Any, candidate: Any,
+                 scorer: Any) -> dsl.PipelineTask:  # fmt: skip
+        evaluation = component(
+            config_json=config_json,
+            reward_functions=reward_functions,
+            prompts=dataset,
+            baseline=sft,
+            candidate=candidate,
+            reward_model=scorer,
+        )
+        return place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
+
     def kubealign_pipeline(
         config_json: str = defaults["config_json"],
         algorithm: str = route,
@@ -135,25 +192,11 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
         reward_functions: str = defaults["reward_functions"],
     ):
-        split = stages.data_split(config_json=config_json, data_fingerprint=data_fingerprint)
-        place(split, "data split", 0, cpu, training=False)
-        dataset = split.outputs["dataset"]
-        sft = stages.sft(
-            config_json=config_json, model_name=sft_model, model_fingerprint=sft_model_fingerprint, data=dataset
+        dataset, sft, scorer = upstream(
+            config_json, sft_model, reward_model, data_fingerprint, sft_model_fingerprint, reward_model_fingerprint
         )
-        place(sft, "supervised fine-tuning", k8s.sft_gpus, train, training=True)
-        scorer = sft.outputs["model"]  # functions alone: the critic's start; evaluate does not read it
-        if with_model:
-            reward = stages.reward(
-                config_json=config_json,
-                model_name=reward_model,
-                model_fingerprint=reward_model_fingerprint,
-                data=dataset,
-            )
-            place(reward, "reward model", k8s.reward_gpus, train, training=True)
-            scorer = reward.outputs["model"]
         with dsl.If(algorithm == "dpo", name="dpo route"):
-            dpo = stages.dpo(config_json=config_json, data=dataset, actor=sft.outputs["model"])
+            dpo = stages.dpo(config_json=config_json, data=dataset, actor=sft)
             place(dpo, "DPO", k8s.sft_gpus, train, training=True)
         with dsl.Else(name="rl route"):
             ppo = stages.ppo(
@@ -162,20 +205,12 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
                 num_iterations=ppo_num_iterations,
                 reward_functions=reward_functions,
                 prompts=dataset,
-                actor=sft.outputs["model"],
+                actor=sft,
                 critic=scorer,
             )
             place(ppo, "PPO / GRPO / RLOO (hybrid engine)", k8s.ppo_gpus, train, training=True)
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
-        evaluation = stages.evaluate(
-            config_json=config_json,
-            reward_functions=reward_functions,
-            prompts=dataset,
-            baseline=sft.outputs["model"],
-            candidate=candidate,
-            reward_model=scorer,
-        )
-        place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
+        evaluation = evaluate(stages.evaluate, config_json, reward_functions, dataset, sft, candidate, scorer)
         promote = stages.promote(
             config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
@@ -185,17 +220,97 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         promote.set_caching_options(False)
         done = {
             "data_split": dataset,
-            "sft": sft.outputs["model"],
+            "sft": sft,
             "candidate": candidate,
             "evaluate": evaluation.outputs["evaluation"],
             "promote": promote.outputs["promotion"],
         }
         return Outputs(reward=scorer, **done) if with_model else FunctionOutputs(**done)
 
+    def kubealign_routes_pipeline(
+        config_json: str = defaults["config_json"],
+        sft_model: str = config.sft.model,
+        reward_model: str = config.reward.model,
+        ppo_num_iterations: int = config.ppo.num_iterations,
+        data_fingerprint: str = defaults["data_fingerprint"],
+        sft_model_fingerprint: str = defaults["sft_model_fingerprint"],
+        reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
+        reward_functions: str = defaults["reward_functions"],
+    ):
+        dataset, sft, scorer = upstream(
+            config_json, sft_model, reward_model, data_fingerprint, sft_model_fingerprint, reward_model_fingerprint
+        )
+        candidates, evaluations = {}, {}
+        for name in config.routes():
+            if name == "dpo":
+                task = named(stages.dpo, name)(config_json=config_json, data=dataset, actor=sft)
+                place(task, "DPO", k8s.sft_gpus, train, training=True)
+            else:
+                task = named(stages.ppo, name)(
+                    config_json=config_json,
+                    algorithm=name,
+                    num_iterations=ppo_num_iterations,
+                    reward_functions=reward_functions,
+                    prompts=dataset,
+                    actor=sft,
+                    critic=scorer,
+                )
+                place(task, f"{name.upper()} (hybrid engine)", k8s.ppo_gpus, train, training=True)
+            candidates[name] = task.outputs["model"]
+            component = named(stages.evaluate, f"evaluate-{name}")
+            evaluation = evaluate(component, config_json, reward_functions, dataset, sft, candidates[name], scorer)
+            evaluation.set_display_name(f"evaluate {name}")
+            evaluations[name] = evaluation.outputs["evaluation"]
+        # only the listed routes' inputs: kfp's ignore_upstream_failure() looks up every input of the
+        # component among the task's arguments, and an optional input left out is not there (KeyError)
+        absent = [f"{name}_evaluation" for name in ROUTES if name not in evaluations]
+        comparison = named(stages.compare, "compare", drop=absent)(
+            config_json=config_json,
+            routes=",".join(config.routes()),
+            **{f"{name}_evaluation": evaluation for name, evaluation in evaluations.items()},
+        )
+        # A failed route must not sink the others: the comparison runs once every route has ended, and
+        # gets no evaluation from one that failed (its input's default, None).
+        comparison.ignore_upstream_failure()
+        place(comparison, "compare routes", 0, cpu, training=False)
+        for name in config.routes():
+            promote = named(stages.promote_ranked, f"promote-{name}")(
+                config_json=config_json,
+                comparison=comparison.outputs["comparison"],
+                evaluation=evaluations[name],
+                candidate=candidates[name],
+            )
+            place(promote, f"promote {name} (MLflow registry)", 0, cpu, training=False)
+            promote.set_caching_options(False)  # as in the one-route DAG: the gate reads the registry now
+        done = {"data_split": dataset, "sft": sft, "compare": comparison.outputs["comparison"]}
+        return RoutesOutputs(reward=scorer, **done) if with_model else RoutesFunctionOutputs(**done)
+
+    several = len(config.routes()) > 1
+    function = kubealign_routes_pipeline if several else kubealign_pipeline
     # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
-    kubealign_pipeline.__annotations__["return"] = Outputs if with_model else FunctionOutputs
+    outputs = {(False, True): Outputs, (False, False): FunctionOutputs}
+    outputs.update({(True, True): RoutesOutputs, (True, False): RoutesFunctionOutputs})
+    function.__annotations__["return"] = outputs[several, with_model]
+    function.__name__ = "kubealign_pipeline"
     return dsl.pipeline(
         name=PIPELINE_NAME,
         description="RLHF: data split, SFT, reward model and / or reward functions, PPO (DeepSpeed Hybrid Engine), "
-        "evaluation, MLflow registry promotion.",
-    )(kubealign_pipeline)
+        "evaluation, MLflow registry promotion."
+        + (f" Routes compared in one run: {', '.join(config.routes())}." if several else ""),
+    )(function)
+
+
+def named(component: Any, name: str, drop: list[str] | None = None) -> Any:
+    """A copy of `component` under another name: KFP names a task after its component, so each route's
+    tasks get the route's name (grpo, evaluate-grpo, promote-grpo) in the IR, the UI and kfp.local's logs.
+    The implementation (image, command, function) is the same, and so is the cache key. `drop`: optional
+    inputs the copy does not declare (the function's default applies: KFP passes a function only the
+    inputs its task has)."""
+    copy = deepcopy(component)
+    copy.component_spec.name = name
+    copy.name = name
+    for input_name in drop or []:
+        if not copy.component_spec.inputs[input_name].optional:
+            raise ValueError(f"{name}: input {input_name} is not optional")
+        del copy.component_spec.inputs[input_name]
+    return copy

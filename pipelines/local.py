@@ -57,6 +57,37 @@ def stages_for(algorithm: str, reward_model: bool = True) -> tuple[str, ...]:
     return tuple(candidate_stage(algorithm) if stage == "ppo" else stage for stage in kept)
 
 
+# The output each task's directory is in, by task: tasks of a several-route run are named after their route
+# (grpo, evaluate-grpo, promote-grpo: pipelines.dag.named).
+OUTPUT_KEYS = {"data-split": "dataset", "sft": "model", "reward": "model", "compare": "comparison"}
+ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
+
+
+def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
+    """The tasks a run of the DAG executes, in DAG order: stages_for one route; with several, the shared
+    tasks, each route's training and evaluation, the comparison, each route's promotion."""
+    routes = config.routes()
+    if len(routes) == 1:
+        return stages_for(routes[0], config.rewards.uses_model)
+    shared = stages_for("ppo", config.rewards.uses_model)[:-3]  # data-split, sft (, reward)
+    trained = tuple(task for route in routes for task in (route, f"evaluate-{route}"))
+    return (*shared, *trained, "compare", *(f"promote-{route}" for route in routes))
+
+
+def output_key(task: str) -> str:
+    """The name of the output that holds `task`'s directory in a several-route run."""
+    if task in OUTPUT_KEYS:
+        return OUTPUT_KEYS[task]
+    return next(key for prefix, key in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
+
+
+def route_of(task: str) -> str | None:
+    """The route a task of a several-route run belongs to (None: a shared task or the comparison)."""
+    if task in OUTPUT_KEYS:
+        return None
+    return next(task.removeprefix(prefix) for prefix, _ in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
+
+
 @contextlib.contextmanager
 def scoped_environ(values: dict[str, str | None]) -> Iterator[None]:
     """Set (or, for None, remove) environment variables for the duration of the block."""
@@ -164,7 +195,7 @@ def run(
 
     from kubealign.pipelines.capture import capture
     from kubealign.pipelines.dag import build
-    from kubealign.pipelines.progress import Display
+    from kubealign.pipelines.progress import SKIPPED, Display
 
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: the pipeline ends by promoting into the MLflow registry")
@@ -178,7 +209,7 @@ def run(
     pipeline_root.mkdir(parents=True, exist_ok=True)
     logs = output / LOGS_DIR
     logs.mkdir(exist_ok=True)
-    route = stages_for(config.route(), config.rewards.uses_model)
+    route = tasks_for(config)
     display = None if verbose else Display(stream or sys.stdout, list(route))
     with quiet_parent(logs, verbose):
         client, uri, experiment_id, parent = parent_run(config, output)
@@ -218,15 +249,25 @@ def run(
         # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
         warnings.filterwarnings("ignore", message=".*have no effect.*")
         outputs = build(config)().outputs
+        for name in route:  # kfp.local skips, without a word, what depends on a failed task
+            if display is not None and name not in tasks.records:
+                display.update(name, status=SKIPPED)
     wall = time.perf_counter() - started
-    # cached tasks point into the run that computed them: take the directories from the outputs
+    several = len(config.routes()) > 1
+    # cached tasks point into the run that computed them: take the directories from the outputs (of each
+    # task, with several routes: a failed route leaves kfp.local's pipeline outputs empty)
     stages = {}
     for stage in route:
-        key = CANDIDATE if stage == candidate_stage(config.route()) else stage.replace("-", "_")
-        artifact = outputs.get(key)
+        if several:
+            artifact = tasks.records[stage].outputs.get(output_key(stage)) if stage in tasks.records else None
+        else:
+            key = CANDIDATE if stage == candidate_stage(config.route()) else stage.replace("-", "_")
+            artifact = outputs.get(key)
         if artifact is not None and (Path(artifact.path) / "result.json").is_file():
             stages[stage] = Path(artifact.path)
-    ok = len(stages) == len(route)
+    failed_routes = sorted({route_of(s) for s in route if s not in stages} - {None}) if several else []
+    # with several routes, a route that failed does not fail the run: the comparison ranks the others
+    ok = all(s in stages for s in route if not several or route_of(s) not in failed_routes)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     extra = {
         "config_json": config_to_json(config),
@@ -237,12 +278,23 @@ def run(
         "runner": runner,
         "algorithm": config.route(),
     }
+    if several:
+        extra["algorithms"] = list(config.routes())
+        extra["failed_routes"] = {name: failure_message(failed_in(tasks.records, name), logs) for name in failed_routes}
     index = write_index(output, stages, extra)
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:
-        raise PipelineFailed(failure_message(tasks.failed(), logs))
+        compared = tasks.records.get("compare")
+        failed = compared if compared is not None and compared.status == "failed" else tasks.failed()
+        raise PipelineFailed(failure_message(failed, logs))
     return index
+
+
+def failed_in(records: dict[str, Any], route: str) -> Any:
+    """The task of `route` that failed (its training or its evaluation), or None."""
+    return next((records[t] for t in (route, f"evaluate-{route}") if t in records and records[t].status == "failed"),
+                None)  # fmt: skip
 
 
 def failure_message(failed: Any, logs: Path) -> str:

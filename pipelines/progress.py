@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 PENDING, RUNNING, DONE, CACHED, FAILED = "pending", "running", "done", "cached", "failed"
+SKIPPED = "skipped"  # never ran: a task it needs failed
 NAME_WIDTH = 12
 
 # tqdm's default format: "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}<{remaining}, {rate}{postfix}]"
@@ -101,10 +102,11 @@ def _seconds(value: float) -> str:
     return f"{value:.1f} s" if value < 100 else f"{value:.0f} s"
 
 
-def render_line(state: TaskState, now: float, live: bool = True) -> str:
+def render_line(state: TaskState, now: float, live: bool = True, width: int = NAME_WIDTH) -> str:
     """One task's line, e.g. 'sft         running   12.3 s  sft 45% 62/138'; a running task's time and
-    progress only when `live` (a line printed once would show them as of its start)."""
-    head = f"{state.name:<{NAME_WIDTH}}"
+    progress only when `live` (a line printed once would show them as of its start). `width`: the name
+    column's (longer names, evaluate-grpo, widen it for the whole display)."""
+    head = f"{state.name:<{width}}"
     started = now if state.started is None else state.started
     took = _seconds((now if state.ended is None else state.ended) - started)
     if state.status == RUNNING:
@@ -117,13 +119,21 @@ def render_line(state: TaskState, now: float, live: bool = True) -> str:
         return f"{head}FAILED{after}{log}"
     if state.status == CACHED:
         return f"{head}cached (kfp.local reused an earlier run's outputs)"
+    if state.status == SKIPPED:
+        return f"{head}skipped (a task it needs failed)"
     return f"{head}pending"
+
+
+def name_width(names: list[str]) -> int:
+    """The name column: NAME_WIDTH, or one more than the longest name."""
+    return max([NAME_WIDTH, *(len(name) + 1 for name in names)])
 
 
 def render(states: list[TaskState], now: float, width: int = 0) -> list[str]:
     """The display's lines for these states, each cut to `width` columns when width > 0 (a line that
     wraps would break redrawing in place)."""
-    lines = [render_line(state, now) for state in states]
+    column = name_width([state.name for state in states])
+    lines = [render_line(state, now, width=column) for state in states]
     return [line[:width] for line in lines] if width > 0 else lines
 
 
@@ -174,7 +184,8 @@ class Display:
             state.progress = progress if progress is not None else state.progress
             state.log = log or state.log
         if changed and not self.tty:
-            self._write(render_line(state, time.monotonic(), live=False) + "\n")
+            column = name_width(list(self.states))
+            self._write(render_line(state, time.monotonic(), live=False, width=column) + "\n")
         elif changed:
             self._draw()
 

@@ -84,6 +84,10 @@ def rerun(
     if "config_json" not in index:
         raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
     config = config_from_json(index["config_json"], overrides)
+    if len(config.routes()) > 1:
+        return rerun_route(stage, run, index, config, output)
+    if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
+        stage = "ppo"
     route = stages_for(config.route(), config.rewards.uses_model)
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
@@ -118,5 +122,70 @@ def rerun(
     reused = sorted(set(dirs) - set(todo))
     extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
     extra["reward_functions"] = functions
+    extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
+    return write_index(output, dirs, extra)
+
+
+def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:
+    """A several-route run: `route` trained and evaluated again, then the comparison and every ranked
+    route's promotion (ranks may change), on the shared tasks' and the other routes' outputs of RUN.
+    `route` "compare" reruns only the comparison and the promotions."""
+    from kubealign.pipelines.local import tasks_for
+
+    routes = config.routes()
+    if route not in (*routes, "compare"):
+        raise UserError(
+            f"rerun: {route!r} is not a route of this run; a run comparing {', '.join(routes)} reruns one of them "
+            "or compare (the shared stages: `kubealign run --cache` with the change)"
+        )
+    retrained = [route, f"evaluate-{route}"] if route != "compare" else []
+    needed = [t for t in tasks_for(config) if t in ("data-split", "sft", "reward") or t.startswith("evaluate-")]
+    needed += [r for r in routes if r != route]
+    dirs: dict[str, Path] = {}
+    for name in (t for t in needed if t not in retrained):
+        entry = index["stages"].get(name)
+        if entry is None:  # a route that failed in RUN stays failed; a shared stage must be there
+            if name in ("data-split", "sft", "reward"):
+                raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {route} needs")
+            continue
+        path = Path(entry["dir"])
+        if not path.is_dir() or tree_sha256(path) != entry["sha256"]:
+            raise UserError(f"{path}: the {name} output changed or vanished since the run; cannot reuse it")
+        dirs[name] = path
+    output = (output or run.parent / f"{run.name}-rerun-{route}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output}: exists and is not empty")
+    client, uri, experiment_id, parent = parent_run(config, output)
+    client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
+    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    config_json = config_to_json(config)
+    functions = index.get("reward_functions", "")
+    todo = list(retrained)
+    status = "FAILED"
+    try:
+        with scoped_environ(env):
+            if route != "compare":
+                _run_stage(candidate_stage(route), config_json, dirs, output / route, route, functions)
+                dirs[route] = output / route
+                _run_stage("evaluate", config_json, {**dirs, candidate_stage(route): dirs[route]},
+                           output / f"evaluate-{route}", route, functions)  # fmt: skip
+                dirs[f"evaluate-{route}"] = output / f"evaluate-{route}"
+            evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in routes}
+            tasks.compare(config_json, [], list(routes), evaluations, str(output / "compare"))
+            dirs["compare"] = output / "compare"
+            todo.append("compare")
+            for name in (r for r in routes if f"evaluate-{r}" in dirs and r in dirs):
+                target = output / f"promote-{name}"
+                tasks.promote(config_json, [], str(dirs[f"evaluate-{name}"]), str(dirs[name]), str(target),
+                              str(output / "compare"))  # fmt: skip
+                dirs[f"promote-{name}"] = target
+                todo.append(f"promote-{name}")
+        status = "FINISHED"
+    finally:
+        client.set_terminated(parent, status)
+    reused = sorted(set(dirs) - set(todo))
+    extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
+    extra.update({"reward_functions": functions, "algorithm": config.route(), "algorithms": list(routes)})
+    extra["failed_routes"] = {r: "failed in the earlier run (not rerun)" for r in routes if r not in dirs}
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     return write_index(output, dirs, extra)

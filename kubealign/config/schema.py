@@ -475,6 +475,21 @@ class PipelineConfig(Section):
         description="The route from SFT to the candidate: ppo, grpo or rloo (the ppo task, with ppo.algorithm set "
         "to it) or dpo (the dpo task on the phase-2 pairs). Evaluate and promote take that candidate.",
     )
+    algorithms: list[Literal["ppo", "grpo", "rloo", "dpo"]] | None = Field(
+        None,
+        min_length=1,
+        description="Several routes compared in one pipeline run (each at most once): every route trains from the "
+        "same data-split, SFT and reward tasks, is evaluated against the same SFT baseline, a compare task ranks "
+        "them and only the leader can become champion. One entry is the same as `algorithm`; None = `algorithm`.",
+    )
+
+    @field_validator("algorithms")
+    @classmethod
+    def _check_algorithms(cls, value: list[str] | None) -> list[str] | None:
+        repeated = sorted({name for name in value or [] if (value or []).count(name) > 1})
+        if repeated:
+            raise ValueError(f"each route at most once; repeated: {', '.join(repeated)}")
+        return value
 
 
 class KubealignConfig(Section):
@@ -505,8 +520,15 @@ class KubealignConfig(Section):
         return hash(self.model_dump_json())
 
     def route(self) -> str:
-        """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo)."""
+        """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo); with
+        several pipeline.algorithms, the first."""
+        if self.pipeline.algorithms:
+            return self.pipeline.algorithms[0]
         return self.pipeline.algorithm if self.pipeline.algorithm != "ppo" else self.ppo.algorithm
+
+    def routes(self) -> tuple[str, ...]:
+        """Every route the DAG trains: pipeline.algorithms, else the one route()."""
+        return tuple(self.pipeline.algorithms or ()) or (self.route(),)
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:
@@ -515,8 +537,12 @@ class KubealignConfig(Section):
             if section.lora.only_lora and section.lora.r == 0:
                 raise ValueError(f"{name}.lora.only_lora needs {name}.lora.r > 0")
         # the DAG sets ppo.algorithm from the route: refuse here what the ppo task would refuse after sft
-        if self.route() in ("grpo", "rloo") and self.ppo.samples_per_prompt == 1:
+        if self.pipeline.algorithms and self.pipeline.algorithm != "ppo":
             raise ValueError(
-                f"pipeline.algorithm {self.route()} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1"
+                f"pipeline.algorithm {self.pipeline.algorithm} and pipeline.algorithms both set: keep one "
+                "(algorithm is the one-route spelling of algorithms)"
             )
+        grouped = [r for r in self.routes() if r in ("grpo", "rloo")]
+        if grouped and self.ppo.samples_per_prompt == 1:
+            raise ValueError(f"pipeline.algorithm {grouped[0]} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1")
         return self

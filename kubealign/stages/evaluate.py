@@ -134,16 +134,25 @@ def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_l
     return math.exp(nll / max(count, 1.0))
 
 
-def bootstrap_lower_bound(outcomes: list[float], seed: int, level: float = 0.95, resamples: int = 2000) -> float:
-    """Lower end of the two-sided percentile-bootstrap interval of the mean of `outcomes` (per-prompt
-    win indicators): a few dozen prompts make the point estimate noisy, so a gate can ask for this."""
+def bootstrap_interval(
+    outcomes: list[float], seed: int, level: float = 0.95, resamples: int = 2000
+) -> tuple[float, float]:
+    """The two-sided percentile-bootstrap interval of the mean of `outcomes` (per-prompt win indicators):
+    a few dozen prompts make the point estimate noisy, so a gate can ask for the lower end and the
+    leaderboard shows both."""
     if not outcomes:
-        return 0.0
+        return 0.0, 0.0
     generator = torch.Generator().manual_seed(seed)
     values = torch.tensor(outcomes, dtype=torch.float64)
     picks = torch.randint(len(outcomes), (resamples, len(outcomes)), generator=generator)
     means = values[picks].mean(dim=1)
-    return float(torch.quantile(means, (1 - level) / 2))
+    ends = torch.quantile(means, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64))
+    return float(ends[0]), float(ends[1])
+
+
+def bootstrap_lower_bound(outcomes: list[float], seed: int, level: float = 0.95, resamples: int = 2000) -> float:
+    """Lower end of bootstrap_interval."""
+    return bootstrap_interval(outcomes, seed, level, resamples)[0]
 
 
 def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, float]:
@@ -151,7 +160,8 @@ def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, floa
     diffs = [c["score"] - b["score"] for b, c in zip(base, cand, strict=True)]
     wins, ties = sum(d > 1e-6 for d in diffs), sum(abs(d) <= 1e-6 for d in diffs)
     metrics = {"win_rate": wins / n, "tie_rate": ties / n, "loss_rate": (n - wins - ties) / n, "prompts": n}
-    metrics["win_rate_lower_bound"] = bootstrap_lower_bound([float(d > 1e-6) for d in diffs], seed)
+    interval = bootstrap_interval([float(d > 1e-6) for d in diffs], seed)
+    metrics["win_rate_lower_bound"], metrics["win_rate_upper_bound"] = interval
     for name, rows in (("baseline", base), ("candidate", cand)):
         lengths = sorted(len(r["tokens"]) for r in rows)
         metrics[f"{name}_reward_mean"] = sum(r["score"] for r in rows) / n

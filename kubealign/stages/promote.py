@@ -393,7 +393,11 @@ def register_version(client: Any, name: str, source: str, run_id: str, key: str,
     return created
 
 
-def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path) -> dict[str, Any]:
+def run(
+    config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path, comparison: Path | None = None
+) -> dict[str, Any]:
+    """comparison: the compare stage's output when the run trained several routes; this candidate is then
+    registered tagged with its rank, and only the leader goes through the gate to the aliases."""
     cfg = config.promote
     started = time.perf_counter()
     check_output_path(output, STAGE)
@@ -415,13 +419,21 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
     tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
     tags["kubealign.data_sha256"] = data_hash(result)
     tags["kubealign.algorithm"] = candidate_algorithm(model_dir)
+    standing = ranked(comparison, tags["kubealign.algorithm"]) if comparison is not None else None
+    if standing is not None:
+        tags.update({"kubealign.rank": str(standing["rank"]), "kubealign.leader": standing["leader"]})
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
+    run_name = STAGE if standing is None else f"{STAGE}-{standing['route']}"
     try:
-        with http_settings(REGISTRY_HTTP), stage_run(STAGE, config, output.resolve().parent) as tracker:
+        with http_settings(REGISTRY_HTTP), stage_run(run_name, config, output.resolve().parent) as tracker:
             try:
                 with registry_errors(tracker.tracking_uri):
-                    summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags)
+                    leads = standing is None or standing["rank"] == 1
+                    summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags, leads)
+                    if standing is not None:
+                        summary["rank"] = float(standing["rank"])
+                        details["comparison"] = standing
                     summary["wall_time_s"] = time.perf_counter() - started
                     tracker.log_metrics(summary)
                 with atomic_dir(output) as tmp:
@@ -437,9 +449,16 @@ def run(config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path
 
 
 def promote_in_registry(
-    tracker: Any, cfg: PromoteConfig, metrics: dict[str, float], model_dir: Path, key: str, tags: dict[str, str]
+    tracker: Any,
+    cfg: PromoteConfig,
+    metrics: dict[str, float],
+    model_dir: Path,
+    key: str,
+    tags: dict[str, str],
+    leads: bool = True,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Register (once) and gate the candidate, move the aliases; (summary metrics, result.json fields)."""
+    """Register (once) and gate the candidate, move the aliases; (summary metrics, result.json fields).
+    leads False (a route the comparison did not rank first): registered and gated, but no alias moves."""
     from mlflow.tracking import MlflowClient
 
     client, uri, name = MlflowClient(tracker.tracking_uri), tracker.tracking_uri, cfg.registered_model
@@ -456,6 +475,9 @@ def promote_in_registry(
         if version is None:
             source = source or upload_model(client, tracker.run_id, model_dir)
             version = register_version(client, name, source, tracker.run_id, key, tags)
+        elif "kubealign.rank" in tags:  # a rerun of the comparison may have ranked a known version anew
+            for tag in ("kubealign.rank", "kubealign.leader"):
+                client.set_model_version_tag(name, version.version, tag, tags[tag])
         ours, champion = str(version.version), aliases.get(CHAMPION)
         champion_metrics = None
         if champion is not None and champion != ours:
@@ -463,8 +485,8 @@ def promote_in_registry(
             wanted = [*GATED_METRICS, *([cfg.metric] if cfg.metric != "win_rate" else [])]
             champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in wanted}
         passed, checks = gate(metrics, cfg, champion_metrics)
-        plan: list[tuple[str, str | None]] = [(CHALLENGER, ours)]
-        if passed and champion != ours:
+        plan: list[tuple[str, str | None]] = [(CHALLENGER, ours)] if leads else []
+        if leads and passed and champion != ours:
             plan += [(PREVIOUS, champion)] if champion is not None else []
             plan.append((CHAMPION, ours))
         move_aliases(client, uri, name, aliases, plan)
@@ -479,6 +501,31 @@ def promote_in_registry(
         "model_uri": f"models:/{name}/{ours}",
     }
     return summary, details
+
+
+def ranked(comparison: Path, route: str) -> dict[str, Any]:
+    """This route's place in the compare stage's result: rank, leader, and why it is not first; plus
+    every other route's, so that each promotion says which route won and why the others did not."""
+    result = read_result(comparison)
+    if result.get("stage") != "compare":
+        raise UserError(f"--comparison {comparison}: result.json is from stage {result.get('stage')!r}, not compare")
+    standings = {s["route"]: s for s in result["standings"]}
+    if route not in standings:
+        ranked_routes = ", ".join(standings) or "none"
+        raise UserError(
+            f"--comparison {comparison}: the candidate's route {route} is not ranked there ({ranked_routes})"
+        )
+    ours = standings[route]
+    others = {s["route"]: f"rank {s['rank']}: {s['why']}" for s in result["standings"] if s["rank"] != 1}
+    others.update({failed: "failed: not ranked" for failed in result.get("failed", [])})
+    verdict = "the leader" if ours["rank"] == 1 else f"not the leader (rank {ours['rank']}): {ours['why']}"
+    return {
+        "route": route,
+        "rank": ours["rank"],
+        "leader": result["leader"],
+        "verdict": verdict,
+        "others": others,
+    }
 
 
 def candidate_algorithm(model_dir: Path) -> str:
