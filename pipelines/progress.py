@@ -32,6 +32,8 @@ _TQDM = re.compile(
 # "ValueError: ...", "kubealign.errors.UserError: ...", "torch.OutOfMemoryError: ..." (a traceback's last line)
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_]\w*\.)*(?P<line>\w*(?:Error|Exception|Interrupt|Exit)(?::.*)?)$")
 _CLI_ERROR = re.compile(r"^kubealign: error: (?P<line>.+)$")
+# torch.distributed prefixes each line of a rank's traceback with "[rank0]: "
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 @dataclass
@@ -62,7 +64,7 @@ def last_error_line(lines: list[str]) -> str | None:
     """The last line that reports an error: `kubealign: error: X` -> X, `pkg.mod.SomeError: X` ->
     `SomeError: X`. None if there is none."""
     for raw in reversed(lines):
-        line = raw.strip()
+        line = _RANK_PREFIX.sub("", raw.strip())
         for pattern in (_CLI_ERROR, _EXCEPTION):
             match = pattern.match(line)
             if match:

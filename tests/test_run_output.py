@@ -77,6 +77,9 @@ def test_the_last_error_line_of_a_log() -> None:
     )
     assert last_error_line(["KeyboardInterrupt"]) == "KeyboardInterrupt"
     assert last_error_line(["Errors were found in 0 files", "all fine"]) is None
+    # a rank's traceback under torch.distributed: every line prefixed with its rank
+    ranked = ["[rank0]:     raise UserError(", "[rank0]: kubealign.errors.UserError: lora.r: no module", "done"]
+    assert last_error_line(ranked) == "UserError: lora.r: no module"
 
 
 def test_lines_split_at_newlines_and_carriage_returns_across_chunks() -> None:
