@@ -147,7 +147,9 @@ def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
     assert set(tasks) == expected
     for route in routes:
         trained = tasks[route]
-        assert sorted(trained.dependent_tasks) == (["data-split", "sft"] if route == "dpo" else ["data-split", "reward", "sft"])
+        assert sorted(trained.dependent_tasks) == (
+            ["data-split", "sft"] if route == "dpo" else ["data-split", "reward", "sft"]
+        )
         if route != "dpo":  # the ppo component, with the route as its algorithm
             assert trained.inputs.parameters["algorithm"].runtime_value.constant.string_value == route
         evaluated = tasks[f"evaluate-{route}"]
@@ -224,8 +226,6 @@ def routes_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, li
 
 def read(directory: str | Path) -> dict:
     return json.loads((Path(directory) / "result.json").read_text(encoding="utf-8"))
-
-
 
 
 @pytest.mark.kfp
