@@ -265,9 +265,10 @@ def run(
             artifact = outputs.get(key)
         if artifact is not None and (Path(artifact.path) / "result.json").is_file():
             stages[stage] = Path(artifact.path)
-    failed_routes = sorted({route_of(s) for s in route if s not in stages} - {None}) if several else []
-    # with several routes, a route that failed does not fail the run: the comparison ranks the others
-    ok = all(s in stages for s in route if not several or route_of(s) not in failed_routes)
+    # with several routes, a route whose training or evaluation failed does not fail the run: the comparison
+    # ranks the others (a failed promotion still does: the registry is the run's point)
+    failed_routes = [r for r in config.routes() if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
+    ok = all(s in stages for s in route if route_of(s) not in failed_routes)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     extra = {
         "config_json": config_to_json(config),
@@ -284,10 +285,9 @@ def run(
     index = write_index(output, stages, extra)
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
-    if not ok:
-        compared = tasks.records.get("compare")
-        failed = compared if compared is not None and compared.status == "failed" else tasks.failed()
-        raise PipelineFailed(failure_message(failed, logs))
+    if not ok:  # name the task that failed the run, not a failed route's (the summary names those)
+        culprits = [r for r in tasks.records.values() if r.status == "failed" and route_of(r.name) not in failed_routes]
+        raise PipelineFailed(failure_message(culprits[0] if culprits else tasks.failed(), logs))
     return index
 
 

@@ -14,6 +14,7 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 from mlflow.tracking import MlflowClient
 
+from kubealign import ranking
 from kubealign.cli import main
 from kubealign.config import load_config
 from kubealign.errors import UserError
@@ -39,16 +40,16 @@ def test_rank_by_the_bound_then_reward_then_lower_kl_then_the_listed_order() -> 
         "rloo": evaluation(0.50, 0.8, 0.4),
         "dpo": evaluation(0.625, 0.1, 9.0),  # the best bound wins whatever its reward and KL
     }
-    standings = compare.rank(evaluations, "win_rate", ["ppo", "grpo", "rloo", "dpo"])
+    standings = ranking.rank(evaluations, "win_rate", ["ppo", "grpo", "rloo", "dpo"])
     assert [(s.route, s.rank) for s in standings] == [("dpo", 1), ("ppo", 2), ("grpo", 3), ("rloo", 4)]
     assert standings[0].why == ""
     assert standings[1].why == "win_rate_lower_bound 0.5 < dpo's 0.625"
     assert [s.measure for s in standings] == [0.625, 0.5, 0.5, 0.5]
     # among the three that tie on the bound: reward decides, then KL
-    tied = compare.rank({k: v for k, v in evaluations.items() if k != "dpo"}, "win_rate", ["ppo", "grpo", "rloo"])
+    tied = ranking.rank({k: v for k, v in evaluations.items() if k != "dpo"}, "win_rate", ["ppo", "grpo", "rloo"])
     assert [s.route for s in tied] == ["ppo", "grpo", "rloo"]
     assert tied[1].why == "tied on win_rate_lower_bound; candidate_reward_mean 0.8 < ppo's 1"
-    two = compare.rank({k: evaluations[k] for k in ("rloo", "grpo")}, "win_rate", ["rloo", "grpo"])
+    two = ranking.rank({k: evaluations[k] for k in ("rloo", "grpo")}, "win_rate", ["rloo", "grpo"])
     assert [s.route for s in two] == ["grpo", "rloo"]
     assert two[1].why == "tied on win_rate_lower_bound, candidate_reward_mean; kl_to_baseline 0.4 > grpo's 0.2"
 
@@ -56,7 +57,7 @@ def test_rank_by_the_bound_then_reward_then_lower_kl_then_the_listed_order() -> 
 def test_a_complete_tie_goes_to_the_route_listed_first() -> None:
     same = evaluation(0.5, 0.8, 0.2)
     for order in (["grpo", "rloo"], ["rloo", "grpo"]):
-        standings = compare.rank({"grpo": same, "rloo": dict(same)}, "win_rate", order)
+        standings = ranking.rank({"grpo": same, "rloo": dict(same)}, "win_rate", order)
         assert [s.route for s in standings] == order
         assert standings[1].why == (
             f"tied with {order[0]} on win_rate_lower_bound, candidate_reward_mean, kl_to_baseline; "
@@ -69,10 +70,10 @@ def test_another_promote_metric_ranks_first() -> None:
         "grpo": evaluation(0.9, 2.0, 0.1, **{"fn/exact/candidate": 0.40}),
         "rloo": evaluation(0.1, 0.0, 5.0, **{"fn/exact/candidate": 0.75}),
     }
-    standings = compare.rank(evaluations, "fn/exact/candidate", ["grpo", "rloo"])
+    standings = ranking.rank(evaluations, "fn/exact/candidate", ["grpo", "rloo"])
     assert [s.route for s in standings] == ["rloo", "grpo"] and standings[0].measure == 0.75
     with pytest.raises(UserError, match="the grpo evaluation has no fn/other/candidate"):
-        compare.rank(evaluations, "fn/other/candidate", ["grpo", "rloo"])
+        ranking.rank(evaluations, "fn/other/candidate", ["grpo", "rloo"])
 
 
 def fake_evaluation(directory: Path, metrics: dict[str, float]) -> Path:
@@ -131,6 +132,7 @@ def spec_of(tmp_path: Path, overrides: list[str]) -> tuple[str, pipeline_spec_pb
     return text, json_format.ParseDict(doc, pipeline_spec_pb2.PipelineSpec())
 
 
+@pytest.mark.kfp
 def test_one_listed_route_compiles_to_todays_dag(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
     listed, _ = spec_of(tmp_path / "a", ["pipeline.algorithms=[grpo]"])
@@ -138,6 +140,7 @@ def test_one_listed_route_compiles_to_todays_dag(tmp_path: Path) -> None:
     assert listed == single
 
 
+@pytest.mark.kfp
 def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
     _, spec = spec_of(tmp_path, [ROUTES4])
     tasks = spec.root.dag.tasks
@@ -171,6 +174,7 @@ def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
     assert set(spec.root.output_definitions.artifacts) == {"data_split", "sft", "reward", "compare"}
 
 
+@pytest.mark.kfp
 def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
     _, spec = spec_of(tmp_path, ["pipeline.algorithms=[rloo,dpo]"])
     comparison = spec.root.dag.tasks["compare"]
@@ -251,7 +255,7 @@ def test_leaderboard_artifacts_and_only_the_leader_promoted(routes_run) -> None:
     leader, second = (s["route"] for s in comparison["standings"])
     evaluations = {r: read(index["stages"][f"evaluate-{r}"]["dir"])["metrics"] for r in (leader, second)}
     # the ranking the stage made is the rule's, on the evaluations it read
-    assert [s.route for s in compare.rank(evaluations, "win_rate", ["ppo", "grpo"])] == [leader, second]
+    assert [s.route for s in ranking.rank(evaluations, "win_rate", ["ppo", "grpo"])] == [leader, second]
     # the KFP UI's artifacts: the compare task's Markdown and HTML outputs
     task_dir = Path(index["stages"]["compare"]["dir"]).parent
     markdown = (task_dir / "leaderboard").read_text(encoding="utf-8")
@@ -314,3 +318,21 @@ def test_rerun_one_route_then_the_comparison_and_promotions(routes_run, tmp_path
     assert read(target / "compare")["evaluations"]["ppo"] == index["stages"]["evaluate-ppo"]["dir"]
     assert new["failed_routes"] == {"dpo": "failed in the earlier run (not rerun)"}
     assert math.isfinite(read(target / "evaluate-grpo")["metrics"]["win_rate_upper_bound"])
+
+
+@pytest.mark.kfp
+@pytest.mark.integration
+def test_with_no_route_left_the_run_fails_in_one_line(cli, tmp_path: Path) -> None:
+    broken = ["ppo.actor_lora.r=4", "ppo.actor_lora.only_lora=true", "ppo.actor_lora.target_modules=[no_such_module]"]
+    args = run_args("grpo,dpo", tmp_path / "r")
+    result = cli(*args[:1], *(a for item in broken for a in ("--set", item)), *args[1:])
+    assert result.code == 2
+    assert result.err.splitlines() == [
+        "kubealign: error: task compare failed: UserError: compare: no candidate left: every route failed "
+        f"(grpo, dpo); see their logs (log: {tmp_path / 'r' / 'logs' / 'compare.log'})"
+    ]
+    index = json.loads((tmp_path / "r" / "run.json").read_text(encoding="utf-8"))
+    assert index["succeeded"] is False and set(index["failed_routes"]) == {"grpo", "dpo"}
+    states = {line.split()[0]: line.split()[1] for line in result.out.splitlines()}
+    assert states["grpo"] == states["dpo"] == states["compare"] == "FAILED"
+    assert states["promote-grpo"] == states["promote-dpo"] == "skipped"
