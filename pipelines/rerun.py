@@ -76,6 +76,30 @@ def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, a
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
+def reusable(index: dict[str, Any], run: Path, name: str, stage: str) -> Path:
+    """The directory of RUN's `name` output, which `stage` needs, checked unchanged since the run."""
+    entry = index["stages"].get(name)
+    if entry is None:
+        raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {stage} needs")
+    path = Path(entry["dir"])
+    if not path.is_dir() or tree_sha256(path) != entry["sha256"]:
+        raise UserError(f"{path}: the {name} output changed or vanished since the run; cannot reuse it")
+    return path
+
+
+def start(config: Any, index: dict[str, Any], run: Path, stage: str, output: Path | None
+          ) -> tuple[Path, Any, str, dict[str, str]]:  # fmt: skip
+    """The rerun's output directory (new or empty) and its parent MLflow run, tagged as a rerun of RUN's:
+    (output, client, parent run id, the environment that nests the stages under it)."""
+    output = (output or run.parent / f"{run.name}-rerun-{stage}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    if output.exists() and any(output.iterdir()):
+        raise UserError(f"--output {output}: exists and is not empty")
+    client, uri, experiment_id, parent = parent_run(config, output)
+    client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
+    return output, client, parent, {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id,
+                                    PARENT_RUN_ENV: parent}  # fmt: skip
+
+
 def rerun(
     stage: str, run: Path, overrides: list[str], downstream: bool = False, output: Path | None = None
 ) -> dict[str, Any]:
@@ -92,21 +116,10 @@ def rerun(
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]
-    dirs: dict[str, Path] = {}
-    for name in {up for s in todo for up in upstream(s, route)} - set(todo):
-        entry = index["stages"].get(name)
-        if entry is None:
-            raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {stage} needs")
-        path = Path(entry["dir"])
-        if not path.is_dir() or tree_sha256(path) != entry["sha256"]:
-            raise UserError(f"{path}: the {name} output changed or vanished since the run; cannot reuse it")
-        dirs[name] = path
-    output = (output or run.parent / f"{run.name}-rerun-{stage}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"--output {output}: exists and is not empty")
-    client, uri, experiment_id, parent = parent_run(config, output)
-    client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    names = {up for s in todo for up in upstream(s, route)} - set(todo)
+    dirs = {name: reusable(index, run, name, stage) for name in names}
+    output, client, parent, env = start(config, index, run, stage, output)
+    uri, experiment_id = env["MLFLOW_TRACKING_URI"], env["MLFLOW_EXPERIMENT_ID"]
     config_json = config_to_json(config)
     # the functions' code as the run used it (run.json), not as the files read now: a rerun repeats the run
     functions = index.get("reward_functions", "")
@@ -141,23 +154,11 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
     retrained = [route, f"evaluate-{route}"] if route != "compare" else []
     needed = [t for t in tasks_for(config) if t in ("data-split", "sft", "reward") or t.startswith("evaluate-")]
     needed += [r for r in routes if r != route]
-    dirs: dict[str, Path] = {}
-    for name in (t for t in needed if t not in retrained):
-        entry = index["stages"].get(name)
-        if entry is None:  # a route that failed in RUN stays failed; a shared stage must be there
-            if name in ("data-split", "sft", "reward"):
-                raise UserError(f"{run / 'run.json'}: the run has no {name} output, which {route} needs")
-            continue
-        path = Path(entry["dir"])
-        if not path.is_dir() or tree_sha256(path) != entry["sha256"]:
-            raise UserError(f"{path}: the {name} output changed or vanished since the run; cannot reuse it")
-        dirs[name] = path
-    output = (output or run.parent / f"{run.name}-rerun-{route}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    if output.exists() and any(output.iterdir()):
-        raise UserError(f"--output {output}: exists and is not empty")
-    client, uri, experiment_id, parent = parent_run(config, output)
-    client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
-    env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent}
+    # a route that failed in RUN has no outputs there and stays failed; a shared stage must be there
+    names = [t for t in needed if t not in retrained and (t in index["stages"] or t in ("data-split", "sft", "reward"))]
+    dirs = {name: reusable(index, run, name, route) for name in names}
+    output, client, parent, env = start(config, index, run, route, output)
+    uri, experiment_id = env["MLFLOW_TRACKING_URI"], env["MLFLOW_EXPERIMENT_ID"]
     config_json = config_to_json(config)
     functions = index.get("reward_functions", "")
     todo = list(retrained)

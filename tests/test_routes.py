@@ -22,6 +22,7 @@ from kubealign.outputs import write_result
 from kubealign.pipelines.local import tasks_for
 from kubealign.pipelines.remote import compile_pipeline
 from kubealign.stages import compare
+from tests.test_kfp_local import SHORT as KFP_SHORT
 
 ROUTES4 = "pipeline.algorithms=[ppo,grpo,rloo,dpo]"
 
@@ -196,13 +197,7 @@ def test_task_list_of_a_several_route_run() -> None:
 # --- through kfp.local ------------------------------------------------------------------------------------
 
 SHORT = [
-    "sft.num_train_epochs=2",
-    "reward.num_train_epochs=1",
-    "ppo.num_iterations=3",
-    "evaluate.max_prompts=8",
-    "promote.min_win_rate=0",
-    "promote.min_reward_gain=-100",
-    "promote.min_win_rate_lower_bound=null",
+    *KFP_SHORT,
     # dpo fails at its start (its LoRA targets no module): a route that fails, the others unaffected
     "dpo.lora.r=4",
     "dpo.lora.only_lora=true",
