@@ -28,6 +28,7 @@ from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import k3
 from kubealign.rl.losses import Sampling
 from tests.conftest import NO_TRACKING
+from tests.rollout_path import cpu_opt_path
 from tests.test_experience import TableLM, TokenValue
 from tests.test_ppo import ppo_args, trained  # noqa: F401  (the module-scoped SFT + RM fixture)
 from tests.test_training import kubealign_subprocess, result_of
@@ -288,7 +289,7 @@ def test_each_route_raises_the_preferred_rate_without_a_critic(cli, trained, tmp
     result = cli(*ppo_args(trained, *args, "--output", out))
     assert result.code == 0, result.err
     res = result_of(out)
-    assert (res["algorithm"], res["samples_per_prompt"], res["rollout_path"]) == (algorithm, 4, "he-plain")
+    assert (res["algorithm"], res["samples_per_prompt"], res["rollout_path"]) == (algorithm, 4, cpu_opt_path())
     assert "critic" not in res["outputs"] and not (out / "critic").exists()
     history = res["history"]
     assert not any("value_loss" in h or "explained_variance" in h for h in history)

@@ -27,6 +27,15 @@ def combine(model_scores: list[float] | None, model_weight: float, values: list[
     return total
 
 
+def scored_rows(has_model: bool, values: list[list[float | None]], n: int) -> list[bool]:
+    """Per response: whether anything scored it, the reward model or at least one function (a value not None).
+    A response nothing scored has score 0 by `combine`, which is no judgement: the group baselines leave it
+    out (rl/advantages.group_stats) and the logged reward mean too, as the fn/NAME means leave out None."""
+    if has_model:
+        return [True] * n
+    return [any(v[i] is not None for v in values) for i in range(n)]
+
+
 def completions_of(tokenizer: Any, input_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
     """The response text of each row: the tokens the response actions produced (action t made token t + 1),
     decoded without special tokens (the EOS)."""
@@ -57,6 +66,15 @@ class Scorer:
         return torch.tensor(self.score(input_ids, attention_mask, response_mask, rows)[0], device=input_ids.device)
 
     @torch.no_grad()
+    def scored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
+               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(scores [N] float, scored [N] bool: scored_rows) of the rows."""
+        scores, values = self.score(input_ids, attention_mask, response_mask, rows)
+        mask = scored_rows(self.model is not None, list(values.values()), len(scores))
+        device = input_ids.device
+        return torch.tensor(scores, device=device), torch.tensor(mask, dtype=torch.bool, device=device)
+
+    @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
               rows: Rows | None) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
         """(scores, each function's values) of the rows."""
@@ -68,6 +86,9 @@ class Scorer:
         values: dict[str, list[float | None]] = {}
         if self.specs:
             assert self.runner is not None and rows is not None, "reward functions need the rows of the batch"
+            if len(rows.prompts) != input_ids.shape[0]:  # scoring shifted rows would reward the wrong prompts
+                raise ValueError(f"reward scoring: {len(rows.prompts)} data rows for {input_ids.shape[0]} "
+                                 "completions; expected one row per completion")  # fmt: skip
             completions = completions_of(self.tokenizer, input_ids, response_mask)
             for spec in self.specs:
                 values[spec.name] = self.runner.call(spec, rows.prompts, completions, rows.columns, rows.origins)

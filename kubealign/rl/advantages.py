@@ -131,40 +131,65 @@ def sequence_rewards(
     return SequenceRewards(clipped - kl_coef * kl.sum(-1), kl)
 
 
-def grpo_advantages(
-    rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS, scale: str = "group", batch_std: float | None = None
-) -> torch.Tensor:
+class GroupStats(NamedTuple):
+    mean: torch.Tensor  # [G, 1] mean of each group's scored rewards
+    std: torch.Tensor  # [G, 1] their unbiased std (divisor n - 1); 0 for a group with fewer than 2 scored
+    count: torch.Tensor  # [G, 1] how many of the group's responses were scored
+    valid: torch.Tensor  # [G, k] 1 for a scored response, else 0 (reward dtype)
+
+
+def group_stats(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> GroupStats:
+    """[G * k] rewards, [G * k] scored (bool; None: all) -> each group's statistics over its scored responses
+    only. An unscored response (every reward function returned None for it, and no reward model: TRL's
+    convention since 2026-06) is no evidence about the prompt: it joins no mean, std or baseline."""
+    g = grouped(rewards, group_size)
+    valid = torch.ones_like(g) if scored is None else grouped(scored, group_size).to(g.dtype)
+    count = valid.sum(-1, keepdim=True)
+    mean = (g * valid).sum(-1, keepdim=True) / count.clamp(min=1)
+    var = (((g - mean) * valid) ** 2).sum(-1, keepdim=True) / (count - 1).clamp(min=1)
+    return GroupStats(mean, var.sqrt(), count, valid)
+
+
+def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS, scale: str = "group",
+                    batch_std: float | None = None, scored: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """[G * k] -> [G * k]: A_i = (R_i - mean_g R) / s, centred on each prompt's group (ppo.scale_rewards):
       group  s = std_g R + eps, the group's own (Shao et al. 2024, DeepSeekMath sec. 4.1.2);
-      batch  s = batch_std + eps, one std of every response's reward in the batch, every rank's (TRL's
+      batch  s = batch_std + eps, one std of every scored response's reward in the batch, every rank's (TRL's
              scale_rewards="batch": a group with a tiny spread is not blown up to unit scale; None:
-             the std of `rewards`, this rank's);
+             the std of this rank's scored rewards);
       none   s = 1 (Dr. GRPO, Liu et al. 2025: the std division biases towards groups that are too easy or
              too hard).
-    std is the unbiased one (divisor k - 1, torch.std), as TRL, OpenRLHF and veRL compute it."""
-    g = grouped(rewards, group_size)
-    centered = g - g.mean(-1, keepdim=True)
+    std is the unbiased one (divisor k - 1), as TRL, OpenRLHF and veRL compute it. scored: [G * k] bool,
+    None = all; mean and std are over the scored responses, and an unscored one gets advantage 0."""
+    stats = group_stats(rewards, group_size, scored)
+    centered = (grouped(rewards, group_size) - stats.mean) * stats.valid
     if scale == "group":
-        return (centered / (g.std(-1, keepdim=True) + eps)).reshape(-1)
+        return (centered / (stats.std + eps)).reshape(-1)
     if scale == "batch":
-        std = float(rewards.std()) if batch_std is None else batch_std
-        return (centered / (std + eps)).reshape(-1)
+        if batch_std is None:
+            kept = rewards if scored is None else rewards[scored.bool()]
+            batch_std = float(kept.std()) if kept.numel() > 1 else 0.0
+        return (centered / (batch_std + eps)).reshape(-1)
     if scale == "none":
         return centered.reshape(-1)
     raise ValueError(f"unknown scale_rewards {scale!r} (expected group, batch or none)")
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> torch.Tensor:
     """[G * k] -> [G * k]: A_i = R_i - mean_{j != i} R_j, the leave-one-out baseline (Kool et al. 2019;
-    Ahmadian et al. 2024, eq. 6) = k / (k - 1) * (R_i - mean_g R)."""
+    Ahmadian et al. 2024, eq. 6) = n / (n - 1) * (R_i - mean_g R) over the group's n scored responses
+    (scored: [G * k] bool, None = all). An unscored response, and the only scored one of its group, get 0."""
+    stats = group_stats(rewards, group_size, scored)
     g = grouped(rewards, group_size)
-    baseline = (g.sum(-1, keepdim=True) - g) / (group_size - 1)
-    return (g - baseline).reshape(-1)
+    others = stats.count - 1
+    baseline = ((g * stats.valid).sum(-1, keepdim=True) - g) / others.clamp(min=1)
+    return ((g - baseline) * stats.valid * (others > 0).to(g.dtype)).reshape(-1)
 
 
-def group_std(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
-    """[G * k] -> [G] unbiased std of each group's rewards (0: the group carries no learning signal)."""
-    return grouped(rewards, group_size).std(-1)
+def group_std(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | None = None) -> torch.Tensor:
+    """[G * k] -> [G] unbiased std of each group's scored rewards (0: the group carries no learning signal,
+    fewer than two scored responses included)."""
+    return group_stats(rewards, group_size, scored).std.squeeze(-1)
 
 
 def outcome_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

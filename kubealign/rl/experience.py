@@ -32,6 +32,9 @@ class Experience(NamedTuple):
     ref_logprobs: torch.Tensor  # [N, A]
     values: torch.Tensor | None  # [N, A] critic values; None without a critic (grpo, rloo)
     scores: torch.Tensor  # [N] score of each sequence (reward model and / or reward functions: rewards.scorer)
+    scored: torch.Tensor | None = (
+        None  # [N] bool: something scored the sequence (rewards.scorer.scored_rows); None: all
+    )
 
 
 def response_masks(
@@ -178,14 +181,16 @@ def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
 
 
 def sequence_scores(reward: Any, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
-                    rows: Any) -> torch.Tensor:  # fmt: skip
-    """[N] float scores: a Scorer (kubealign.rewards.scorer: reward model, functions or both) gets the rows the
-    prompts came from; a bare reward model scores each sequence at its last real token."""
+                    rows: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """([N] float scores, [N] bool scored or None = all): a Scorer (kubealign.rewards.scorer: reward model,
+    functions or both) gets the rows the prompts came from; a bare reward model scores each sequence at its
+    last real token."""
     from kubealign.rewards.scorer import Scorer
 
     if isinstance(reward, Scorer):
-        return reward(input_ids, attention, response, rows).float()
-    return score_and_value(reward, input_ids, attention)[1].float()
+        scores, scored = reward.scored(input_ids, attention, response, rows)
+        return scores.float(), scored
+    return score_and_value(reward, input_ids, attention)[1].float(), None
 
 
 def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -229,8 +234,8 @@ def make_experience(
     values = None
     if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
         values = score_and_value(critic, input_ids, attention)[0].float()
-    scores = sequence_scores(reward, input_ids, attention, response, rows)
-    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores)
+    scores, scored = sequence_scores(reward, input_ids, attention, response, rows)
+    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored)
 
 
 class FirstPass(NamedTuple):
@@ -275,7 +280,7 @@ def make_experience_keeping(
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     with torch.no_grad():
-        scores = sequence_scores(reward, input_ids, attention, response, scored_rows)
+        scores, scored = sequence_scores(reward, input_ids, attention, response, scored_rows)
         ref_logprobs = model_logprobs(reference, input_ids, attention, response, sampling)
     keep = (input_ids[rows], attention[rows], response[rows])
     rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)
@@ -297,5 +302,5 @@ def make_experience_keeping(
     elif critic is not None:
         with torch.no_grad():
             values = score_and_value(critic, input_ids, attention)[0].float()
-    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores)
+    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored)
     return exp, FirstPass(rows, kept_logprobs, kept_entropy, kept_values)

@@ -81,24 +81,45 @@ def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_
         return logprobs, entropy
 
 
-def aggregate(per_token: torch.Tensor, response_mask: torch.Tensor, how: str = "token", max_tokens: int = 0):
-    """[B, A] per-token loss -> scalar, over the response actions (ppo.loss_aggregation):
-    token     sum over every response token of the minibatch / their count (DAPO, TRL's default):
-              each token weighs the same, so a long response weighs more;
-    sequence  mean over responses of each response's token mean (DeepSeekMath eq. 3, PPO in
-              DeepSpeed-Chat's per-sequence form): each response weighs the same;
-    constant  sum over every response token / (B * max_tokens) (Dr. GRPO, Liu et al. 2025, sec. 3.1):
-              no length normalization at all, so no bias towards long wrong or short right answers."""
-    mask = response_mask.to(per_token.dtype)
+def loss_denominator(response_mask: torch.Tensor, how: str = "token", max_tokens: int = 0) -> float:
+    """What `aggregate` divides this minibatch's summed loss by (ppo.loss_aggregation), [B, A] mask:
+    token     the response tokens;
+    sequence  the responses (rows with at least one response token);
+    constant  the rows times max_tokens (Dr. GRPO's fixed length), a row with an empty response included."""
     if how == "token":
-        return masked_mean(per_token, mask)
+        return float(response_mask.sum())
+    if how == "sequence":
+        return float((response_mask.sum(-1) > 0).sum())
+    if how == "constant":
+        return float(response_mask.shape[0] * max_tokens)
+    raise ValueError(f"unknown loss aggregation {how!r} (expected token, sequence or constant)")
+
+
+def aggregate(per_token: torch.Tensor, response_mask: torch.Tensor, how: str = "token", max_tokens: int = 0,
+              denominator: float | None = None) -> torch.Tensor:  # fmt: skip
+    """[B, A] per-token loss -> scalar, over the response actions (ppo.loss_aggregation):
+    token     sum over every response token / their count (DAPO, TRL's "dapo"): each token weighs the
+              same, so a long response weighs more;
+    sequence  sum over responses of each response's token mean / their count (DeepSeekMath eq. 3, PPO in
+              DeepSpeed-Chat's per-sequence form): each response weighs the same;
+    constant  sum over every response token / (rows * max_tokens) (Dr. GRPO, Liu et al. 2025, sec. 3.1):
+              no length normalization at all, so no bias towards long wrong or short right answers.
+    denominator: the count to divide by (loss_denominator's); None: this minibatch's own. The trainer passes
+    the count over every rank's minibatch divided by the number of ranks, so that DeepSpeed's mean of the
+    ranks' gradients is the gradient of the sum over every rank's tokens / the global count (DAPO's global
+    token mean, not the mean of per-rank means). Rows left out of the loss (drop_equal_reward_groups) are
+    not passed at all: they are in no denominator."""
+    if denominator is None:
+        denominator = loss_denominator(response_mask, how, max_tokens)
+    mask = response_mask.to(per_token.dtype)
     if how == "sequence":
         rows = mask.sum(-1)
-        per_row = (per_token * mask).sum(-1) / rows.clamp(min=1)
-        return per_row.sum() / (rows > 0).sum().clamp(min=1)  # a row without response tokens is no response
-    if how == "constant":
-        return (per_token * mask).sum() / (per_token.shape[0] * max_tokens)
-    raise ValueError(f"unknown loss aggregation {how!r} (expected token, sequence or constant)")
+        total = ((per_token * mask).sum(-1) / rows.clamp(min=1)).sum()  # a row without response tokens adds 0
+    elif how in ("token", "constant"):
+        total = (per_token * mask).sum()
+    else:
+        raise ValueError(f"unknown loss aggregation {how!r} (expected token, sequence or constant)")
+    return total / (denominator if denominator > 0 else 1.0)  # nothing counted: a zero loss, not 0 / 0
 
 
 def policy_loss(
@@ -110,17 +131,19 @@ def policy_loss(
     cliprange_high: float | None = None,
     aggregation: str = "token",
     max_tokens: int = 0,
+    denominator: float | None = None,
 ) -> PolicyLoss:
     """Clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)) per response action, aggregated
     (`aggregate`), r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize; eps_high =
     cliprange_high, DAPO's clip-higher, Yu et al. 2025 eq. 10; None = eps). Positions outside the response
-    do not matter, even at -inf. clip_fraction and approx_kl are token means whatever the aggregation."""
+    do not matter, even at -inf. clip_fraction and approx_kl are token means whatever the aggregation.
+    denominator: see `aggregate`."""
     log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     high = cliprange if cliprange_high is None else cliprange_high
     clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
-    loss = aggregate(torch.maximum(unclipped, clipped), response_mask, aggregation, max_tokens)
+    loss = aggregate(torch.maximum(unclipped, clipped), response_mask, aggregation, max_tokens, denominator)
     clip_fraction = masked_mean((clipped > unclipped).to(logprobs.dtype), response_mask)
     approx_kl = masked_mean((ratio - 1) - log_ratio, response_mask)  # k3: unbiased, always >= 0
     return PolicyLoss(loss, clip_fraction.detach(), approx_kl.detach())

@@ -38,7 +38,15 @@ from kubealign.rl.experience import (
     score_and_value,
 )
 from kubealign.rl.kl import KLController, k3
-from kubealign.rl.losses import PolicyLoss, Sampling, aggregate, explained_variance, policy_loss, value_loss
+from kubealign.rl.losses import (
+    PolicyLoss,
+    Sampling,
+    aggregate,
+    explained_variance,
+    loss_denominator,
+    policy_loss,
+    value_loss,
+)
 from kubealign.training import distributed
 from kubealign.training.loop import NonFiniteLoss, check_finite
 
@@ -230,29 +238,42 @@ class ActorObjective(NamedTuple):
 
 def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig,
                     kl_coef: float = 0.0, first: FirstPass | None = None,
-                    keep: torch.Tensor | None = None) -> ActorObjective:  # fmt: skip
+                    keep: torch.Tensor | None = None, denominator: float | None = None) -> ActorObjective:  # fmt: skip
     """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
     (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
     kl_coef * the k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term instead of
     a reward penalty, so the advantages stay purely group-relative; both aggregated by ppo.loss_aggregation.
     first: the experience pass's forward of exactly these rows (idx == first.rows), used instead of running
-    it again. keep: [N] the rows the policy loss and the KL term count (drop_equal_reward_groups); None: all."""
+    it again. keep: [N] the rows the loss counts (drop_equal_reward_groups); None: all. The other rows are
+    removed before the loss, as DAPO and veRL remove them: in no sum, no denominator and no entropy mean.
+    denominator: the policy loss's and the KL term's (minibatch_denominator); None: this minibatch's own."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
     use_entropy = cfg.entropy_coef > 0
     if first is not None:
         logprobs, entropy = first.logprobs, first.entropy
     else:
         logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
-    counted = resp if keep is None else resp * keep[idx].unsqueeze(1).to(resp.dtype)
-    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], counted, cfg.cliprange, cfg.cliprange_high,
-                     cfg.loss_aggregation, cfg.max_new_tokens)  # fmt: skip
+    rows = slice(None) if keep is None else keep[idx].bool()
+    logprobs, entropy, resp = logprobs[rows], entropy[rows], resp[rows]
+    how, most = cfg.loss_aggregation, cfg.max_new_tokens
+    pl = policy_loss(logprobs, exp.logprobs[idx][rows], advantages[idx][rows], resp, cfg.cliprange, cfg.cliprange_high,
+                     how, most, denominator)  # fmt: skip
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
     kl = None
     if cfg.algorithm == "grpo":
-        kl = aggregate(k3(logprobs, exp.ref_logprobs[idx], resp), counted, cfg.loss_aggregation, cfg.max_new_tokens)
+        kl = aggregate(k3(logprobs, exp.ref_logprobs[idx][rows], resp), resp, how, most, denominator)
         actor_loss = actor_loss + kl_coef * kl if kl_coef > 0 else actor_loss
     return ActorObjective(pl, mean_entropy, actor_loss, kl)
+
+
+def minibatch_denominator(response_mask: torch.Tensor, cfg: PPOConfig) -> float:
+    """aggregate's denominator for one step: loss_denominator over every rank's counted rows of the step,
+    divided by the number of ranks (DeepSpeed averages the ranks' gradients), so the loss is the global
+    token (sequence, constant) mean of DAPO and TRL's "dapo", whatever each rank holds. One all_reduce:
+    every rank takes it at every step. 0: no rank has anything to count (update() then skips the step)."""
+    local = loss_denominator(response_mask, cfg.loss_aggregation, cfg.max_new_tokens)
+    return distributed.all_reduce_sum([local])[0] / distributed.world_size()
 
 
 def update(
@@ -273,9 +294,14 @@ def update(
     are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient.
     plan: the first epoch's minibatches, drawn from gen before the experience pass (iteration); first:
     the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping). keep:
-    the rows the policy loss counts (Targets.keep). A minibatch whose every row is left out still takes
-    its step, with a zero loss, so that every rank steps together."""
+    the rows the policy loss counts (Targets.keep). A step where no rank has a row to count (every row
+    dropped, or no response token) and no PPO-ptx term is skipped on every rank alike, with no backward and
+    no optimizer step: AdamW would otherwise still move the weights by momentum and weight decay. A rank
+    with nothing while another has rows takes part with a zero loss (its gradient adds nothing to the
+    all-reduce). skipped_steps counts the skipped steps."""
     stats: dict[str, list[float]] = {}
+    firsts: dict[str, float] = {}
+    skipped = 0
     with_critic = cfg.algorithm == "ppo"
     models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
     if with_critic:
@@ -285,9 +311,14 @@ def update(
                                                                                 cfg.micro_batch_size, gen)  # fmt: skip
         for step, idx in enumerate(minibatches):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
+            counted = resp if keep is None else resp[keep[idx].bool()]
+            denominator = minibatch_denominator(counted, cfg)
+            if denominator == 0 and unsup is None:
+                skipped += 1
+                continue
             reused = first if epoch == 0 and step == 0 else None
             pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef, reused,
-                                                               keep)  # fmt: skip
+                                                               keep, denominator)  # fmt: skip
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
@@ -309,13 +340,12 @@ def update(
                 logged.update(value_loss=vl.loss, value_clip_fraction=vl.clip_fraction)
             for key, value in logged.items():
                 stats.setdefault(key, []).append(value.item())
-    means = {k: sum(v) / len(v) for k, v in stats.items()}
-    if first is None:
-        # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly 0
-        # unless the rollout's log-probs and the training forward disagree (live dropout, kernels, settings).
-        # A reused forward is the rollout's: 0 by construction, measuring nothing, so not logged then.
-        means["approx_kl_first"], means["clip_fraction_first"] = stats["approx_kl"][0], stats["clip_fraction"][0]
-    return means
+            if epoch == 0 and step == 0 and first is None:
+                # Before the first step the policy is the one that sampled: ratio exactly 1, so both are exactly
+                # 0 unless the rollout's log-probs and the training forward disagree (live dropout, kernels,
+                # settings). A reused forward is the rollout's: 0 by construction, measuring nothing, not logged.
+                firsts = {"approx_kl_first": stats["approx_kl"][0], "clip_fraction_first": stats["clip_fraction"][0]}
+    return {**{k: sum(v) / len(v) for k, v in stats.items()}, **firsts, "skipped_steps": float(skipped)}
 
 
 def global_stats(values: torch.Tensor) -> tuple[float, float, int]:
@@ -324,7 +354,7 @@ def global_stats(values: torch.Tensor) -> tuple[float, float, int]:
     total, squares, count = distributed.all_reduce_sum(
         [float(values.sum()), float((values.double() ** 2).sum()), float(values.numel())]
     )
-    mean = total / count
+    mean = total / count if count else float("nan")  # nothing to average (every response unscored)
     variance = (squares - count * mean**2) / (count - 1) if count > 1 else 0.0
     return mean, max(variance, 0.0) ** 0.5, int(count)
 
@@ -363,18 +393,20 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
     rloo = cfg.algorithm == "rloo"
     seq = sequence_rewards(exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta if rloo else 0.0,
                            cfg.reward_clip)  # fmt: skip
+    scored = exp.scored  # rows nothing scored join no group statistic and get advantage 0 (None: all scored)
     if rloo:
-        advantages = rloo_advantages(seq.rewards, k)
-    else:  # the batch's std pools every rank's rewards, as TRL gathers them before scaling
-        batch_std = global_stats(seq.rewards)[1] if cfg.scale_rewards == "batch" else 0.0
-        advantages = grpo_advantages(seq.rewards, k, scale=cfg.scale_rewards, batch_std=batch_std)
-    std = group_std(seq.rewards, k)
+        advantages = rloo_advantages(seq.rewards, k, scored)
+    else:  # the batch's std pools every rank's scored rewards, as TRL gathers them before scaling
+        pooled = seq.rewards if scored is None else seq.rewards[scored]
+        batch_std = global_stats(pooled)[1] if cfg.scale_rewards == "batch" else 0.0
+        advantages = grpo_advantages(seq.rewards, k, scale=cfg.scale_rewards, batch_std=batch_std, scored=scored)
+    std = group_std(seq.rewards, k, scored)
     zero = torch.isclose(std, torch.zeros_like(std))  # every response of the prompt got the same reward
     std_sum, zeros, groups = distributed.all_reduce_sum([float(std.sum()), float(zero.sum()), float(std.numel())])
     metrics = {
         "group_reward_std": std_sum / groups,  # mean over groups (every rank's) of the within-group std
         "zero_std_fraction": zeros / groups,  # groups with no learning signal: all their advantages are 0
-        "advantage_abs_mean": global_stats(advantages.abs())[0],
+        "advantage_abs_mean": global_stats(advantages.abs())[0],  # unscored rows count, at 0
     }
     keep = None
     if cfg.drop_equal_reward_groups:
@@ -473,7 +505,8 @@ def iteration(
                     targets.keep)  # fmt: skip
     trained = time.perf_counter()
     kl_mean = update_kl(kl, targets.kl.sum(-1))
-    reward_mean, reward_std, _ = global_stats(exp.scores)
+    # over the responses something scored, as the fn/NAME means: an unscored one's 0 is no reward
+    reward_mean, reward_std, _ = global_stats(exp.scores if exp.scored is None else exp.scores[exp.scored])
     tokens = int(exp.attention_mask.sum())
     metrics = {
         "reward_mean": reward_mean,

@@ -181,6 +181,8 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str | None, reward_
         getattr(hf, "num_key_value_heads", None),
         cuda,
         transformers_version,
+        preflight.would_inject(actor) if cfg.hybrid_engine.enabled else [],
+        preflight.inference_kernels(),
     )
     critic = None
     if critic_dir is not None:  # grpo / rloo: the baseline is the prompt's other responses, not a critic

@@ -68,6 +68,13 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def world_size() -> int:
+    """How many ranks (1 when torch.distributed is not initialized)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
