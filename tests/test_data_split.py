@@ -180,3 +180,37 @@ def test_failed_run_keeps_the_previous_output_and_leaves_no_temp(cli, tmp_path: 
     assert result.code == 2
     assert manifest(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.jsonl", "out"]
+
+
+def test_prompt_completion_rows_feed_sft_and_an_undeclared_answer_is_refused(cli, tmp_path: Path):
+    """TRL's prompt-completion rows were read as prompt-only rows: 60 of them gave phase 1 nothing and phase 3
+    60 prompts, exit 0. Now they are SFT demonstrations; a prompt-only file with an `answer` field is a
+    one-line error naming the file, the line and the field unless the source declares the column."""
+    rows = [{"prompt": f"Q: {i}+{i}?", "completion": f" {2 * i}"} for i in range(60)]
+    out = tmp_path / "pc"
+    result = cli("data-split", "--source", write_jsonl(tmp_path / "pc.jsonl", rows), "--set", NO_TRACKING,
+                 "--output", out)  # fmt: skip
+    assert result.code == 0, result.err
+    loaded = load_phases(out)
+    sft = loaded["phase1_sft"]
+    assert len(sft["train"]) + len(sft["eval"]) == 60 and set(sft["train"]["chosen"]) <= {r["completion"] for r in rows}
+    assert len(loaded["phase3_prompts"]["train"]) + len(loaded["phase3_prompts"]["eval"]) == 0
+
+    prompts = write_jsonl(
+        tmp_path / "q.jsonl", [{"prompt": "Q: 1+1?", "level": 1}, {"prompt": "Q: 2+2?", "answer": "4"}]
+    )
+    refused = tmp_path / "refused"
+    result = cli("data-split", "--source", prompts, "--set", NO_TRACKING, "--output", refused)
+    assert result.code == 2 and not refused.exists()
+    assert result.err.strip().splitlines()[-1] == (
+        f"kubealign: error: {prompts}:2: field 'answer': looks like the row's answer, not a column: list it in the source's "
+        "`columns` to give it to reward functions, or name it `completion` to train on it"
+    )
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"data": {"sources": [{"path": str(prompts), "columns": ["answer"]}]},
+                                  "tracking": {"enabled": False}}))  # fmt: skip
+    declared = tmp_path / "declared"
+    assert cli("data-split", "--config", config, "--output", declared).code == 0
+    phase3 = load_phases(declared)["phase3_prompts"]
+    kept = [json.loads(c) for s in phase3.values() for c in s["columns"]]
+    assert sorted(kept, key=len) == [{"level": 1}, {"answer": "4"}]

@@ -261,3 +261,37 @@ def test_the_scorer_marks_what_no_function_scored_and_refuses_misaligned_rows(fn
         assert scores.tolist() == [1.0, 0.0, 0.0] and scored.tolist() == [True, False, True]
         with pytest.raises(ValueError, match=r"^reward scoring: 2 data rows for 3 completions; expected one row per"):
             scorer.score(ids, attention, response, rows.take([0, 1]))
+
+
+# --- pinned by hand: each row of the clipped loss, pooled statistics ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ratio", "advantage", "loss", "clipped"),
+    [
+        (1.5, 1.0, -1.2, True),  # A > 0, r above 1 + eps: the clip caps the gain at 1.2
+        (0.5, 1.0, -0.5, False),  # A > 0, r below 1 - eps: the unclipped (smaller) gain is the max loss
+        (0.5, -1.0, 0.8, True),  # A < 0, r below 1 - eps: the clip keeps the penalty at 0.8
+        (1.5, -1.0, 1.5, False),  # A < 0, r above 1 + eps: the unclipped penalty
+        (1.1, 2.0, -2.2, False),  # inside the trust region: -A r
+    ],
+)
+def test_each_row_of_the_clipped_loss(ratio, advantage, loss, clipped):
+    from kubealign.rl.losses import policy_loss
+
+    # one response of two tokens, the second outside the response (its ratio would be huge)
+    logprobs = torch.tensor([[math.log(ratio), 5.0]], dtype=torch.float64)
+    old, mask = torch.zeros(1, 2, dtype=torch.float64), torch.tensor([[1, 0]])
+    out = policy_loss(logprobs, old, torch.tensor([[advantage, 9.0]], dtype=torch.float64), mask, 0.2)
+    assert out.loss.item() == pytest.approx(loss)
+    assert out.clip_fraction.item() == float(clipped)
+    assert out.approx_kl.item() == pytest.approx((ratio - 1) - math.log(ratio))
+
+
+def test_pooled_statistics_with_a_faked_second_rank(monkeypatch):
+    fake_ranks(monkeypatch, [3.0 + 4.0, 9.0 + 16.0, 2.0])  # the other rank holds 3 and 4
+    mean, std, count = trainer.global_stats(torch.tensor([1.0, 2.0, 5.0]))
+    values = [1.0, 2.0, 5.0, 3.0, 4.0]
+    by_hand = sum(values) / 5
+    assert (mean, count) == (pytest.approx(by_hand), 5)
+    assert std == pytest.approx(math.sqrt(sum((v - by_hand) ** 2 for v in values) / 4))

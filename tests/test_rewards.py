@@ -243,8 +243,9 @@ def test_specs_that_do_not_match_the_config_are_refused(fns: Path):
 
 
 def test_a_prompt_only_row_keeps_its_other_fields_as_columns():
-    pair = normalize({"prompt": "2+2?", "answer": "4", "level": 1})
+    pair = normalize({"prompt": "2+2?", "answer": "4", "level": 1}, columns=frozenset({"answer"}))
     assert pair == Pair("2+2?", None, None, '{"answer": "4", "level": 1}')
+    assert normalize({"prompt": "2+2?", "level": 1}) == Pair("2+2?", None, None, '{"level": 1}')  # nothing to declare
 
 
 def test_prompt_only_rows_go_to_phase_3_and_nowhere_else():

@@ -118,3 +118,53 @@ def test_real_hh_rows_normalize_losslessly(hh_file):
         assert pair.prompt + pair.chosen == row["chosen"]
         assert pair.prompt + pair.rejected == row["rejected"]
         assert "\n\nAssistant:" not in pair.chosen
+
+
+# --- TRL's prompt-completion rows, and prompt-only rows that carry an answer ------------------------------
+
+
+def test_prompt_completion_is_a_demonstration():
+    assert normalize({"prompt": "Q: 2+2?", "completion": " 4"}) == Pair("Q: 2+2?", " 4", None)
+    assert normalize({"prompt": "Q", "completion": " A"}, "prompt_completion") == Pair("Q", " A", None)
+
+
+def test_conversational_prompt_completion_renders_as_messages_do():
+    row = {
+        "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+        "completion": [{"role": "assistant", "content": "4"}],
+    }
+    same = {"messages": [*row["prompt"], *row["completion"]]}
+    assert normalize(row) == Pair("\n\nSystem: Be brief.\n\nHuman: 2+2?\n\nAssistant:", " 4", None) == normalize(same)
+
+
+@pytest.mark.parametrize(
+    ("row", "field", "message"),
+    [
+        ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+          "completion": [{"role": "assistant", "content": "c"}]}, "prompt[1].role", "must end before the assistant"),
+        ({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "c"}]},
+         "completion", "expected one assistant message"),
+        ({"prompt": [{"role": "user", "content": "a"}],
+          "completion": [{"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}]},
+         "completion", "expected one assistant message"),
+        ({"prompt": "a", "completion": 4}, "completion", "expected a string, got int"),
+        ({"prompt": [{"role": "user", "content": 1}], "completion": [{"role": "assistant", "content": "c"}]},
+         "prompt[0].content", "expected a string"),
+    ],
+)  # fmt: skip
+def test_bad_prompt_completion_rows_name_the_field(row, field, message):
+    with pytest.raises(RowError) as err:
+        normalize(row)
+    assert err.value.field == field and message in err.value.message
+
+
+@pytest.mark.parametrize("key", ["answer", "output", "text", "solution", "Answer"])
+def test_a_prompt_only_row_with_an_answer_like_field_is_refused_unless_declared(key):
+    row = {"prompt": "2+2?", key: "4", "level": 1}
+    with pytest.raises(RowError) as err:
+        normalize(row)
+    assert err.value.field == key and "list it in the source's `columns`" in err.value.message
+    with pytest.raises(RowError):
+        normalize(row, "prompt_only")  # the explicit format too
+    assert normalize(row, columns=frozenset({key})).columns == json.dumps({key: "4", "level": 1}, sort_keys=True)
+    assert normalize({"prompt": "2+2?", "level": 1}).columns == '{"level": 1}'  # a plain column needs nothing

@@ -98,3 +98,41 @@ def test_weights_touch_train_splits_only():
     for phase in PHASES:
         assert heavy.phases[phase]["eval"] == plain.phases[phase]["eval"]
         assert len(heavy.phases[phase]["train"]) == 2 * len(plain.phases[phase]["train"])
+
+
+def test_a_prompt_with_a_pair_and_a_prompt_only_row_follows_its_pair_and_keeps_its_columns_in_phase_3():
+    """Six prompts, each with a preference pair, an SFT row and a prompt-only row (its columns), in three
+    row orders: the prompt lands where its pair's draw puts it. Phase 1 keeps the two responses' rows and
+    drops the prompt-only one, phase 2 keeps the pair alone, phase 3 keeps the prompt-only row (the columns
+    reward functions need), whatever the order of the rows."""
+
+    def row(prompt, chosen, rejected, origin, columns=None):
+        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "columns": columns, "source": "s",
+                "origin": origin}  # fmt: skip
+
+    rows = []
+    for i in range(6):
+        group = [row(f"m{i}", "c", "r", f"pair:{i}"), row(f"m{i}", "d", None, f"sft:{i}"),
+                 row(f"m{i}", None, None, f"only:{i}", f'{{"answer": "{i}"}}')]  # fmt: skip
+        rows += group[i % 3 :] + group[: i % 3]  # the prompt-only row first, last, in the middle
+    plan = split_rows(rows, (1, 1, 1), 0.0, seed=5)
+    kept = {ph: sorted(r["origin"] for r in plan.phases[ph]["train"]) for ph in PHASES}
+    phase_of = {r["prompt"]: ph for ph in PHASES for r in plan.phases[ph]["train"]}
+    assert sorted(phase_of.values()) == sorted(PHASES * 2)  # two prompts in each phase
+    dropped = sorted((reason, r["origin"]) for reason, r in plan.dropped)
+    expected_kept, expected_dropped = {ph: [] for ph in PHASES}, []
+    for i in range(6):
+        phase = phase_of[f"m{i}"]
+        if phase == "phase1_sft":
+            expected_kept[phase] += [f"pair:{i}", f"sft:{i}"]
+            expected_dropped.append(("prompt_only_outside_phase3", f"only:{i}"))
+        elif phase == "phase2_reward":
+            expected_kept[phase].append(f"pair:{i}")
+            expected_dropped += [("prompt_only_outside_phase3", f"only:{i}"), ("unpaired_in_reward_phase", f"sft:{i}")]
+        else:
+            expected_kept[phase].append(f"only:{i}")
+    assert kept == {ph: sorted(v) for ph, v in expected_kept.items()}
+    assert dropped == sorted(expected_dropped)
+    assert {r["columns"] for r in plan.phases["phase3_prompts"]["train"]} == {
+        f'{{"answer": "{p[1:]}"}}' for p, ph in phase_of.items() if ph == "phase3_prompts"
+    }

@@ -12,7 +12,7 @@ from kubealign.config import load_config
 from kubealign.config.schema import DataConfig, DataSource
 from kubealign.data import arithmetic
 from kubealign.data.schemas import normalize
-from kubealign.data.sources import read_source
+from kubealign.data.sources import declared_columns, read_source
 from kubealign.data.split import split_rows
 from kubealign.errors import UserError
 from kubealign.rewards import sources
@@ -83,7 +83,7 @@ def test_source_and_split_send_prompt_rows_to_phase3_only():
     assert read.records[0].origin == "synthetic-arithmetic:row 1"
     rows = []
     for record in read.records:
-        pair = normalize(record.value)
+        pair = normalize(record.value, columns=declared_columns(data.sources[0]))  # answer: the built-in's column
         rows.append({"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
                      "columns": pair.columns, "source": "s", "origin": record.origin})  # fmt: skip
     plan = split_rows(rows, (2, 4, 4), 0.1, seed=0)

@@ -12,7 +12,9 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-SourceFormat = Literal["auto", "prompt_chosen_rejected", "hh", "prompt_response", "messages", "prompt_only"]
+SourceFormat = Literal[
+    "auto", "prompt_chosen_rejected", "hh", "prompt_response", "prompt_completion", "messages", "prompt_only"
+]
 DType = Literal["fp32", "bf16", "fp16"]
 
 
@@ -34,8 +36,15 @@ class DataSource(Section):
         "auto",
         description="Row schema; 'auto' detects it per row from the keys. prompt_chosen_rejected: "
         "Dahoas rm-static style; hh: HH-RLHF full chosen/rejected dialogues; prompt_response: SFT-only "
-        "rows; messages: chat-message lists; prompt_only: {prompt, ...} with no response, for phase 3 only (its "
-        "other fields become columns the reward functions get).",
+        "rows; prompt_completion: TRL's {prompt, completion} (strings or message lists), SFT-only rows; messages: "
+        "chat-message lists; prompt_only: {prompt, ...} with no response, for phase 3 only (its other fields "
+        "become columns the reward functions get).",
+    )
+    columns: list[str] = Field(
+        default_factory=list,
+        description="Fields of prompt-only rows to keep as columns for reward functions although their names "
+        "look like a response (answer, completion, output, text, solution, target, ...): without this such a "
+        "row is refused, naming the field, so that a demonstration is never silently dropped from SFT.",
     )
     limit: int | None = Field(None, gt=0, description="Use at most this many rows (the first ones), rows.")
     weight: float = Field(

@@ -8,10 +8,16 @@ Recognized schemas (`format` of a source; 'auto' detects per row from its keys):
   last "\\n\\nAssistant:"; each response is the rest. Dialogues that differ before the last reply
   are dropped (reason prompt_mismatch).
 * prompt_response — {"prompt", "response"}: SFT-only rows.
+* prompt_completion — {"prompt", "completion"} (TRL's prompt-completion format): SFT-only rows, the
+  completion the demonstration; in its conversational form both are message lists (the prompt's turns,
+  then one assistant message as the completion).
 * messages — {"messages": [{"role", "content"}, ...]} ending in an assistant turn (SFT-only), or
   {"chosen": [...], "rejected": [...]} message lists sharing all turns but the last.
 * prompt_only — {"prompt", ...} with no response: a prompt for phase 3 only (PPO / GRPO / RLOO and
-  evaluate); its other fields (e.g. "answer") are kept as the row's columns, which reward functions get.
+  evaluate); its other fields are kept as the row's columns, which reward functions get. A field whose
+  name says it holds a response (ANSWER_LIKE: "answer", "completion", "output", "text", ...) is refused
+  unless the source declares it a column (`data.sources[i].columns`): a demonstration under an unknown
+  name would otherwise turn an SFT row into a prompt without a word.
 
 Message lists are rendered in the plain HH dialogue format: "\\n\\nHuman: ...\\n\\nAssistant: ..."
 (a system turn renders as "\\n\\nSystem: ..."), the prompt ending in "\\n\\nAssistant:" and the
@@ -26,6 +32,9 @@ from typing import Any, NamedTuple
 
 ASSISTANT = "\n\nAssistant:"
 ROLE_LABELS = {"user": "Human", "human": "Human", "assistant": "Assistant", "system": "System"}
+# Fields of a prompt-only row that name a response more often than a column: kept only when declared.
+ANSWER_LIKE = ("answer", "answers", "completion", "output", "outputs", "text", "solution", "response", "reply",
+               "target", "chosen", "rejected", "assistant", "ground_truth")  # fmt: skip
 
 
 class Pair(NamedTuple):
@@ -76,6 +85,8 @@ def detect_format(row: dict[str, Any]) -> str:
         return "messages"
     if "prompt" in row and "chosen" in row:
         return "prompt_chosen_rejected"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
     if "prompt" in row and "response" in row:
         return "prompt_response"
     if "chosen" in row and "rejected" in row:
@@ -86,7 +97,7 @@ def detect_format(row: dict[str, Any]) -> str:
     raise RowError(
         None,
         "no recognizable fields (expected prompt/chosen/rejected, chosen/rejected dialogues, "
-        f"prompt/response or messages; found keys: {keys})",
+        f"prompt/response, prompt/completion or messages; found keys: {keys})",
     )
 
 
@@ -107,8 +118,8 @@ def _hh(row: dict[str, Any]) -> Pair:
     return Pair(prompt, chosen, rejected)
 
 
-def _render_messages(messages: Any, field: str) -> tuple[str, str]:
-    """Message list -> (rendered prompt, final assistant reply)."""
+def _message_parts(messages: Any, field: str) -> list[tuple[str, str]]:
+    """Message list -> [(role label, content)], each message checked."""
     if not isinstance(messages, list) or not messages:
         raise RowError(field, f"expected a non-empty list of messages, got {_type_name(messages)}")
     parts = []
@@ -122,10 +133,20 @@ def _render_messages(messages: Any, field: str) -> tuple[str, str]:
         if not isinstance(content, str):
             raise RowError(f"{where}.content", f"expected a string, got {_type_name(content)}")
         parts.append((ROLE_LABELS[role], content))
+    return parts
+
+
+def _render_turns(parts: list[tuple[str, str]]) -> str:
+    """[(label, content)] -> the dialogue through an open assistant turn: "\n\nHuman: ...\n\nAssistant:"."""
+    return "".join(f"\n\n{label}: {content}" for label, content in parts) + ASSISTANT
+
+
+def _render_messages(messages: Any, field: str) -> tuple[str, str]:
+    """Message list -> (rendered prompt, final assistant reply)."""
+    parts = _message_parts(messages, field)
     if parts[-1][0] != "Assistant":
         raise RowError(f"{field}[{len(parts) - 1}].role", "the last message must be the assistant's")
-    prompt = "".join(f"\n\n{label}: {content}" for label, content in parts[:-1]) + ASSISTANT
-    return prompt, " " + parts[-1][1]
+    return _render_turns(parts[:-1]), " " + parts[-1][1]
 
 
 def _messages(row: dict[str, Any]) -> Pair:
@@ -141,9 +162,28 @@ def _messages(row: dict[str, Any]) -> Pair:
     return Pair(prompt, chosen, rejected)
 
 
-def _prompt_only(row: dict[str, Any]) -> Pair:
+def _prompt_completion(row: dict[str, Any]) -> Pair:
+    """TRL's prompt-completion row, standard (two strings, joined as they are) or conversational (message
+    lists: the prompt's turns, none of them the last assistant reply, and the completion's one assistant
+    message, rendered as the messages format renders them)."""
+    if isinstance(row.get("prompt"), str) or isinstance(row.get("completion"), str):
+        return Pair(_string(row, "prompt"), _string(row, "completion"), None)
+    turns = _message_parts(row.get("prompt"), "prompt")
+    if turns[-1][0] == "Assistant":
+        raise RowError(f"prompt[{len(turns) - 1}].role", "the prompt must end before the assistant's reply")
+    reply = _message_parts(row.get("completion"), "completion")
+    if len(reply) != 1 or reply[0][0] != "Assistant":
+        raise RowError("completion", "expected one assistant message")
+    return Pair(_render_turns(turns), " " + reply[0][1], None)
+
+
+def _prompt_only(row: dict[str, Any], declared: frozenset[str]) -> Pair:
     prompt = _string(row, "prompt")
     columns = {k: v for k, v in row.items() if k != "prompt"}
+    for key in columns:
+        if key.lower() in ANSWER_LIKE and key not in declared:
+            raise RowError(key, "looks like the row's answer, not a column: list it in the source's `columns` "
+                           "to give it to reward functions, or name it `completion` to train on it")  # fmt: skip
     try:  # what the functions get must survive JSON (the worker protocol, the saved dataset)
         text = json.dumps(columns, sort_keys=True, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:
@@ -151,8 +191,9 @@ def _prompt_only(row: dict[str, Any]) -> Pair:
     return Pair(prompt, None, None, text)
 
 
-def normalize(row: Any, fmt: str = "auto") -> Pair:
-    """Normalize one raw row. Raises RowError (malformed) or RowDrop (unusable)."""
+def normalize(row: Any, fmt: str = "auto", columns: frozenset[str] = frozenset()) -> Pair:
+    """Normalize one raw row. columns: the fields the source declares columns (prompt-only rows keep them
+    whatever their name). Raises RowError (malformed) or RowDrop (unusable)."""
     if not isinstance(row, dict):
         raise RowError(None, f"expected a JSON object, got {_type_name(row)}")
     if fmt == "auto":
@@ -161,12 +202,14 @@ def normalize(row: Any, fmt: str = "auto") -> Pair:
         return Pair(_string(row, "prompt"), _string(row, "chosen"), _string(row, "rejected", optional=True))
     if fmt == "prompt_response":
         return Pair(_string(row, "prompt"), _string(row, "response"), None)
+    if fmt == "prompt_completion":
+        return _prompt_completion(row)
     if fmt == "hh":
         return _hh(row)
     if fmt == "messages":
         return _messages(row)
     if fmt == "prompt_only":
-        return _prompt_only(row)
+        return _prompt_only(row, columns)
     raise ValueError(f"unknown format {fmt!r}")  # the config schema only admits the names above
 
 

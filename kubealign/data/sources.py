@@ -23,6 +23,16 @@ from kubealign.data import arithmetic, synthetic
 from kubealign.errors import UserError, first_line
 
 BUILT_IN = ("synthetic", "synthetic-arithmetic")  # source paths that name a generator, not a file
+# The generators' declared columns: synthetic-arithmetic's prompt rows carry the true sum as `answer`, the
+# column its reward function reads (a user's file declares such fields in data.sources[i].columns).
+BUILT_IN_COLUMNS = {"synthetic-arithmetic": frozenset({"answer"})}
+
+
+def declared_columns(source: DataSource) -> frozenset[str]:
+    """The fields a source's prompt-only rows keep as columns whatever their names (schemas.normalize)."""
+    return frozenset(source.columns) | BUILT_IN_COLUMNS.get(source.path, frozenset())
+
+
 FILE_KINDS = {".jsonl": "jsonl", ".jsonl.gz": "jsonl.gz", ".json": "json", ".parquet": "parquet"}
 
 

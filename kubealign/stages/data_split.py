@@ -29,7 +29,7 @@ from kubealign import __version__
 from kubealign.config import KubealignConfig, section_sha256
 from kubealign.config.schema import DataConfig
 from kubealign.data.schemas import RowDrop, RowError, normalize, row_problem
-from kubealign.data.sources import SourceRead, read_source
+from kubealign.data.sources import SourceRead, declared_columns, read_source
 from kubealign.data.split import PHASES, SPLITS, SplitPlan, split_rows
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
@@ -37,7 +37,9 @@ from kubealign.tracking import stage_run
 
 STAGE = "data-split"
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 2  # bump when the output layout or the split rules change: it is part of the cache key
+# Bump when the output layout or the split rules change: it is part of the cache key. 3: prompt_completion
+# rows feed SFT, answer-like prompt-only fields are refused unless declared.
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
 # columns: a prompt-only row's other fields as a JSON object (the reward functions' columns); None otherwise
 COLUMNS = ("prompt", "chosen", "rejected", "columns", "source", "origin")
@@ -79,12 +81,13 @@ def clean_rows(data: DataConfig, sources: list[SourceRead], report: Report) -> l
     total = sum(len(s.records) for s in sources)
     bar = tqdm(total=total, desc="normalize", unit="row", leave=False, delay=1.0)
     for config_source, source in zip(data.sources, sources, strict=True):
+        declared = declared_columns(config_source)
         for record in source.records:
             bar.update()
             try:
                 if record.error:
                     raise RowError(None, record.error)
-                pair = normalize(record.value, config_source.format)
+                pair = normalize(record.value, config_source.format, declared)
             except RowError as exc:
                 if data.on_error == "raise":
                     raise UserError(f"{record.origin}: {exc.describe()}") from None

@@ -1,0 +1,80 @@
+"""evaluate's statistics (kubealign.comparison) by hand: every metric of compare on rows where each one has its
+own value, both ends of the bootstrap interval, and reward functions' None in every mean."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kubealign.comparison import bootstrap_interval, compare, function_means, repetition_rate
+
+
+def rows(scores, tokens, fns=None):
+    return [{"score": s, "tokens": t, "fn": f or {}} for s, t, f in zip(scores, tokens, fns or [None] * len(scores))]
+
+
+def test_every_metric_of_compare_by_hand():
+    # five prompts: the candidate wins 0 and 3, ties 1 (within 1e-6), loses 2 and 4
+    base = rows([0.0, 1.0, 2.0, -1.0, 0.5], [[1, 2], [1, 2, 1, 2], [7], [1, 1, 1], [3, 4, 5, 6, 7, 8]])
+    cand = rows([0.5, 1.0 + 5e-7, 1.0, 0.0, 0.25], [[1, 2, 3], [9, 9], [4, 5, 4, 5], [2], [1, 2]])
+    m = compare(base, cand, seed=0)
+    assert (m["win_rate"], m["tie_rate"], m["loss_rate"], m["prompts"]) == (0.4, 0.2, 0.4, 5)
+    assert m["baseline_reward_mean"] == pytest.approx(2.5 / 5)
+    assert m["candidate_reward_mean"] == pytest.approx((0.5 + 1.0000005 + 1.0 + 0.0 + 0.25) / 5)
+    assert m["reward_gain"] == pytest.approx(m["candidate_reward_mean"] - 0.5)
+    # lengths: baseline 2 4 1 3 6 -> sorted 1 2 3 4 6; candidate 3 2 4 1 2 -> sorted 1 2 2 3 4
+    assert (m["baseline_length_mean"], m["baseline_length_median"], m["baseline_length_max"]) == (16 / 5, 3.0, 6.0)
+    assert (m["candidate_length_mean"], m["candidate_length_median"], m["candidate_length_max"]) == (12 / 5, 2.0, 4.0)
+    assert m["length_drift"] == pytest.approx((12 / 5) / (16 / 5))
+    # repeated bigrams: baseline [1,2,1,2] 1/3, [1,1,1] 1/2, the others 0; candidate [4,5,4,5] 1/3, [9,9] 0
+    assert m["baseline_repetition_rate"] == pytest.approx((1 / 3 + 1 / 2) / 5)
+    assert m["candidate_repetition_rate"] == pytest.approx((1 / 3) / 5)
+    low, high = bootstrap_interval([1.0, 0.0, 0.0, 1.0, 0.0], 0)
+    assert (m["win_rate_lower_bound"], m["win_rate_upper_bound"]) == (low, high)
+    assert low < 0.4 < high
+
+
+def test_the_median_of_an_even_count_is_the_upper_middle():
+    m = compare(rows([0.0] * 4, [[1], [1, 1], [1] * 3, [1] * 10]), rows([0.0] * 4, [[1]] * 4))
+    assert m["baseline_length_median"] == 3.0 and m["candidate_length_median"] == 1.0 and m["tie_rate"] == 1.0
+
+
+def test_repetition_rate_by_hand():
+    assert repetition_rate([1, 2, 1, 2]) == pytest.approx(1 / 3)  # (1,2) (2,1) (1,2): one repeat of three
+    assert repetition_rate([3, 3, 3, 3]) == pytest.approx(2 / 3)
+    assert repetition_rate([1, 2, 3]) == 0.0 and repetition_rate([5]) == 0.0 and repetition_rate([]) == 0.0
+
+
+def test_both_ends_of_the_bootstrap_interval():
+    assert bootstrap_interval([1.0] * 40, seed=0) == (1.0, 1.0)
+    assert bootstrap_interval([0.0] * 40, seed=0) == (0.0, 0.0)
+    assert bootstrap_interval([], seed=0) == (0.0, 0.0)
+    # 30 wins of 60: the normal approximation gives 0.5 -+ 1.96 * sqrt(0.25 / 60) = 0.373 and 0.627
+    half = [1.0, 0.0] * 30
+    low, high = bootstrap_interval(half, seed=0)
+    margin = 1.96 * math.sqrt(0.25 / 60)
+    assert low == pytest.approx(0.5 - margin, abs=0.025) and high == pytest.approx(0.5 + margin, abs=0.025)
+    # 15 wins of 60 (0.25): an asymmetric one, 0.25 -+ 1.96 * sqrt(0.25 * 0.75 / 60) = 0.140 and 0.360
+    quarter = [1.0, 0.0, 0.0, 0.0] * 15
+    low, high = bootstrap_interval(quarter, seed=0)
+    margin = 1.96 * math.sqrt(0.25 * 0.75 / 60)
+    assert low == pytest.approx(0.25 - margin, abs=0.025) and high == pytest.approx(0.25 + margin, abs=0.025)
+    narrow, wide = bootstrap_interval(half, 0, level=0.8), bootstrap_interval(half, 0, level=0.99)
+    assert wide[0] < narrow[0] < 0.5 < narrow[1] < wide[1]
+    assert bootstrap_interval(half, seed=0) == bootstrap_interval(half, seed=0)  # seeded
+
+
+def test_function_means_leave_out_none_in_each_model():
+    base = rows(
+        [0.0] * 3, [[1]] * 3, [{"exact": 1.0, "len": None}, {"exact": None, "len": None}, {"exact": 0.0, "len": None}]
+    )
+    cand = rows(
+        [0.0] * 3, [[1]] * 3, [{"exact": 1.0, "len": 4.0}, {"exact": 1.0, "len": None}, {"exact": None, "len": 2.0}]
+    )
+    assert function_means(base, cand) == {
+        "fn/exact/baseline": 0.5,  # 1 and 0; the None left out, not counted as 0 (that would be 1/3)
+        "fn/exact/candidate": 1.0,
+        "fn/len/candidate": 3.0,  # len applies to none of the baseline's rows: no metric
+    }
+    assert function_means([], []) == {}
