@@ -11,7 +11,8 @@ from kubealign.comparison import bootstrap_interval, compare, function_means, re
 
 
 def rows(scores, tokens, fns=None):
-    return [{"score": s, "tokens": t, "fn": f or {}} for s, t, f in zip(scores, tokens, fns or [None] * len(scores))]
+    fns = fns or [{}] * len(scores)
+    return [{"score": s, "tokens": t, "fn": f} for s, t, f in zip(scores, tokens, fns, strict=True)]
 
 
 def test_every_metric_of_compare_by_hand():
