@@ -274,8 +274,9 @@ class PPOConfig(Section):
     loss_aggregation: Literal["token", "sequence", "constant"] = Field(
         "token",
         description="How the per-token policy loss (and grpo's k3 term) becomes one number: token = mean over every "
-        "response token of the minibatch (DAPO, TRL); sequence = mean over responses of each one's token mean "
-        "(DeepSeekMath); constant = sum over response tokens / (responses x max_new_tokens) (Dr. GRPO).",
+        "response token of the minibatch (DAPO, TRL's dapo); sequence = mean over responses of each one's token mean "
+        "(DeepSeekMath); constant = sum over response tokens / (responses x max_new_tokens) (Dr. GRPO). Each count "
+        "is over every rank's minibatch (a global mean, not a mean of per-rank means).",
     )
     scale_rewards: Literal["group", "batch", "none"] = Field(
         "group",
@@ -285,7 +286,8 @@ class PPOConfig(Section):
     drop_equal_reward_groups: bool = Field(
         False,
         description="grpo / rloo: leave the groups whose rewards are all equal (no learning signal; their advantages "
-        "are 0) out of the policy loss and its normalization; their count is logged as groups_dropped.",
+        "are 0) out of the policy loss, its normalization and the entropy mean; their count is logged as "
+        "groups_dropped. A step where no rank has a row left is skipped (skipped_steps).",
     )
     cliprange_value: float = Field(0.2, gt=0, description="Value clip epsilon.")
     reward_clip: float = Field(5.0, gt=0, description="Reward score clipped to [-c, c].")
