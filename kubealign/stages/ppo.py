@@ -231,43 +231,50 @@ class EMA:
 EMA_FILE = "kubealign-ema.pt"
 
 
+def checkpoint_parts(directory: Path, models: PPOModels) -> list[Path]:
+    """The directories one PPO iteration's checkpoint spans (each with ITER/kubealign-sha256.json)."""
+    return [directory / "actor"] + ([directory / "critic"] if models.critic is not None else [])
+
+
 def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLController, ema: EMA | None, extra: dict):
+    """The actor (with the EMA inside its tag), the critic, each sealed, then ONE `latest` for all of them
+    (DIRECTORY/latest, checkpoints.commit): a kill anywhere before it leaves the previous iteration's."""
     tag = f"iter{step}"
     state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
-    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state)
+    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
     if models.critic is not None:
-        models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
+        models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
     if ema is not None and int(os.environ.get("RANK", "0")) == 0:
         torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
-    checkpoints.seal(directory / "actor", tag)
-    if models.critic is not None:
-        checkpoints.seal(directory / "critic", tag)
+    for part in checkpoint_parts(directory, models):
+        checkpoints.seal(part, tag)
+    checkpoints.commit(directory, tag)
     distributed.set_rng_state(state["rng"])
 
 
 def load_checkpoint(
     models: PPOModels, directory: Path, kl: KLController, ema: EMA | None, algorithm: str = "ppo"
 ) -> dict[str, Any]:
-    if not (directory / "actor" / "latest").is_file():
+    """The iteration every part sealed (checkpoints.resume_tag over actor and critic): never an actor of one
+    iteration with a critic of another."""
+    tag = checkpoints.resume_tag(directory, checkpoint_parts(directory, models))
+    if tag is None:
         return {"iteration": 0}
-    checkpoints.verify(directory / "actor")
-    path, state = models.actor.load_checkpoint(str(directory / "actor"))
-    if path is None:
-        raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+    state = checkpoints.load(models.actor, directory / "actor", tag)
     saved = state.get("algorithm", "ppo")  # checkpoints from before ppo.algorithm existed are ppo's
     if saved != algorithm:  # the advantages (and the critic's presence) would change mid-run
         raise UserError(
             f"--resume: the checkpoints in {directory} are of ppo.algorithm {saved}, this run is {algorithm}"
         )
     if models.critic is not None:
-        checkpoints.verify(directory / "critic")
-        critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
-        if critic_path is None:
-            raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+        checkpoints.load(models.critic, directory / "critic", tag)
     distributed.set_rng_state(state["rng"])
     kl.load_state_dict(state["kl"])
     if ema is not None:
-        ema.state = torch.load(directory / "actor" / f"iter{state['iteration']}" / EMA_FILE)
+        ema_file = directory / "actor" / tag / EMA_FILE
+        if not ema_file.is_file():
+            raise UserError(f"--resume: {ema_file} is missing: the checkpoint was saved without ppo.ema_coef")
+        ema.state = torch.load(ema_file)
     return state
 
 
@@ -321,7 +328,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
             hint = "" if frozen else f" ({lrs})"
             raise UserError(
                 f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
-                f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
+                f"{checkpoint_note(checkpoints / 'latest')}"
             ) from None
         if ema is not None:
             ema.update(models.actor.module)
@@ -345,7 +352,7 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
         raise UserError(
             f"{STAGE}: the evaluation after the last iteration gives {nonfinite(after)}: the actor diverged (actor "
             f"learning rate {cfg.actor_learning_rate:g}; too high?); no model was written, "
-            f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
+            f"{checkpoint_note(checkpoints / 'latest')}"
         )
     tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=cfg.num_iterations)
     return history, before, after, ema
@@ -366,6 +373,7 @@ def run(
     was handed them (their source embedded), else resolved from config.rewards. See model_dirs for the critic."""
     cfg = config.ppo
     check_output_path(output, STAGE)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
     reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
     check_inputs(cfg, actor, critic, reward, reward_flag)
@@ -390,10 +398,9 @@ def run(
         eval_rows = eval_rows.take(list(range(len(eval_prompts))))
         if not eval_prompts:  # no eval split: the first training prompts
             eval_prompts, eval_rows = train_prompts[:8], rows.take(list(range(min(8, len(train_prompts)))))
-        checkpoints = Path(f"{output}.checkpoints")
         unsup = unsupervised_data(cfg, prompts, models.tokenizer)
         history, before, after, ema = train(
-            models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup, rows, eval_rows
+            models, cfg, train_prompts, eval_prompts, checkpoint_dir, resume, tracker, unsup, rows, eval_rows
         )
         summary = {
             "reward_before": before["reward"],
@@ -430,10 +437,7 @@ def run(
         tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
         if rank == 0:
             tracker.log_artifact(output / "result.json", STAGE)
-    if rank == 0:
-        import shutil
-
-        shutil.rmtree(checkpoints, ignore_errors=True)
+    checkpoints.remove(checkpoint_dir)  # every rank: only what kubealign wrote there
     return {**result, "output": str(output), "run_id": tracker.run_id}
 
 

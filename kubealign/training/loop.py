@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -81,25 +80,26 @@ def make_loader(task: Task, rank: int, world: int) -> Any:
 
 
 def _restore(engine: Any, task: Task) -> dict[str, Any]:
-    """Load the latest checkpoint when resuming; returns the position to continue from."""
-    if not task.resume:
+    """Load the checkpoint to resume from (checkpoints.resume_tag); returns the position to continue from."""
+    if not task.resume:  # the stage checked the directory is fresh (checkpoints.checkpoint_dir)
         return {"step": 0, "epoch": 0, "micro": 0}
-    if not (task.checkpoint_dir / "latest").is_file():
+    tag = checkpoints.resume_tag(task.checkpoint_dir)
+    if tag is None:
         log.warning("--resume: no checkpoint in %s; starting from the beginning", task.checkpoint_dir)
         return {"step": 0, "epoch": 0, "micro": 0}
-    checkpoints.verify(task.checkpoint_dir)
-    path, state = engine.load_checkpoint(str(task.checkpoint_dir))
-    if path is None:
-        raise UserError(f"--resume: cannot load the checkpoint in {task.checkpoint_dir}")
+    state = checkpoints.load(engine, task.checkpoint_dir, tag)
     distributed.set_rng_state(state["rng"])
-    log.info("resumed from %s at step %d", path, state["step"])
+    log.info("resumed from %s at step %d", task.checkpoint_dir / tag, state["step"])
     return state
 
 
 def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
     state = {**position, "rng": distributed.rng_state()}
-    engine.save_checkpoint(str(task.checkpoint_dir), tag=f"step{position['step']}", client_state=state)
-    checkpoints.seal(task.checkpoint_dir, f"step{position['step']}")
+    tag = f"step{position['step']}"
+    # save_latest=False: `latest` moves only once the tag is sealed (checkpoints.commit), by rename
+    engine.save_checkpoint(str(task.checkpoint_dir), tag=tag, client_state=state, save_latest=False)
+    checkpoints.seal(task.checkpoint_dir, tag)
+    checkpoints.commit(task.checkpoint_dir, tag)
     # Saving draws random numbers inside DeepSpeed; put the RNG back where the checkpoint recorded it, so
     # the run goes on exactly as a run resumed from this checkpoint will.
     distributed.set_rng_state(state["rng"])
@@ -240,9 +240,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
 
 
 def remove_checkpoints(task: Task) -> None:
-    distributed.barrier()
-    if distributed.rank() == 0:
-        shutil.rmtree(task.checkpoint_dir, ignore_errors=True)
+    checkpoints.remove(task.checkpoint_dir)  # only what kubealign wrote there
 
 
 def finish(
