@@ -226,7 +226,11 @@ def test_cleanup_removes_only_what_kubealign_wrote(tmp_path: Path):
     (save / "notes.txt").write_text("mine")
     (save / "actor" / "my-analysis").mkdir()
     checkpoints.remove(save)
-    assert sorted(p.relative_to(save).as_posix() for p in save.rglob("*")) == ["actor", "actor/my-analysis", "notes.txt"]
+    assert sorted(p.relative_to(save).as_posix() for p in save.rglob("*")) == [
+        "actor",
+        "actor/my-analysis",
+        "notes.txt",
+    ]
     (save / "notes.txt").unlink()
     (save / "actor" / "my-analysis").rmdir()
     sealed_checkpoint(save, "step4")

@@ -15,7 +15,6 @@ time split.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -49,9 +48,9 @@ from kubealign.rl.trainer import (
     sampling_of,
 )
 from kubealign.tracking import stage_run
-from kubealign.training import checkpoints, distributed, export
+from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training import engine as engines
-from kubealign.training.loop import FAULT_ENV, NonFiniteLoss, checkpoint_note, nonfinite
+from kubealign.training.loop import NonFiniteLoss, checkpoint_note, fault_hook, nonfinite
 
 STAGE = "ppo"
 
@@ -292,6 +291,17 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
 
 
+def diverged(exc: NonFiniteLoss, cfg: PPOConfig, step: int, checkpoints: Path) -> UserError:
+    """The one line of a non-finite loss or experience at iteration STEP."""
+    lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
+    frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
+    hint = "" if frozen else f" ({lrs})"
+    return UserError(
+        f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
+        f"{checkpoint_note(checkpoints / 'latest')}"
+    )
+
+
 def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup,
           rows: Rows | None = None, eval_rows: Rows | None = None):  # fmt: skip
     """The iteration loop (rows / eval_rows: the prompts' rows, for reward functions); returns (history, before,
@@ -317,36 +327,40 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
         if unsup is not None:
             unsup.served = state["unsup_served"]
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
-    for step in range(start + 1, cfg.num_iterations + 1):
-        ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
-        batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
+    with preemption.StopRequest() as stop:
         try:
-            metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
-        except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
-            lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
-            frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
-            hint = "" if frozen else f" ({lrs})"
-            raise UserError(
-                f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
-                f"{checkpoint_note(checkpoints / 'latest')}"
-            ) from None
-        if ema is not None:
-            ema.update(models.actor.module)
-        history.append({"iteration": step, **metrics})
-        tracker.log_metrics(metrics, step=step)
-        bar.update()
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
-        if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
-            texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
-            tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
-        if cfg.save_every_iterations and step % cfg.save_every_iterations == 0:
-            extra = {"before": before, "history": history, "minibatch_rng": gen.get_state(), "algorithm": cfg.algorithm}
-            extra["unsup_served"] = unsup.served if unsup is not None else 0
-            save_checkpoint(models, checkpoints, step, kl, ema, extra)
-            tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
-        if os.environ.get(FAULT_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
-    bar.close()
+            for step in range(start + 1, cfg.num_iterations + 1):
+                ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
+                batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
+                try:
+                    metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
+                except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
+                    raise diverged(exc, cfg, step, checkpoints) from None
+                if ema is not None:
+                    ema.update(models.actor.module)
+                history.append({"iteration": step, **metrics})
+                tracker.log_metrics(metrics, step=step)
+                bar.update()
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+                if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
+                    texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
+                    tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
+                served = unsup.served if unsup is not None else 0
+                extra = {"before": before, "history": history, "minibatch_rng": gen.get_state(),
+                         "algorithm": cfg.algorithm, "unsup_served": served}  # fmt: skip
+                saved = bool(cfg.save_every_iterations) and step % cfg.save_every_iterations == 0
+                if saved:
+                    save_checkpoint(models, checkpoints, step, kl, ema, extra)
+                    tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
+                fault_hook(step)
+                signum = stop.agreed()  # a SIGTERM / SIGINT on any rank: every rank saves and stops here
+                if signum:
+                    if not saved:
+                        save_checkpoint(models, checkpoints, step, kl, ema, extra)
+                    tracker.flush()
+                    raise preemption.stopped(STAGE, signum, f"iteration {step}", str(checkpoints / f"iter{step}"))
+        finally:
+            bar.close()
     after = evaluate(models, eval_prompts, cfg, eval_rows)
     if nonfinite(after):  # the last update can diverge the actor with no loss computed after it
         raise UserError(
