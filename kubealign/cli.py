@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign import __version__
-from kubealign.errors import UserError
+from kubealign.errors import Stopped, UserError
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -523,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"kubealign: error: {exc}\n")
         sys.stderr.flush()
         return 2
+    except Stopped as exc:  # a checkpoint was saved first: not an error, a stop (the MLflow run is KILLED)
+        sys.stderr.write(f"kubealign: {exc}\n")
+        sys.stderr.flush()
+        return 128 + exc.signum
     except KeyboardInterrupt:
         print("kubealign: interrupted", file=sys.stderr)
         return 130

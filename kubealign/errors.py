@@ -15,3 +15,12 @@ def first_line(exc: BaseException) -> str:
         if line.strip():
             return line.strip()
     return type(exc).__name__
+
+
+class Stopped(Exception):
+    """A stage stopped on a signal (SIGTERM, SIGINT) after saving a checkpoint: reported in one line, exit code
+    128 + the signal's number (143 for SIGTERM), as a process killed by it would report."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum

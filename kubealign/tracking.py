@@ -44,7 +44,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kubealign.config import KubealignConfig, config_to_yaml, flatten
-from kubealign.errors import UserError, first_line
+from kubealign.errors import Stopped, UserError, first_line
 
 PARENT_RUN_ENV = "KUBEALIGN_PARENT_RUN_ID"
 
@@ -375,7 +375,8 @@ def http_settings(settings: dict[str, str]) -> Iterator[None]:
 @contextlib.contextmanager
 def stage_run(stage: str, config: KubealignConfig, output_root: Path, required: bool = True) -> Iterator[NullTracker]:
     """An MLflow run for one stage: params and the resolved config YAML logged on entry, status set to
-    FINISHED or FAILED on exit (except for an attached MLFLOW_RUN_ID run, whose owner ends it).
+    FINISHED, FAILED or KILLED (Stopped: a signal, with a checkpoint) on exit (except for an attached
+    MLFLOW_RUN_ID run, whose owner ends it).
 
     A failure to start the run is a UserError either way. `required=False` (training, evaluation) then
     yields a BackgroundTracker: tracking failures cost a warning line, never the stage (see the module
@@ -393,6 +394,9 @@ def stage_run(stage: str, config: KubealignConfig, output_root: Path, required: 
         status = "FINISHED"
         try:
             yield tracker
+        except Stopped:  # stopped on a signal with a checkpoint: MLflow's KILLED, not a failure
+            status = "KILLED"
+            raise
         except BaseException:
             status = "FAILED"
             raise

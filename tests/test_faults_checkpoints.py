@@ -99,3 +99,170 @@ def test_resume_from_a_tampered_checkpoint_is_refused_and_the_checkpoint_kept(sp
     # The intact copy resumes.
     good = kubealign_subprocess("sft", *common, "--resume", "--output", tmp_path / "copy")
     assert good.returncode == 0, good.stderr[-2000:]
+
+
+# --- issue 35: `latest` moves only after every part is sealed; resume falls back to the newest sealed tag ------
+
+
+def sealed_checkpoint(root: Path, tag: str) -> Path:
+    tag_dir = fake_checkpoint(root, tag)
+    checkpoints.seal(root, tag)
+    return tag_dir
+
+
+@pytest.mark.parametrize(
+    ("latest", "why", "expected"),
+    [
+        ("", "is empty", "step4"),  # what DeepSpeed's truncate-then-write leaves when killed between the two
+        (None, "is missing", "step4"),
+        ("step6", "names step6, which is not there", "step4"),
+        ("step8", "names step8, which was never sealed (the save was interrupted)", "step4"),
+    ],
+    ids=["empty", "missing", "dangling", "unsealed"],
+)
+def test_resume_falls_back_to_the_newest_sealed_tag_and_says_why(tmp_path: Path, caplog, latest, why, expected):
+    sealed_checkpoint(tmp_path, "step2")
+    sealed_checkpoint(tmp_path, "step4")
+    (tmp_path / "step8").mkdir()  # a torn save: files, no manifest
+    (tmp_path / "step8" / "mp_rank_00_model_states.pt").write_bytes(b"half")
+    if latest is None:
+        (tmp_path / "latest").unlink()
+    else:
+        (tmp_path / "latest").write_text(latest)
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.resume_tag(tmp_path) == expected
+    assert f"{tmp_path / 'latest'} {why}; resuming from {expected}, the newest sealed checkpoint" in caplog.text
+
+
+def test_resume_takes_the_sealed_tag_latest_names_and_refuses_it_changed(tmp_path: Path, caplog):
+    sealed_checkpoint(tmp_path, "step2")
+    sealed_checkpoint(tmp_path, "step4")
+    (tmp_path / "latest").write_text("step2")  # not the newest: latest is what the run committed last
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.resume_tag(tmp_path) == "step2"
+    assert caplog.text == ""
+    (tmp_path / "step2" / "sub" / "optim.pt").write_bytes(b"changed")
+    with pytest.raises(UserError, match="step2/sub/optim.pt does not match"):
+        checkpoints.resume_tag(tmp_path)
+    assert checkpoints.resume_tag(tmp_path / "nothing-here") is None
+
+
+def test_a_step_is_resumed_only_from_an_iteration_every_part_sealed(tmp_path: Path):
+    """PPO: the actor sealed iteration 2, the critic only iteration 1 (killed inside the critic's save)."""
+    actor, critic = tmp_path / "actor", tmp_path / "critic"
+    for part, tags in ((actor, ("iter1", "iter2")), (critic, ("iter1",))):
+        for tag in tags:
+            sealed_checkpoint(part, tag)
+    (critic / "iter2").mkdir()
+    assert checkpoints.sealed_tags([actor, critic]) == ["iter1"]
+    assert checkpoints.sealed_tags([actor]) == ["iter2", "iter1"]
+    assert checkpoints.resume_tag(tmp_path, [actor, critic]) == "iter1"
+    (tmp_path / "latest").write_text("iter1")
+    assert checkpoints.resume_tag(tmp_path, [actor, critic]) == "iter1"
+
+
+def test_commit_replaces_latest_whole(tmp_path: Path):
+    checkpoints.commit(tmp_path, "step2")
+    checkpoints.commit(tmp_path, "step10")
+    assert (tmp_path / "latest").read_text() == "step10"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest"]  # no temporary file left
+
+
+class SavingEngine:
+    """A DeepSpeed engine's save_checkpoint: writes TAG/model_states.pt, or dies (the kill) when told to."""
+
+    def __init__(self, dies: bool = False):
+        self.dies = dies
+
+    def save_checkpoint(self, save_dir, tag, client_state=None, save_latest=True):
+        assert save_latest is False  # DeepSpeed's own latest is truncate-then-write, before the seal
+        if self.dies:
+            raise KeyboardInterrupt("killed inside the critic's save")
+        (Path(save_dir) / tag).mkdir(parents=True)
+        (Path(save_dir) / tag / "model_states.pt").write_bytes(tag.encode())
+
+
+def test_ppo_moves_latest_only_after_the_actor_and_the_critic_are_sealed(tmp_path: Path):
+    from types import SimpleNamespace
+
+    from kubealign.rl.kl import KLController
+    from kubealign.stages import ppo
+
+    kl = KLController(0.1, None, 1)
+    models = SimpleNamespace(actor=SavingEngine(), critic=SavingEngine())
+    ppo.save_checkpoint(models, tmp_path, 1, kl, None, {})
+    assert (tmp_path / "latest").read_text() == "iter1"
+    models.critic.dies = True
+    with pytest.raises(KeyboardInterrupt):
+        ppo.save_checkpoint(models, tmp_path, 2, kl, None, {})
+    assert (tmp_path / "latest").read_text() == "iter1"  # the actor's iteration 2 is on disk, not committed
+    assert (tmp_path / "actor" / "iter2" / checkpoints.MANIFEST).exists() is False
+    assert checkpoints.resume_tag(tmp_path, [tmp_path / "actor", tmp_path / "critic"]) == "iter1"
+
+
+def test_an_empty_latest_left_by_a_killed_save_resumes_from_the_last_sealed_step(split_dir: Path, tmp_path: Path):  # noqa: F811
+    """Before: an empty `latest` (DeepSpeed's truncate-then-write killed halfway) made every --resume die in a
+    multi-line DeepSpeed assertion until someone edited the file by hand."""
+    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.3",
+              "--set", "sft.save_every_steps=2"]  # fmt: skip
+    killed = kubealign_subprocess("sft", *common, "--output", tmp_path / "run", env={"KUBEALIGN_FAULT_AT_STEP": "3"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    saved = tmp_path / "run.checkpoints"
+    assert (saved / "latest").read_text() == "step2"
+    (saved / "latest").write_text("")
+    resumed = kubealign_subprocess("sft", *common, "--resume", "--output", tmp_path / "run")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"{saved / 'latest'} is empty; resuming from step2, the newest sealed checkpoint" in resumed.stderr
+
+
+# --- nothing of the user's is deleted; a fresh run never mixes with an earlier run's checkpoints --------------
+
+
+def test_cleanup_removes_only_what_kubealign_wrote(tmp_path: Path):
+    save = tmp_path / "out.checkpoints"
+    for part in ("", "actor", "critic"):
+        sealed_checkpoint(save / part if part else save, "iter1" if part else "step2")
+    (save / "zero_to_fp32.py").write_text("# DeepSpeed's script")
+    (save / "notes.txt").write_text("mine")
+    (save / "actor" / "my-analysis").mkdir()
+    checkpoints.remove(save)
+    assert sorted(p.relative_to(save).as_posix() for p in save.rglob("*")) == [
+        "actor",
+        "actor/my-analysis",
+        "notes.txt",
+    ]
+    (save / "notes.txt").unlink()
+    (save / "actor" / "my-analysis").rmdir()
+    sealed_checkpoint(save, "step4")
+    checkpoints.remove(save)
+    assert not save.exists()  # nothing else in it: the directory goes too
+
+
+def test_a_fresh_run_refuses_a_foreign_or_stale_checkpoint_directory(tmp_path: Path):
+    save = tmp_path / "x.checkpoints"
+    assert checkpoints.checkpoint_dir(tmp_path / "x", resume=False) == save  # absent: fine
+    save.mkdir()
+    assert checkpoints.checkpoint_dir(tmp_path / "x", resume=False) == save  # empty: fine
+    (save / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match=r"x.checkpoints holds notes.txt, which kubealign did not write"):
+        checkpoints.checkpoint_dir(tmp_path / "x", resume=False)
+    (save / "notes.txt").unlink()
+    sealed_checkpoint(save / "actor", "iter3")
+    with pytest.raises(UserError, match=r"holds the checkpoints of an earlier run \(up to iter3\): pass --resume"):
+        checkpoints.checkpoint_dir(tmp_path / "x", resume=False)
+    assert checkpoints.checkpoint_dir(tmp_path / "x", resume=True) == save  # --resume takes them
+
+
+def test_sft_leaves_a_user_file_in_its_checkpoint_directory_alone(split_dir: Path, tmp_path: Path):  # noqa: F811
+    """Before: `kubealign sft --output X` removed X.checkpoints with rmtree at its end, notes.txt with it."""
+    save = tmp_path / "run.checkpoints"
+    save.mkdir()
+    (save / "notes.txt").write_text("mine")
+    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.1"]
+    refused = kubealign_subprocess("sft", *common, "--output", tmp_path / "run")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.strip().splitlines()[-1] == (
+        f"kubealign: error: {save} holds notes.txt, which kubealign did not write; the checkpoints of this output "
+        "go there: move it, or choose another --output"
+    )
+    assert (save / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()

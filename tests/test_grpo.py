@@ -315,7 +315,7 @@ def test_grpo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_pat
     killed = kubealign_subprocess(*common, "--output", tmp_path / "b", env={"KUBEALIGN_FAULT_AT_STEP": "3"})
     assert killed.returncode == -9 and not (tmp_path / "b").exists()
     saved = tmp_path / "b.checkpoints"
-    assert (saved / "actor" / "latest").is_file() and not (saved / "critic").exists()
+    assert (saved / "latest").is_file() and not (saved / "critic").exists()
     wrong = kubealign_subprocess(*common, "--set", "ppo.algorithm=rloo", "--resume", "--output", tmp_path / "b")
     assert wrong.returncode == 2 and "are of ppo.algorithm grpo, this run is rloo" in wrong.stderr
     resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")

@@ -40,7 +40,7 @@ from kubealign.rl.dpo import (
 from kubealign.rl.experience import first_response_action, forward_logits
 from kubealign.rl.trainer import disable_dropout
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, lm, loop
+from kubealign.training import checkpoints, distributed, lm, loop
 from kubealign.training import engine as engines
 
 STAGE = "dpo"
@@ -256,6 +256,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
     """Train the policy `model_name` (default: dpo.model) with DPO on DATA's phase 2."""
     cfg = config.dpo if model_name is None else config.dpo.model_copy(update={"model": str(model_name)})
     check_output_path(output, STAGE)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
     dataset = check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
@@ -288,7 +289,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             collate=lambda b: collate(b, pad),
             loss=train_loss(cfg, table, tracker, step_metrics),
             evaluate=lambda engine: evaluate(engine, view, evals, pad, cfg),
-            checkpoint_dir=Path(f"{output}.checkpoints"),
+            checkpoint_dir=checkpoint_dir,
             resume=resume,
         )
         engine, summary = loop.run(task, model, tracker)

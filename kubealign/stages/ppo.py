@@ -15,7 +15,6 @@ time split.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -49,9 +48,9 @@ from kubealign.rl.trainer import (
     sampling_of,
 )
 from kubealign.tracking import stage_run
-from kubealign.training import checkpoints, distributed, export
+from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training import engine as engines
-from kubealign.training.loop import FAULT_ENV, NonFiniteLoss, checkpoint_note, nonfinite
+from kubealign.training.loop import NonFiniteLoss, checkpoint_note, fault_hook, nonfinite
 
 STAGE = "ppo"
 
@@ -231,43 +230,50 @@ class EMA:
 EMA_FILE = "kubealign-ema.pt"
 
 
+def checkpoint_parts(directory: Path, models: PPOModels) -> list[Path]:
+    """The directories one PPO iteration's checkpoint spans (each with ITER/kubealign-sha256.json)."""
+    return [directory / "actor"] + ([directory / "critic"] if models.critic is not None else [])
+
+
 def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLController, ema: EMA | None, extra: dict):
+    """The actor (with the EMA inside its tag), the critic, each sealed, then ONE `latest` for all of them
+    (DIRECTORY/latest, checkpoints.commit): a kill anywhere before it leaves the previous iteration's."""
     tag = f"iter{step}"
     state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
-    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state)
+    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
     if models.critic is not None:
-        models.critic.save_checkpoint(str(directory / "critic"), tag=tag)
+        models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
     if ema is not None and int(os.environ.get("RANK", "0")) == 0:
         torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
-    checkpoints.seal(directory / "actor", tag)
-    if models.critic is not None:
-        checkpoints.seal(directory / "critic", tag)
+    for part in checkpoint_parts(directory, models):
+        checkpoints.seal(part, tag)
+    checkpoints.commit(directory, tag)
     distributed.set_rng_state(state["rng"])
 
 
 def load_checkpoint(
     models: PPOModels, directory: Path, kl: KLController, ema: EMA | None, algorithm: str = "ppo"
 ) -> dict[str, Any]:
-    if not (directory / "actor" / "latest").is_file():
+    """The iteration every part sealed (checkpoints.resume_tag over actor and critic): never an actor of one
+    iteration with a critic of another."""
+    tag = checkpoints.resume_tag(directory, checkpoint_parts(directory, models))
+    if tag is None:
         return {"iteration": 0}
-    checkpoints.verify(directory / "actor")
-    path, state = models.actor.load_checkpoint(str(directory / "actor"))
-    if path is None:
-        raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+    state = checkpoints.load(models.actor, directory / "actor", tag)
     saved = state.get("algorithm", "ppo")  # checkpoints from before ppo.algorithm existed are ppo's
     if saved != algorithm:  # the advantages (and the critic's presence) would change mid-run
         raise UserError(
             f"--resume: the checkpoints in {directory} are of ppo.algorithm {saved}, this run is {algorithm}"
         )
     if models.critic is not None:
-        checkpoints.verify(directory / "critic")
-        critic_path, _ = models.critic.load_checkpoint(str(directory / "critic"))
-        if critic_path is None:
-            raise UserError(f"--resume: cannot load the checkpoints in {directory}")
+        checkpoints.load(models.critic, directory / "critic", tag)
     distributed.set_rng_state(state["rng"])
     kl.load_state_dict(state["kl"])
     if ema is not None:
-        ema.state = torch.load(directory / "actor" / f"iter{state['iteration']}" / EMA_FILE)
+        ema_file = directory / "actor" / tag / EMA_FILE
+        if not ema_file.is_file():
+            raise UserError(f"--resume: {ema_file} is missing: the checkpoint was saved without ppo.ema_coef")
+        ema.state = torch.load(ema_file)
     return state
 
 
@@ -283,6 +289,17 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     examples = tokenize(rows, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens, include_prompt=False)
     rank, world = distributed.init()
     return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
+
+
+def diverged(exc: NonFiniteLoss, cfg: PPOConfig, step: int, checkpoints: Path) -> UserError:
+    """The one line of a non-finite loss or experience at iteration STEP."""
+    lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
+    frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
+    hint = "" if frozen else f" ({lrs})"
+    return UserError(
+        f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
+        f"{checkpoint_note(checkpoints / 'latest')}"
+    )
 
 
 def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints: Path, resume: bool, tracker, unsup,
@@ -310,42 +327,46 @@ def train(models: PPOModels, cfg: PPOConfig, prompts, eval_prompts, checkpoints:
         if unsup is not None:
             unsup.served = state["unsup_served"]
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
-    for step in range(start + 1, cfg.num_iterations + 1):
-        ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
-        batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
+    with preemption.StopRequest() as stop:
         try:
-            metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
-        except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
-            lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
-            frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
-            hint = "" if frozen else f" ({lrs})"
-            raise UserError(
-                f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
-                f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
-            ) from None
-        if ema is not None:
-            ema.update(models.actor.module)
-        history.append({"iteration": step, **metrics})
-        tracker.log_metrics(metrics, step=step)
-        bar.update()
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
-        if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
-            texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
-            tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
-        if cfg.save_every_iterations and step % cfg.save_every_iterations == 0:
-            extra = {"before": before, "history": history, "minibatch_rng": gen.get_state(), "algorithm": cfg.algorithm}
-            extra["unsup_served"] = unsup.served if unsup is not None else 0
-            save_checkpoint(models, checkpoints, step, kl, ema, extra)
-            tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
-        if os.environ.get(FAULT_ENV) == str(step):
-            os.kill(os.getpid(), signal.SIGKILL)
-    bar.close()
+            for step in range(start + 1, cfg.num_iterations + 1):
+                ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
+                batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
+                try:
+                    metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
+                except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
+                    raise diverged(exc, cfg, step, checkpoints) from None
+                if ema is not None:
+                    ema.update(models.actor.module)
+                history.append({"iteration": step, **metrics})
+                tracker.log_metrics(metrics, step=step)
+                bar.update()
+                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+                if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
+                    texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
+                    tracker.log_text("\n\n---\n\n".join(texts), f"samples/iteration_{step:05d}.txt")
+                served = unsup.served if unsup is not None else 0
+                extra = {"before": before, "history": history, "minibatch_rng": gen.get_state(),
+                         "algorithm": cfg.algorithm, "unsup_served": served}  # fmt: skip
+                saved = bool(cfg.save_every_iterations) and step % cfg.save_every_iterations == 0
+                if saved:
+                    save_checkpoint(models, checkpoints, step, kl, ema, extra)
+                    tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
+                fault_hook(step)
+                signum = stop.agreed()  # a SIGTERM / SIGINT on any rank: every rank saves and stops here
+                if signum:
+                    if not saved:
+                        save_checkpoint(models, checkpoints, step, kl, ema, extra)
+                    tracker.flush()
+                    raise preemption.stopped(STAGE, signum, f"iteration {step}", str(checkpoints / f"iter{step}"))
+        finally:
+            bar.close()
     after = evaluate(models, eval_prompts, cfg, eval_rows)
     if nonfinite(after):  # the last update can diverge the actor with no loss computed after it
         raise UserError(
             f"{STAGE}: the evaluation after the last iteration gives {nonfinite(after)}: the actor diverged (actor "
             f"learning rate {cfg.actor_learning_rate:g}; too high?); no model was written, "
-            f"{checkpoint_note(checkpoints / 'actor' / 'latest')}"
+            f"{checkpoint_note(checkpoints / 'latest')}"
         )
     tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=cfg.num_iterations)
     return history, before, after, ema
@@ -366,6 +387,7 @@ def run(
     was handed them (their source embedded), else resolved from config.rewards. See model_dirs for the critic."""
     cfg = config.ppo
     check_output_path(output, STAGE)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
     reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
     check_inputs(cfg, actor, critic, reward, reward_flag)
@@ -390,10 +412,9 @@ def run(
         eval_rows = eval_rows.take(list(range(len(eval_prompts))))
         if not eval_prompts:  # no eval split: the first training prompts
             eval_prompts, eval_rows = train_prompts[:8], rows.take(list(range(min(8, len(train_prompts)))))
-        checkpoints = Path(f"{output}.checkpoints")
         unsup = unsupervised_data(cfg, prompts, models.tokenizer)
         history, before, after, ema = train(
-            models, cfg, train_prompts, eval_prompts, checkpoints, resume, tracker, unsup, rows, eval_rows
+            models, cfg, train_prompts, eval_prompts, checkpoint_dir, resume, tracker, unsup, rows, eval_rows
         )
         summary = {
             "reward_before": before["reward"],
@@ -430,10 +451,7 @@ def run(
         tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
         if rank == 0:
             tracker.log_artifact(output / "result.json", STAGE)
-    if rank == 0:
-        import shutil
-
-        shutil.rmtree(checkpoints, ignore_errors=True)
+    checkpoints.remove(checkpoint_dir)  # every rank: only what kubealign wrote there
     return {**result, "output": str(output), "run_id": tracker.run_id}
 
 

@@ -23,7 +23,7 @@ from kubealign.models import loading
 from kubealign.models.reward import load_reward_model, token_values
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, loop
+from kubealign.training import checkpoints, distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss, last_token_scores
 
@@ -98,6 +98,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
     """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
     check_output_path(output, STAGE)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
     dataset = phases.load(data, "phase2_reward", need_rejected=True)
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
@@ -126,7 +127,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             collate=lambda b: collate(b, pad),
             loss=lambda engine, batch: bradley_terry_loss(*pair_scores(engine, batch)),
             evaluate=evaluate_and_keep,
-            checkpoint_dir=Path(f"{output}.checkpoints"),
+            checkpoint_dir=checkpoint_dir,
             resume=resume,
         )
         engine, summary = loop.run(task, model, tracker)

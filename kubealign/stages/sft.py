@@ -20,7 +20,7 @@ from kubealign.data import phases
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
-from kubealign.training import distributed, loop
+from kubealign.training import checkpoints, distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.lm import batch_loss, collate, tokenize
 
@@ -47,6 +47,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
     """Fine-tune `model_name` (default: sft.model) on DATA's phase 1; returns the result.json payload."""
     cfg = config.sft if model_name is None else config.sft.model_copy(update={"model": model_name})
     check_output_path(output, STAGE)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
     dataset = phases.load(data, "phase1_sft")
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)
@@ -68,7 +69,7 @@ def run(config: KubealignConfig, data: Path, model_name: str | None, output: Pat
             collate=lambda b: collate(b, pad),
             loss=lambda engine, batch: batch_loss(engine, batch, cfg.fp32_loss).loss,
             evaluate=lambda engine: perplexity(engine, evals, pad, cfg.micro_batch_size),
-            checkpoint_dir=Path(f"{output}.checkpoints"),
+            checkpoint_dir=checkpoint_dir,
             resume=resume,
         )
         engine, summary = loop.run(task, model, tracker)

@@ -7,17 +7,28 @@ i mod world, so a large ZeRO checkpoint costs each rank 1/world of the reading) 
 SAVE_DIR/<tag>/kubealign-sha256.json. Before a load every rank checks its share and the ranks agree
 on the verdict, so they all stop together with the same one-line error naming the file.
 
+Commit: DeepSpeed writes `latest` by truncate-then-write during save_checkpoint, before anything is
+sealed, so a kill at the wrong moment left an empty `latest` (and every --resume after it died in a
+multi-line DeepSpeed assertion) or one naming a tag half written. kubealign saves with save_latest=False
+and `commit`s instead: `latest` is written by rank 0 through a temporary file and a rename, only after
+every part of the step is sealed (PPO: the actor's, the critic's and the EMA under one tag, one `latest`
+for all). `resume_tag` takes the tag `latest` names when it is sealed, and otherwise (missing, empty,
+dangling, unsealed) the newest tag sealed in every part, saying which.
+
 Like DeepSpeed's own resume, this assumes every rank sees the same checkpoint directory (a shared
-filesystem). A checkpoint without a manifest (written by an older kubealign, or killed between
-`latest` and the manifest) loads with a warning: nothing to verify against, and refusing it would
-throw away a resumable run.
+filesystem). A checkpoint without a manifest (written by an older kubealign) that `latest` names loads
+with a warning: nothing to verify against, and refusing it would throw away a resumable run.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
+import shutil
 from pathlib import Path
+from typing import Any
 
 from kubealign.errors import UserError
 from kubealign.outputs import read_json, write_json
@@ -75,6 +86,62 @@ def latest_tag(save_dir: Path) -> str | None:
         return None
 
 
+def commit(save_dir: Path, tag: str) -> None:
+    """Point SAVE_DIR/latest at TAG, atomically (rank 0; every rank waits): call after every part of the
+    step is sealed. A reader sees the previous tag or this one, never an empty or partial name."""
+    distributed.barrier()
+    if distributed.rank() == 0:
+        tmp = save_dir / f".latest.tmp-{os.getpid()}"
+        tmp.write_text(tag, encoding="utf-8")
+        os.replace(tmp, save_dir / "latest")
+    distributed.barrier()
+
+
+def _step(tag: str) -> int:
+    digits = re.findall(r"\d+", tag)
+    return int(digits[-1]) if digits else -1
+
+
+def sealed_tags(parts: list[Path]) -> list[str]:
+    """The tags sealed (manifest written) in every part directory, newest step first."""
+    if not parts[0].is_dir():
+        return []
+    tags = [d.name for d in parts[0].iterdir() if (d / MANIFEST).is_file()]
+    tags = [t for t in tags if all((part / t / MANIFEST).is_file() for part in parts[1:])]
+    return sorted(tags, key=_step, reverse=True)
+
+
+def resume_tag(save_dir: Path, parts: list[Path] | None = None) -> str | None:
+    """The tag --resume loads from SAVE_DIR (parts: the directories that hold a step's pieces, each with
+    TAG/kubealign-sha256.json; default SAVE_DIR itself), verified on every rank; None: nothing to resume.
+    The tag `latest` names when it is sealed in every part (a sealed tag whose files changed is refused,
+    as before); else the newest tag sealed in every part, with a warning naming why `latest` was passed
+    over; a named tag with no manifest in any part (an older kubealign's) unverified, with a warning."""
+    parts = parts or [save_dir]
+    named = latest_tag(save_dir)
+    sealed = sealed_tags(parts)
+    if named is not None and named in sealed:
+        for part in parts:
+            verify(part, named)
+        return named
+    if named is not None and all((part / named).is_dir() for part in parts) and not sealed:
+        log.warning("--resume: %s has no %s; loading it unverified", save_dir / named, MANIFEST)
+        return named
+    if not sealed:
+        return None
+    if named is None:
+        why = "is empty" if (save_dir / "latest").is_file() else "is missing"
+    elif not all((part / named).is_dir() for part in parts):
+        why = f"names {named}, which is not there"
+    else:
+        why = f"names {named}, which was never sealed (the save was interrupted)"
+    tag = sealed[0]
+    for part in parts:
+        verify(part, tag)
+    log.warning("--resume: %s %s; resuming from %s, the newest sealed checkpoint", save_dir / "latest", why, tag)
+    return tag
+
+
 def _problem(tag_dir: Path, expected: dict[str, str]) -> str | None:
     names = sorted(expected)
     extra = sorted(set(_files(tag_dir)) - set(names))
@@ -89,10 +156,10 @@ def _problem(tag_dir: Path, expected: dict[str, str]) -> str | None:
     return None
 
 
-def verify(save_dir: Path) -> None:
-    """Check the latest checkpoint in SAVE_DIR against its manifest on every rank; raise one UserError on
-    all ranks when any rank finds a missing or changed file."""
-    tag = latest_tag(save_dir)
+def verify(save_dir: Path, tag: str | None = None) -> None:
+    """Check TAG (default: the one `latest` names) in SAVE_DIR against its manifest on every rank; raise one
+    UserError on all ranks when any rank finds a missing or changed file."""
+    tag = tag or latest_tag(save_dir)
     if tag is None:
         return
     tag_dir = save_dir / tag
@@ -104,3 +171,85 @@ def verify(save_dir: Path) -> None:
     problems = [p for p in _gather({str(distributed.rank()): problem or ""}).values() if p]
     if problems:
         raise UserError(f"--resume: {sorted(problems)[0]}; refusing to resume from it")
+
+
+def load(engine: Any, save_dir: Path, tag: str, **kwargs: Any) -> dict[str, Any]:
+    """engine.load_checkpoint(SAVE_DIR, TAG) -> its client state; any failure is one UserError naming the
+    checkpoint (DeepSpeed's own are multi-line assertions and tracebacks)."""
+    try:
+        path, state = engine.load_checkpoint(str(save_dir), tag=tag, **kwargs)
+    except Exception as exc:  # a torn or foreign checkpoint: whatever DeepSpeed or torch raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UserError(f"--resume: cannot load the checkpoint {save_dir / tag}: {first}") from None
+    if path is None:
+        raise UserError(f"--resume: cannot load the checkpoint {save_dir / tag}")
+    return state or {}
+
+
+# What kubealign (and DeepSpeed inside it) writes in a checkpoint directory: the step / iteration tags, the
+# `latest` pointer and its temporary file, DeepSpeed's ZeRO recovery script, and PPO's part directories.
+OWN_TAG = re.compile(r"(step|iter)\d+")
+OWN_FILES = ("latest", "zero_to_fp32.py")
+PARTS = ("actor", "critic")
+
+
+def _ours(path: Path) -> bool:
+    if path.is_dir() and not path.is_symlink():
+        return bool(OWN_TAG.fullmatch(path.name))
+    return path.name in OWN_FILES or path.name.startswith(".latest.tmp-")
+
+
+def _entries(save_dir: Path) -> list[Path]:
+    """Everything in SAVE_DIR and in its PPO part directories (the parts themselves excluded)."""
+    if not save_dir.is_dir():
+        return []
+    found: list[Path] = []
+    for entry in sorted(save_dir.iterdir()):
+        if entry.name in PARTS and entry.is_dir() and not entry.is_symlink():
+            found += sorted(entry.iterdir())
+        else:
+            found.append(entry)
+    return found
+
+
+def check_fresh(save_dir: Path) -> None:
+    """Before a run that does not --resume: SAVE_DIR must be absent or empty. Checkpoints of an earlier run
+    would mix with this run's tags (and a later --resume would take whichever is newest); anything else
+    there is the user's, which the run's cleanup must not touch either. One UserError naming what is there."""
+    entries = _entries(save_dir)
+    foreign = [e for e in entries if not _ours(e)]
+    if foreign:
+        raise UserError(
+            f"{save_dir} holds {foreign[0].relative_to(save_dir)}, which kubealign did not write; the checkpoints "
+            "of this output go there: move it, or choose another --output"
+        )
+    tags = sorted({e.name for e in entries if e.is_dir()}, key=_step)
+    if tags:
+        raise UserError(
+            f"{save_dir} holds the checkpoints of an earlier run (up to {tags[-1]}): pass --resume to continue "
+            "it, or remove that directory to start over"
+        )
+
+
+def checkpoint_dir(output: Path, resume: bool) -> Path:
+    """OUTPUT.checkpoints, where a training stage writing OUTPUT keeps its checkpoints; checked at the stage's
+    start like --output (check_fresh) unless the run resumes from it."""
+    directory = Path(f"{output}.checkpoints")
+    if not resume:
+        check_fresh(directory)
+    return directory
+
+
+def remove(save_dir: Path) -> None:
+    """After a stage finished: remove what kubealign wrote in SAVE_DIR (tags, `latest`, DeepSpeed's script, in
+    the PPO part directories too), then each directory left empty. Anything else stays where it is (rank 0;
+    every rank waits)."""
+    distributed.barrier()
+    if distributed.rank() == 0:
+        for entry in _entries(save_dir):
+            if _ours(entry):
+                shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        for directory in [*(save_dir / part for part in PARTS), save_dir]:
+            if directory.is_dir() and not any(directory.iterdir()):
+                directory.rmdir()
+    distributed.barrier()

@@ -13,7 +13,6 @@ import logging
 import math
 import os
 import resource
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -27,11 +26,23 @@ from tqdm import tqdm
 from kubealign.config.schema import TrainConfig
 from kubealign.errors import UserError
 from kubealign.models import loading
-from kubealign.training import checkpoints, distributed
+from kubealign.training import checkpoints, distributed, preemption
 from kubealign.training import engine as engines
 
 log = logging.getLogger(__name__)
-FAULT_ENV = "KUBEALIGN_FAULT_AT_STEP"  # testing hook: SIGKILL this process right after that optimizer step
+FAULT_ENV = "KUBEALIGN_FAULT_AT_STEP"  # testing hook: signal this process right after that optimizer step
+FAULT_SIGNAL_ENV = "KUBEALIGN_FAULT_SIGNAL"  # ... with this signal (KILL by default; TERM: a preemption)
+
+
+def fault_hook(step: int) -> None:
+    """The testing hook: at step FAULT_ENV, send this process FAULT_SIGNAL_ENV (SIGKILL: nothing runs after;
+    SIGTERM: the stage's handler takes it, as it takes the kubelet's). Rank 0 only for TERM (the others
+    must learn of it through StopRequest.agreed, as they would of a signal only one pod got)."""
+    if os.environ.get(FAULT_ENV) != str(step):
+        return
+    name = os.environ.get(FAULT_SIGNAL_ENV, "KILL")
+    if name == "KILL" or distributed.rank() == 0:
+        os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
 @dataclass
@@ -81,25 +92,26 @@ def make_loader(task: Task, rank: int, world: int) -> Any:
 
 
 def _restore(engine: Any, task: Task) -> dict[str, Any]:
-    """Load the latest checkpoint when resuming; returns the position to continue from."""
-    if not task.resume:
+    """Load the checkpoint to resume from (checkpoints.resume_tag); returns the position to continue from."""
+    if not task.resume:  # the stage checked the directory is fresh (checkpoints.checkpoint_dir)
         return {"step": 0, "epoch": 0, "micro": 0}
-    if not (task.checkpoint_dir / "latest").is_file():
+    tag = checkpoints.resume_tag(task.checkpoint_dir)
+    if tag is None:
         log.warning("--resume: no checkpoint in %s; starting from the beginning", task.checkpoint_dir)
         return {"step": 0, "epoch": 0, "micro": 0}
-    checkpoints.verify(task.checkpoint_dir)
-    path, state = engine.load_checkpoint(str(task.checkpoint_dir))
-    if path is None:
-        raise UserError(f"--resume: cannot load the checkpoint in {task.checkpoint_dir}")
+    state = checkpoints.load(engine, task.checkpoint_dir, tag)
     distributed.set_rng_state(state["rng"])
-    log.info("resumed from %s at step %d", path, state["step"])
+    log.info("resumed from %s at step %d", task.checkpoint_dir / tag, state["step"])
     return state
 
 
 def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
     state = {**position, "rng": distributed.rng_state()}
-    engine.save_checkpoint(str(task.checkpoint_dir), tag=f"step{position['step']}", client_state=state)
-    checkpoints.seal(task.checkpoint_dir, f"step{position['step']}")
+    tag = f"step{position['step']}"
+    # save_latest=False: `latest` moves only once the tag is sealed (checkpoints.commit), by rename
+    engine.save_checkpoint(str(task.checkpoint_dir), tag=tag, client_state=state, save_latest=False)
+    checkpoints.seal(task.checkpoint_dir, tag)
+    checkpoints.commit(task.checkpoint_dir, tag)
     # Saving draws random numbers inside DeepSpeed; put the RNG back where the checkpoint recorded it, so
     # the run goes on exactly as a run resumed from this checkpoint will.
     distributed.set_rng_state(state["rng"])
@@ -158,32 +170,13 @@ def stop_if_diverged(task: Task, step: int, after: dict[str, float], lr: float) 
         )
 
 
-def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str, float]]:
-    """Train `model` as `task` says; returns (engine, summary metrics)."""
-    rank, world = distributed.init()
+def _train(task: Task, engine: Any, loader: Any, tracker: Any, bar: Any, stop: preemption.StopRequest,
+           position: dict[str, Any], before: dict[str, float], total_steps: int) -> tuple[int, int]:  # fmt: skip
+    """The optimizer steps from `position` to total_steps; returns (steps done, tokens trained on). At each
+    step boundary a stop the ranks agree on (a SIGTERM or SIGINT: preemption) saves a checkpoint, unless
+    the step just saved one, and raises Stopped."""
     cfg = task.cfg
-    if len(task.train) < cfg.micro_batch_size * world:
-        raise UserError(
-            f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) is more than the "
-            f"{len(task.train)} training rows"
-        )
-    config = getattr(model, "config", None)  # a sequence past the position table: an IndexError mid-training
-    if hasattr(config, "to_dict"):
-        loading.check_fits(f"{task.name}.max_seq_len", cfg.max_seq_len, "model", f"{task.name}.model", config.to_dict())
-    loader = make_loader(task, rank, world)
-    steps_per_epoch = max(len(loader) // cfg.gradient_accumulation_steps, 1)
-    total_steps = max(math.ceil(cfg.num_train_epochs * steps_per_epoch), 1)
-    config = engines.ds_config(cfg, world, torch.cuda.is_available())
-    engine = engines.create(model, cfg, config, total_steps)
-    position = _restore(engine, task)
-    before = task.evaluate(engine) if position["step"] == 0 else position["before"]
-    tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
-    engine.train()  # from_pretrained returns eval mode; without this a resumed run would train without dropout
-    started, tokens = time.perf_counter(), 0
-    bar = tqdm(
-        total=total_steps, initial=position["step"], desc=task.name, unit="step", **({"disable": True} if rank else {})
-    )
-    step, epoch = position["step"], position["epoch"]
+    step, epoch, tokens = position["step"], position["epoch"], 0
     step_loss = None
     while step < total_steps:
         loader.sampler.set_epoch(epoch)
@@ -209,18 +202,56 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
                 tracker.log_metrics({f"eval_{k}": v for k, v in task.evaluate(engine).items()}, step=step)
             task.history.append({"step": step, **record})
-            if cfg.save_every_steps and step % cfg.save_every_steps == 0:
+            saved = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
+            if saved:
                 _save(engine, task, {"step": step, "epoch": epoch, "micro": micro + 1, "before": before})
                 tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
-            if os.environ.get(FAULT_ENV) == str(step):
-                os.kill(os.getpid(), signal.SIGKILL)
+            fault_hook(step)
+            signum = stop.agreed()
+            if signum:
+                if not saved:
+                    _save(engine, task, {"step": step, "epoch": epoch, "micro": micro + 1, "before": before})
+                tracker.flush()
+                raise preemption.stopped(task.name, signum, f"step {step}", str(task.checkpoint_dir / f"step{step}"))
             if step >= total_steps:
                 break
         else:
             epoch += 1
             continue
         break
-    bar.close()
+    return step, tokens
+
+
+def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str, float]]:
+    """Train `model` as `task` says; returns (engine, summary metrics)."""
+    rank, world = distributed.init()
+    cfg = task.cfg
+    if len(task.train) < cfg.micro_batch_size * world:
+        raise UserError(
+            f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) is more than the "
+            f"{len(task.train)} training rows"
+        )
+    config = getattr(model, "config", None)  # a sequence past the position table: an IndexError mid-training
+    if hasattr(config, "to_dict"):
+        loading.check_fits(f"{task.name}.max_seq_len", cfg.max_seq_len, "model", f"{task.name}.model", config.to_dict())
+    loader = make_loader(task, rank, world)
+    steps_per_epoch = max(len(loader) // cfg.gradient_accumulation_steps, 1)
+    total_steps = max(math.ceil(cfg.num_train_epochs * steps_per_epoch), 1)
+    config = engines.ds_config(cfg, world, torch.cuda.is_available())
+    engine = engines.create(model, cfg, config, total_steps)
+    position = _restore(engine, task)
+    before = task.evaluate(engine) if position["step"] == 0 else position["before"]
+    tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
+    engine.train()  # from_pretrained returns eval mode; without this a resumed run would train without dropout
+    started = time.perf_counter()
+    bar = tqdm(
+        total=total_steps, initial=position["step"], desc=task.name, unit="step", **({"disable": True} if rank else {})
+    )
+    with preemption.StopRequest() as stop:
+        try:
+            step, tokens = _train(task, engine, loader, tracker, bar, stop, position, before, total_steps)
+        finally:
+            bar.close()  # the stop's line comes after the bar's
     elapsed = time.perf_counter() - started
     after = task.evaluate(engine)
     stop_if_diverged(task, step, after, engine.get_lr()[0])
@@ -240,9 +271,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
 
 
 def remove_checkpoints(task: Task) -> None:
-    distributed.barrier()
-    if distributed.rank() == 0:
-        shutil.rmtree(task.checkpoint_dir, ignore_errors=True)
+    checkpoints.remove(task.checkpoint_dir)  # only what kubealign wrote there
 
 
 def finish(
