@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -266,3 +267,41 @@ def test_sft_leaves_a_user_file_in_its_checkpoint_directory_alone(split_dir: Pat
         "go there: move it, or choose another --output"
     )
     assert (save / "notes.txt").read_text() == "mine" and not (tmp_path / "run").exists()
+
+
+# --- a full disk while saving ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 10 MiB tmpfs at tmp_path/run.checkpoints: room for one tiny-model sft checkpoint (7.2 MB), not two."""
+    import subprocess
+
+    mount = tmp_path / "run.checkpoints"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=10m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_while_saving_is_one_line_and_the_last_good_checkpoint_stays(split_dir: Path, tmp_path: Path,  # noqa: F811
+                                                                                   small_disk: Path):  # fmt: skip
+    """Before: a 25-line traceback ending in torch's zip writer ("unexpected pos ..."), never "no space left",
+    and the torn tag left behind, filling the disk further."""
+    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.3",
+              "--set", "sft.save_every_steps=2"]  # fmt: skip
+    full = kubealign_subprocess("sft", *common, "--output", tmp_path / "run")
+    assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
+    last = full.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"kubealign: error: sft: cannot save the checkpoint {re.escape(str(small_disk / 'step4'))}: "
+        rf"No space left on device; [0-9.]+ MiB free in {re.escape(str(small_disk))}; "
+        rf"the partial step4 was removed and the last good checkpoint, {re.escape(str(small_disk / 'step2'))}, is kept",
+        last,
+    ), last
+    assert sorted(p.name for p in small_disk.iterdir()) == ["latest", "step2"]
+    assert (small_disk / "latest").read_text() == "step2"
+    checkpoints.verify(small_disk)  # the last good one is whole
+    assert not (tmp_path / "run").exists()

@@ -240,13 +240,14 @@ def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLControl
     (DIRECTORY/latest, checkpoints.commit): a kill anywhere before it leaves the previous iteration's."""
     tag = f"iter{step}"
     state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
-    models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
-    if models.critic is not None:
-        models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
-    if ema is not None and int(os.environ.get("RANK", "0")) == 0:
-        torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
-    for part in checkpoint_parts(directory, models):
-        checkpoints.seal(part, tag)
+    with checkpoints.saving(directory, tag, STAGE, checkpoint_parts(directory, models)):
+        models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
+        if models.critic is not None:
+            models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
+        if ema is not None and int(os.environ.get("RANK", "0")) == 0:
+            torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
+        for part in checkpoint_parts(directory, models):
+            checkpoints.seal(part, tag)
     checkpoints.commit(directory, tag)
     distributed.set_rng_state(state["rng"])
 

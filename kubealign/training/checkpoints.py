@@ -22,11 +22,14 @@ with a warning: nothing to verify against, and refusing it would throw away a re
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -251,5 +254,41 @@ def remove(save_dir: Path) -> None:
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         for directory in [*(save_dir / part for part in PARTS), save_dir]:
             if directory.is_dir() and not any(directory.iterdir()):
-                directory.rmdir()
+                with contextlib.suppress(OSError):  # e.g. a mount point: the directory itself is not ours to drop
+                    directory.rmdir()
     distributed.barrier()
+
+
+# What running out of room looks like while DeepSpeed / torch write a checkpoint: an OSError with one of these
+# errnos, or torch's zip writer failing on a short write (a RuntimeError: "unexpected pos ...", "file write
+# failed"), which names no cause at all.
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+SHORT_WRITE = ("unexpected pos", "file write failed", "No space left")
+
+
+@contextlib.contextmanager
+def saving(save_dir: Path, tag: str, stage: str, parts: list[Path] | None = None) -> Iterator[None]:
+    """Around one checkpoint save of TAG (in SAVE_DIR, or in each of PARTS): a full disk, a quota or a
+    read-only file system becomes one UserError naming the directory, its free space and the last good
+    checkpoint, and the torn TAG is removed (it was never committed: `latest` still names the last good one).
+    Any other failure passes through unchanged."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        no_room = isinstance(exc, OSError) and exc.errno in NO_ROOM
+        if not no_room and not any(text in str(exc) for text in SHORT_WRITE):
+            raise
+        for part in parts or [save_dir]:
+            if (part / tag).is_dir() and latest_tag(save_dir) != tag:
+                shutil.rmtree(part / tag, ignore_errors=True)
+        free = shutil.disk_usage(save_dir).free / 2**20
+        if isinstance(exc, OSError) and exc.errno:
+            why = os.strerror(exc.errno)
+        else:  # torch's zip writer says only that a write came up short
+            why = "No space left on device" if free < 1 else "a short write (disk full?)"
+        last = latest_tag(save_dir)
+        kept = f"the last good checkpoint, {save_dir / last}, is kept" if last else "there is no earlier checkpoint"
+        raise UserError(
+            f"{stage}: cannot save the checkpoint {save_dir / tag}: {why}; {free:.1f} MiB free in {save_dir}; "
+            f"the partial {tag} was removed and {kept}"
+        ) from None

@@ -108,9 +108,10 @@ def _restore(engine: Any, task: Task) -> dict[str, Any]:
 def _save(engine: Any, task: Task, position: dict[str, Any]) -> None:
     state = {**position, "rng": distributed.rng_state()}
     tag = f"step{position['step']}"
-    # save_latest=False: `latest` moves only once the tag is sealed (checkpoints.commit), by rename
-    engine.save_checkpoint(str(task.checkpoint_dir), tag=tag, client_state=state, save_latest=False)
-    checkpoints.seal(task.checkpoint_dir, tag)
+    with checkpoints.saving(task.checkpoint_dir, tag, task.name):
+        # save_latest=False: `latest` moves only once the tag is sealed (checkpoints.commit), by rename
+        engine.save_checkpoint(str(task.checkpoint_dir), tag=tag, client_state=state, save_latest=False)
+        checkpoints.seal(task.checkpoint_dir, tag)
     checkpoints.commit(task.checkpoint_dir, tag)
     # Saving draws random numbers inside DeepSpeed; put the RNG back where the checkpoint recorded it, so
     # the run goes on exactly as a run resumed from this checkpoint will.
