@@ -125,3 +125,27 @@ def test_sigterm_stops_ppo_at_the_iteration_and_resumes_exactly(trained, tmp_pat
     assert strip(a["history"]) == strip(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert (tmp_path / "a" / "ema").is_dir() and a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
+
+
+@pytest.mark.integration
+def test_two_ranks_stop_together_when_one_gets_the_signal(trained, tmp_path: Path):  # noqa: F811
+    """Only rank 0 is sent SIGTERM: both ranks learn of it at the same iteration boundary (one all_reduce),
+    both save their shards of iteration 3 and stop, neither waits in a collective; the resumed two-rank run
+    ends with the uninterrupted one's weights. torchrun itself reports its workers' exit as a failure (its
+    own exit code 1, not 143): what a pod shows is torchrun's."""
+    from tests.test_training import launcher
+
+    common = [*ppo_args(trained), "--set", NO_TRACKING, "--set", "ppo.actor_zero_stage=3", "--set",
+              "ppo.critic_zero_stage=3", "--set", "ppo.num_iterations=4", "--set", "ppo.save_every_iterations=2"]  # fmt: skip
+    two = launcher("torchrun")
+    straight = kubealign_subprocess(*common, "--output", tmp_path / "a", launcher=two)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    stopped = kubealign_subprocess(*common, "--output", tmp_path / "b", env=term_at(3), launcher=two)
+    saved = tmp_path / "b.checkpoints"
+    assert stopped.returncode != 0
+    assert stopped.stderr.count(stopped_line("ppo", "iteration 3", saved / "iter3")) == 2, stopped.stderr[-3000:]
+    assert (saved / "latest").read_text() == "iter3" and not (tmp_path / "b").exists()
+    resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b", launcher=two)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
+    assert a["rank_param_sha256"] == b["rank_param_sha256"] and len(set(a["rank_param_sha256"])) == 1
