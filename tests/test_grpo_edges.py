@@ -295,3 +295,17 @@ def test_pooled_statistics_with_a_faked_second_rank(monkeypatch):
     by_hand = sum(values) / 5
     assert (mean, count) == (pytest.approx(by_hand), 5)
     assert std == pytest.approx(math.sqrt(sum((v - by_hand) ** 2 for v in values) / 4))
+
+
+def test_batch_scale_with_one_or_two_scored_rewards_and_the_defaults():
+    rewards = torch.tensor([1.0, 5.0, 2.0, 7.0], dtype=torch.float64)
+    one = torch.tensor([True, False, False, False])
+    assert grpo_advantages(rewards, 2, scale="batch", scored=one).tolist() == [0.0] * 4  # nothing relative: 0, finite
+    two = torch.tensor([True, True, False, False])  # group 0 scored (1 and 5), group 1 not at all
+    std = math.sqrt(((1 - 3) ** 2 + (5 - 3) ** 2) / 1)  # the batch std of the two scored rewards
+    assert grpo_advantages(rewards, 2, scale="batch", scored=two).tolist() == pytest.approx(
+        [-2 / (std + GRPO_EPS), 2 / (std + GRPO_EPS), 0.0, 0.0]
+    )
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert loss_denominator(mask) == 3  # the default is token
+    assert aggregate(torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]), mask).item() == pytest.approx(6 / 3)

@@ -155,3 +155,80 @@ def test_this_cpu_has_no_inference_kernels():
     available, why = inference_kernels()
     assert not available
     assert why == "DeepSpeed implements no inference kernels on cpu"
+
+
+def test_the_hybrid_engine_block_carries_every_setting():
+    from kubealign.rl.preflight import hybrid_block
+
+    hybrid = HybridEngineConfig(max_out_tokens=333, inference_tp_size=2, release_inference_cache=True,
+                                pin_parameters=False, tp_gather_partition_size=5)  # fmt: skip
+    assert hybrid_block(hybrid) == {"enabled": True, "max_out_tokens": 333, "inference_tp_size": 2,
+                                    "release_inference_cache": True, "pin_parameters": False,
+                                    "tp_gather_partition_size": 5}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("tp", "zero", "cuda", "notes"),
+    [
+        (1, 0, False, []),  # nothing to adjust
+        (2, 2, True, ["ppo.hybrid_engine.inference_tp_size 2 needs the actor at ZeRO-3: using 1"]),
+        (2, 3, False, ["ppo.hybrid_engine.inference_tp_size 2 needs CUDA: using 1"]),
+    ],
+)
+def test_the_exact_notes(tp, zero, cuda, notes):
+    kernels = KERNELS if cuda else NO_KERNELS
+    got = decide(HybridEngineConfig(inference_tp_size=tp), zero, "opt", 4, None, cuda, "4.46.0", OPT, kernels)
+    assert got.notes[:-1] == notes
+    disabled = decide(HybridEngineConfig(enabled=False), 0, "opt", 4, None, True, "4.46.0", OPT, KERNELS)
+    assert disabled.notes == ["ppo.hybrid_engine.enabled is false: plain DeepSpeed engine"]
+
+
+def test_injection_into_several_layers_and_policies_that_do_not_fit():
+    two = decide(HE, 3, "opt", 32, None, True, "4.46.3", ["OPTDecoderLayer", "OPTAttention"], KERNELS)
+    assert two.notes == ["kernel-injected hybrid engine for opt (OPTDecoderLayer, OPTAttention)"]
+    gpt2 = decide(HE, 3, "gpt2", 12, None, True, "4.46.3", ["GPT2Block"], KERNELS)
+    assert (gpt2.path, gpt2.notes) == (
+        "engine",
+        ["DeepSpeed's kernel-injection policy does not fit gpt2: plain engine"],
+    )
+    edge = decide(HE, 3, "opt", 32, None, True, "4.49.0", OPT, KERNELS)  # the first release past 4.48.x
+    assert edge.path == "engine" and edge.notes[-1].startswith("transformers 4.49.0 is newer than")
+    assert decide(HE, 3, "opt", 32, None, True, "4.48.9", OPT, KERNELS).path == "he-injected"
+
+
+class FakeBuilder:
+    def __init__(self, compatible: bool):
+        self.compatible = compatible
+
+    def is_compatible(self, verbose: bool = True) -> bool:
+        assert verbose is False  # no build log in the stage's output
+        return self.compatible
+
+
+class FakeAccelerator:
+    def __init__(self, builder):
+        self.builder, self.asked = builder, []
+
+    def device_name(self) -> str:
+        return "cuda"
+
+    def create_op_builder(self, name: str):
+        self.asked.append(name)
+        return self.builder
+
+
+@pytest.mark.parametrize(
+    ("builder", "expected"),
+    [
+        (FakeBuilder(True), (True, "")),
+        (FakeBuilder(False), (False, "DeepSpeed's inference kernels cannot be built or loaded on this cuda setup")),
+        (None, (False, "DeepSpeed implements no inference kernels on cuda")),
+    ],
+)
+def test_inference_kernels_asks_the_accelerator_for_its_inference_builder(monkeypatch, builder, expected):
+    import deepspeed.accelerator
+
+    fake = FakeAccelerator(builder)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: fake)
+    assert inference_kernels() == expected
+    assert fake.asked == ["InferenceBuilder"]

@@ -168,3 +168,51 @@ def test_a_prompt_only_row_with_an_answer_like_field_is_refused_unless_declared(
         normalize(row, "prompt_only")  # the explicit format too
     assert normalize(row, columns=frozenset({key})).columns == json.dumps({key: "4", "level": 1}, sort_keys=True)
     assert normalize({"prompt": "2+2?", "level": 1}).columns == '{"level": 1}'  # a plain column needs nothing
+
+
+def test_a_prompt_only_row_keeps_its_prompt_and_json_columns_exactly():
+    row = {"prompt": "¿2+2?", "hint": "cuatro é", "level": 1}
+    assert normalize(row) == Pair("¿2+2?", None, None, '{"hint": "cuatro é", "level": 1}')  # not \\u escapes
+    with pytest.raises(RowError, match="must be JSON values"):
+        normalize({"prompt": "p", "level": float("nan")})
+
+
+@pytest.mark.parametrize(
+    ("row", "keys"),
+    [
+        ({"chosen": "only a chosen text"}, "chosen"),  # chosen alone is no HH pair
+        ({"prompt": "p", "rejected": "r"}, "prompt, rejected"),  # a rejected answer with no chosen one
+        ({}, "none"),
+        ({f"k{i}": 1 for i in range(9)}, "k0, k1, k2, k3, k4, k5, k6, k7"),  # the first eight, sorted
+    ],
+)
+def test_rows_no_schema_fits_name_their_keys(row, keys):
+    with pytest.raises(RowError) as err:
+        normalize(row)
+    assert err.value.field is None
+    assert err.value.message == (
+        "no recognizable fields (expected prompt/chosen/rejected, chosen/rejected dialogues, prompt/response, "
+        f"prompt/completion or messages; found keys: {keys})"
+    )
+
+
+def test_conversational_prompt_completion_errors_name_the_completion_field():
+    with pytest.raises(RowError) as err:
+        normalize({"prompt": [{"role": "user", "content": "a"}], "completion": []})
+    assert (err.value.field, err.value.message) == ("completion", "expected a non-empty list of messages, got list")
+    with pytest.raises(RowError) as err:
+        normalize({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "b"}]})
+    assert (err.value.field, err.value.message) == ("completion", "expected one assistant message")
+    with pytest.raises(RowError) as err:
+        normalize({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                   "completion": [{"role": "assistant", "content": "c"}]})  # fmt: skip
+    assert (err.value.field, err.value.message) == (
+        "prompt[1].role",
+        "the prompt must end before the assistant's reply",
+    )
+    with pytest.raises(RowError) as err:
+        normalize({"prompt": "p", "answer": "4"})
+    assert err.value.message == (
+        "looks like the row's answer, not a column: list it in the source's `columns` to give it to reward "
+        "functions, or name it `completion` to train on it"
+    )

@@ -136,3 +136,20 @@ def test_a_prompt_with_a_pair_and_a_prompt_only_row_follows_its_pair_and_keeps_i
     assert {r["columns"] for r in plan.phases["phase3_prompts"]["train"]} == {
         f'{{"answer": "{p[1:]}"}}' for p, ph in phase_of.items() if ph == "phase3_prompts"
     }
+
+
+def test_a_source_without_a_weight_keeps_weight_one_and_eval_rows_are_the_held_prompts():
+    rows = rows_for(6, source="a") + rows_for(4, source="b")
+    for r in rows[6:]:
+        r["prompt"] = "b-" + r["prompt"]
+    out = reweight(rows, {"a": 2.0}, random.Random(0))  # b has no weight: 1, kept as it is
+    assert sorted(r["prompt"] for r in out if r["source"] == "b") == sorted(r["prompt"] for r in rows[6:])
+    assert len([r for r in out if r["source"] == "a"]) == 12
+    both_halved = reweight(rows, {"a": 0.5, "b": 0.5}, random.Random(0))
+    assert (
+        len([r for r in both_halved if r["source"] == "a"]),
+        len([r for r in both_halved if r["source"] == "b"]),
+    ) == (3, 2)
+    plan = split_rows(rows_for(20), (0, 0, 1), 0.25, seed=1)
+    phase3 = plan.phases["phase3_prompts"]
+    assert (len(phase3["train"]), len(phase3["eval"])) == (15, 5) == (plan.prompts["phase3_prompts"]["train"], 5)
