@@ -104,6 +104,10 @@ def test_compare_edges():
     m = compare(rows([0.0, 0.0], [[], [1]]), rows([1e-6, -1.0], [[1], [1]]))
     assert (m["win_rate"], m["tie_rate"], m["loss_rate"]) == (0.0, 0.5, 0.5)
     assert m["length_drift"] == pytest.approx(1.0 / 0.5)
+    assert (m["win_rate_lower_bound"], m["win_rate_upper_bound"]) == (0.0, 0.0)  # the tie is no win here either
+    assert compare(rows([0.0, 1.0], [[1], [1]]), rows([1.0, 0.0], [[1], [1]])) == compare(
+        rows([0.0, 1.0], [[1], [1]]), rows([1.0, 0.0], [[1], [1]]), seed=0
+    )  # the default seed is 0
     with pytest.raises(ValueError):  # the two models answered different prompt lists
         compare(rows([0.0, 1.0], [[1], [1]]), rows([0.0], [[1]]))
 

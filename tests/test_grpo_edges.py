@@ -309,3 +309,8 @@ def test_batch_scale_with_one_or_two_scored_rewards_and_the_defaults():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     assert loss_denominator(mask) == 3  # the default is token
     assert aggregate(torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]), mask).item() == pytest.approx(6 / 3)
+
+
+def test_a_scorer_without_functions_has_no_specs_and_nothing_last():
+    scorer = Scorer(None, 1.0, None, CharTokenizer())
+    assert (scorer.specs, scorer.last) == ([], {})

@@ -149,7 +149,7 @@ def test_conversational_prompt_completion_renders_as_messages_do():
          "completion", "expected one assistant message"),
         ({"prompt": "a", "completion": 4}, "completion", "expected a string, got int"),
         ({"prompt": [{"role": "user", "content": 1}], "completion": [{"role": "assistant", "content": "c"}]},
-         "prompt[0].content", "expected a string"),
+         "prompt[0].content", "expected a string, got int"),
     ],
 )  # fmt: skip
 def test_bad_prompt_completion_rows_name_the_field(row, field, message):

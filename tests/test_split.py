@@ -145,6 +145,8 @@ def test_a_source_without_a_weight_keeps_weight_one_and_eval_rows_are_the_held_p
     out = reweight(rows, {"a": 2.0}, random.Random(0))  # b has no weight: 1, kept as it is
     assert sorted(r["prompt"] for r in out if r["source"] == "b") == sorted(r["prompt"] for r in rows[6:])
     assert len([r for r in out if r["source"] == "a"]) == 12
+    one_and_a_half = reweight(rows, {"a": 1.5}, random.Random(0))  # every row once, half of them twice
+    assert len([r for r in one_and_a_half if r["source"] == "a"]) == 9
     both_halved = reweight(rows, {"a": 0.5, "b": 0.5}, random.Random(0))
     assert (
         len([r for r in both_halved if r["source"] == "a"]),
