@@ -30,7 +30,7 @@ from kubealign.rl.losses import Sampling
 from tests.conftest import NO_TRACKING
 from tests.rollout_path import cpu_opt_path
 from tests.test_experience import TableLM, TokenValue
-from tests.test_ppo import ppo_args, trained  # noqa: F401  (the module-scoped SFT + RM fixture)
+from tests.test_ppo import ppo_args, trained, without_timings  # noqa: F401  (trained: the module-scoped SFT + RM fixture)
 from tests.test_training import kubealign_subprocess, result_of
 
 # Two prompts x three samples, rows in rollout order (prompt 0's samples first). Grouping by stride
@@ -321,9 +321,7 @@ def test_grpo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_pat
     resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
-    drop = ("generation_time_s", "experience_time_s", "training_time_s", "tokens_per_s", "samples_per_s")
-    strip = lambda h: [{k: v for k, v in row.items() if k not in drop} for row in h]  # noqa: E731
-    assert len(a["history"]) == 4 and strip(a["history"]) == strip(b["history"])
+    assert len(a["history"]) == 4 and without_timings(a["history"]) == without_timings(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
 

@@ -117,11 +117,17 @@ def test_ppo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path
     resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
-    drop = ("generation_time_s", "experience_time_s", "training_time_s", "tokens_per_s", "samples_per_s")
-    strip = lambda h: [{k: v for k, v in row.items() if k not in drop} for row in h]  # noqa: E731
-    assert strip(a["history"]) == strip(b["history"])
+    assert without_timings(a["history"]) == without_timings(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
+
+
+TIMINGS = ("generation_time_s", "experience_time_s", "training_time_s", "tokens_per_s", "samples_per_s")
+
+
+def without_timings(history: list[dict]) -> list[dict]:
+    """A PPO history without its wall-clock figures: what two runs of the same settings must agree on."""
+    return [{k: v for k, v in row.items() if k not in TIMINGS} for row in history]
 
 
 def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):

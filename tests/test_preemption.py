@@ -12,7 +12,7 @@ import pytest
 from kubealign.errors import Stopped
 from kubealign.training import distributed, preemption
 from tests.conftest import NO_TRACKING
-from tests.test_ppo import ppo_args, trained  # noqa: F401  (the module-scoped SFT + RM fixture)
+from tests.test_ppo import ppo_args, trained, without_timings  # noqa: F401  (trained: the module-scoped SFT + RM fixture)
 from tests.test_training import kubealign_subprocess, result_of, split_dir  # noqa: F401  (split_dir: a fixture)
 
 TERM_AT = {"KUBEALIGN_FAULT_AT_STEP": "{}", "KUBEALIGN_FAULT_SIGNAL": "TERM"}
@@ -120,9 +120,7 @@ def test_sigterm_stops_ppo_at_the_iteration_and_resumes_exactly(trained, tmp_pat
     resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
-    drop = ("generation_time_s", "experience_time_s", "training_time_s", "tokens_per_s", "samples_per_s")
-    strip = lambda h: [{k: v for k, v in row.items() if k not in drop} for row in h]  # noqa: E731
-    assert strip(a["history"]) == strip(b["history"])
+    assert without_timings(a["history"]) == without_timings(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert (tmp_path / "a" / "ema").is_dir() and a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
 
