@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         what_model = "policy to start from, the SFT output dir" if stage == "dpo" else "model to train"
         train.add_argument("--model", metavar="NAME_OR_DIR", help=f"{what_model} (default: {stage}.model)")
         train.add_argument("--output", required=True, type=Path, metavar="DIR", help="output model directory")
-        train.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+        _add_checkpoint_options(train)
 
     ppo = sub.add_parser(
         "ppo",
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ppo.add_argument("--output", required=True, type=Path, metavar="DIR", help="output actor directory")
     _add_functions_option(ppo)
-    ppo.add_argument("--resume", action="store_true", help="continue from the last checkpoint in DIR.checkpoints")
+    _add_checkpoint_options(ppo)
 
     evaluate = sub.add_parser(
         "evaluate",
@@ -290,6 +290,16 @@ def _add_functions_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_checkpoint_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint (--checkpoints)")
+    parser.add_argument(
+        "--checkpoints",
+        type=Path,
+        metavar="CKPT_DIR",
+        help="where the checkpoints go (default: DIR.checkpoints beside --output; a pipeline task uses the PVC)",
+    )
+
+
 def _functions(args: argparse.Namespace) -> list | None:
     """The specs of --reward-functions, or None (resolved from the config's rewards.functions)."""
     if args.reward_functions is None:
@@ -312,7 +322,7 @@ def _train(args: argparse.Namespace) -> None:
     else:
         from kubealign.stages import reward as stage
     config = load_config(args.config, args.overrides)
-    result = stage.run(config, args.data, args.model, args.output, resume=args.resume)
+    result = stage.run(config, args.data, args.model, args.output, args.resume, args.checkpoints)
     if int(os.environ.get("RANK", "0")) == 0:
         metrics = result["metrics"]
         shown = {k: v for k, v in metrics.items() if k.startswith(("before_", "after_"))}
@@ -326,7 +336,7 @@ def _ppo(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     result = ppo.run(config, args.prompts, args.actor, args.critic, args.reward, args.output, resume=args.resume,
-                     functions=_functions(args))  # fmt: skip
+                     functions=_functions(args), checkpoint_location=args.checkpoints)  # fmt: skip
     if int(os.environ.get("RANK", "0")) == 0:
         m = result["metrics"]
         print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")

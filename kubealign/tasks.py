@@ -13,6 +13,7 @@ environment); PPO with `kubernetes.ppo_nodes > 1` becomes a Kubeflow Trainer Tra
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -60,6 +61,44 @@ def _run_distributed(config: KubealignConfig, nproc: int, cli_args: list[str], o
     return read_result(output)
 
 
+# Set by the DAG on training tasks when kubernetes.pvc is given (pipelines/dag.py): the checkpoint root on
+# the PVC, the pipeline run (the `pipeline/runid` label KFP puts on its pods, through the downward API) and
+# the task's name. A retried pod of the same task in the same run gets the same three.
+CHECKPOINT_ROOT_ENV, RUN_ID_ENV, TASK_ENV = "KUBEALIGN_CHECKPOINT_ROOT", "KUBEALIGN_RUN_ID", "KUBEALIGN_TASK"
+
+
+def checkpoint_location(environ: dict[str, str] | None = None) -> tuple[Path | None, bool]:
+    """(where this task keeps its checkpoints, whether to resume from them).
+
+    On the cluster with a PVC: ROOT/RUN/TASK, so that a pod retried after a preemption, an eviction or a crash
+    finds what its predecessor saved and resumes (a fresh task finds nothing there and starts). Anywhere else
+    (kfp.local, no PVC, no run label): (None, False), the stage's default beside its output."""
+    env = os.environ if environ is None else environ
+    root, run, task = (env.get(key, "").strip() for key in (CHECKPOINT_ROOT_ENV, RUN_ID_ENV, TASK_ENV))
+    if not (root and run and task):
+        return None, False
+    for label, value in (("run", run), ("task", task)):
+        if "/" in value or value in (".", ".."):
+            raise UserError(f"{RUN_ID_ENV if label == 'run' else TASK_ENV}={value!r} is not a directory name")
+    location = Path(root) / run / task
+    resume = location.is_dir() and any(location.iterdir())
+    print(f"checkpoints: {location}" + (" (resuming from them)" if resume else ""), flush=True)
+    return location, resume
+
+
+def _tidy(location: Path | None, result: dict[str, Any]) -> dict[str, Any]:
+    """After a stage finished (it removed its own checkpoints): the run's directory on the PVC, once empty."""
+    if location is not None:
+        with contextlib.suppress(OSError):  # not empty: another task of the run still keeps checkpoints there
+            location.parent.rmdir()
+    return result
+
+
+def _checkpoint_args(location: Path | None, resume: bool) -> list[str]:
+    """The CLI form of checkpoint_location's answer, for a torchrun or TrainJob process."""
+    return ([] if location is None else ["--checkpoints", str(location)]) + (["--resume"] if resume else [])
+
+
 def data_split(config_json: str, overrides: list[str], output: str) -> dict[str, Any]:
     from kubealign.stages import data_split as stage
 
@@ -70,10 +109,11 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
     """sft, reward or dpo (model: the SFT output dir to start from): in-process on <= 1 GPU, under torchrun on a
     multi-GPU pod."""
     config = load(config_json, overrides)
+    location, resume = checkpoint_location()
     nproc = device_count()
     if nproc > 1:
         args = [stage_name, "--data", data, "--output", output] + (["--model", model] if model else [])
-        return _run_distributed(config, nproc, args, Path(output))
+        return _tidy(location, _run_distributed(config, nproc, args + _checkpoint_args(location, resume), Path(output)))
     if stage_name == "sft":
         from kubealign.stages import sft as stage
     elif stage_name == "reward":
@@ -82,7 +122,7 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
         from kubealign.stages import dpo as stage
     else:
         raise UserError(f"unknown training stage {stage_name!r} (expected sft, reward or dpo)")
-    return stage.run(config, Path(data), model or None, Path(output))
+    return _tidy(location, stage.run(config, Path(data), model or None, Path(output), resume, location))
 
 
 def reward_functions(config: KubealignConfig, functions_json: str) -> list:
@@ -114,39 +154,56 @@ def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic
     model's dir (critic and reward), or with reward functions alone the SFT dir (ppo's critic start)."""
     config = load(config_json, overrides)
     specs = reward_functions(config, functions_json)
+    location, resume = checkpoint_location()
     if config.kubernetes.ppo_nodes > 1:
-        return ppo_trainjob(config, prompts, actor, critic, output, specs)
+        return _tidy(location, ppo_trainjob(config, prompts, actor, critic, output, specs, location, resume))
     nproc = device_count()
     if nproc > 1:
         with tempfile.TemporaryDirectory(prefix="kubealign-fns-") as tmp:
             args = ["ppo", "--prompts", prompts, "--actor", actor, "--critic", critic, "--output", output]
-            return _run_distributed(config, nproc, args + _functions_file(specs, Path(tmp)), Path(output))
+            args += _functions_file(specs, Path(tmp)) + _checkpoint_args(location, resume)
+            return _tidy(location, _run_distributed(config, nproc, args, Path(output)))
     from kubealign.stages import ppo as stage
 
-    return stage.run(config, Path(prompts), Path(actor), Path(critic), None, Path(output), functions=specs)
+    paths = (Path(prompts), Path(actor), Path(critic), None, Path(output))
+    return _tidy(location, stage.run(config, *paths, resume=resume, functions=specs, checkpoint_location=location))
 
 
-def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str, specs: list) -> dict:
-    """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back."""
+def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str, specs: list,
+                 location: Path | None = None, resume: bool = False) -> dict:  # fmt: skip
+    """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back; the staging directory
+    is removed on every exit this process lives through (a SIGKILLed try's is replaced by the retry's).
+
+    The TrainJob's name comes from the run and task (checkpoint_location's keys) when the pod has them, so a
+    retry finds and replaces its predecessor's TrainJob, and the new one resumes from LOCATION."""
     from kubealign.cluster import trainjob
     from kubealign.images import train_image
+    from kubealign.training import preemption
 
     k8s = config.kubernetes
-    digest = hashlib.sha256(f"{output}{os.getpid()}".encode()).hexdigest()[:10]
-    name = f"kubealign-ppo-{digest}"
+    key = f"{os.environ[RUN_ID_ENV]}/{os.environ[TASK_ENV]}" if location is not None else f"{output}{os.getpid()}"
+    name = f"kubealign-ppo-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     shared = Path(k8s.pvc_mount) / "trainjobs" / name
-    for label, source in (("prompts", prompts), ("actor", actor), ("critic", critic)):
-        shutil.copytree(source, shared / label)
-    (shared / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
-    cli_args = ["ppo", "--config", str(shared / "config.yaml"), "--output", str(shared / "output")]
-    for label in ("prompts", "actor", "critic"):
-        cli_args += [f"--{label}", str(shared / label)]
-    cli_args += _functions_file(specs, shared)
-    env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
-    body = trainjob.manifest(name, k8s, k8s.train_image or train_image(), torchrun_command(0, cli_args, True), env)
-    trainjob.submit_and_wait(body, k8s.trainjob_timeout_s)
-    shutil.copytree(shared / "output", output, dirs_exist_ok=True)
-    shutil.rmtree(shared, ignore_errors=True)
+    custom, core = trainjob.connect()
+    with preemption.raising("ppo"):
+        try:
+            trainjob.replace_leftover(custom, name, k8s.namespace, timeout_s=k8s.grace_period_s + 60)
+            shutil.rmtree(shared, ignore_errors=True)  # the predecessor's staging (the name is this task's)
+            for label, source in (("prompts", prompts), ("actor", actor), ("critic", critic)):
+                shutil.copytree(source, shared / label)
+            (shared / "config.yaml").write_text(config_to_yaml(config), encoding="utf-8")
+            cli_args = ["ppo", "--config", str(shared / "config.yaml"), "--output", str(shared / "output")]
+            for label in ("prompts", "actor", "critic"):
+                cli_args += [f"--{label}", str(shared / label)]
+            cli_args += _functions_file(specs, shared) + _checkpoint_args(location, resume)
+            env = {key: os.environ[key] for key in _FORWARDED_ENV if key in os.environ}
+            image = k8s.train_image or train_image()
+            owners = trainjob.owner_references(dict(os.environ), k8s.namespace)
+            body = trainjob.manifest(name, k8s, image, torchrun_command(0, cli_args, True), env, owners)
+            trainjob.run(custom, core, body, k8s.trainjob_timeout_s)
+            shutil.copytree(shared / "output", output, dirs_exist_ok=True)
+        finally:
+            shutil.rmtree(shared, ignore_errors=True)
     return read_result(Path(output))
 
 

@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 from kfp import dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Model
 
+from kubealign import tasks
+from kubealign.cluster import trainjob
 from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
@@ -50,7 +52,8 @@ from kubealign.rewards import sources
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
-ROUTES = ("ppo", "grpo", "rloo", "dpo")  # pipeline.algorithms' choices; compare takes an evaluation of each
+ROUTES = ("ppo", "grpo", "rloo", "dpo")
+DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads  # pipeline.algorithms' choices; compare takes an evaluation of each
 
 
 class Outputs(NamedTuple):
@@ -115,6 +118,27 @@ def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: 
         kubernetes.use_secret_as_env(task, k8s.object_store_secret, keys, optional=True)
     if k8s.pvc:
         kubernetes.mount_pvc(task, k8s.pvc, k8s.pvc_mount)
+    if training:
+        _preemptible(task, k8s)
+
+
+def _preemptible(task: dsl.PipelineTask, k8s: KubernetesConfig) -> None:
+    """A training task survives a preemption: retried with a backoff, and (with a PVC) its checkpoints kept
+    on the PVC under the run and the task, where the retried pod finds them and resumes (tasks.py's
+    checkpoint_location). None of this is in KFP's cache key (env and retry are not), so cached runs stay
+    cached. The downward API gives the run (KFP labels its pods `pipeline/runid`) and the pod's identity
+    (the owner of a multi-node TrainJob)."""
+    if k8s.retries:
+        task.set_retry(k8s.retries, backoff_duration=k8s.retry_backoff, backoff_factor=2.0,
+                       backoff_max_duration=k8s.retry_backoff_max)  # fmt: skip
+    if k8s.queue:
+        kubernetes.add_pod_label(task, trainjob.QUEUE_LABEL, k8s.queue)
+    if k8s.pvc:
+        task.set_env_variable(tasks.CHECKPOINT_ROOT_ENV, f"{k8s.pvc_mount}/checkpoints")
+        task.set_env_variable(tasks.TASK_ENV, task.name)
+        kubernetes.use_field_path_as_env(task, tasks.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
+    for key, env_name in trainjob.POD_ENV.items():
+        kubernetes.use_field_path_as_env(task, env_name, f"metadata.{key}")
 
 
 def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
@@ -127,8 +151,14 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     # The route is the `algorithm` parameter alone: config_json carries neither pipeline.algorithm nor
     # ppo.algorithm, so runs of different routes share the tasks before the branch (KFP's cache keys).
     route = config.route()
+    # Likewise the settings only this module reads (retries, the queue): changing them retrains nothing.
+    scheduling = {key: KubernetesConfig.model_fields[key].default for key in DAG_ONLY}
     shared = config.model_copy(
-        update={"pipeline": PipelineConfig(), "ppo": config.ppo.model_copy(update={"algorithm": "ppo"})}
+        update={
+            "pipeline": PipelineConfig(),
+            "ppo": config.ppo.model_copy(update={"algorithm": "ppo"}),
+            "kubernetes": k8s.model_copy(update=scheduling),
+        }
     )
     with_model = config.rewards.uses_model
     defaults = {

@@ -140,10 +140,13 @@ def test_pods_are_hardened() -> None:
 
 def test_training_runtime_has_shm_as_memory() -> None:
     runtime = next(
-        d for d in render({"trainingRuntime": {"shmSize": "128Gi"}}) if d["kind"] == "ClusterTrainingRuntime"
+        d
+        for d in render({"trainingRuntime": {"shmSize": "128Gi", "terminationGracePeriodSeconds": 240}})
+        if d["kind"] == "ClusterTrainingRuntime"
     )
     pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
+    assert pod["terminationGracePeriodSeconds"] == 240  # SIGTERM -> the last checkpoint -> exit
     assert runtime["metadata"]["name"] == "kubealign-deepspeed"  # = kubernetes.trainjob_runtime's default
 
 

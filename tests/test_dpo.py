@@ -331,6 +331,19 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Pa
     assert a["history"][4:] == b["history"]  # losses and implicit-reward metrics of every later step
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["after_loss"] == b["metrics"]["after_loss"]
+    # SIGTERM (a preemption) at step 6, checkpoints where --checkpoints says (a task's place on the PVC)
+    from tests.test_preemption import stopped_line, term_at
+
+    saved, elsewhere = tmp_path / "pvc" / "dpo", ["--checkpoints", tmp_path / "pvc" / "dpo"]
+    stopped = kubealign_subprocess("dpo", *common, *elsewhere, "--output", tmp_path / "term", env=term_at(6))
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert stopped.stderr.strip().splitlines()[-1] == stopped_line("dpo", "step 6", saved / "step6")
+    assert (saved / "latest").read_text() == "step6" and not (tmp_path / "term.checkpoints").exists()
+    resumed = kubealign_subprocess("dpo", *common, *elsewhere, "--resume", "--output", tmp_path / "term")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    c = result_of(tmp_path / "term")
+    assert a["history"][6:] == c["history"] and a["rank_param_sha256"] == c["rank_param_sha256"]
+    assert not saved.exists()
 
 
 @pytest.mark.integration

@@ -159,3 +159,57 @@ def test_compile_cli_and_bad_config(cli, tmp_path: Path) -> None:
     bad = cli("compile", "--set", "kubernetes.ppo_nodes=2", "-o", tmp_path / "q.yaml")
     assert bad.code == 2 and "kubernetes.pvc" in bad.err and len(bad.err.strip().splitlines()) == 1
     assert not (tmp_path / "q.yaml").exists()
+
+
+def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp_path: Path) -> None:
+    """Preemption on the cluster: every training task (and only those) retries with a backoff, keeps its
+    checkpoints on the PVC under the run (the pod's `pipeline/runid` label) and its task name, knows its pod
+    (a TrainJob's owner), and carries the Kueue queue label."""
+    overrides = [*GPU_CLUSTER, "kubernetes.queue=team-a", "kubernetes.retries=3", "pipeline.algorithms=[grpo,dpo]"]
+    spec, platform = compiled(tmp_path, overrides)
+    tasks = json_format.MessageToDict(spec.root.dag)["tasks"]
+    training = {"sft", "reward", "grpo", "dpo"}
+    assert {name for name, task in tasks.items() if "retryPolicy" in task} == training
+    assert tasks["grpo"]["retryPolicy"] == {
+        "maxRetryCount": 3, "backoffDuration": "60s", "backoffFactor": 2.0, "backoffMaxDuration": "1800s"
+    }  # fmt: skip
+    executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+    for name in training:
+        env = {e["name"]: e["value"] for e in executors[f"exec-{name}"]["container"]["env"]}
+        assert env == {"KUBEALIGN_CHECKPOINT_ROOT": "/mnt/kubealign/checkpoints", "KUBEALIGN_TASK": name}
+        fields = {f.name: f.field_path for f in platform[f"exec-{name}"].field_path_as_env}
+        assert fields == {
+            "KUBEALIGN_RUN_ID": "metadata.labels['pipeline/runid']",
+            "KUBEALIGN_POD_NAME": "metadata.name",
+            "KUBEALIGN_POD_UID": "metadata.uid",
+            "KUBEALIGN_POD_NAMESPACE": "metadata.namespace",
+        }
+        assert dict(platform[f"exec-{name}"].pod_metadata.labels) == {"kueue.x-k8s.io/queue-name": "team-a"}
+    for name in ("data-split", "evaluate-grpo", "compare", "promote-dpo"):
+        assert "env" not in executors[f"exec-{name}"]["container"] and not platform[f"exec-{name}"].field_path_as_env
+    # no PVC: the checkpoints stay beside the output (nothing to find after a retry), and no queue, no retry
+    spec, platform = compiled(tmp_path, ["kubernetes.retries=0"])
+    assert not any("retryPolicy" in t for t in json_format.MessageToDict(spec.root.dag)["tasks"].values())
+    container = json_format.MessageToDict(spec.deployment_spec)["executors"]["exec-sft"]["container"]
+    assert "env" not in container and not platform["exec-sft"].pod_metadata.labels
+    assert [f.name for f in platform["exec-sft"].field_path_as_env] == [
+        "KUBEALIGN_POD_NAME", "KUBEALIGN_POD_UID", "KUBEALIGN_POD_NAMESPACE"
+    ]  # fmt: skip
+
+
+def test_cache_keys_ignore_the_preemption_settings(tmp_path: Path) -> None:
+    """What KFP's cache key reads of a task (its inputs, config_json among them, command, args and image) is
+    the same whatever the retries and the queue: a cached run stays cached when they change."""
+
+    def keyed(overrides: list[str]) -> dict:
+        spec, _ = compiled(tmp_path, overrides)
+        executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+        tasks = json_format.MessageToDict(spec.root.dag)["tasks"]
+        containers = {n: {k: v for k, v in c["container"].items() if k != "env"} for n, c in executors.items()}
+        inputs = {n: t.get("inputs") for n, t in tasks.items()}
+        return {"containers": containers, "inputs": inputs, "root": json_format.MessageToDict(spec.root.input_definitions)}
+
+    plain = keyed(["kubernetes.pvc=rlhf"])
+    assert plain == keyed(["kubernetes.pvc=rlhf", "kubernetes.queue=q", "kubernetes.retries=5",
+                           "kubernetes.retry_backoff=5m", "kubernetes.retry_backoff_max=2h"])  # fmt: skip
+    assert plain != keyed(["kubernetes.pvc=other"])  # the tasks read the PVC's mount (a TrainJob's nodes)

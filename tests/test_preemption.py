@@ -111,18 +111,20 @@ def test_sigterm_stops_ppo_at_the_iteration_and_resumes_exactly(trained, tmp_pat
               "ppo.save_every_iterations=2", "--set", "ppo.ema_coef=0.9"]  # fmt: skip
     straight = kubealign_subprocess(*common, "--output", tmp_path / "a")
     assert straight.returncode == 0, straight.stderr[-2000:]
-    stopped = kubealign_subprocess(*common, "--output", tmp_path / "b", env=term_at(3))
-    saved = tmp_path / "b.checkpoints"
+    saved = tmp_path / "pvc" / "ppo"  # --checkpoints: where a pipeline task keeps them (on the PVC)
+    stopped = kubealign_subprocess(*common, "--checkpoints", saved, "--output", tmp_path / "b", env=term_at(3))
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     assert stopped.stderr.strip().splitlines()[-1] == stopped_line("ppo", "iteration 3", saved / "iter3")
     assert (saved / "latest").read_text() == "iter3" and (saved / "actor" / "iter3" / "kubealign-ema.pt").is_file()
     assert not (tmp_path / "b").exists() and no_temporary_output(tmp_path)
-    resumed = kubealign_subprocess(*common, "--resume", "--output", tmp_path / "b")
+    assert not (tmp_path / "b.checkpoints").exists()
+    resumed = kubealign_subprocess(*common, "--checkpoints", saved, "--resume", "--output", tmp_path / "b")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "a"), result_of(tmp_path / "b")
     assert without_timings(a["history"]) == without_timings(b["history"])
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert (tmp_path / "a" / "ema").is_dir() and a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
+    assert not saved.exists()
 
 
 @pytest.mark.integration

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -106,3 +107,113 @@ def test_a_multi_gpu_pod_runs_the_stage_under_torchrun(tmp_path: Path, monkeypat
     hashes = result["rank_param_sha256"]
     assert len(hashes) == 2 and len(set(hashes)) == 1  # two ranks, one model
     assert (tmp_path / "rm" / "model.safetensors").is_file()
+
+
+# --- preemption on the cluster: where a task keeps its checkpoints, and a retried task ------------------------
+
+POD = {"KUBEALIGN_CHECKPOINT_ROOT": "", "KUBEALIGN_RUN_ID": "0f3c-run", "KUBEALIGN_TASK": "ppo"}
+
+
+@pytest.mark.unit
+def test_checkpoints_live_under_the_run_and_task_and_a_retry_resumes(tmp_path: Path) -> None:
+    env = {**POD, "KUBEALIGN_CHECKPOINT_ROOT": str(tmp_path)}
+    location, resume = tasks.checkpoint_location(env)
+    assert (location, resume) == (tmp_path / "0f3c-run" / "ppo", False)  # the first try: nothing there yet
+    (location / "iter2").mkdir(parents=True)
+    assert tasks.checkpoint_location(env) == (location, True)  # a retry of the same task in the same run
+    assert tasks.checkpoint_location({**env, "KUBEALIGN_TASK": "grpo"}) == (tmp_path / "0f3c-run" / "grpo", False)
+    # kfp.local, a pipeline without a PVC, a backend that does not label its pods: beside the output
+    for missing in POD:
+        assert tasks.checkpoint_location({**env, missing: ""}) == (None, False)
+    with pytest.raises(UserError, match="KUBEALIGN_RUN_ID='..' is not a directory name"):
+        tasks.checkpoint_location({**env, "KUBEALIGN_RUN_ID": ".."})
+    assert tasks._checkpoint_args(location, True) == ["--checkpoints", str(location), "--resume"]
+    assert tasks._checkpoint_args(None, False) == []
+
+
+@pytest.mark.integration
+def test_a_retried_sft_task_resumes_from_the_pvc_after_a_sigkill(tmp_path: Path) -> None:
+    """The cluster's path, on this machine: the sft task killed (SIGKILL, no handler runs) after its step-4
+    checkpoint, then the same task in a new pod (a fresh output directory, the same run and task) resumes
+    from the PVC and ends with the weights of a task that was never interrupted; the PVC is left tidy."""
+    import subprocess
+
+    from tests.test_training import result_of
+
+    config_json = config_to_json(load_config(None, ["tracking.enabled=false", "sft.num_train_epochs=0.3",
+                                                    "sft.save_every_steps=4"]))  # fmt: skip
+    split = tmp_path / "split"
+    tasks.data_split(config_json, [], str(split))
+    (tmp_path / "config.json").write_text(config_json, encoding="utf-8")
+    script = "import sys; from kubealign import tasks; tasks.train('sft', open(sys.argv[1]).read(), [], *sys.argv[2:])"
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT"}}
+    pvc = tmp_path / "pvc" / "checkpoints"
+    pod = {**env, **POD, "KUBEALIGN_CHECKPOINT_ROOT": str(pvc), "KUBEALIGN_TASK": "sft", "TQDM_DISABLE": "1"}
+
+    def task(output: str, extra: dict) -> subprocess.CompletedProcess:
+        args = [sys.executable, "-c", script, str(tmp_path / "config.json"), str(split), "", str(tmp_path / output)]
+        return subprocess.run(args, capture_output=True, text=True, env={**pod, **extra}, timeout=300)
+
+    straight = task("straight", {"KUBEALIGN_CHECKPOINT_ROOT": ""})
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    killed = task("try1", {"KUBEALIGN_FAULT_AT_STEP": "6"})
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    saved = pvc / "0f3c-run" / "sft"
+    assert (saved / "latest").read_text() == "step4" and not (tmp_path / "try1").exists()
+    retried = task("try2", {})
+    assert retried.returncode == 0, retried.stderr[-2000:]
+    assert f"checkpoints: {saved} (resuming from them)" in retried.stdout
+    a, b = result_of(tmp_path / "straight"), result_of(tmp_path / "try2")
+    assert a["history"][4:] == b["history"] and a["rank_param_sha256"] == b["rank_param_sha256"]
+    assert list(pvc.iterdir()) == []  # the task's checkpoints and the run's directory are gone
+
+
+@pytest.mark.unit
+def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_staging(tmp_path, monkeypatch):
+    """With a fake cluster: the TrainJob is named after the run and task (a retry replaces the same one), the
+    nodes get --checkpoints/--resume on the PVC, the task pod owns it, and the staging directory on the PVC
+    is gone after success and after a failure alike."""
+    from kubealign.cluster import trainjob
+    from tests.test_trainjob import Cluster, cond
+
+    config = load_config(None, ["kubernetes.ppo_nodes=2", "kubernetes.ppo_gpus=1", f"kubernetes.pvc_mount={tmp_path / 'pvc'}",
+                                "kubernetes.pvc=shared", "kubernetes.namespace=team-a"])  # fmt: skip
+    inputs = {}
+    for label in ("prompts", "actor", "critic"):
+        inputs[label] = tmp_path / label
+        inputs[label].mkdir()
+    monkeypatch.setenv("KUBEALIGN_RUN_ID", "run-7")
+    monkeypatch.setenv("KUBEALIGN_TASK", "ppo")
+    for key, value in (("NAME", "pod-a"), ("UID", "u-1"), ("NAMESPACE", "team-a")):
+        monkeypatch.setenv(f"KUBEALIGN_POD_{key}", value)
+    location = tmp_path / "pvc" / "checkpoints" / "run-7" / "ppo"
+    name = "kubealign-ppo-" + __import__("hashlib").sha256(b"run-7/ppo").hexdigest()[:10]
+    created = []
+
+    class Runs(Cluster):
+        def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+            super().create_namespaced_custom_object(group, version, namespace, plural, body)
+            created.append(body)
+            out = tmp_path / "pvc" / "trainjobs" / name / "output"  # what the nodes write
+            out.mkdir(parents=True)
+            (out / "result.json").write_text(json.dumps({"stage": "ppo"}))
+
+    cluster = Runs(existing={name: {}}, statuses=[cond("Complete")])  # an earlier try's TrainJob
+    monkeypatch.setattr(trainjob, "connect", lambda: (cluster, None))
+    stale = tmp_path / "pvc" / "trainjobs" / name / "stale-file"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("left by the SIGKILLed try")
+    paths = [str(inputs[k]) for k in ("prompts", "actor", "critic")]
+    result = tasks.ppo_trainjob(config, *paths, str(tmp_path / "out"), [], location, True)
+    assert result == {"stage": "ppo"} and (tmp_path / "out" / "result.json").is_file()
+    assert cluster.log == [("delete", name), ("create", name)]
+    body = created[0]
+    assert body["metadata"]["name"] == name and body["metadata"]["ownerReferences"][0]["uid"] == "u-1"
+    command = body["spec"]["trainer"]["command"]
+    assert command[-3:] == ["--checkpoints", str(location), "--resume"]
+    assert not (tmp_path / "pvc" / "trainjobs" / name).exists()
+    cluster = Runs(statuses=[cond("Failed", message="node-1 exited 1")])
+    monkeypatch.setattr(trainjob, "connect", lambda: (cluster, None))
+    with pytest.raises(trainjob.TrainJobFailed, match="node-1 exited 1"):
+        tasks.ppo_trainjob(config, *paths, str(tmp_path / "out2"), [], location, False)
+    assert not (tmp_path / "pvc" / "trainjobs" / name).exists() and "--resume" not in created[1]["spec"]["trainer"]["command"]

@@ -104,3 +104,102 @@ def test_timeout_deletes_the_job() -> None:
 def test_multi_node_needs_a_shared_volume(cli) -> None:
     result = cli("config", "show", "--set", "kubernetes.ppo_nodes=2")
     assert result.code == 2 and "kubernetes.pvc" in result.err
+
+
+def test_owner_queue_and_grace_period_validate_against_the_crd() -> None:
+    k8s = load_config("opt-13b-8gpu", [*TWO_BY_EIGHT, "kubernetes.queue=team-a-gpus", "kubernetes.grace_period_s=300"])
+    pod_env = {"KUBEALIGN_POD_NAME": "run-x-ppo-123", "KUBEALIGN_POD_UID": "0d1e", "KUBEALIGN_POD_NAMESPACE": "team-a"}
+    owners = trainjob.owner_references(pod_env, k8s.kubernetes.namespace)
+    body = trainjob.manifest("kubealign-ppo-abc", k8s.kubernetes, "img", ["torchrun"], {}, owners)
+    assert errors(body) == []
+    assert body["metadata"]["ownerReferences"] == [
+        {"apiVersion": "v1", "kind": "Pod", "name": "run-x-ppo-123", "uid": "0d1e", "blockOwnerDeletion": False}
+    ]
+    assert body["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-gpus"
+    pod = body["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]
+    assert pod["template"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 300
+    # no queue, no owner: neither key appears
+    plain = trainjob.manifest("j", load_config("opt-13b-8gpu", TWO_BY_EIGHT).kubernetes, "img", ["x"])
+    assert "ownerReferences" not in plain["metadata"] and list(plain["metadata"]["labels"]) == [
+        "app.kubernetes.io/part-of"
+    ]
+
+
+def test_the_owner_is_the_task_pod_only_in_the_trainjobs_namespace() -> None:
+    """Kubernetes has no cross-namespace owners: its garbage collector would delete the TrainJob at once."""
+    pod = {"KUBEALIGN_POD_NAME": "p", "KUBEALIGN_POD_UID": "u", "KUBEALIGN_POD_NAMESPACE": "kubeflow-user"}
+    assert trainjob.owner_references(pod, "team-a") == []
+    assert [o["name"] for o in trainjob.owner_references(pod, "kubeflow-user")] == ["p"]
+    assert trainjob.owner_references({**pod, "KUBEALIGN_POD_UID": ""}, "kubeflow-user") == []
+    assert trainjob.owner_references({}, "kubeflow-user") == []
+
+
+class NotFound(Exception):
+    status = 404
+
+
+class Cluster:
+    """A namespace of TrainJobs: create / get / delete, a deleted job lingering for `linger` gets (its pods
+    terminating), each get of a live job returning the next recorded status."""
+
+    def __init__(self, existing: dict | None = None, statuses: list[dict] | None = None, linger: int = 0):
+        self.jobs = dict(existing or {})
+        self.statuses, self.linger, self.log = list(statuses or [{}]), linger, []
+        self.deleting: dict[str, int] = {}
+
+    def create_namespaced_custom_object(self, group, version, namespace, plural, body):
+        name = body["metadata"]["name"]
+        assert name not in self.jobs, "409 AlreadyExists"
+        self.jobs[name] = body
+        self.log.append(("create", name))
+
+    def get_namespaced_custom_object(self, group, version, namespace, plural, name):
+        if name in self.deleting:
+            self.deleting[name] -= 1
+            if self.deleting[name] < 0:
+                del self.deleting[name], self.jobs[name]
+        if name not in self.jobs:
+            raise NotFound(name)
+        status = self.statuses.pop(0) if len(self.statuses) > 1 else self.statuses[0]
+        return {"metadata": {"name": name}, "status": status}
+
+    def delete_namespaced_custom_object(self, group, version, namespace, plural, name):
+        if name not in self.jobs:
+            raise NotFound(name)
+        self.log.append(("delete", name))
+        self.deleting[name] = self.linger
+
+
+def test_a_retry_replaces_the_trainjob_its_predecessor_left_and_waits_until_it_is_gone() -> None:
+    cluster = Cluster(existing={"j": {}}, linger=2)
+    sleeps = []
+    assert trainjob.replace_leftover(cluster, "j", "ns", timeout_s=100, sleep=sleeps.append, clock=lambda: 0.0)
+    assert cluster.log == [("delete", "j")] and "j" not in cluster.jobs and len(sleeps) == 2
+    assert not trainjob.replace_leftover(cluster, "j", "ns", timeout_s=100, sleep=sleeps.append)  # none left
+    stuck = Cluster(existing={"j": {}}, linger=10**6)
+    now = iter(range(0, 10**6, 30))
+    with pytest.raises(trainjob.TrainJobFailed, match="still exists 90 s after its deletion"):
+        trainjob.replace_leftover(stuck, "j", "ns", timeout_s=90, sleep=lambda s: None, clock=lambda: next(now))
+
+
+def test_a_task_that_stops_while_waiting_deletes_its_trainjob() -> None:
+    from kubealign.errors import Stopped
+
+    body = {"metadata": {"name": "j", "namespace": "ns"}, "spec": {"trainer": {"numNodes": 2}}}
+    cluster = Cluster(statuses=[{}])
+
+    def sigterm(seconds: float) -> None:
+        raise Stopped("ppo: stopped by SIGTERM", 15)
+
+    with pytest.raises(Stopped):
+        trainjob.run(cluster, None, body, timeout_s=None, sleep=sigterm)
+    assert cluster.log == [("create", "j"), ("delete", "j")]
+    # Complete: nothing deleted; Failed: kept for inspection (the retry replaces it)
+    for statuses, raises in (([{}, cond("Complete")], False), ([cond("Failed", message="OOMKilled")], True)):
+        cluster = Cluster(statuses=statuses)
+        if raises:
+            with pytest.raises(trainjob.TrainJobFailed, match="OOMKilled"):
+                trainjob.run(cluster, None, body, timeout_s=None, sleep=lambda s: None)
+        else:
+            trainjob.run(cluster, None, body, timeout_s=None, sleep=lambda s: None)
+        assert cluster.log == [("create", "j")]

@@ -7,8 +7,14 @@ first node's log, waits for a terminal condition and maps it onto the task: Comp
 output is copied back from the PVC into the task's artifact), Failed -> the task fails with the Trainer's
 message, over `trainjob_timeout_s` -> the TrainJob is deleted and the task fails.
 
-`manifest()` is pure (tested against ../shared/k8s-schemas); `wait()` takes the kubernetes API objects so
-that a test can drive it with recorded status objects.
+Preemption: the TrainJob is named after the pipeline run and task, so a retried ppo task finds the one its
+predecessor left (a SIGKILLed pod runs no cleanup) and replaces it (`replace_leftover`); its nodes then
+resume from the checkpoints on the PVC. It is owned by the task's pod (when both are in one namespace), so
+it goes when the run's pods are garbage-collected; a task that stops (SIGTERM, a failure while it waits,
+a timeout) deletes it, which gives its nodes `grace_period_s` to checkpoint before SIGKILL.
+
+`manifest()` is pure (tested against ../shared/k8s-schemas); `wait()` and `run()` take the kubernetes API
+objects so that a test can drive them with recorded status objects.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ PLURAL = "trainjobs"
 SHM_VOLUME = "dshm"
 DATA_VOLUME = "kubealign-data"
 TRAINER_JOB = "node"  # the replicated job name of the torch ClusterTrainingRuntime the chart ships
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+# The task pod's identity, set by the DAG through the downward API (pipelines/dag.py): the TrainJob's owner.
+POD_ENV = {"name": "KUBEALIGN_POD_NAME", "uid": "KUBEALIGN_POD_UID", "namespace": "KUBEALIGN_POD_NAMESPACE"}
 
 
 class TrainJobFailed(RuntimeError):
@@ -39,13 +48,16 @@ def manifest(
     image: str,
     command: list[str],
     env: dict[str, str] | None = None,
+    owners: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The TrainJob for `command` on k8s.ppo_nodes nodes x k8s.ppo_gpus GPUs, sharing k8s.pvc."""
+    """The TrainJob for `command` on k8s.ppo_nodes nodes x k8s.ppo_gpus GPUs, sharing k8s.pvc; `owners`: its
+    ownerReferences (owner_references)."""
     resources = {
         "requests": {"cpu": k8s.cpu_request, "memory": k8s.memory_request, k8s.accelerator_type: str(k8s.ppo_gpus)},
         "limits": {k8s.accelerator_type: str(k8s.ppo_gpus)},
     }
     pod_spec: dict[str, Any] = {
+        "terminationGracePeriodSeconds": k8s.grace_period_s,  # SIGTERM -> the last checkpoint -> exit
         "volumes": [
             {"name": SHM_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": k8s.shm_size}},
             {"name": DATA_VOLUME, "persistentVolumeClaim": {"claimName": k8s.pvc}},
@@ -64,10 +76,17 @@ def manifest(
         pod_spec["nodeSelector"] = dict(k8s.node_selector)
     if k8s.tolerations:
         pod_spec["tolerations"] = [t.model_dump(exclude_none=True) for t in k8s.tolerations]
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": k8s.namespace,
+        "labels": {"app.kubernetes.io/part-of": "kubealign"} | ({QUEUE_LABEL: k8s.queue} if k8s.queue else {}),
+    }
+    if owners:
+        metadata["ownerReferences"] = owners
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
-        "metadata": {"name": name, "namespace": k8s.namespace, "labels": {"app.kubernetes.io/part-of": "kubealign"}},
+        "metadata": metadata,
         "spec": {
             "runtimeRef": {"name": k8s.trainjob_runtime, "kind": "ClusterTrainingRuntime", "apiGroup": GROUP},
             "trainer": {
@@ -94,6 +113,16 @@ def manifest(
             ],
         },
     }
+
+
+def owner_references(env: dict[str, str], namespace: str) -> list[dict[str, Any]]:
+    """The task pod as the TrainJob's owner, from the downward-API variables (POD_ENV). None when they are
+    absent, or when the pod is in another namespace: Kubernetes has no cross-namespace owners, and its
+    garbage collector would delete a TrainJob whose owner it cannot find in the TrainJob's namespace."""
+    name, uid, pod_namespace = (env.get(POD_ENV[key], "") for key in ("name", "uid", "namespace"))
+    if not (name and uid) or pod_namespace != namespace:
+        return []
+    return [{"apiVersion": "v1", "kind": "Pod", "name": name, "uid": uid, "blockOwnerDeletion": False}]
 
 
 def secret_env(k8s: KubernetesConfig) -> list[dict[str, Any]]:
@@ -167,17 +196,75 @@ def follow_logs(core: Any, name: str, namespace: str, write: Callable[[str], Non
     return thread
 
 
-def submit_and_wait(body: dict[str, Any], timeout_s: float | None) -> str:
-    """Create the TrainJob in the cluster this pod runs in, follow its log, wait for the end."""
+def _absent(exc: Exception) -> bool:
+    return getattr(exc, "status", None) == 404
+
+
+def replace_leftover(
+    custom: Any,
+    name: str,
+    namespace: str,
+    timeout_s: float,
+    poll_s: float = 5.0,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Delete the TrainJob NAME that an earlier try of this task left (running or ended) and wait until it is
+    gone, so that a new one of the same name can be created; True if there was one."""
+    try:
+        custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except Exception as exc:
+        if _absent(exc):
+            return False
+        raise
+    print(f"replacing TrainJob {namespace}/{name}, left by an earlier try of this task", flush=True)
+    custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    start = clock()
+    while clock() - start <= timeout_s:
+        try:
+            custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except Exception as exc:
+            if _absent(exc):
+                return True
+            raise
+        sleep(poll_s)
+    raise TrainJobFailed(f"TrainJob {namespace}/{name}, left by an earlier try, still exists {timeout_s:.0f} s "
+                         "after its deletion")  # fmt: skip
+
+
+def run(custom: Any, core: Any, body: dict[str, Any], timeout_s: float | None, poll_s: float = 10.0,
+        sleep: Callable[[float], None] = time.sleep) -> str:  # fmt: skip
+    """Create the TrainJob, follow its log, wait for its end (wait). Whatever stops the wait before the end (a
+    SIGTERM raised as Stopped, an API error) deletes the TrainJob: its GPUs are freed and its nodes checkpoint
+    within their grace period. A TrainJob that ended Failed stays for inspection (a retry replaces it)."""
+    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
+    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
+    print(f"created TrainJob {namespace}/{name}: {body['spec']['trainer']['numNodes']} nodes", flush=True)
+    if core is not None:
+        follow_logs(core, name, namespace)
+    ended = False
+    try:
+        message = wait(custom, name, namespace, timeout_s, poll_s=poll_s, sleep=sleep)
+        ended = True
+        return message
+    except TrainJobFailed:
+        ended = True  # wait() deleted a timed-out job itself; a Failed one is kept
+        raise
+    finally:
+        if not ended:
+            try:
+                custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+                print(f"deleted TrainJob {namespace}/{name}", flush=True)
+            except Exception as exc:  # noqa: BLE001 - already gone, or the API is down: the owner reference remains
+                print(f"could not delete TrainJob {namespace}/{name}: {exc}", flush=True)
+
+
+def connect() -> tuple[Any, Any]:
+    """(CustomObjectsApi, CoreV1Api) of the cluster this pod runs in (else the developer's kubeconfig)."""
     from kubernetes import client, config
 
     try:
         config.load_incluster_config()
-    except config.ConfigException:  # running outside a pod (a developer's kubeconfig)
+    except config.ConfigException:
         config.load_kube_config()
-    custom = client.CustomObjectsApi()
-    name, namespace = body["metadata"]["name"], body["metadata"]["namespace"]
-    custom.create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
-    print(f"created TrainJob {namespace}/{name}: {body['spec']['trainer']['numNodes']} nodes", flush=True)
-    follow_logs(client.CoreV1Api(), name, namespace)
-    return wait(custom, name, namespace, timeout_s)
+    return client.CustomObjectsApi(), client.CoreV1Api()

@@ -468,6 +468,28 @@ class KubernetesConfig(Section):
     )
     train_image: str | None = Field(None, description="Override of the training image (default: kubealign.images).")
     cpu_image: str | None = Field(None, description="Override of the CPU image (default: kubealign.images).")
+    retries: int = Field(
+        2,
+        ge=0,
+        le=10,
+        description="Retries of a failed training task (sft, reward, dpo, ppo): a retried pod resumes from the "
+        "task's checkpoints on `pvc`. KFP retries every failure, OOMKilled included (it has no retry policy).",
+    )
+    retry_backoff: str = Field(
+        "60s", pattern=r"^[1-9][0-9]*[smh]$", description="Wait before the first retry (doubles each time)."
+    )
+    retry_backoff_max: str = Field("30m", pattern=r"^[1-9][0-9]*[smh]$", description="Longest wait between retries.")
+    grace_period_s: int = Field(
+        120,
+        ge=30,
+        description="terminationGracePeriodSeconds of the TrainJob's pods: SIGTERM to SIGKILL, time for the last "
+        "checkpoint (docs/reliability.md gives save times). KFP cannot set it on its task pods (30 s by default).",
+    )
+    queue: str | None = Field(
+        None,
+        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
+        description="Kueue LocalQueue: the `kueue.x-k8s.io/queue-name` label on training pods and the TrainJob.",
+    )
 
     @model_validator(mode="after")
     def _check_multinode(self) -> KubernetesConfig:

@@ -252,11 +252,18 @@ def train_loss(cfg: DPOConfig, table: ReferenceTable, tracker: Any, step_metrics
     return loss
 
 
-def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
+def run(
+    config: KubealignConfig,
+    data: Path,
+    model_name: str | None,
+    output: Path,
+    resume: bool = False,
+    checkpoint_location: Path | None = None,
+) -> dict:
     """Train the policy `model_name` (default: dpo.model) with DPO on DATA's phase 2."""
     cfg = config.dpo if model_name is None else config.dpo.model_copy(update={"model": str(model_name)})
     check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     dataset = check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)

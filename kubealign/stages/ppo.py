@@ -382,13 +382,14 @@ def run(
     output: Path,
     resume: bool = False,
     functions: list[sources.FunctionSpec] | None = None,
+    checkpoint_location: Path | None = None,
 ) -> dict:
     """PPO (or GRPO / RLOO: ppo.algorithm) on DATA's phase 3, from the SFT dir (actor + reference), scored by
     the reward model (--reward, else --critic) and / or the reward functions: `functions` as a pipeline task
     was handed them (their source embedded), else resolved from config.rewards. See model_dirs for the critic."""
     cfg = config.ppo
     check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
     check_inputs(cfg, actor, critic, reward, reward_flag)

@@ -94,11 +94,18 @@ def evaluate(engine: Any, pairs: list[Any], pad_id: int, batch_size: int) -> tup
     return metrics, roc
 
 
-def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
+def run(
+    config: KubealignConfig,
+    data: Path,
+    model_name: str | None,
+    output: Path,
+    resume: bool = False,
+    checkpoint_location: Path | None = None,
+) -> dict:
     """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
     check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     dataset = phases.load(data, "phase2_reward", need_rejected=True)
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)

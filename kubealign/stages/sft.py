@@ -43,11 +43,18 @@ def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -
     return {"perplexity": math.exp(nll / max(tokens, 1.0)), "loss": nll / max(tokens, 1.0)}
 
 
-def run(config: KubealignConfig, data: Path, model_name: str | None, output: Path, resume: bool = False) -> dict:
+def run(
+    config: KubealignConfig,
+    data: Path,
+    model_name: str | None,
+    output: Path,
+    resume: bool = False,
+    checkpoint_location: Path | None = None,
+) -> dict:
     """Fine-tune `model_name` (default: sft.model) on DATA's phase 1; returns the result.json payload."""
     cfg = config.sft if model_name is None else config.sft.model_copy(update={"model": model_name})
     check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume)
+    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     dataset = phases.load(data, "phase1_sft")
     _, world = distributed.init()
     distributed.seed_everything(cfg.seed)

@@ -234,10 +234,11 @@ def check_fresh(save_dir: Path) -> None:
         )
 
 
-def checkpoint_dir(output: Path, resume: bool) -> Path:
-    """OUTPUT.checkpoints, where a training stage writing OUTPUT keeps its checkpoints; checked at the stage's
-    start like --output (check_fresh) unless the run resumes from it."""
-    directory = Path(f"{output}.checkpoints")
+def checkpoint_dir(output: Path, resume: bool, location: Path | None = None) -> Path:
+    """Where a training stage writing OUTPUT keeps its checkpoints: LOCATION (--checkpoints; on a cluster the
+    task's directory on the PVC, see kubealign.tasks.checkpoint_location), else OUTPUT.checkpoints; checked at
+    the stage's start like --output (check_fresh) unless the run resumes from it."""
+    directory = location if location is not None else Path(f"{output}.checkpoints")
     if not resume:
         check_fresh(directory)
     return directory

@@ -12,8 +12,10 @@ restores the previous handler's behaviour (Ctrl-C twice interrupts at once).
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 from kubealign.errors import Stopped
@@ -64,3 +66,22 @@ def stopped(stage: str, signum: int, where: str, checkpoint: str) -> Stopped:
         "--resume to continue from it",
         signum,
     )
+
+
+@contextlib.contextmanager
+def raising(what: str) -> Iterator[None]:
+    """While code only waits (the ppo task following its TrainJob): a SIGTERM or SIGINT raises Stopped at once,
+    so that the `finally` blocks run (the TrainJob deleted, its staging removed) before the pod goes."""
+
+    def handle(signum: int, frame: Any) -> None:
+        raise Stopped(f"{what}: stopped by {signal.Signals(signum).name}", signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, handle) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
