@@ -82,8 +82,9 @@ def main() -> None:
     out = HERE / "results" / f"{label}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     r = result
-    print(f"{r['shape']}: {r['bytes'] / 2**30:.2f} GiB ({r['bytes_per_parameter']:.1f} B/param) in {r['total_s']:.1f} s "
-          f"(save {r['save_checkpoint_s']:.1f} s, sha256 {r['seal_sha256_s']:.1f} s): {r['mb_per_s']:.0f} MB/s")
+    size = f"{r['bytes'] / 2**30:.2f} GiB ({r['bytes_per_parameter']:.1f} B/param)"
+    parts = f"save {r['save_checkpoint_s']:.1f} s, sha256 {r['seal_sha256_s']:.1f} s"
+    print(f"{r['shape']}: {size} in {r['total_s']:.1f} s ({parts}): {r['mb_per_s']:.0f} MB/s")
     print(f"written to {out}")
 
 

@@ -52,8 +52,8 @@ from kubealign.rewards import sources
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
-ROUTES = ("ppo", "grpo", "rloo", "dpo")
-DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads  # pipeline.algorithms' choices; compare takes an evaluation of each
+ROUTES = ("ppo", "grpo", "rloo", "dpo")  # pipeline.algorithms' choices; compare takes an evaluation of each
+DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads
 
 
 class Outputs(NamedTuple):

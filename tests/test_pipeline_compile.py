@@ -207,7 +207,11 @@ def test_cache_keys_ignore_the_preemption_settings(tmp_path: Path) -> None:
         tasks = json_format.MessageToDict(spec.root.dag)["tasks"]
         containers = {n: {k: v for k, v in c["container"].items() if k != "env"} for n, c in executors.items()}
         inputs = {n: t.get("inputs") for n, t in tasks.items()}
-        return {"containers": containers, "inputs": inputs, "root": json_format.MessageToDict(spec.root.input_definitions)}
+        return {
+            "containers": containers,
+            "inputs": inputs,
+            "root": json_format.MessageToDict(spec.root.input_definitions),
+        }
 
     plain = keyed(["kubernetes.pvc=rlhf"])
     assert plain == keyed(["kubernetes.pvc=rlhf", "kubernetes.queue=q", "kubernetes.retries=5",

@@ -216,4 +216,7 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
     monkeypatch.setattr(trainjob, "connect", lambda: (cluster, None))
     with pytest.raises(trainjob.TrainJobFailed, match="node-1 exited 1"):
         tasks.ppo_trainjob(config, *paths, str(tmp_path / "out2"), [], location, False)
-    assert not (tmp_path / "pvc" / "trainjobs" / name).exists() and "--resume" not in created[1]["spec"]["trainer"]["command"]
+    assert (
+        not (tmp_path / "pvc" / "trainjobs" / name).exists()
+        and "--resume" not in created[1]["spec"]["trainer"]["command"]
+    )
