@@ -15,6 +15,7 @@ from typing import Any
 
 from kubealign import __version__
 from kubealign.errors import Stopped, UserError
+from kubealign.shape import ROUTES, SHARED
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
     rerun.add_argument(
         "stage",
-        choices=["data-split", "sft", "reward", "ppo", "grpo", "rloo", "dpo", "evaluate", "promote", "compare"],
+        choices=[*SHARED, *ROUTES, "evaluate", "promote", "compare"],
         help="a stage; in a run comparing several routes, a route (its training, evaluation, then the comparison "
         "and the promotions) or compare",
     )

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from kubealign.rewards import totals
+
 TIE = 1e-6  # score differences within this are ties: the same response scores the same up to rounding
 
 
@@ -63,10 +65,8 @@ def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, floa
 def function_means(base: list[dict], cand: list[dict]) -> dict[str, float]:
     """fn/<NAME>/baseline and fn/<NAME>/candidate: each reward function's mean over the responses it applies to
     (a None is left out); a function that applies to none of a model's responses gets no metric."""
-    metrics = {}
+    metrics: dict[str, float] = {}
     for label, rows in (("baseline", base), ("candidate", cand)):
-        for name in rows[0].get("fn", {}) if rows else ():
-            values = [r["fn"][name] for r in rows if r["fn"][name] is not None]
-            if values:
-                metrics[f"fn/{name}/{label}"] = sum(values) / len(values)
+        values = {name: [r["fn"][name] for r in rows] for name in (rows[0].get("fn", {}) if rows else ())}
+        metrics.update(totals.function_means(totals.function_totals(values), f"/{label}"))
     return metrics

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-STAGES = ("data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote")
+from kubealign.shape import SHARED
+from kubealign.shape import SUMMARY_STAGES as STAGES
 
 
 def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
@@ -118,7 +119,7 @@ def summarize(run_dir: Path) -> list[str]:
         dirs.update({k: Path(v["dir"]) for k, v in indexed["stages"].items()})
         label = str(indexed.get("algorithm", "ppo")).upper()
         if len(indexed.get("algorithms", [])) > 1:
-            shared = [s for s in ("data-split", "sft", "reward") if s in indexed["stages"]]
+            shared = [s for s in SHARED if s in indexed["stages"]]
             return _stage_lines(lines, shared, dirs, label) + route_lines(indexed, dirs)
     return _stage_lines(lines, STAGES, dirs, label)
 

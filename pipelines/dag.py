@@ -49,10 +49,10 @@ from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
 from kubealign.rewards import sources
+from kubealign.shape import ROUTES
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
-ROUTES = ("ppo", "grpo", "rloo", "dpo")  # pipeline.algorithms' choices; compare takes an evaluation of each
 DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads
 
 

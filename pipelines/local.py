@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from kubealign import shape
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
 from kubealign.models.tiny import cache_root
@@ -41,51 +42,12 @@ from kubealign.training.distributed import RENDEZVOUS_ENV
 INDEX_FILE = "run.json"
 LOGS_DIR = "logs"
 KFP_LOG = "kfp-local.log"
-STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 CANDIDATE = "candidate"  # the DAG output holding the route's model (dag.Outputs)
 
 
-def candidate_stage(algorithm: str) -> str:
-    """The task that makes the candidate: dpo for the dpo route, ppo for ppo, grpo and rloo."""
-    return "dpo" if algorithm == "dpo" else "ppo"
-
-
-def stages_for(algorithm: str, reward_model: bool = True) -> tuple[str, ...]:
-    """The tasks a run of the DAG executes for `algorithm`, in DAG order (no reward task when reward
-    functions alone score: reward_model False)."""
-    kept = (s for s in STAGES if reward_model or s != "reward")
-    return tuple(candidate_stage(algorithm) if stage == "ppo" else stage for stage in kept)
-
-
-# The output each task's directory is in, by task: tasks of a several-route run are named after their route
-# (grpo, evaluate-grpo, promote-grpo: pipelines.dag.named).
-OUTPUT_KEYS = {"data-split": "dataset", "sft": "model", "reward": "model", "compare": "comparison"}
-ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
-
-
 def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
-    """The tasks a run of the DAG executes, in DAG order: stages_for one route; with several, the shared
-    tasks, each route's training and evaluation, the comparison, each route's promotion."""
-    routes = config.routes()
-    if len(routes) == 1:
-        return stages_for(routes[0], config.rewards.uses_model)
-    shared = stages_for("ppo", config.rewards.uses_model)[:-3]  # data-split, sft (, reward)
-    trained = tuple(task for route in routes for task in (route, f"evaluate-{route}"))
-    return (*shared, *trained, "compare", *(f"promote-{route}" for route in routes))
-
-
-def output_key(task: str) -> str:
-    """The name of the output that holds `task`'s directory in a several-route run."""
-    if task in OUTPUT_KEYS:
-        return OUTPUT_KEYS[task]
-    return next(key for prefix, key in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
-
-
-def route_of(task: str) -> str | None:
-    """The route a task of a several-route run belongs to (None: a shared task or the comparison)."""
-    if task in OUTPUT_KEYS:
-        return None
-    return next(task.removeprefix(prefix) for prefix, _ in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
+    """The tasks a run of `config`'s DAG executes, in DAG order (kubealign.shape.tasks_for_routes)."""
+    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model)
 
 
 @contextlib.contextmanager
@@ -259,16 +221,16 @@ def run(
     stages = {}
     for stage in route:
         if several:
-            artifact = tasks.records[stage].outputs.get(output_key(stage)) if stage in tasks.records else None
+            artifact = tasks.records[stage].outputs.get(shape.output_key(stage)) if stage in tasks.records else None
         else:
-            key = CANDIDATE if stage == candidate_stage(config.route()) else stage.replace("-", "_")
+            key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")
             artifact = outputs.get(key)
         if artifact is not None and (Path(artifact.path) / "result.json").is_file():
             stages[stage] = Path(artifact.path)
     # with several routes, a route whose training or evaluation failed does not fail the run: the comparison
     # ranks the others (a failed promotion still does: the registry is the run's point)
     failed_routes = [r for r in config.routes() if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
-    ok = all(s in stages for s in route if route_of(s) not in failed_routes)
+    ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     extra = {
         "config_json": config_to_json(config),
@@ -286,7 +248,9 @@ def run(
     client.log_metric(parent, "wall_time_s", wall)
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:  # name the task that failed the run, not a failed route's (the summary names those)
-        culprits = [r for r in tasks.records.values() if r.status == "failed" and route_of(r.name) not in failed_routes]
+        culprits = [
+            r for r in tasks.records.values() if r.status == "failed" and shape.route_of(r.name) not in failed_routes
+        ]
         raise PipelineFailed(failure_message(culprits[0] if culprits else tasks.failed(), logs))
     return index
 

@@ -14,53 +14,20 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubealign import tasks
+from kubealign import shape, tasks
 from kubealign.config import config_from_json, config_to_json
 from kubealign.errors import UserError
 from kubealign.outputs import tree_sha256
-from kubealign.pipelines.local import (
-    STAGES,
-    candidate_stage,
-    parent_run,
-    read_index,
-    scoped_environ,
-    stages_for,
-    write_index,
-)
+from kubealign.pipelines.local import parent_run, read_index, scoped_environ, write_index
+from kubealign.shape import downstream_of, route_task, stages_for, upstream
 from kubealign.tracking import PARENT_RUN_ENV
-
-# stage -> the stages whose outputs it reads, in the DAG ("candidate": ppo or dpo, whichever the route ran)
-UPSTREAM = {
-    "data-split": (),
-    "sft": ("data-split",),
-    "reward": ("data-split",),
-    "ppo": ("data-split", "sft", "reward"),
-    "dpo": ("data-split", "sft"),
-    "evaluate": ("data-split", "sft", "reward", "candidate"),
-    "promote": ("evaluate", "candidate"),
-}
-
-
-def upstream(stage: str, route: tuple[str, ...]) -> tuple[str, ...]:
-    """The stages of `route` whose outputs `stage` reads (no reward when reward functions alone score)."""
-    candidate = next(s for s in route if s in ("ppo", "dpo"))
-    return tuple(candidate if up == "candidate" else up for up in UPSTREAM[stage] if up in route or up == "candidate")
-
-
-def downstream_of(stage: str, route: tuple[str, ...] = STAGES) -> list[str]:
-    """Every stage that reads `stage`'s output, directly or not, in DAG order."""
-    found = {stage}
-    for candidate in route:
-        if any(up in found for up in upstream(candidate, route)):
-            found.add(candidate)
-    return [s for s in route if s in found and s != stage]
 
 
 def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str, functions: str
                ) -> dict[str, Any]:  # fmt: skip
     d = {name: str(path) for name, path in dirs.items()}
-    scorer = d.get("reward", d.get("sft", ""))  # as the DAG: the SFT model where no reward model is trained
-    candidate = candidate_stage(algorithm)
+    scorer = d.get(shape.scorer("reward" in d), "")  # the reward model, else the SFT model (kubealign.shape)
+    candidate = route_task(algorithm)
     if stage == "data-split":
         return tasks.data_split(config_json, [], str(out))
     if stage in ("sft", "reward"):
@@ -166,9 +133,9 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
     try:
         with scoped_environ(env):
             if route != "compare":
-                _run_stage(candidate_stage(route), config_json, dirs, output / route, route, functions)
+                _run_stage(route_task(route), config_json, dirs, output / route, route, functions)
                 dirs[route] = output / route
-                _run_stage("evaluate", config_json, {**dirs, candidate_stage(route): dirs[route]},
+                _run_stage("evaluate", config_json, {**dirs, route_task(route): dirs[route]},
                            output / f"evaluate-{route}", route, functions)  # fmt: skip
                 dirs[f"evaluate-{route}"] = output / f"evaluate-{route}"
             evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in routes}

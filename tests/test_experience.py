@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl.advantages import kl_penalized_rewards, last_action_index
 from kubealign.rl.experience import make_experience, paired_logprobs, policy_logprobs, response_masks
 from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
@@ -150,7 +151,9 @@ def test_make_experience_by_hand_and_modes():
     critic, reward = TokenValue(), TokenValue()
     for model in (actor, reference, critic, reward):
         model.train() if model in (reference, reward) else model.eval()  # the opposite of what is needed
-    exp = make_experience(batch, prompt_mask, EOS, (actor, reference, critic, reward), Sampling())
+    exp = make_experience(
+        batch, prompt_mask, EOS, (actor, reference, critic, Scorer(reward, 1.0, None, None)), Sampling()
+    )
     assert exp.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
     assert exp.response_mask.tolist() == [[0, 1, 1], [0, 1, 1]]
     # row 0: 3 -> 3 (0.4), 3 -> EOS (0.3); row 1: 3 -> 0 (0.1), 0 -> 0 (0.4); the reference is uniform.
@@ -173,7 +176,9 @@ def test_make_experience_log_probs_are_tempered_and_unfiltered():
     batch, prompt_mask = experience_batch()
     actor, reference = TableLM(TABLE), TableLM(probs_table([[0.25] * 4] * 4))
     sampling = Sampling(temperature=0.5, top_k=3, top_p=0.5)
-    exp = make_experience(batch, prompt_mask, EOS, (actor, reference, TokenValue(), TokenValue()), sampling)
+    exp = make_experience(
+        batch, prompt_mask, EOS, (actor, reference, TokenValue(), Scorer(TokenValue(), 1.0, None, None)), sampling
+    )
     # Temperature 0.5 squares token 3's [0.1, 0.2, 0.3, 0.4] (sum 0.30) and the others' [0.4, 0.3, 0.2, 0.1].
     # Row 0: 3 -> 3 (0.16), 3 -> EOS (0.09). Row 1: 3 -> 0 (0.01): outside top-k 3 and the 0.5 nucleus,
     # drawn here only because this batch is made up — still finite, as a bf16 edge token must be; 0 -> 0.

@@ -15,6 +15,7 @@ from kubealign.config import load_config
 from kubealign.config.load import config_from_json, config_to_json
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl import trainer
 from kubealign.rl.advantages import (
     GRPO_EPS,
@@ -166,7 +167,7 @@ def test_the_rollout_keeps_each_prompts_samples_contiguous(path):
     for row in range(16):  # rows 4g .. 4g+3 are prompt g's
         assert torch.equal(batch.input_ids[row, : PROMPTS.shape[1]], PROMPTS[row // 4]), row
     lm = TableLM(torch.zeros(24, 24))
-    exp = make_experience(batch, PROMPT_MASK, 2, (lm, lm, None, TokenValue()), Sampling())
+    exp = make_experience(batch, PROMPT_MASK, 2, (lm, lm, None, Scorer(TokenValue(), 1.0, None, None)), Sampling())
     assert exp.values is None  # no critic
     assert torch.equal(exp.attention_mask[:, : PROMPTS.shape[1]], PROMPT_MASK.repeat_interleave(4, 0))
 
@@ -192,7 +193,7 @@ def hand_experience(scores: torch.Tensor):
     ids[1, 4] = ids[4, 5] = 2  # EOS: rows 1 and 4 end early
     batch = SimpleNamespace(input_ids=ids, response_start_idx=torch.full((6,), 3))
     actor = TableActor(table)
-    models = (actor, TableLM(0.5 * table), None, TokenValue())
+    models = (actor, TableLM(0.5 * table), None, Scorer(TokenValue(), 1.0, None, None))
     exp = make_experience(batch, torch.ones(6, 3, dtype=torch.long), 2, models, Sampling())
     return actor, exp._replace(scores=scores.float())
 

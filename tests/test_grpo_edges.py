@@ -257,8 +257,9 @@ def test_the_scorer_marks_what_no_function_scored_and_refuses_misaligned_rows(fn
     rewards = RewardsConfig(functions=[{"path": "fns.py:exact"}])
     with FunctionRunner(sources.resolve(rewards, str(fns)), 10) as runner:
         scorer = Scorer(None, 1.0, runner, CharTokenizer())
-        scores, scored = scorer.scored(ids, attention, response, rows)
+        scores, scored, parts = scorer.scored(ids, attention, response, rows)
         assert scores.tolist() == [1.0, 0.0, 0.0] and scored.tolist() == [True, False, True]
+        assert parts.per_function == {"exact": [1.0, None, 0.0]} and parts.total == scores.tolist()
         with pytest.raises(ValueError, match=r"^reward scoring: 2 data rows for 3 completions; expected one row per"):
             scorer.score(ids, attention, response, rows.take([0, 1]))
 
@@ -311,6 +312,7 @@ def test_batch_scale_with_one_or_two_scored_rewards_and_the_defaults():
     assert aggregate(torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]]), mask).item() == pytest.approx(6 / 3)
 
 
-def test_a_scorer_without_functions_has_no_specs_and_nothing_last():
+def test_a_scorer_without_functions_has_no_specs_and_no_function_values():
     scorer = Scorer(None, 1.0, None, CharTokenizer())
-    assert (scorer.specs, scorer.last) == ([], {})
+    ids = torch.tensor([[5, 6]])
+    assert (scorer.specs, scorer.score(ids, torch.ones(1, 2), torch.ones(1, 1), None).per_function) == ([], {})

@@ -17,7 +17,7 @@ from mlflow.tracking import MlflowClient
 
 from kubealign.cli import main
 from kubealign.outputs import tree_sha256
-from kubealign.pipelines.rerun import downstream_of
+from kubealign.shape import downstream_of
 
 pytestmark = [pytest.mark.kfp, pytest.mark.integration]
 

@@ -6,7 +6,9 @@ import math
 
 import torch
 
-from kubealign.training.losses import bradley_terry_loss, last_token_scores, lm_loss, position_ids
+from kubealign.models.inputs import position_ids
+from kubealign.models.reward import last_token_scores
+from kubealign.training.losses import bradley_terry_loss, lm_loss
 
 
 def test_bradley_terry_by_hand():

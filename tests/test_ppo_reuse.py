@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl import trainer
 from kubealign.rl.experience import make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController
@@ -71,7 +72,8 @@ def setup(cfg: PPOConfig):
     actor, critic = SGDEngine(tiny_opt(0).train()), SGDEngine(tiny_critic(1).train())
     reference, reward = tiny_opt(2).eval(), tiny_critic(3).eval()
     tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
-    models = trainer.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, reward, None, tokenizer)
+    scorer = Scorer(reward, 1.0, None, None)
+    models = trainer.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, scorer, None, tokenizer)
     return models, torch.Generator().manual_seed(7)
 
 

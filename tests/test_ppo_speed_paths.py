@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl import trainer
 from kubealign.rl.advantages import masked_mean
 from kubealign.rl.experience import (
@@ -40,7 +41,9 @@ def random_experience(sampling: Sampling, seed: int = 0):
     batch = SimpleNamespace(input_ids=ids, response_start_idx=torch.full((4,), 3))
     prompt_mask = (ids[:, :3] != PAD).long()
     actor = TableLM(table)
-    exp = make_experience(batch, prompt_mask, EOS, (actor, TableLM(table), TokenValue(), TokenValue()), sampling)
+    exp = make_experience(
+        batch, prompt_mask, EOS, (actor, TableLM(table), TokenValue(), Scorer(TokenValue(), 1.0, None, None)), sampling
+    )
     exp = exp._replace(logprobs=exp.logprobs - 0.1 * torch.rand(exp.logprobs.shape, generator=g))  # ratio != 1
     advantages = torch.randn(exp.logprobs.shape, generator=g)
     return actor, exp, advantages

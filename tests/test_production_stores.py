@@ -239,7 +239,8 @@ def page_text(html: str) -> str:
 LEASE_RACE = """
 import sys, time
 from mlflow.tracking import MlflowClient
-from kubealign.stages.promote import error_code, release, take_lease
+from kubealign.promotion.aliases import error_code
+from kubealign.promotion.lease import release, take_lease
 client, lock, errors = MlflowClient(sys.argv[1]), sys.argv[2], []
 for i in range(int(sys.argv[3])):
     owner = f"{sys.argv[4]}:{i}"

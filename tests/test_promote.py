@@ -18,7 +18,7 @@ import yaml
 from kubealign import __version__
 from kubealign.config.schema import PromoteConfig
 from kubealign.models import loading
-from kubealign.stages.promote import gate
+from kubealign.promotion.gate import gate
 
 pytestmark = pytest.mark.integration
 
@@ -219,7 +219,8 @@ def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
 
     from mlflow.tracking import MlflowClient
 
-    from kubealign.stages import promote as stage
+    from kubealign.promotion import aliases as stage_aliases
+    from kubealign.promotion import lease as stage
 
     evals, root = tmp_path / "evals", tmp_path / "runs"
     evals.mkdir()
@@ -244,12 +245,12 @@ def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
     # an expired lease from another host, and a journal whose moves all landed (only clearing it failed)
     client.create_registered_model(lock, tags={"owner": "elsewhere:1:x", "expires": str(time.time() - 1)})
     journal = {"before": {"champion": "1"}, "plan": [["champion", "2"]], "time": 0}
-    client.set_registered_model_tag("kubealign-actor", stage.JOURNAL_TAG, json.dumps(journal))
+    client.set_registered_model_tag("kubealign-actor", stage_aliases.JOURNAL_TAG, json.dumps(journal))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{root / 'mlflow.db'}")
     rolled = cli("rollback")
     assert rolled.code == 0 and "champion is version 1 again (was 2)" in rolled.out, rolled.err
     assert "put back" not in rolled.err  # a completed move is not undone
-    assert stage.JOURNAL_TAG not in client.get_registered_model("kubealign-actor").tags
+    assert stage_aliases.JOURNAL_TAG not in client.get_registered_model("kubealign-actor").tags
     assert not client.search_registered_models(f"name = '{lock}'")
 
 

@@ -15,9 +15,8 @@ from safetensors.torch import load_file
 
 from kubealign.data.tokenize import encode_pair, pad_batch
 from kubealign.models import loading
-from kubealign.models.reward import token_values
+from kubealign.models.reward import last_token_scores, token_values
 from kubealign.training.export import state_sha256
-from kubealign.training.losses import last_token_scores
 from tests.conftest import NO_TRACKING
 
 pytestmark = pytest.mark.integration

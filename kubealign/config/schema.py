@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from kubealign.shape import RL_ROUTES, ROUTES
+
 SourceFormat = Literal[
     "auto", "prompt_chosen_rejected", "hh", "prompt_response", "prompt_completion", "messages", "prompt_only"
 ]
@@ -209,7 +211,7 @@ class HybridEngineConfig(Section):
 
 
 class PPOConfig(Section):
-    algorithm: Literal["ppo", "grpo", "rloo"] = Field(
+    algorithm: Literal[RL_ROUTES] = Field(
         "ppo",
         description="ppo: clipped PPO with a critic and GAE; grpo: critic-free, group-relative advantages over "
         "samples_per_prompt responses, KL to the reference as a loss term; rloo: critic-free, leave-one-out "
@@ -503,12 +505,12 @@ class KubernetesConfig(Section):
 class PipelineConfig(Section):
     """What the DAG runs (`kubealign run`, compile, submit); the stages run alone ignore it."""
 
-    algorithm: Literal["ppo", "grpo", "rloo", "dpo"] = Field(
+    algorithm: Literal[ROUTES] = Field(
         "ppo",
         description="The route from SFT to the candidate: ppo, grpo or rloo (the ppo task, with ppo.algorithm set "
         "to it) or dpo (the dpo task on the phase-2 pairs). Evaluate and promote take that candidate.",
     )
-    algorithms: list[Literal["ppo", "grpo", "rloo", "dpo"]] | None = Field(
+    algorithms: list[Literal[ROUTES]] | None = Field(
         None,
         min_length=1,
         description="Several routes compared in one pipeline run (each at most once): every route trains from the "

@@ -4,7 +4,7 @@ The model class is transformers' AutoModelForSequenceClassification with num_lab
 is a standard HF dir any transformers user can load. Its head (`score`) maps every position's hidden
 state to a value; HF then pools at the last non-pad token. We read the per-token values straight from
 the head with a forward hook, so one forward serves the critic (all values) and the reward (the value
-at the last real token, see training.losses.last_token_scores) for any architecture with a `score` head.
+at the last real token: last_token_scores; both at once: score_and_value) for any architecture with a `score` head.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from kubealign.models import loading
-from kubealign.training.losses import position_ids
+from kubealign.models.inputs import position_ids
 
 HEAD_NAMES = ("score",)
 
@@ -62,3 +62,17 @@ def token_values(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tens
     finally:
         handle.remove()
     return captured[-1].squeeze(-1)
+
+
+def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] per-token values -> [B] the value at each row's last non-pad token (left or right
+    padding alike: the rightmost position whose mask is 1)."""
+    positions = torch.arange(values.shape[1], device=values.device)
+    last = (attention_mask.long() * positions).argmax(-1)
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """(per-action values [N, A], sequence scores [N]) from a reward/critic model in one pass."""
+    values = token_values(model, input_ids, attention_mask)
+    return values[:, :-1], last_token_scores(values, attention_mask)

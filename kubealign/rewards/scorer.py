@@ -8,13 +8,23 @@ from; neither knows which kind of scorer it holds.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kubealign.data.phases import Rows
+from kubealign.models.reward import score_and_value
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.sources import FunctionSpec
+from kubealign.rewards.totals import function_means, function_totals  # noqa: F401  (re-exported)
+
+
+class Scores(NamedTuple):
+    """What one Scorer call gives: each response's total score and each function's values (None: does not
+    apply to that response)."""
+
+    total: list[float]
+    per_function: dict[str, list[float | None]]
 
 
 def combine(model_scores: list[float] | None, model_weight: float, values: list[list[float | None]],
@@ -47,13 +57,12 @@ def completions_of(tokenizer: Any, input_ids: torch.Tensor, response_mask: torch
 class Scorer:
     """Callable: (input_ids [N, T], attention_mask [N, T], response_mask [N, T-1], rows) -> scores [N] float.
 
-    model: the reward model (module or frozen engine) or None; runner: the functions' FunctionRunner or None.
-    After each call `last` holds each function's (sum, count) over the rows it applied to."""
+    model: the reward model (module or frozen engine) or None; runner: the functions' FunctionRunner or None;
+    tokenizer: what decodes the completions for the functions (None without functions)."""
 
     def __init__(self, model: Any, model_weight: float, runner: FunctionRunner | None, tokenizer: Any):
         self.model, self.model_weight, self.runner, self.tokenizer = model, model_weight, runner, tokenizer
         self.specs: list[FunctionSpec] = runner.specs if runner is not None else []
-        self.last: dict[str, tuple[float, int]] = {}
 
     def eval(self) -> Scorer:
         if self.model is not None:
@@ -63,23 +72,22 @@ class Scorer:
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
                  rows: Rows | None) -> torch.Tensor:  # fmt: skip
-        return torch.tensor(self.score(input_ids, attention_mask, response_mask, rows)[0], device=input_ids.device)
+        return torch.tensor(self.score(input_ids, attention_mask, response_mask, rows).total, device=input_ids.device)
 
     @torch.no_grad()
     def scored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """(scores [N] float, scored [N] bool: scored_rows) of the rows."""
-        scores, values = self.score(input_ids, attention_mask, response_mask, rows)
-        mask = scored_rows(self.model is not None, list(values.values()), len(scores))
+               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor, Scores]:  # fmt: skip
+        """(scores [N] float, scored [N] bool: scored_rows, the Scores they came from) of the rows."""
+        scores = self.score(input_ids, attention_mask, response_mask, rows)
+        mask = scored_rows(self.model is not None, list(scores.per_function.values()), len(scores.total))
         device = input_ids.device
-        return torch.tensor(scores, device=device), torch.tensor(mask, dtype=torch.bool, device=device)
+        total = torch.tensor(scores.total, device=device)
+        return total, torch.tensor(mask, dtype=torch.bool, device=device), scores
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-              rows: Rows | None) -> tuple[list[float], dict[str, list[float | None]]]:  # fmt: skip
-        """(scores, each function's values) of the rows."""
-        from kubealign.rl.experience import score_and_value
-
+              rows: Rows | None) -> Scores:  # fmt: skip
+        """The rows' total scores and each function's values."""
         model_scores = None
         if self.model is not None:
             model_scores = score_and_value(self.model, input_ids, attention_mask)[1].float().tolist()
@@ -92,8 +100,5 @@ class Scorer:
             completions = completions_of(self.tokenizer, input_ids, response_mask)
             for spec in self.specs:
                 values[spec.name] = self.runner.call(spec, rows.prompts, completions, rows.columns, rows.origins)
-        self.last = {
-            name: (sum(v for v in vs if v is not None), sum(v is not None for v in vs)) for name, vs in values.items()
-        }
         weights = [s.weight for s in self.specs]
-        return combine(model_scores, self.model_weight, list(values.values()), weights), values
+        return Scores(combine(model_scores, self.model_weight, list(values.values()), weights), values)

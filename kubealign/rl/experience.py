@@ -19,9 +19,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kubealign.models.reward import token_values
+from kubealign.models.inputs import position_ids
+from kubealign.models.reward import score_and_value
+from kubealign.rewards.scorer import Scorer
 from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, scaled_logits
-from kubealign.training.losses import last_token_scores, position_ids
 
 
 class Experience(NamedTuple):
@@ -32,9 +33,8 @@ class Experience(NamedTuple):
     ref_logprobs: torch.Tensor  # [N, A]
     values: torch.Tensor | None  # [N, A] critic values; None without a critic (grpo, rloo)
     scores: torch.Tensor  # [N] score of each sequence (reward model and / or reward functions: rewards.scorer)
-    scored: torch.Tensor | None = (
-        None  # [N] bool: something scored the sequence (rewards.scorer.scored_rows); None: all
-    )
+    scored: torch.Tensor | None = None  # [N] bool: something scored it (rewards.scorer.scored_rows); None: all
+    functions: dict[str, list[float | None]] | None = None  # each reward function's values (Scores.per_function)
 
 
 def response_masks(
@@ -174,23 +174,14 @@ def merged_lora(module: Any) -> Iterator[None]:
             module.unmerge_adapter()
 
 
-def score_and_value(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """(per-action values [N, A], sequence scores [N]) from a reward/critic model in one pass."""
-    values = token_values(model, input_ids, attention_mask)
-    return values[:, :-1], last_token_scores(values, attention_mask)
-
-
-def sequence_scores(reward: Any, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
-                    rows: Any) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """([N] float scores, [N] bool scored or None = all): a Scorer (kubealign.rewards.scorer: reward model,
-    functions or both) gets the rows the prompts came from; a bare reward model scores each sequence at its
-    last real token."""
-    from kubealign.rewards.scorer import Scorer
-
-    if isinstance(reward, Scorer):
-        scores, scored = reward.scored(input_ids, attention, response, rows)
-        return scores.float(), scored
-    return score_and_value(reward, input_ids, attention)[1].float(), None
+def sequence_scores(reward: Scorer, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
+                    rows: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float | None]]]:  # fmt: skip
+    """([N] float scores, [N] bool scored, each function's values): the Scorer (reward model, functions or
+    both) gets the rows the prompts came from."""
+    if not isinstance(reward, Scorer):  # one reward path: a bare model would skip the functions silently
+        raise TypeError(f"the experience pass scores with a rewards.scorer.Scorer, not {type(reward).__name__}")
+    scores, scored, parts = reward.scored(input_ids, attention, response, rows)
+    return scores.float(), scored, parts.per_function
 
 
 def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,7 +213,7 @@ def make_experience(
     rows: Any = None,
 ) -> Experience:
     """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask;
-    models: (actor, reference, critic or None, reward: a Scorer or a reward model); rows: the rewards.scorer.Rows
+    models: (actor, reference, critic or None, reward: a Scorer); rows: the data.phases.Rows
     of the responses (what reward functions read). The actor and the critic are put in train mode first, as
     DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
     log-probs then come from the very function the PPO update differentiates); the frozen reference and
@@ -234,8 +225,8 @@ def make_experience(
     values = None
     if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
         values = score_and_value(critic, input_ids, attention)[0].float()
-    scores, scored = sequence_scores(reward, input_ids, attention, response, rows)
-    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored)
+    scores, scored, functions = sequence_scores(reward, input_ids, attention, response, rows)
+    return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored, functions)
 
 
 class FirstPass(NamedTuple):
@@ -280,7 +271,7 @@ def make_experience_keeping(
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     with torch.no_grad():
-        scores, scored = sequence_scores(reward, input_ids, attention, response, scored_rows)
+        scores, scored, functions = sequence_scores(reward, input_ids, attention, response, scored_rows)
         ref_logprobs = model_logprobs(reference, input_ids, attention, response, sampling)
     keep = (input_ids[rows], attention[rows], response[rows])
     rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)
@@ -302,5 +293,5 @@ def make_experience_keeping(
     elif critic is not None:
         with torch.no_grad():
             values = score_and_value(critic, input_ids, attention)[0].float()
-    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored)
+    exp = Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored, functions)
     return exp, FirstPass(rows, kept_logprobs, kept_entropy, kept_values)

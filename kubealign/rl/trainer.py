@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.models.reward import score_and_value
+from kubealign.rewards import totals
 from kubealign.rl.advantages import (
     gae,
     group_std,
@@ -35,7 +37,6 @@ from kubealign.rl.experience import (
     make_experience_keeping,
     merged_lora,
     policy_logprobs,
-    score_and_value,
 )
 from kubealign.rl.kl import KLController, k3
 from kubealign.rl.losses import (
@@ -94,7 +95,7 @@ class PPOModels:
     actor: Any  # DeepSpeed engine (hybrid or plain), trainable
     critic: Any  # DeepSpeed engine, trainable; None for grpo / rloo (critic-free)
     reference: Any  # frozen module or engine
-    reward: Any  # a rewards.scorer.Scorer (reward model and / or functions), or a bare frozen reward model
+    reward: Any  # a rewards.scorer.Scorer (reward model and / or functions)
     rollout: Any  # HybridEngineRollout or ModuleRollout
     tokenizer: Any
     synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
@@ -447,10 +448,10 @@ def experience_fault(exp: Experience) -> ExperienceFault:
         bad = ~torch.isfinite(x) & where
         counts += [float(bad.sum()), float(where.sum())]
         examples.append(float(x[bad][0]) if bool(bad.any()) else None)
-    totals = distributed.all_reduce_sum(counts)
+    summed = distributed.all_reduce_sum(counts)
     faults, trained = [], False
     for (name, unit, _, _, trains), example, bad, total in zip(
-        fields, examples, totals[::2], totals[1::2], strict=True
+        fields, examples, summed[::2], summed[1::2], strict=True
     ):
         if bad:
             value = f" ({example:g})" if example is not None else ""  # another rank's: no example here
@@ -459,14 +460,14 @@ def experience_fault(exp: Experience) -> ExperienceFault:
     return ExperienceFault("; ".join(faults), trained)
 
 
-def function_means(scorer: Any) -> dict[str, float]:
-    """fn/<NAME>: each reward function's mean over every rank's responses it applied to (None rows left out)
-    in the scorer's last call; a function that applied to none is not logged."""
-    last = getattr(scorer, "last", None) or {}
-    if not last:  # the same on every rank (one config): no collective is skipped on one rank only
+def function_means(exp: Experience) -> dict[str, float]:
+    """fn/<NAME>: each reward function's mean over every rank's responses of this experience it applied to
+    (None rows left out); a function that applied to none is not logged."""
+    mine = totals.function_totals(exp.functions or {})
+    if not mine:  # the same on every rank (one config): no collective is skipped on one rank only
         return {}
-    totals = distributed.all_reduce_sum([x for total, count in last.values() for x in (total, float(count))])
-    return {f"fn/{name}": s / c for name, s, c in zip(last, totals[::2], totals[1::2], strict=True) if c}
+    flat = distributed.all_reduce_sum([x for total, count in mine.values() for x in (total, float(count))])
+    return totals.function_means({name: (s, int(c)) for name, s, c in zip(mine, flat[::2], flat[1::2], strict=True)})
 
 
 def iteration(
@@ -514,7 +515,7 @@ def iteration(
         "kl": kl_mean,
         "kl_coef": kl_coef,
         **targets.metrics,
-        **function_means(models.reward),
+        **function_means(exp),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,

@@ -34,6 +34,7 @@ from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rewards import sources
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
+from kubealign.rewards.totals import function_means, function_totals
 from kubealign.rl import preflight
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
@@ -138,7 +139,7 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
     """Mean reward and KL to the reference on the eval prompts (rows: theirs, for reward functions), sampled
     with a fixed seed (the training RNG, CPU and GPU, is left untouched); with reward functions also each
     one's mean, fn/<NAME>."""
-    scores, kls, sums = [], [], {}
+    scores, kls, totals = [], [], {}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []  # generate samples on the GPU
     with torch.random.fork_rng(devices=cuda):
         torch.manual_seed(cfg.seed)
@@ -151,11 +152,8 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
             exp = make_experience(batch, mask, models.tokenizer.eos_token_id, four, sampling_of(cfg), chunk)
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
-            for name, (total, count) in (getattr(models.reward, "last", None) or {}).items():
-                before_total, before_count = sums.get(name, (0.0, 0))
-                sums[name] = (before_total + total, before_count + count)
-    fns = {f"fn/{name}": total / count for name, (total, count) in sums.items() if count}
-    return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **fns}
+            totals = function_totals(exp.functions or {}, totals)
+    return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **function_means(totals)}
 
 
 def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str | None, reward_dir: str | None, world: int,

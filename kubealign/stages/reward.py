@@ -20,12 +20,12 @@ from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference, pad_batch
 from kubealign.models import loading
-from kubealign.models.reward import load_reward_model, token_values
+from kubealign.models.reward import last_token_scores, load_reward_model, token_values
 from kubealign.outputs import check_output_path
 from kubealign.tracking import stage_run
 from kubealign.training import checkpoints, distributed, loop
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
-from kubealign.training.losses import bradley_terry_loss, last_token_scores
+from kubealign.training.losses import bradley_terry_loss
 
 STAGE = "reward"
 SCORES_FILE = "eval_scores.json"

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 
 from kubealign.data.tokenize import Encoded, encode_pair, pad_batch
+from kubealign.models.inputs import position_ids
 from kubealign.training import distributed
-from kubealign.training.losses import TokenLoss, lm_loss, position_ids
+from kubealign.training.losses import TokenLoss, lm_loss
 
 
 def tokenize(rows: Any, tokenizer: Any, max_len: int, include_prompt: bool) -> list[dict[str, list[int]]]:

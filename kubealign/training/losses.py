@@ -17,11 +17,6 @@ class TokenLoss(NamedTuple):
     tokens: torch.Tensor  # scalar: number of counted tokens
 
 
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] positions that ignore padding on either side: 0 at each sequence's first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor, fp32: bool = True) -> TokenLoss:
     """Next-token cross entropy. logits [B, T, V] predict input_ids[:, 1:]; loss_mask [B, T] marks the
     tokens to learn (as targets), so loss_mask[:, 0] is never used. fp32 upcasts logits first."""
@@ -34,14 +29,6 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tens
     nll_sum = (nll.view_as(mask) * mask).sum()
     tokens = mask.sum()
     return TokenLoss(nll_sum / tokens.clamp(min=1), nll_sum, tokens)
-
-
-def last_token_scores(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] per-token values -> [B] the value at each row's last non-pad token (left or right
-    padding alike: the rightmost position whose mask is 1)."""
-    positions = torch.arange(values.shape[1], device=values.device)
-    last = (attention_mask.long() * positions).argmax(-1)
-    return values.gather(1, last.unsqueeze(1)).squeeze(1)
 
 
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:

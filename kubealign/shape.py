@@ -1,0 +1,90 @@
+"""The DAG's shape, written once: routes, stages, who reads whom, task names and output keys.
+
+Plain data tables and small functions over them, read by the DAG (pipelines/dag.py), kfp.local's runner
+and `kubealign rerun` (pipelines/local.py, pipelines/rerun.py), the run summary (kubealign/summary.py), the
+CLI's choices and the config's (pipeline.algorithm). Adding a route or a task touches this module and the
+code of that task (its stage, task function and component), nothing else; docs/pipeline.md lists the places.
+"""
+
+from __future__ import annotations
+
+# pipeline.algorithm(s)' choices; the rl ones run the ppo task with ppo.algorithm set to the route's name
+ROUTES = ("ppo", "grpo", "rloo", "dpo")
+RL_ROUTES = ("ppo", "grpo", "rloo")
+SHARED = ("data-split", "sft", "reward")  # upstream of every route (reward: only with a reward model)
+# one route's tasks in DAG order; "ppo" stands for the route's training task (route_task)
+STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
+SUMMARY_STAGES = ("data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote")  # everything a run may hold
+# stage -> the stages whose outputs it reads. "candidate": the route's training task (ppo or dpo);
+# "scorer": the reward model, or with reward functions alone the SFT model (the critic's start; not read
+# by evaluate then).
+UPSTREAM = {
+    "data-split": (),
+    "sft": ("data-split",),
+    "reward": ("data-split",),
+    "ppo": ("data-split", "sft", "scorer"),
+    "dpo": ("data-split", "sft"),
+    "evaluate": ("data-split", "sft", "scorer", "candidate"),
+    "promote": ("evaluate", "candidate"),
+}
+# The KFP output each task's directory is in: shared tasks by name; a several-route run's route tasks are
+# named after their route (grpo, evaluate-grpo, promote-grpo) and found by prefix.
+OUTPUT_KEYS = {"data-split": "dataset", "sft": "model", "reward": "model", "compare": "comparison"}
+ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
+
+
+def route_task(route: str) -> str:
+    """The task that trains the route's candidate: dpo for the dpo route, ppo for ppo, grpo and rloo."""
+    return "dpo" if route == "dpo" else "ppo"
+
+
+def scorer(reward_model: bool) -> str:
+    """The task whose model scores (and starts ppo's critic): the reward model, else the SFT model."""
+    return "reward" if reward_model else "sft"
+
+
+def stages_for(route: str, reward_model: bool = True) -> tuple[str, ...]:
+    """The tasks a one-route run executes, in DAG order (no reward task when reward functions alone score)."""
+    kept = (s for s in STAGES if reward_model or s != "reward")
+    return tuple(route_task(route) if stage == "ppo" else stage for stage in kept)
+
+
+def tasks_for_routes(routes: list[str] | tuple[str, ...], reward_model: bool) -> tuple[str, ...]:
+    """The tasks a run executes, in DAG order: stages_for one route; with several, the shared tasks, each
+    route's training and evaluation, the comparison, each route's promotion."""
+    if len(routes) == 1:
+        return stages_for(routes[0], reward_model)
+    shared = tuple(s for s in SHARED if reward_model or s != "reward")
+    trained = tuple(task for route in routes for task in (route, f"evaluate-{route}"))
+    return (*shared, *trained, "compare", *(f"promote-{route}" for route in routes))
+
+
+def upstream(stage: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
+    """The tasks of a one-route run (`tasks`: stages_for's) whose outputs `stage` reads."""
+    candidate = next(s for s in tasks if s in ("ppo", "dpo"))
+    named = {"candidate": candidate, "scorer": scorer("reward" in tasks)}
+    found = (named.get(up, up) for up in UPSTREAM[stage])
+    return tuple(dict.fromkeys(up for up in found if up in tasks))
+
+
+def downstream_of(stage: str, tasks: tuple[str, ...] = STAGES) -> list[str]:
+    """Every task that reads `stage`'s output, directly or not, in DAG order."""
+    found = {stage}
+    for task in tasks:
+        if any(up in found for up in upstream(task, tasks)):
+            found.add(task)
+    return [s for s in tasks if s in found and s != stage]
+
+
+def output_key(task: str) -> str:
+    """The name of the output that holds `task`'s directory in a several-route run."""
+    if task in OUTPUT_KEYS:
+        return OUTPUT_KEYS[task]
+    return next(key for prefix, key in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
+
+
+def route_of(task: str) -> str | None:
+    """The route a task of a several-route run belongs to (None: a shared task or the comparison)."""
+    if task in OUTPUT_KEYS:
+        return None
+    return next(task.removeprefix(prefix) for prefix, _ in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
