@@ -176,8 +176,8 @@ def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
 
 
 def job_rollout(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """Path (c): kubealign.rl.trainer.generate through the PPOModels the ppo stage builds."""
-    from kubealign.rl.trainer import generate
+    """Path (c): kubealign.rl.rollout.generate through the PPOModels the ppo stage builds."""
+    from kubealign.rl.rollout import generate
     from kubealign.training import distributed
 
     cfg, models, check = build(spec)
@@ -256,8 +256,9 @@ def job_correctness(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from kubealign.rl.iteration import iteration
     from kubealign.rl.kl import KLController
-    from kubealign.rl.trainer import generate, iteration
+    from kubealign.rl.rollout import generate
     from kubealign.training import distributed, export
 
     cfg, models, check = build(spec)

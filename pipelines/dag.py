@@ -49,7 +49,8 @@ from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
 from kubealign.rewards import sources
-from kubealign.shape import ROUTES
+from kubealign.shape import ROUTES, route_task
+from kubealign.shape import scorer as scorer_task
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
@@ -141,113 +142,111 @@ def _preemptible(task: dsl.PipelineTask, k8s: KubernetesConfig) -> None:
         kubernetes.use_field_path_as_env(task, env_name, f"metadata.{key}")
 
 
-def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
-    """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run).
-    One route (pipeline.algorithm, or a one-entry pipeline.algorithms): the route is the `algorithm`
-    parameter. Several: a branch per route, built here (see build_routes)."""
-    check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
-    k8s = config.kubernetes
-    train, cpu = k8s.train_image or train_image(), k8s.cpu_image or cpu_image()
-    # The route is the `algorithm` parameter alone: config_json carries neither pipeline.algorithm nor
-    # ppo.algorithm, so runs of different routes share the tasks before the branch (KFP's cache keys).
-    route = config.route()
-    # Likewise the settings only this module reads (retries, the queue): changing them retrains nothing.
+def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
+    """The pipeline parameters' defaults: config_json without what varies per route or only this module
+    reads, so runs of different routes (and retry / queue settings) share the tasks before the branch (KFP's
+    cache keys); the route itself is the `algorithm` parameter."""
     scheduling = {key: KubernetesConfig.model_fields[key].default for key in DAG_ONLY}
     shared = config.model_copy(
         update={
             "pipeline": PipelineConfig(),
             "ppo": config.ppo.model_copy(update={"algorithm": "ppo"}),
-            "kubernetes": k8s.model_copy(update=scheduling),
+            "kubernetes": config.kubernetes.model_copy(update=scheduling),
         }
     )
-    with_model = config.rewards.uses_model
-    defaults = {
+    return {
         "config_json": config_to_json(shared),
-        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
+        "algorithm": config.route(),
+        "sft_model": config.sft.model,
+        "reward_model": config.reward.model,
+        "ppo_num_iterations": config.ppo.num_iterations,
         "data_fingerprint": data_fingerprint(config),
         "sft_model_fingerprint": model_fingerprint(config.sft.model),
         "reward_model_fingerprint": model_fingerprint(config.reward.model),
+        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
     }
 
-    def place(task: dsl.PipelineTask, name: str, gpus: int, image: str, training: bool) -> dsl.PipelineTask:
+
+class Tasks:
+    """Makes the DAG's tasks and places them on the cluster (config.kubernetes, `env` on every task)."""
+
+    def __init__(self, config: KubealignConfig, env: dict[str, str] | None):
+        self.config, self.k8s, self.env = config, config.kubernetes, env or {}
+        self.train_image = self.k8s.train_image or train_image()
+        self.cpu_image = self.k8s.cpu_image or cpu_image()
+        self.with_model = config.rewards.uses_model
+
+    def place(self, task: dsl.PipelineTask, name: str, gpus: int, training: bool) -> dsl.PipelineTask:
         task.set_display_name(name)
-        _resources(task, k8s, gpus, image, training)
-        for key, value in sorted((env or {}).items()):
+        image = self.train_image if training or gpus else self.cpu_image
+        _resources(task, self.k8s, gpus, image, training)
+        for key, value in sorted(self.env.items()):
             task.set_env_variable(key, value)
         return task
 
-    def upstream(config_json: str, sft_model: str, reward_model: str, data_fingerprint: str,
-                 sft_model_fingerprint: str, reward_model_fingerprint: str) -> tuple[Any, Any, Any]:  # fmt: skip
-        """The shared tasks: (dataset, SFT model, scorer: the reward model, or with reward functions alone the
-        SFT model, which is then the critic's start and not read by evaluate)."""
-        split = stages.data_split(config_json=config_json, data_fingerprint=data_fingerprint)
-        place(split, "data split", 0, cpu, training=False)
-        dataset = split.outputs["dataset"]
-        sft = stages.sft(
-            config_json=config_json, model_name=sft_model, model_fingerprint=sft_model_fingerprint, data=dataset
-        )
-        place(sft, "supervised fine-tuning", k8s.sft_gpus, train, training=True)
-        scorer = sft.outputs["model"]
-        if with_model:
-            reward = stages.reward(
-                config_json=config_json,
-                model_name=reward_model,
-                model_fingerprint=reward_model_fingerprint,
-                data=dataset,
-            )
-            place(reward, "reward model", k8s.reward_gpus, train, training=True)
-            scorer = reward.outputs["model"]
-        return dataset, sft.outputs["model"], scorer
+    def upstream(self, p: dict[str, Any]) -> tuple[Any, Any, Any]:
+        """The shared tasks: (dataset, SFT model, scorer: kubealign.shape.scorer's task's model)."""
+        split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"])
+        dataset = self.place(split, "data split", 0, training=False).outputs["dataset"]
+        sft = stages.sft(config_json=p["config_json"], model_name=p["sft_model"],
+                         model_fingerprint=p["sft_model_fingerprint"], data=dataset)  # fmt: skip
+        self.place(sft, "supervised fine-tuning", self.k8s.sft_gpus, training=True)
+        models = {"sft": sft.outputs["model"]}
+        if self.with_model:
+            reward = stages.reward(config_json=p["config_json"], model_name=p["reward_model"],
+                                   model_fingerprint=p["reward_model_fingerprint"], data=dataset)  # fmt: skip
+            models["reward"] = self.place(reward, "reward model", self.k8s.reward_gpus, training=True).outputs["model"]
+        return dataset, models["sft"], models[scorer_task(self.with_model)]
 
-    def evaluate(component: Any, config_json: str, reward_functions: str, dataset: Any, sft: Any, candidate: Any,
+    def dpo(self, component: Any, p: dict[str, Any], dataset: Any, sft: Any) -> dsl.PipelineTask:
+        task = component(config_json=p["config_json"], data=dataset, actor=sft)
+        return self.place(task, "DPO", self.k8s.sft_gpus, training=True)
+
+    def rl(self, component: Any, p: dict[str, Any], algorithm: Any, dataset: Any, sft: Any, scorer: Any,
+           label: str) -> dsl.PipelineTask:  # fmt: skip
+        task = component(config_json=p["config_json"], algorithm=algorithm, num_iterations=p["ppo_num_iterations"],
+                         reward_functions=p["reward_functions"], prompts=dataset, actor=sft, critic=scorer)  # fmt: skip
+        return self.place(task, label, self.k8s.ppo_gpus, training=True)
+
+    def evaluate(self, component: Any, p: dict[str, Any], dataset: Any, sft: Any, candidate: Any,
                  scorer: Any) -> dsl.PipelineTask:  # fmt: skip
-        evaluation = component(
-            config_json=config_json,
-            reward_functions=reward_functions,
-            prompts=dataset,
-            baseline=sft,
-            candidate=candidate,
-            reward_model=scorer,
-        )
-        return place(evaluation, "evaluate", k8s.evaluate_gpus, train if k8s.evaluate_gpus else cpu, training=False)
+        evaluation = component(config_json=p["config_json"], reward_functions=p["reward_functions"],
+                               prompts=dataset, baseline=sft, candidate=candidate, reward_model=scorer)  # fmt: skip
+        return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False)
 
-    def kubealign_pipeline(
-        config_json: str = defaults["config_json"],
-        algorithm: str = route,
-        sft_model: str = config.sft.model,
-        reward_model: str = config.reward.model,
-        ppo_num_iterations: int = config.ppo.num_iterations,
-        data_fingerprint: str = defaults["data_fingerprint"],
-        sft_model_fingerprint: str = defaults["sft_model_fingerprint"],
-        reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
-        reward_functions: str = defaults["reward_functions"],
-    ):
-        dataset, sft, scorer = upstream(
-            config_json, sft_model, reward_model, data_fingerprint, sft_model_fingerprint, reward_model_fingerprint
-        )
-        with dsl.If(algorithm == "dpo", name="dpo route"):
-            dpo = stages.dpo(config_json=config_json, data=dataset, actor=sft)
-            place(dpo, "DPO", k8s.sft_gpus, train, training=True)
-        with dsl.Else(name="rl route"):
-            ppo = stages.ppo(
-                config_json=config_json,
-                algorithm=algorithm,
-                num_iterations=ppo_num_iterations,
-                reward_functions=reward_functions,
-                prompts=dataset,
-                actor=sft,
-                critic=scorer,
-            )
-            place(ppo, "PPO / GRPO / RLOO (hybrid engine)", k8s.ppo_gpus, train, training=True)
-        candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
-        evaluation = evaluate(stages.evaluate, config_json, reward_functions, dataset, sft, candidate, scorer)
-        promote = stages.promote(
-            config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
-        )
-        place(promote, "promote (MLflow registry)", 0, cpu, training=False)
+    def promote(self, task: dsl.PipelineTask, label: str) -> dsl.PipelineTask:
+        self.place(task, label, 0, training=False)
         # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
         # skip the gate against a champion that may have changed since.
-        promote.set_caching_options(False)
+        task.set_caching_options(False)
+        return task
+
+
+def _one_route(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
+    """The pipeline of one route, chosen by the `algorithm` parameter with KFP conditions."""
+
+    def kubealign_pipeline(
+        config_json: str = d["config_json"],
+        algorithm: str = d["algorithm"],
+        sft_model: str = d["sft_model"],
+        reward_model: str = d["reward_model"],
+        ppo_num_iterations: int = d["ppo_num_iterations"],
+        data_fingerprint: str = d["data_fingerprint"],
+        sft_model_fingerprint: str = d["sft_model_fingerprint"],
+        reward_model_fingerprint: str = d["reward_model_fingerprint"],
+        reward_functions: str = d["reward_functions"],
+    ):
+        p = dict(locals())
+        dataset, sft, scorer = tasks.upstream(p)
+        with dsl.If(algorithm == "dpo", name="dpo route"):
+            dpo = tasks.dpo(stages.dpo, p, dataset, sft)
+        with dsl.Else(name="rl route"):
+            ppo = tasks.rl(stages.ppo, p, algorithm, dataset, sft, scorer, "PPO / GRPO / RLOO (hybrid engine)")
+        candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
+        evaluation = tasks.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
+        promote = stages.promote(config_json=config_json, evaluation=evaluation.outputs["evaluation"],
+                                 candidate=candidate)  # fmt: skip
+        tasks.promote(promote, "promote (MLflow registry)")
         done = {
             "data_split": dataset,
             "sft": sft,
@@ -255,40 +254,38 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
             "evaluate": evaluation.outputs["evaluation"],
             "promote": promote.outputs["promotion"],
         }
-        return Outputs(reward=scorer, **done) if with_model else FunctionOutputs(**done)
+        return Outputs(reward=scorer, **done) if tasks.with_model else FunctionOutputs(**done)
+
+    return kubealign_pipeline
+
+
+def _several_routes(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
+    """The pipeline of several routes: a branch per route from the shared tasks, a comparison, a promotion each."""
+    routes = tasks.config.routes()
 
     def kubealign_routes_pipeline(
-        config_json: str = defaults["config_json"],
-        sft_model: str = config.sft.model,
-        reward_model: str = config.reward.model,
-        ppo_num_iterations: int = config.ppo.num_iterations,
-        data_fingerprint: str = defaults["data_fingerprint"],
-        sft_model_fingerprint: str = defaults["sft_model_fingerprint"],
-        reward_model_fingerprint: str = defaults["reward_model_fingerprint"],
-        reward_functions: str = defaults["reward_functions"],
+        config_json: str = d["config_json"],
+        sft_model: str = d["sft_model"],
+        reward_model: str = d["reward_model"],
+        ppo_num_iterations: int = d["ppo_num_iterations"],
+        data_fingerprint: str = d["data_fingerprint"],
+        sft_model_fingerprint: str = d["sft_model_fingerprint"],
+        reward_model_fingerprint: str = d["reward_model_fingerprint"],
+        reward_functions: str = d["reward_functions"],
     ):
-        dataset, sft, scorer = upstream(
-            config_json, sft_model, reward_model, data_fingerprint, sft_model_fingerprint, reward_model_fingerprint
-        )
+        p = dict(locals())
+        dataset, sft, scorer = tasks.upstream(p)
         candidates, evaluations = {}, {}
-        for name in config.routes():
-            if name == "dpo":
-                task = named(stages.dpo, name)(config_json=config_json, data=dataset, actor=sft)
-                place(task, "DPO", k8s.sft_gpus, train, training=True)
+        for name in routes:
+            if route_task(name) == "dpo":
+                task = tasks.dpo(named(stages.dpo, name), p, dataset, sft)
             else:
-                task = named(stages.ppo, name)(
-                    config_json=config_json,
-                    algorithm=name,
-                    num_iterations=ppo_num_iterations,
-                    reward_functions=reward_functions,
-                    prompts=dataset,
-                    actor=sft,
-                    critic=scorer,
+                task = tasks.rl(
+                    named(stages.ppo, name), p, name, dataset, sft, scorer, f"{name.upper()} (hybrid engine)"
                 )
-                place(task, f"{name.upper()} (hybrid engine)", k8s.ppo_gpus, train, training=True)
             candidates[name] = task.outputs["model"]
             component = named(stages.evaluate, f"evaluate-{name}")
-            evaluation = evaluate(component, config_json, reward_functions, dataset, sft, candidates[name], scorer)
+            evaluation = tasks.evaluate(component, p, dataset, sft, candidates[name], scorer)
             evaluation.set_display_name(f"evaluate {name}")
             evaluations[name] = evaluation.outputs["evaluation"]
         # only the listed routes' inputs: kfp's ignore_upstream_failure() looks up every input of the
@@ -296,31 +293,39 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         absent = [f"{name}_evaluation" for name in ROUTES if name not in evaluations]
         comparison = named(stages.compare, "compare", drop=absent)(
             config_json=config_json,
-            routes=",".join(config.routes()),
+            routes=",".join(routes),
             **{f"{name}_evaluation": evaluation for name, evaluation in evaluations.items()},
         )
         # A failed route must not sink the others: the comparison runs once every route has ended, and
         # gets no evaluation from one that failed (its input's default, None).
         comparison.ignore_upstream_failure()
-        place(comparison, "compare routes", 0, cpu, training=False)
-        for name in config.routes():
+        tasks.place(comparison, "compare routes", 0, training=False)
+        for name in routes:
             promote = named(stages.promote_ranked, f"promote-{name}")(
                 config_json=config_json,
                 comparison=comparison.outputs["comparison"],
                 evaluation=evaluations[name],
                 candidate=candidates[name],
             )
-            place(promote, f"promote {name} (MLflow registry)", 0, cpu, training=False)
-            promote.set_caching_options(False)  # as in the one-route DAG: the gate reads the registry now
+            tasks.promote(promote, f"promote {name} (MLflow registry)")
         done = {"data_split": dataset, "sft": sft, "compare": comparison.outputs["comparison"]}
-        return RoutesOutputs(reward=scorer, **done) if with_model else RoutesFunctionOutputs(**done)
+        return RoutesOutputs(reward=scorer, **done) if tasks.with_model else RoutesFunctionOutputs(**done)
 
+    return kubealign_routes_pipeline
+
+
+def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
+    """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run).
+    One route (pipeline.algorithm, or a one-entry pipeline.algorithms): the route is the `algorithm`
+    parameter. Several: a branch per route."""
+    check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
+    tasks, defaults = Tasks(config, env), pipeline_defaults(config)
     several = len(config.routes()) > 1
-    function = kubealign_routes_pipeline if several else kubealign_pipeline
+    function = (_several_routes if several else _one_route)(tasks, defaults)
     # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
     outputs = {(False, True): Outputs, (False, False): FunctionOutputs}
     outputs.update({(True, True): RoutesOutputs, (True, False): RoutesFunctionOutputs})
-    function.__annotations__["return"] = outputs[several, with_model]
+    function.__annotations__["return"] = outputs[several, tasks.with_model]
     function.__name__ = "kubealign_pipeline"
     return dsl.pipeline(
         name=PIPELINE_NAME,

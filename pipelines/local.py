@@ -179,18 +179,7 @@ def run(
     # or one whose in-process stage set them) must not reach the tasks, or they all bind its MASTER_PORT.
     env: dict[str, str | None] = dict.fromkeys(RENDEZVOUS_ENV)
     env.update({"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent})
-    if runner == "docker":
-        from kubealign.containers.runner import prepare
-
-        config, task_runner, docker_host = prepare(config, output, env)
-        env["DOCKER_HOST"] = docker_host  # kfp.local's handler connects with docker.from_env()
-        # the containers see only OUTPUT: a cache entry pointing into another run's output is of no use
-        task_cache = output / "kfp-cache"
-    else:
-        task_runner = local.SubprocessRunner(use_venv=False)
-        # one cache for every run on this machine, like KFP's own: a run into another --output still
-        # reuses tasks whose inputs are unchanged (entries whose artifacts were deleted are misses)
-        task_cache = cache_root() / "kfp-local"
+    config, task_runner, task_cache = _task_runner(config, output, env, runner)
     local.init(
         runner=task_runner,
         pipeline_root=str(pipeline_root),
@@ -215,44 +204,75 @@ def run(
             if display is not None and name not in tasks.records:
                 display.update(name, status=SKIPPED)
     wall = time.perf_counter() - started
+    stages = _stage_dirs(config, route, tasks.records, outputs)
+    mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
+    return _finish(config, output, route, stages, tasks, logs, {"wall_time_s": wall, "mlflow": mlflow,
+                                                               "runner": runner}, client)  # fmt: skip
+
+
+def _finish(config: KubealignConfig, output: Path, route: tuple[str, ...], stages: dict[str, Path], tasks: Any,
+            logs: Path, extra: dict[str, Any], client: Any) -> dict[str, Any]:  # fmt: skip
+    """Write the run index, end the parent MLflow run; a failed task that fails the run raises PipelineFailed.
+    With several routes, a route whose training or evaluation failed does not fail the run: the comparison
+    ranks the others (a failed promotion still does: the registry is the run's point)."""
     several = len(config.routes()) > 1
-    # cached tasks point into the run that computed them: take the directories from the outputs (of each
-    # task, with several routes: a failed route leaves kfp.local's pipeline outputs empty)
-    stages = {}
-    for stage in route:
-        if several:
-            artifact = tasks.records[stage].outputs.get(shape.output_key(stage)) if stage in tasks.records else None
-        else:
-            key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")
-            artifact = outputs.get(key)
-        if artifact is not None and (Path(artifact.path) / "result.json").is_file():
-            stages[stage] = Path(artifact.path)
-    # with several routes, a route whose training or evaluation failed does not fail the run: the comparison
-    # ranks the others (a failed promotion still does: the registry is the run's point)
     failed_routes = [r for r in config.routes() if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
     ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes)
-    mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     extra = {
         "config_json": config_to_json(config),
         "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
-        "wall_time_s": wall,
+        **extra,
         "succeeded": ok,
-        "mlflow": mlflow,
-        "runner": runner,
         "algorithm": config.route(),
     }
     if several:
         extra["algorithms"] = list(config.routes())
         extra["failed_routes"] = {name: failure_message(failed_in(tasks.records, name), logs) for name in failed_routes}
     index = write_index(output, stages, extra)
-    client.log_metric(parent, "wall_time_s", wall)
+    parent = extra["mlflow"]["parent_run_id"]
+    client.log_metric(parent, "wall_time_s", extra["wall_time_s"])
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:  # name the task that failed the run, not a failed route's (the summary names those)
-        culprits = [
-            r for r in tasks.records.values() if r.status == "failed" and shape.route_of(r.name) not in failed_routes
-        ]
+        failed = [r for r in tasks.records.values() if r.status == "failed"]
+        culprits = [r for r in failed if shape.route_of(r.name) not in failed_routes]
         raise PipelineFailed(failure_message(culprits[0] if culprits else tasks.failed(), logs))
     return index
+
+
+def _task_runner(config: KubealignConfig, output: Path, env: dict[str, str | None], runner: str
+                 ) -> tuple[KubealignConfig, Any, Path]:  # fmt: skip
+    """(the config the tasks get, kfp.local's runner, its cache root). docker: each task in the CPU image
+    (kubealign.containers.runner; env gains DOCKER_HOST, which kfp.local's handler reads)."""
+    from kfp import local
+
+    if runner == "docker":
+        from kubealign.containers.runner import prepare
+
+        config, task_runner, docker_host = prepare(config, output, env)
+        env["DOCKER_HOST"] = docker_host  # kfp.local's handler connects with docker.from_env()
+        # the containers see only OUTPUT: a cache entry pointing into another run's output is of no use
+        return config, task_runner, output / "kfp-cache"
+    # one cache for every run on this machine, like KFP's own: a run into another --output still
+    # reuses tasks whose inputs are unchanged (entries whose artifacts were deleted are misses)
+    return config, local.SubprocessRunner(use_venv=False), cache_root() / "kfp-local"
+
+
+def _stage_dirs(config: KubealignConfig, route: tuple[str, ...], records: dict[str, Any], outputs: Any
+                ) -> dict[str, Path]:  # fmt: skip
+    """Each finished task's output directory. Cached tasks point into the run that computed them: take the
+    directories from the outputs (of each task, with several routes: a failed route leaves kfp.local's
+    pipeline outputs empty)."""
+    several = len(config.routes()) > 1
+    stages = {}
+    for stage in route:
+        if several:
+            artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
+        else:
+            key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")
+            artifact = outputs.get(key)
+        if artifact is not None and (Path(artifact.path) / "result.json").is_file():
+            stages[stage] = Path(artifact.path)
+    return stages
 
 
 def failed_in(records: dict[str, Any], route: str) -> Any:

@@ -13,6 +13,7 @@ from kubealign.rewards.scorer import Scorer
 from kubealign.rl.advantages import kl_penalized_rewards, last_action_index
 from kubealign.rl.experience import make_experience, paired_logprobs, policy_logprobs, response_masks
 from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
+from kubealign.rl.rollout import PPOModels
 
 EOS = 2  # also the pad token, as build_models makes it for a tokenizer without one
 LOG = math.log
@@ -152,7 +153,11 @@ def test_make_experience_by_hand_and_modes():
     for model in (actor, reference, critic, reward):
         model.train() if model in (reference, reward) else model.eval()  # the opposite of what is needed
     exp = make_experience(
-        batch, prompt_mask, EOS, (actor, reference, critic, Scorer(reward, 1.0, None, None)), Sampling()
+        batch,
+        prompt_mask,
+        EOS,
+        PPOModels(actor, critic, reference, Scorer(reward, 1.0, None, None), None, None),
+        Sampling(),
     )
     assert exp.attention_mask.tolist() == [[0, 1, 1, 1], [1, 1, 1, 1]]
     assert exp.response_mask.tolist() == [[0, 1, 1], [0, 1, 1]]
@@ -177,7 +182,11 @@ def test_make_experience_log_probs_are_tempered_and_unfiltered():
     actor, reference = TableLM(TABLE), TableLM(probs_table([[0.25] * 4] * 4))
     sampling = Sampling(temperature=0.5, top_k=3, top_p=0.5)
     exp = make_experience(
-        batch, prompt_mask, EOS, (actor, reference, TokenValue(), Scorer(TokenValue(), 1.0, None, None)), sampling
+        batch,
+        prompt_mask,
+        EOS,
+        PPOModels(actor, TokenValue(), reference, Scorer(TokenValue(), 1.0, None, None), None, None),
+        sampling,
     )
     # Temperature 0.5 squares token 3's [0.1, 0.2, 0.3, 0.4] (sum 0.30) and the others' [0.4, 0.3, 0.2, 0.1].
     # Row 0: 3 -> 3 (0.16), 3 -> EOS (0.09). Row 1: 3 -> 0 (0.01): outside top-k 3 and the 0.5 nucleus,
@@ -203,7 +212,7 @@ def test_policy_logprobs_and_paired_logprobs_are_zero_outside_the_response():
 
 def test_module_rollout_passes_top_k_zero_not_the_models_default():
     from kubealign.config.schema import PPOConfig
-    from kubealign.rl.trainer import ModuleRollout, sampling_config
+    from kubealign.rl.rollout import ModuleRollout, sampling_config
 
     seen = {}
 
@@ -225,7 +234,7 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
     from transformers import GenerationConfig
 
     from kubealign.config.schema import PPOConfig
-    from kubealign.rl import trainer
+    from kubealign.rl import rollout
 
     modes = []
     own = GenerationConfig(repetition_penalty=1.3, top_k=50, min_p=0.1)  # what a checkpoint may bring
@@ -247,39 +256,39 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
             return "batch"
 
     tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=EOS, bos_token_id=0)
-    models = trainer.PPOModels(actor, None, None, None, Rollout(), tokenizer)
+    models = rollout.PPOModels(actor, None, None, None, Rollout(), tokenizer)
     cfg = PPOConfig(top_k=7, top_p=0.9, temperature=0.8)
-    assert trainer.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
+    assert rollout.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
     assert modes == ["eval", "generate:eval", (7, 0.9, 0.8, 1.0, None)]  # min_p None: no MinP(0) pass
     assert module.generation_config is own  # the checkpoint's own settings are back for the export
 
 
 def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):
-    from kubealign.rl import trainer
+    from kubealign.rl import iteration
     from kubealign.rl.kl import KLController
 
     # This rank measured KL 1 and 3 (mean 2); the other rank measured 10 and 10 (sum 20, 2 samples).
-    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 200.0, v[2] + 2.0])
+    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 200.0, v[2] + 2.0])
     kl = KLController(0.1, target=4.0, horizon=100)
-    assert trainer.update_kl(kl, torch.tensor([1.0, 3.0])) == 6.0
+    assert iteration.update_kl(kl, torch.tensor([1.0, 3.0])) == 6.0
     # mean over ranks = 24 / 4 = 6: error min(6 / 4 - 1, 0.2) = 0.2 over 4 samples (one rank alone: 2 / 4 - 1)
     assert kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
 
 
 def test_logged_reward_and_kl_pool_every_ranks_values(monkeypatch):
-    from kubealign.rl import trainer
+    from kubealign.rl import iteration
 
     # this rank scored 1 and 3; the other rank scored 5 and 7 (sum 12, squares 74, 2 samples)
-    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: [v[0] + 12.0, v[1] + 74.0, v[2] + 2.0])
-    mean, std, count = trainer.global_stats(torch.tensor([1.0, 3.0]))
+    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: [v[0] + 12.0, v[1] + 74.0, v[2] + 2.0])
+    mean, std, count = iteration.global_stats(torch.tensor([1.0, 3.0]))
     assert (mean, count) == (4.0, 4)
     assert std == pytest.approx(torch.tensor([1.0, 3.0, 5.0, 7.0]).std().item())  # unbiased, like torch.std
-    monkeypatch.setattr(trainer.distributed, "all_reduce_sum", lambda v: v)  # one rank
-    assert trainer.global_stats(torch.tensor([2.0])) == (2.0, 0.0, 1)
+    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: v)  # one rank
+    assert iteration.global_stats(torch.tensor([2.0])) == (2.0, 0.0, 1)
 
 
 def test_ptx_batches_differ_across_ranks_and_wrap_around():
-    from kubealign.rl.trainer import UnsupervisedData
+    from kubealign.rl.iteration import UnsupervisedData
 
     examples = [{"input_ids": [i]} for i in range(5)]
     ranks = [UnsupervisedData(examples, 2, 0, rank=r, world=2) for r in range(2)]
@@ -293,7 +302,7 @@ def test_ptx_batches_differ_across_ranks_and_wrap_around():
 
 
 def test_generation_config_turns_every_other_processor_off():
-    from kubealign.rl.experience import generation_config
+    from kubealign.rl.rollout import generation_config
 
     tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=3, bos_token_id=0)
     cfg = generation_config(Sampling(0.8, 7, 0.9), 12, tokenizer)
@@ -307,7 +316,7 @@ def test_generation_config_turns_every_other_processor_off():
 
 def test_a_non_finite_experience_names_what_is_not_finite_and_where():
     from kubealign.rl.experience import Experience
-    from kubealign.rl.trainer import experience_fault
+    from kubealign.rl.iteration import experience_fault
 
     inf, nan = float("inf"), float("nan")
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])

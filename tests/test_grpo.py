@@ -16,7 +16,7 @@ from kubealign.config.load import config_from_json, config_to_json
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import trainer
+from kubealign.rl import iteration, rollout
 from kubealign.rl.advantages import (
     GRPO_EPS,
     group_std,
@@ -28,6 +28,7 @@ from kubealign.rl.advantages import (
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import k3
 from kubealign.rl.losses import Sampling
+from kubealign.rl.rollout import PPOModels
 from tests.conftest import NO_TRACKING
 from tests.rollout_path import cpu_opt_path
 from tests.test_experience import TableLM, TokenValue
@@ -162,12 +163,14 @@ def test_the_rollout_keeps_each_prompts_samples_contiguous(path):
 
     cfg = PPOConfig(algorithm="grpo", max_new_tokens=5)  # grpo's default group: 4 samples per prompt
     torch.manual_seed(0)
-    batch = trainer.generate(models_for(tiny_opt(), path), PROMPTS, PROMPT_MASK, cfg)
+    batch = rollout.generate(models_for(tiny_opt(), path), PROMPTS, PROMPT_MASK, cfg)
     assert batch.input_ids.shape[0] == 16
     for row in range(16):  # rows 4g .. 4g+3 are prompt g's
         assert torch.equal(batch.input_ids[row, : PROMPTS.shape[1]], PROMPTS[row // 4]), row
     lm = TableLM(torch.zeros(24, 24))
-    exp = make_experience(batch, PROMPT_MASK, 2, (lm, lm, None, Scorer(TokenValue(), 1.0, None, None)), Sampling())
+    exp = make_experience(
+        batch, PROMPT_MASK, 2, PPOModels(lm, None, lm, Scorer(TokenValue(), 1.0, None, None), None, None), Sampling()
+    )
     assert exp.values is None  # no critic
     assert torch.equal(exp.attention_mask[:, : PROMPTS.shape[1]], PROMPT_MASK.repeat_interleave(4, 0))
 
@@ -193,7 +196,7 @@ def hand_experience(scores: torch.Tensor):
     ids[1, 4] = ids[4, 5] = 2  # EOS: rows 1 and 4 end early
     batch = SimpleNamespace(input_ids=ids, response_start_idx=torch.full((6,), 3))
     actor = TableActor(table)
-    models = (actor, TableLM(0.5 * table), None, Scorer(TokenValue(), 1.0, None, None))
+    models = PPOModels(actor, None, TableLM(0.5 * table), Scorer(TokenValue(), 1.0, None, None), None, None)
     exp = make_experience(batch, torch.ones(6, 3, dtype=torch.long), 2, models, Sampling())
     return actor, exp._replace(scores=scores.float())
 
@@ -201,14 +204,14 @@ def hand_experience(scores: torch.Tensor):
 def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffled(monkeypatch):
     actor, exp = hand_experience(REWARDS)
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, micro_batch_size=2, ppo_epochs=2, reward_clip=10)
-    targets = trainer.group_targets(exp, cfg, beta=0.1)
+    targets = iteration.group_targets(exp, cfg, beta=0.1)
     by_hand = torch.tensor([-2, -1, 3, 0, 0, 0]) / (math.sqrt(7) + GRPO_EPS)
     assert torch.allclose(targets.advantages, by_hand[:, None] * exp.response_mask, atol=1e-6)
     assert targets.returns is None
     assert targets.metrics["zero_std_fraction"] == 0.5  # group 1: all rewards equal
     assert targets.metrics["group_reward_std"] == pytest.approx(math.sqrt(7) / 2)
     # rloo: the KL penalty summed over each response comes off its reward, then the leave-one-out baseline
-    rloo = trainer.group_targets(exp, cfg.model_copy(update={"algorithm": "rloo"}), beta=0.1)
+    rloo = iteration.group_targets(exp, cfg.model_copy(update={"algorithm": "rloo"}), beta=0.1)
     kl = [
         sum(exp.logprobs[i, t] - exp.ref_logprobs[i, t] for t in range(6) if exp.response_mask[i, t]) for i in range(6)
     ]
@@ -220,7 +223,7 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
     assert abs(kl[0]) > 0.1 and torch.equal(rloo.kl, exp.logprobs - exp.ref_logprobs)
     assert rloo.metrics["zero_std_fraction"] == 0  # the KL penalties tell group 1's equal scores apart
     seen, minibatches = [], []
-    real_loss, real_batches = trainer.policy_loss, trainer._minibatches
+    real_loss, real_batches = iteration.policy_loss, iteration._minibatches
 
     def spy_loss(*args):
         seen.append(args[2])  # the advantages the loss weights this minibatch's actions by
@@ -230,10 +233,10 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
         minibatches.extend(real_batches(*args))
         return minibatches[-3:]
 
-    monkeypatch.setattr(trainer, "policy_loss", spy_loss)
-    monkeypatch.setattr(trainer, "_minibatches", spy_batches)
-    models = trainer.PPOModels(actor, None, None, None, None, None)
-    stats = trainer.update(models, exp, targets.advantages, None, cfg, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(iteration, "policy_loss", spy_loss)
+    monkeypatch.setattr(iteration, "_minibatches", spy_batches)
+    models = rollout.PPOModels(actor, None, None, None, None, None)
+    stats = iteration.update(models, exp, targets.advantages, None, cfg, torch.Generator().manual_seed(0))
     assert len(seen) == len(minibatches) == 6
     # The shuffled minibatches mix the two prompts' samples, and each row still gets its own group's value.
     assert any(len({int(i) // 3 for i in idx}) == 2 for idx in minibatches)
@@ -247,13 +250,13 @@ def test_grpo_puts_the_k3_kl_in_the_actor_loss_and_ppo_does_not():
     exp = exp._replace(ref_logprobs=exp.logprobs - 0.3 * exp.response_mask)  # log pi_ref = log pi - 0.3
     idx, advantages = torch.arange(6), torch.ones_like(exp.logprobs)
     grpo = PPOConfig(algorithm="grpo")
-    obj = trainer.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.5)
+    obj = iteration.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.5)
     # k3 per token with ref - logp = -0.3 on every response action: exp(-0.3) + 0.3 - 1
     assert obj.kl.item() == pytest.approx(math.exp(-0.3) + 0.3 - 1, rel=1e-5)
     assert obj.loss.item() == pytest.approx((obj.policy.loss + 0.5 * obj.kl).item(), rel=1e-9)
-    without = trainer.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.0)
+    without = iteration.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.0)
     assert torch.equal(without.loss, without.policy.loss)
-    ppo = trainer.actor_objective(actor, exp, idx, advantages, PPOConfig(), kl_coef=0.5)
+    ppo = iteration.actor_objective(actor, exp, idx, advantages, PPOConfig(), kl_coef=0.5)
     assert ppo.kl is None and torch.equal(ppo.loss, ppo.policy.loss)
 
 
@@ -374,15 +377,15 @@ def test_grpo_scales_rewards_per_group_per_batch_or_not_at_all():
 def test_groups_with_equal_rewards_are_left_out_of_the_loss_and_counted(monkeypatch):
     actor, exp = hand_experience(REWARDS)  # group 0 rewards 1 2 6, group 1 all 3
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True)
-    targets = trainer.group_targets(exp, cfg, beta=0.1)
+    targets = iteration.group_targets(exp, cfg, beta=0.1)
     assert targets.keep.tolist() == [True] * 3 + [False] * 3 and targets.metrics["groups_dropped"] == 1
-    assert trainer.group_targets(exp, cfg.model_copy(update={"drop_equal_reward_groups": False}), 0.1).keep is None
+    assert iteration.group_targets(exp, cfg.model_copy(update={"drop_equal_reward_groups": False}), 0.1).keep is None
     # The loss over all six rows with group 1 left out is the loss over group 0's rows alone (token mean:
     # group 1's zero advantages no longer dilute it), and the k3 term likewise.
     rows = torch.arange(6)
-    kept = trainer.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1, keep=targets.keep)
-    alone = trainer.actor_objective(actor, exp, rows[:3], targets.advantages, cfg, 0.1)
-    everything = trainer.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1)
+    kept = iteration.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1, keep=targets.keep)
+    alone = iteration.actor_objective(actor, exp, rows[:3], targets.advantages, cfg, 0.1)
+    everything = iteration.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1)
     assert kept.loss.item() == pytest.approx(alone.loss.item(), abs=1e-6)
     assert kept.kl.item() == pytest.approx(alone.kl.item(), abs=1e-6)
     assert abs(everything.loss.item() - alone.loss.item()) > 1e-3

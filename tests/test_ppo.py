@@ -69,7 +69,7 @@ def test_ppo_raises_the_reward_with_the_hybrid_engine(cli, trained, tmp_path: Pa
 def test_generation_with_lora_equals_generation_with_merged_weights(trained):
     from peft import LoraConfig, get_peft_model
 
-    from kubealign.rl.experience import merged_lora
+    from kubealign.rl.rollout import merged_lora
 
     torch.manual_seed(0)
     model = get_peft_model(

@@ -14,7 +14,7 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import trainer
+from kubealign.rl import iteration, rollout
 from kubealign.rl.experience import make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController
 from kubealign.rl.losses import Sampling
@@ -73,7 +73,7 @@ def setup(cfg: PPOConfig):
     reference, reward = tiny_opt(2).eval(), tiny_critic(3).eval()
     tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
     scorer = Scorer(reward, 1.0, None, None)
-    models = trainer.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, scorer, None, tokenizer)
+    models = rollout.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, scorer, None, tokenizer)
     return models, torch.Generator().manual_seed(7)
 
 
@@ -90,8 +90,8 @@ def run(cfg: PPOConfig, monkeypatch):
     models, gen = setup(cfg)
     ids = sampled(cfg) if cfg.top_k or cfg.top_p < 1 else IDS.clone()
     batch = SimpleNamespace(input_ids=ids, response_start_idx=torch.full((6,), 4))
-    monkeypatch.setattr(trainer, "generate", lambda *args: batch)
-    metrics, exp = trainer.iteration(models, IDS[:, :4], PROMPT_MASK, cfg, KLController(0.1), gen)
+    monkeypatch.setattr(iteration, "generate", lambda *args: batch)
+    metrics, exp = iteration.iteration(models, IDS[:, :4], PROMPT_MASK, cfg, KLController(0.1), gen)
     return models, metrics, exp
 
 
@@ -141,11 +141,10 @@ def test_the_kept_forward_is_the_updates_own_call_on_the_minibatchs_rows_in_its_
     cfg = PPOConfig(micro_batch_size=3, top_k=5, temperature=0.8)
     models, _ = setup(cfg)
     batch = SimpleNamespace(input_ids=IDS, response_start_idx=torch.full((6,), 4))
-    four = (models.actor, models.reference, models.critic, models.reward)
     rows = torch.tensor([4, 1, 5])
     sampling = Sampling(0.8, 5, 1.0)
-    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, four, sampling, rows, False, keep_critic=True)
-    whole = make_experience(batch, PROMPT_MASK, EOS, four, sampling)
+    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, models, sampling, rows, False, keep_critic=True)
+    whole = make_experience(batch, PROMPT_MASK, EOS, models, sampling)
     assert torch.equal(first.rows, rows) and first.logprobs.requires_grad and first.values.requires_grad
     assert not first.entropy.requires_grad  # entropy_coef 0: logged only
     # exactly what actor_objective would compute for this minibatch
@@ -167,11 +166,10 @@ def test_the_frozen_models_run_before_the_actors_graph_is_held_top_k_or_not(trun
         module = getattr(models, name)
         module.register_forward_pre_hook(lambda _m, _a, _k, name=name: order.append(name), with_kwargs=True)
     batch = SimpleNamespace(input_ids=sampled(cfg) if truncate else IDS, response_start_idx=torch.full((6,), 4))
-    four = (models.actor, models.reference, models.critic, models.reward)
-    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, four, trainer.sampling_of(cfg),
+    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, models, rollout.sampling_of(cfg),
                                          torch.tensor([5, 0, 3, 2]), False)  # fmt: skip
     # The reference's log-probs are unfiltered (losses.scaled_logits): it needs nothing of the actor.
     assert order == ["reward", "reference", "actor", "actor", "critic"]
     assert first.values is None and not exp.values.requires_grad  # the critic is not kept by default
-    whole = make_experience(batch, PROMPT_MASK, EOS, four, trainer.sampling_of(cfg))
+    whole = make_experience(batch, PROMPT_MASK, EOS, models, rollout.sampling_of(cfg))
     assert torch.equal(exp.values, whole.values) and torch.equal(exp.ref_logprobs, whole.ref_logprobs)

@@ -12,16 +12,11 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import trainer
+from kubealign.rl import iteration, rollout
 from kubealign.rl.advantages import masked_mean
-from kubealign.rl.experience import (
-    forward_logits,
-    generation_config,
-    make_experience,
-    response_masks,
-    response_only,
-)
+from kubealign.rl.experience import forward_logits, make_experience, response_masks, response_only
 from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
+from kubealign.rl.rollout import PPOModels, generation_config
 from tests.test_experience import TableLM, TokenValue
 
 PAD, EOS, BOS = 1, 2, 0
@@ -42,7 +37,11 @@ def random_experience(sampling: Sampling, seed: int = 0):
     prompt_mask = (ids[:, :3] != PAD).long()
     actor = TableLM(table)
     exp = make_experience(
-        batch, prompt_mask, EOS, (actor, TableLM(table), TokenValue(), Scorer(TokenValue(), 1.0, None, None)), sampling
+        batch,
+        prompt_mask,
+        EOS,
+        PPOModels(actor, TokenValue(), TableLM(table), Scorer(TokenValue(), 1.0, None, None), None, None),
+        sampling,
     )
     exp = exp._replace(logprobs=exp.logprobs - 0.1 * torch.rand(exp.logprobs.shape, generator=g))  # ratio != 1
     advantages = torch.randn(exp.logprobs.shape, generator=g)
@@ -52,7 +51,7 @@ def random_experience(sampling: Sampling, seed: int = 0):
 def old_actor_loss(actor, exp, idx, advantages, cfg):
     """The update's actor loss as 892bdca computed it: a second log-softmax for the entropy, in autograd."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-    logits = scaled_logits(forward_logits(actor, ids, mask), trainer.sampling_of(cfg))
+    logits = scaled_logits(forward_logits(actor, ids, mask), rollout.sampling_of(cfg))
     logprobs = response_only(logprobs_from_logits(logits, ids), resp)
     entropy = response_only(entropy_from_logits(logits), resp)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
@@ -74,7 +73,7 @@ def test_entropy_coef_zero_gives_bit_identical_loss_and_gradients_and_the_same_l
     idx = torch.tensor([2, 0, 1])
     old_loss, old_entropy = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    _, entropy, loss, _ = trainer.actor_objective(actor, exp, idx, advantages, cfg)
+    _, entropy, loss, _ = iteration.actor_objective(actor, exp, idx, advantages, cfg)
     assert not entropy.requires_grad  # logged only: nothing of it in the backward graph
     assert torch.equal(loss, old_loss)
     assert torch.equal(grad_of(actor, loss), old_grad)
@@ -92,12 +91,12 @@ def test_a_positive_entropy_coef_puts_the_entropy_in_the_gradient():
     cfg = PPOConfig(entropy_coef=0.1)
     old_loss, _ = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    pl, entropy, loss, _ = trainer.actor_objective(actor, exp, idx, advantages, cfg)
+    pl, entropy, loss, _ = iteration.actor_objective(actor, exp, idx, advantages, cfg)
     assert entropy.requires_grad
     assert loss.item() == pytest.approx((pl.loss - 0.1 * entropy).item())
     new_grad = grad_of(actor, loss)
     assert torch.allclose(new_grad, old_grad, atol=1e-7)
-    _, _, without, _ = trainer.actor_objective(actor, exp, idx, advantages, PPOConfig())
+    _, _, without, _ = iteration.actor_objective(actor, exp, idx, advantages, PPOConfig())
     assert not torch.allclose(grad_of(actor, without), new_grad, atol=1e-4)  # the entropy term is in it
 
 
@@ -146,18 +145,18 @@ def models_for(model, path: str, synced: bool = False):
 
         rollout = HybridEngineRollout(engine=actor, tokenizer=TOKENIZER)
     else:
-        rollout = trainer.ModuleRollout(actor, TOKENIZER, synced_gpus=synced)
-    return trainer.PPOModels(actor, None, None, None, rollout, TOKENIZER, synced)
+        rollout = rollout.ModuleRollout(actor, TOKENIZER, synced_gpus=synced)
+    return rollout.PPOModels(actor, None, None, None, rollout, TOKENIZER, synced)
 
 
 def old_generate(models, cfg):
-    """trainer.generate as 892bdca had it: min_p 0, remove_invalid_values, no stopping criterion added."""
+    """rollout.generate as 892bdca had it: min_p 0, remove_invalid_values, no stopping criterion added."""
     from deepspeed.runtime.rollout import RolloutRequest
 
-    settings = generation_config(trainer.sampling_of(cfg), cfg.max_new_tokens, TOKENIZER)
+    settings = generation_config(rollout.sampling_of(cfg), cfg.max_new_tokens, TOKENIZER)
     settings.remove_invalid_values = True
-    with trainer.only_settings(models.actor.module, settings):
-        return models.rollout.generate(RolloutRequest(PROMPTS, PROMPT_MASK), trainer.sampling_config(cfg))
+    with rollout.only_settings(models.actor.module, settings):
+        return models.rollout.generate(RolloutRequest(PROMPTS, PROMPT_MASK), rollout.sampling_config(cfg))
 
 
 def seeded(fn, seed: int):
@@ -184,7 +183,7 @@ def test_rollout_stops_after_the_forward_where_the_last_row_ends(path):
     ends = [2, 4, 1, 3]  # the last row to end samples EOS at step 4: 5 forwards (prefill + 4 decodes)
     model = tiny_opt()
     calls = force_eos_at(model, ends)
-    new = seeded(lambda: trainer.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), 7)
+    new = seeded(lambda: rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), 7)
     assert len(calls) == max(ends) + 1
     calls.clear()
     old = seeded(lambda: old_generate(models_for(model, path), cfg), 7)
@@ -199,7 +198,7 @@ def test_a_rollout_where_a_row_never_ends_runs_every_step():
     cfg = PPOConfig(max_new_tokens=6)
     model = tiny_opt()
     calls = force_eos_at(model, [1, 2, 99, 0])
-    new = seeded(lambda: trainer.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 3)
+    new = seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 3)
     assert len(calls) == cfg.max_new_tokens
     assert new.input_ids.shape[1] == PROMPTS.shape[1] + cfg.max_new_tokens
 
@@ -210,7 +209,7 @@ def test_the_new_sampling_setup_draws_the_same_samples_under_a_fixed_seed(path, 
     cfg = PPOConfig(max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     for seed in range(3):
         model = tiny_opt(seed)
-        new = seeded(lambda: trainer.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), seed)  # noqa: B023
+        new = seeded(lambda: rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), seed)  # noqa: B023
         old = seeded(lambda: old_generate(models_for(model, path), cfg), seed)  # noqa: B023
         assert_same_up_to_padding(new, old, new.input_ids.shape[1] - PROMPTS.shape[1])
 
@@ -227,12 +226,12 @@ def test_no_op_processors_are_skipped_and_invalid_scores_are_still_repaired():
         return seen["processors"]
 
     model._get_logits_processor = spy
-    seeded(lambda: trainer.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=2)), 0)
+    seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=2)), 0)
     assert [type(p).__name__ for p in seen["processors"]] == ["RepairInvalid"]  # no MinP(0), no InfNan pass
     scores = torch.randn(3, 8)
-    assert trainer.RepairInvalid()(None, scores) is scores  # finite: untouched
+    assert rollout.RepairInvalid()(None, scores) is scores  # finite: untouched
     scores[0, 1], scores[1, 2], scores[2, 3] = float("nan"), float("inf"), float("-inf")
-    assert torch.equal(trainer.RepairInvalid()(None, scores), InfNanRemoveLogitsProcessor()(None, scores))
+    assert torch.equal(rollout.RepairInvalid()(None, scores), InfNanRemoveLogitsProcessor()(None, scores))
 
 
 def test_generate_passes_synced_gpus_so_zero3_ranks_stop_at_the_same_step():
@@ -250,9 +249,9 @@ def test_generate_passes_synced_gpus_so_zero3_ranks_stop_at_the_same_step():
         module = Module()
         models = models_for(module, "he", synced)
         with contextlib.suppress(Exception):
-            trainer.generate(models, PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=1))
+            rollout.generate(models, PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=1))
         assert seen["synced_gpus"] is synced
-        assert isinstance(seen["stopping_criteria"][0], trainer.EndedAtEOS)
+        assert isinstance(seen["stopping_criteria"][0], rollout.EndedAtEOS)
         assert "generate" not in vars(module)
 
 
@@ -264,7 +263,7 @@ def test_log_prob_passes_skip_the_prompt_and_keep_the_ratio_exactly_one():
 
     model = tiny_opt()
     cfg = PPOConfig(max_new_tokens=6)
-    batch = seeded(lambda: trainer.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 0)
+    batch = seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 0)
     attention, response = masks(batch)
     assert keeps_logits(model) and first_response_action(response) == PROMPTS.shape[1] - 1
     assert first_response_action(torch.zeros(2, 4, dtype=torch.long)) == 0

@@ -10,21 +10,23 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from kubealign.shape import RL_ROUTES, ROUTES
+from kubealign.config.base import DType, Section
+from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
+from kubealign.config.ppo import HybridEngineConfig, PPOConfig
+from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
+
+# the sections' classes live by concept in base, train, ppo and cluster; importable from here as before
+__all__ = [
+    "DPOConfig", "DType", "DataConfig", "DataSource", "EvaluateConfig", "HybridEngineConfig", "KubealignConfig",
+    "KubernetesConfig", "LoraConfig", "PPOConfig", "PipelineConfig", "PromoteConfig", "RewardConfig",
+    "RewardFunction", "RewardsConfig", "SFTConfig", "Section", "Toleration", "TrackingConfig", "TrainConfig",
+]  # fmt: skip
 
 SourceFormat = Literal[
     "auto", "prompt_chosen_rejected", "hh", "prompt_response", "prompt_completion", "messages", "prompt_only"
 ]
-DType = Literal["fp32", "bf16", "fp16"]
-
-
-class Section(BaseModel):
-    # allow_inf_nan=False: every number of every section must be finite. A learning rate of .inf or a
-    # coefficient of .nan passes gt=0 / ge=0 (inf > 0; nan fails no comparison pydantic makes) and trains a
-    # NaN model with exit 0; refused here, with the field named.
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DataSource(Section):
@@ -109,218 +111,6 @@ class DataConfig(Section):
         if any(r < 0 for r in value) or sum(value) <= 0:
             raise ValueError(f"ratios must be >= 0 with a positive sum, got {list(value)}")
         return value
-
-
-class LoraConfig(Section):
-    r: int = Field(0, ge=0, description="LoRA rank; 0 disables LoRA (full fine-tuning).")
-    alpha: float = Field(16.0, gt=0, description="LoRA scaling numerator (scale = alpha / r).")
-    dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input, probability.")
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "out_proj", "o_proj", "fc1", "fc2"],
-        description="Module-name suffixes that get adapters (PEFT target_modules).",
-    )
-    only_lora: bool = Field(False, description="Train only the adapters; base weights stay frozen.")
-    learning_rate: float | None = Field(
-        None, gt=0, description="Learning rate of the adapter parameters; None = the stage's rate."
-    )
-    save_adapter: bool = Field(False, description="Also save the unmerged PEFT adapter in DIR/adapter.")
-
-
-class TrainConfig(Section):
-    """Engine options shared by the SFT and reward stages (DeepSpeed-Chat step 1/2 flags)."""
-
-    model: str = Field("tiny-opt", description="tiny-opt, tiny-llama, a hub model id or a local HF dir.")
-    trust_remote_code: bool = Field(False, description="Allow model code from the model repo/dir.")
-    zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
-    offload: bool = Field(False, description="Offload optimizer state and (ZeRO-3) params to CPU.")
-    dtype: DType = Field("fp32", description="Training precision; fp32 on CPU.")
-    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
-    fp32_loss: bool = Field(True, description="Compute the loss from fp32-upcast logits under bf16/fp16.")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per device per micro-step.")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
-    learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    lr_scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="HF schedule.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warmup, optimizer steps.")
-    num_train_epochs: float = Field(1.0, gt=0, description="Passes over the train split, epochs.")
-    max_seq_len: int = Field(128, ge=8, description="Prompt + response length cap, tokens.")
-    gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
-    seed: int = Field(1234, description="Seed of model init, data order and dropout.")
-    eval_every_steps: int = Field(0, ge=0, description="Evaluate every N optimizer steps; 0 = end only.")
-    save_every_steps: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0 = never.")
-    keep_checkpoints: bool = Field(False, description="Keep DIR.checkpoints after a successful export.")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="PEFT LoRA adapters.")
-
-
-class SFTConfig(TrainConfig):
-    include_prompt_in_loss: bool = Field(
-        False, description="Also train on prompt tokens (DeepSpeed-Chat does); default: response only."
-    )
-
-
-class RewardConfig(TrainConfig):
-    learning_rate: float = Field(5e-4, gt=0, description="Peak learning rate.")
-
-
-class DPOConfig(TrainConfig):
-    """Direct Preference Optimization (Rafailov et al. 2023) on the phase-2 preference pairs. `model` is the
-    policy to start from, normally the sft stage's output (the DAG passes it); the frozen reference is the
-    same weights (with LoRA: the base with the adapters disabled, no second copy)."""
-
-    model: str = Field("tiny-opt", description="Policy to start from: the SFT output dir (DAG) or a model name.")
-    learning_rate: float = Field(1e-4, gt=0, description="Peak learning rate.")
-    beta: float = Field(0.1, gt=0, description="DPO beta: strength of the implicit KL to the reference.")
-    label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="cDPO / robust DPO: assumed probability that a pair's label is flipped."
-    )
-    loss_type: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid",
-        description="sigmoid: DPO eq. 7 on summed response log-probs (with label smoothing: cDPO); ipo: IPO's "
-        "squared loss (h - 1/(2 beta))^2 on per-token mean log-probs (TRL's convention).",
-    )
-    rpo_alpha: float = Field(
-        0.0,
-        ge=0,
-        description="RPO (Pang et al. 2024; TRL's rpo_alpha): add this x the policy's mean NLL per chosen-response "
-        "token to the loss; 0 = plain DPO.",
-    )
-
-    @model_validator(mode="after")
-    def _check_dpo(self) -> DPOConfig:
-        # With LoRA the reference is this very model with its adapters disabled: the base weights must not
-        # train, or the reference would move with the policy.
-        if self.lora.r > 0 and not self.lora.only_lora:
-            raise ValueError(
-                "lora.r > 0 makes the reference the base model with the adapters disabled, so the base must stay "
-                "frozen: set lora.only_lora: true (or lora.r: 0 for a full fine-tune with a frozen copy)"
-            )
-        if self.loss_type == "ipo" and self.label_smoothing > 0:
-            raise ValueError("label_smoothing applies to loss_type sigmoid (cDPO) only, not ipo")
-        return self
-
-
-class HybridEngineConfig(Section):
-    """DeepSpeed's `hybrid_engine` block for the actor (deepspeed.runtime.hybrid_engine)."""
-
-    enabled: bool = Field(True, description="Create the actor as a DeepSpeedHybridEngine.")
-    max_out_tokens: int = Field(512, ge=1, description="Inference KV-cache budget, tokens.")
-    inference_tp_size: int = Field(1, ge=1, description="Tensor-parallel degree for generation.")
-    release_inference_cache: bool = Field(False, description="Free the KV cache after each rollout.")
-    pin_parameters: bool = Field(True, description="Pin gathered ZeRO-3 params during generation.")
-    tp_gather_partition_size: int = Field(8, ge=1, description="Layers gathered at once for TP.")
-
-
-class PPOConfig(Section):
-    algorithm: Literal[RL_ROUTES] = Field(
-        "ppo",
-        description="ppo: clipped PPO with a critic and GAE; grpo: critic-free, group-relative advantages over "
-        "samples_per_prompt responses, KL to the reference as a loss term; rloo: critic-free, leave-one-out "
-        "baseline over samples_per_prompt responses. In the DAG, pipeline.algorithm sets it.",
-    )
-    actor_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the actor.")
-    critic_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the critic.")
-    reference_zero_stage: int | None = Field(None, ge=0, le=3, description="None = actor's stage.")
-    reward_zero_stage: int | None = Field(None, ge=0, le=3, description="None = actor's stage.")
-    offload_reference: bool = Field(False, description="Offload reference and reward models to CPU.")
-    dtype: DType = Field("fp32", description="Precision of all four models.")
-    actor_learning_rate: float = Field(1e-4, gt=0, description="Actor peak learning rate.")
-    critic_learning_rate: float = Field(5e-5, gt=0, description="Critic peak learning rate.")
-    actor_gradient_checkpointing: bool = Field(False, description="Recompute actor activations.")
-    critic_gradient_checkpointing: bool = Field(False, description="Recompute critic activations.")
-    actor_lora: LoraConfig = Field(default_factory=LoraConfig, description="Actor LoRA adapters.")
-    critic_lora: LoraConfig = Field(default_factory=LoraConfig, description="Critic LoRA adapters.")
-    hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig, description="Actor HE.")
-    generation_batch_size: int = Field(8, ge=1, description="Prompts per device per rollout.")
-    micro_batch_size: int = Field(8, ge=1, description="Samples per device per PPO micro-step.")
-    samples_per_prompt: int | None = Field(
-        None,
-        ge=1,
-        description="Responses sampled per prompt, kept together as one group (grpo / rloo compare them with "
-        "each other; they need >= 2); None = 1 for ppo, 4 for grpo and rloo.",
-    )
-    max_prompt_len: int = Field(64, ge=1, description="Prompt cap (left-truncated), tokens.")
-    max_new_tokens: int = Field(32, ge=1, description="Response cap, tokens.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables.")
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
-    reuse_first_forward: Literal["none", "actor", "both"] = Field(
-        "actor",
-        description="The update's first minibatch takes these models' forwards (with their autograd graphs) from "
-        "the experience pass instead of running them again: the same loss and gradients, a forward less per "
-        "iteration. actor: no more memory at the peak; both: also the critic's, its graph then held beside "
-        "the actor's until the first step. approx_kl_first / clip_fraction_first are 0 by construction when "
-        "the actor's is reused and not logged; none measures them from a second forward.",
-    )
-    num_iterations: int = Field(20, ge=1, description="Rollout + update iterations.")
-    kl_coef: float = Field(
-        0.1,
-        ge=0,
-        description="beta, the KL-to-reference coefficient (the initial one when kl_target is set). ppo: per-token "
-        "penalty -beta * (log pi - log pi_ref) in the reward; rloo: the same penalty summed over the response, "
-        "subtracted from the sequence reward; grpo: coefficient of the k3 KL loss term (mean per response token).",
-    )
-    kl_target: float | None = Field(None, gt=0, description="Adaptive KL target, nats; None = fixed beta.")
-    kl_horizon: int = Field(10000, ge=1, description="Adaptive KL controller horizon, samples.")
-    gamma: float = Field(1.0, ge=0, le=1, description="GAE discount.")
-    lam: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    cliprange: float = Field(0.2, gt=0, description="Policy ratio clip epsilon (the lower bound 1 - eps).")
-    cliprange_high: float | None = Field(
-        None,
-        gt=0,
-        # TRL and the issue tracker spell it clip_range_high (TRL's epsilon_high): both keys are accepted
-        validation_alias=AliasChoices("cliprange_high", "clip_range_high"),
-        description="Upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (DAPO's "
-        "clip-higher, e.g. 0.28 with cliprange 0.2: unlikely tokens can gain more); None = cliprange.",
-    )
-    loss_aggregation: Literal["token", "sequence", "constant"] = Field(
-        "token",
-        description="How the per-token policy loss (and grpo's k3 term) becomes one number: token = mean over every "
-        "response token of the minibatch (DAPO, TRL's dapo); sequence = mean over responses of each one's token mean "
-        "(DeepSeekMath); constant = sum over response tokens / (responses x max_new_tokens) (Dr. GRPO). Each count "
-        "is over every rank's minibatch (a global mean, not a mean of per-rank means).",
-    )
-    scale_rewards: Literal["group", "batch", "none"] = Field(
-        "group",
-        description="grpo only: divide each group-centred reward by its group's std (DeepSeekMath), by the std of "
-        "every reward in the batch (TRL's 'batch'), or by nothing (Dr. GRPO).",
-    )
-    drop_equal_reward_groups: bool = Field(
-        False,
-        description="grpo / rloo: leave the groups whose rewards are all equal (no learning signal; their advantages "
-        "are 0) out of the policy loss, its normalization and the entropy mean; their count is logged as "
-        "groups_dropped. A step where no rank has a row left is skipped (skipped_steps).",
-    )
-    cliprange_value: float = Field(0.2, gt=0, description="Value clip epsilon.")
-    reward_clip: float = Field(5.0, gt=0, description="Reward score clipped to [-c, c].")
-    whiten_advantages: bool = Field(
-        True, description="ppo only: normalize advantages per batch (grpo normalizes within each group, rloo not)."
-    )
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
-    unsup_coef: float = Field(0.0, ge=0, description="Unsupervised LM loss coefficient (phase-1 data).")
-    ema_coef: float | None = Field(None, gt=0, lt=1, description="Actor EMA decay; None disables EMA.")
-    gradient_clipping: float = Field(1.0, ge=0, description="Global grad-norm clip; 0 disables.")
-    save_every_iterations: int = Field(0, ge=0, description="Checkpoint every N iterations; 0 = never.")
-    sample_every_iterations: int = Field(5, ge=0, description="Log sample responses every N iterations.")
-    seed: int = Field(1234, description="Seed of sampling and data order.")
-
-    @property
-    def group_size(self) -> int:
-        """samples_per_prompt resolved: the responses per prompt (GRPO's / RLOO's group). None stays None in
-        the config (so a resolved config dumped for the DAG and given --set ppo.algorithm=grpo still gets
-        grpo's default) and is resolved here, where it is used."""
-        if self.samples_per_prompt is not None:
-            return self.samples_per_prompt
-        return 1 if self.algorithm == "ppo" else 4
-
-    @model_validator(mode="after")
-    def _check_groups(self) -> PPOConfig:
-        if self.algorithm != "ppo" and self.group_size < 2:
-            raise ValueError(
-                f"ppo.algorithm {self.algorithm} needs ppo.samples_per_prompt >= 2 (got {self.group_size}): "
-                "a group of one response has no baseline to compare it with"
-            )
-        return self
 
 
 class EvaluateConfig(Section):
@@ -422,109 +212,6 @@ class TrackingConfig(Section):
     experiment: str = Field(
         "kubealign", min_length=1, description="Experiment name unless $MLFLOW_EXPERIMENT_NAME/_ID is set."
     )
-
-
-class Toleration(Section):
-    key: str | None = Field(None, description="Taint key to tolerate; None with operator Exists = all taints.")
-    operator: Literal["Equal", "Exists"] = Field("Equal", description="Equal (key=value) or Exists (key only).")
-    value: str | None = Field(None, description="Taint value for operator Equal.")
-    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
-        None, description="Taint effect; None = every effect."
-    )
-
-
-class KubernetesConfig(Section):
-    """How the compiled pipeline asks the cluster for resources. Read when compiling / submitting (and by
-    the ppo task for multi-node runs); `kubealign run` on a laptop ignores it."""
-
-    accelerator_type: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource of a GPU.")
-    sft_gpus: int = Field(1, ge=0, description="GPUs of the sft pod (torchrun nproc = this); 0 = CPU pod.")
-    reward_gpus: int = Field(1, ge=0, description="GPUs of the reward pod; 0 = CPU pod.")
-    ppo_gpus: int = Field(1, ge=0, description="GPUs per ppo node (pod); 0 = CPU pod.")
-    ppo_nodes: int = Field(1, ge=1, description="PPO nodes; > 1 runs PPO as a Kubeflow Trainer TrainJob (needs `pvc`).")
-    evaluate_gpus: int = Field(0, ge=0, description="GPUs of the evaluate pod; 0 = CPU pod.")
-    cpu_request: str = Field("2", description="CPU request of every task pod (Kubernetes quantity).")
-    memory_request: str = Field("8Gi", description="Memory request of the training pods (Kubernetes quantity).")
-    shm_size: str = Field("16Gi", description="Size of the /dev/shm memory emptyDir on training pods (NCCL).")
-    pvc: str | None = Field(
-        None, description="Existing PVC mounted at `pvc_mount` on every task; required when ppo_nodes > 1."
-    )
-    pvc_mount: str = Field("/mnt/kubealign", description="Mount path of `pvc`.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels for training pods.")
-    tolerations: list[Toleration] = Field(default_factory=list, description="Tolerations of training pods.")
-    mlflow_secret: str | None = Field(
-        "kubealign-mlflow",
-        description="Secret whose keys become env (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/PASSWORD ...);"
-        " None = none.",
-    )
-    object_store_secret: str | None = Field(
-        "kubealign-object-store",
-        description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL; None = none.",
-    )
-    namespace: str = Field("kubeflow", min_length=1, description="Namespace of TrainJobs the ppo task creates.")
-    trainjob_runtime: str = Field(
-        "kubealign-deepspeed", min_length=1, description="ClusterTrainingRuntime a multi-node TrainJob uses."
-    )
-    trainjob_timeout_s: float | None = Field(
-        None, gt=0, description="Give up on a TrainJob after this many seconds; None = wait as long as it runs."
-    )
-    train_image: str | None = Field(None, description="Override of the training image (default: kubealign.images).")
-    cpu_image: str | None = Field(None, description="Override of the CPU image (default: kubealign.images).")
-    retries: int = Field(
-        2,
-        ge=0,
-        le=10,
-        description="Retries of a failed training task (sft, reward, dpo, ppo): a retried pod resumes from the "
-        "task's checkpoints on `pvc`. KFP retries every failure, OOMKilled included (it has no retry policy).",
-    )
-    retry_backoff: str = Field(
-        "60s", pattern=r"^[1-9][0-9]*[smh]$", description="Wait before the first retry (doubles each time)."
-    )
-    retry_backoff_max: str = Field("30m", pattern=r"^[1-9][0-9]*[smh]$", description="Longest wait between retries.")
-    grace_period_s: int = Field(
-        120,
-        ge=30,
-        description="terminationGracePeriodSeconds of the TrainJob's pods: SIGTERM to SIGKILL, time for the last "
-        "checkpoint (docs/reliability.md gives save times). KFP cannot set it on its task pods (30 s by default).",
-    )
-    queue: str | None = Field(
-        None,
-        pattern=r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$",
-        description="Kueue LocalQueue: the `kueue.x-k8s.io/queue-name` label on training pods and the TrainJob.",
-    )
-
-    @model_validator(mode="after")
-    def _check_multinode(self) -> KubernetesConfig:
-        if self.ppo_nodes > 1 and not self.pvc:
-            raise ValueError("kubernetes.ppo_nodes > 1 needs kubernetes.pvc (the TrainJob's nodes share it)")
-        if self.ppo_nodes > 1 and self.ppo_gpus == 0:
-            raise ValueError("kubernetes.ppo_nodes > 1 needs kubernetes.ppo_gpus >= 1")
-        return self
-
-
-class PipelineConfig(Section):
-    """What the DAG runs (`kubealign run`, compile, submit); the stages run alone ignore it."""
-
-    algorithm: Literal[ROUTES] = Field(
-        "ppo",
-        description="The route from SFT to the candidate: ppo, grpo or rloo (the ppo task, with ppo.algorithm set "
-        "to it) or dpo (the dpo task on the phase-2 pairs). Evaluate and promote take that candidate.",
-    )
-    algorithms: list[Literal[ROUTES]] | None = Field(
-        None,
-        min_length=1,
-        description="Several routes compared in one pipeline run (each at most once): every route trains from the "
-        "same data-split, SFT and reward tasks, is evaluated against the same SFT baseline, a compare task ranks "
-        "them and only the leader can become champion. One entry is the same as `algorithm`; None = `algorithm`.",
-    )
-
-    @field_validator("algorithms")
-    @classmethod
-    def _check_algorithms(cls, value: list[str] | None) -> list[str] | None:
-        repeated = sorted({name for name in value or [] if (value or []).count(name) > 1})
-        if repeated:
-            raise ValueError(f"each route at most once; repeated: {', '.join(repeated)}")
-        return value
 
 
 class KubealignConfig(Section):

@@ -12,9 +12,7 @@ with dropout live.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
-from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -23,6 +21,7 @@ from kubealign.models.inputs import position_ids
 from kubealign.models.reward import score_and_value
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, scaled_logits
+from kubealign.rl.rollout import PPOModels
 
 
 class Experience(NamedTuple):
@@ -94,32 +93,6 @@ def left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (width, 0))
 
 
-def generation_config(sampling: Sampling, max_new_tokens: int, tokenizer: Any) -> Any:
-    """A GenerationConfig that samples from exactly sampling_logits(logits, sampling): every other logits
-    processor spelled out as off, since any setting left unset is filled from the model's own
-    generation_config.json (transformers' default top_k is 50; a checkpoint may add a repetition penalty)."""
-    from transformers import GenerationConfig
-
-    return GenerationConfig(
-        do_sample=True,
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        min_p=0.0,
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
-        repetition_penalty=1.0,
-        encoder_repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        min_new_tokens=0,
-        max_new_tokens=max_new_tokens,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-
-
 def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """x on response actions, 0 elsewhere (also where x is not finite)."""
     return torch.where(response_mask.bool(), x, torch.zeros_like(x))
@@ -154,26 +127,6 @@ def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention
     )
 
 
-@contextlib.contextmanager
-def merged_lora(module: Any) -> Iterator[None]:
-    """Merge PEFT LoRA adapters into the base weights for generation, unmerge after. The hybrid engine's
-    injected kernels read the base weights only; merging keeps generation equal to the adapter model.
-    Under ZeRO-3 the parameters are gathered with rank 0 as the modifier, so every rank sees the merge."""
-    if not hasattr(module, "merge_adapter"):
-        yield
-        return
-    import deepspeed
-
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        module.merge_adapter()
-    try:
-        yield
-    finally:
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            module.unmerge_adapter()
-
-
 def sequence_scores(reward: Scorer, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
                     rows: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float | None]]]:  # fmt: skip
     """([N] float scores, [N] bool scored, each function's values): the Scorer (reward model, functions or
@@ -194,13 +147,12 @@ def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Te
     return input_ids, attention, response
 
 
-def _modes(models: tuple[Any, Any, Any, Any]) -> None:
-    actor, reference, critic, reward = models
-    actor.train()
-    reference.eval()
-    reward.eval()
-    if critic is not None:
-        critic.train()
+def _modes(models: PPOModels) -> None:
+    models.actor.train()
+    models.reference.eval()
+    models.reward.eval()
+    if models.critic is not None:
+        models.critic.train()
 
 
 @torch.no_grad()
@@ -208,17 +160,17 @@ def make_experience(
     batch: Any,
     prompt_mask: torch.Tensor,
     eos_id: int,
-    models: tuple[Any, Any, Any, Any],
+    models: PPOModels,
     sampling: Sampling,
     rows: Any = None,
 ) -> Experience:
     """batch: a RolloutBatch (input_ids, response_start_idx) for left-padded prompts with prompt_mask;
-    models: (actor, reference, critic or None, reward: a Scorer); rows: the data.phases.Rows
-    of the responses (what reward functions read). The actor and the critic are put in train mode first, as
-    DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
+    models: the actor, reference, critic (None: grpo / rloo) and reward (a Scorer) of PPOModels; rows: the
+    data.phases.Rows of the responses (what reward functions read). The actor and the critic are put in train
+    mode first, as DeepSpeed-Chat does (the hybrid engine swaps its inference kernels back out, and with dropout off the
     log-probs then come from the very function the PPO update differentiates); the frozen reference and
     reward models in eval mode."""
-    actor, reference, critic, reward = models
+    actor, reference, critic, reward = models.actor, models.reference, models.critic, models.reward
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     logprobs, ref_logprobs = paired_logprobs(actor, reference, input_ids, attention, response, sampling)
@@ -254,7 +206,7 @@ def make_experience_keeping(
     batch: Any,
     prompt_mask: torch.Tensor,
     eos_id: int,
-    models: tuple[Any, Any, Any, Any],
+    models: PPOModels,
     sampling: Sampling,
     rows: torch.Tensor,
     entropy_grad: bool,
@@ -267,7 +219,7 @@ def make_experience_keeping(
     again (PPO computes the old and the new log-probs of that minibatch from one set of weights). The
     other rows run without autograd. Memory: the frozen models run before the actor's graph is held; a
     kept critic graph is held beside the actor's until the first step — one more graph at the peak."""
-    actor, reference, critic, reward = models
+    actor, reference, critic, reward = models.actor, models.reference, models.critic, models.reward
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     with torch.no_grad():

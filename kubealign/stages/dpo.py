@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,6 @@ from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference
 from kubealign.errors import UserError
 from kubealign.models import loading
-from kubealign.outputs import check_output_path
 from kubealign.rl.dpo import (
     SequenceLogprobs,
     chosen_nll,
@@ -38,9 +36,8 @@ from kubealign.rl.dpo import (
     token_kl,
 )
 from kubealign.rl.experience import first_response_action, forward_logits
-from kubealign.rl.trainer import disable_dropout
-from kubealign.tracking import stage_run
-from kubealign.training import checkpoints, distributed, lm, loop
+from kubealign.rl.rollout import disable_dropout
+from kubealign.training import distributed, lm, loop, stage
 from kubealign.training import engine as engines
 
 STAGE = "dpo"
@@ -233,21 +230,18 @@ def build_reference(cfg: DPOConfig, world: int) -> Any:
     return engines.frozen(model, cfg.zero_stage, cfg.dtype, cfg.offload, 2 * cfg.micro_batch_size, world)
 
 
-def train_loss(cfg: DPOConfig, table: ReferenceTable, tracker: Any, step_metrics: dict[int, dict[str, float]]):
-    """The loop's (engine, batch) -> loss: DPO against the reference table, plus RPO's chosen NLL when
-    rpo_alpha > 0. At each optimizer step's boundary micro-batch the implicit-reward metrics go to MLflow
-    and into step_metrics (this rank's micro-batch; only rank 0 logs)."""
+def train_loss(cfg: DPOConfig, table: ReferenceTable):
+    """The loop's (engine, batch) -> Loss: DPO against the reference table, plus RPO's chosen NLL when
+    rpo_alpha > 0, with the implicit-reward metrics of the micro-batch (the loop logs a step's last ones)."""
 
-    def loss(engine: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def loss(engine: Any, batch: dict[str, torch.Tensor]) -> loop.Loss:
         ref = table.lookup(engine, batch["index"])
         seq = response_logprobs(engine, batch)
         (pc, pr), (rc, rr) = halves(seq, cfg.loss_type), halves(SequenceLogprobs(ref, seq.tokens), cfg.loss_type)
         out = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing, cfg.loss_type)
-        if engine.is_gradient_accumulation_boundary():
-            step = engine.global_steps + 1
-            step_metrics[step] = {k: v for k, v in reward_metrics(out, pc, pr).items() if k != "loss"}
-            tracker.log_metrics({f"train_{k}": v for k, v in step_metrics[step].items()}, step=step)
-        return out.loss + cfg.rpo_alpha * chosen_nll(first_half(seq)) if cfg.rpo_alpha else out.loss
+        metrics = {k: v for k, v in reward_metrics(out, pc, pr).items() if k != "loss"}
+        value = out.loss + cfg.rpo_alpha * chosen_nll(first_half(seq)) if cfg.rpo_alpha else out.loss
+        return loop.Loss(value, metrics)
 
     return loss
 
@@ -262,16 +256,10 @@ def run(
 ) -> dict:
     """Train the policy `model_name` (default: dpo.model) with DPO on DATA's phase 2."""
     cfg = config.dpo if model_name is None else config.dpo.model_copy(update={"model": str(model_name)})
-    check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
-    dataset = check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)
-    _, world = distributed.init()
-    distributed.seed_everything(cfg.seed)
-    started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
-        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+
+    def build(dataset: Any, tokenizer: Any, world: int, tracker: Any) -> stage.Built:
+        from transformers import AutoModelForCausalLM
+
         pad = tokenizer.pad_token_id
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len) if len(dataset.get("eval", [])) else train[:256]
@@ -284,45 +272,29 @@ def run(
         frozen = build_reference(cfg, world)
         view = lambda engine: reference_view(engine, frozen)  # noqa: E731
         table = ReferenceTable(train, pad, 2 * cfg.micro_batch_size, view)
-        step_metrics: dict[int, dict[str, float]] = {}
         # The reference's weights before and after training, recorded in result.json: a cheap proof that
         # it was not trained (collective under ZeRO-3, like the export's gather).
-        reference_before = reference_sha256(unwrap(frozen) if frozen is not None else model)
+        before = reference_sha256(unwrap(frozen) if frozen is not None else model)
 
-        task = loop.Task(
-            name=STAGE,
-            cfg=cfg,
+        def finished(engine: Any) -> dict[str, Any]:
+            after = reference_sha256(unwrap(frozen if frozen is not None else engine))
+            if after != before:
+                raise RuntimeError("dpo: the reference's weights changed during training")  # a bug, never input
+            kind = "adapters-disabled" if frozen is None else "frozen-copy"
+            return {"reference": {"kind": kind, "sha256_before": before, "sha256_after": after}}
+
+        return stage.Built(
+            model=model,
             train=train,
+            evals=evals,
             collate=lambda b: collate(b, pad),
-            loss=train_loss(cfg, table, tracker, step_metrics),
+            loss=train_loss(cfg, table),
             evaluate=lambda engine: evaluate(engine, view, evals, pad, cfg),
-            checkpoint_dir=checkpoint_dir,
-            resume=resume,
+            model_cls=AutoModelForCausalLM,
+            task_type="CAUSAL_LM",
+            result={"loss_type": cfg.loss_type, "train_pairs": len(train), "eval_pairs": len(evals)},
+            finished=finished,
         )
-        engine, summary = loop.run(task, model, tracker)
-        reference_after = reference_sha256(unwrap(frozen if frozen is not None else engine))
-        if reference_after != reference_before:
-            raise RuntimeError("dpo: the reference's weights changed during training")  # a bug, never input
-        for entry in task.history:
-            entry.update(step_metrics.get(int(entry["step"]), {}))
-        summary["wall_time_s"] = time.perf_counter() - started
-        result = {
-            "stage": STAGE,
-            "metrics": summary,
-            "outputs": {"model": "."},
-            "base_model": cfg.model,
-            "reference": {
-                "kind": "adapters-disabled" if frozen is None else "frozen-copy",
-                "sha256_before": reference_before,
-                "sha256_after": reference_after,
-            },
-            "loss_type": cfg.loss_type,
-            "history": task.history,
-            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
-            "train_pairs": len(train),
-            "eval_pairs": len(evals),
-        }
-        from transformers import AutoModelForCausalLM
 
-        loop.finish(task, engine, AutoModelForCausalLM, "CAUSAL_LM", tokenizer, output, result, tracker)
-    return {**result, "output": str(output), "run_id": tracker.run_id}
+    load = lambda: check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)  # noqa: E731
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location)

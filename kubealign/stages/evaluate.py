@@ -35,8 +35,9 @@ from kubealign.outputs import atomic_dir, check_output_path, write_json, write_r
 from kubealign.rewards import sources
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl.experience import generation_config, paired_logprobs, response_masks
+from kubealign.rl.experience import paired_logprobs, response_masks
 from kubealign.rl.losses import Sampling
+from kubealign.rl.rollout import generation_config
 from kubealign.tracking import stage_run
 
 STAGE = "evaluate"

@@ -14,7 +14,6 @@ time split.
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,17 +36,10 @@ from kubealign.rewards.scorer import Scorer
 from kubealign.rewards.totals import function_means, function_totals
 from kubealign.rl import preflight
 from kubealign.rl.experience import make_experience
+from kubealign.rl.iteration import NonFiniteExperience, UnsupervisedData, iteration
 from kubealign.rl.kl import KLController
-from kubealign.rl.trainer import (
-    ModuleRollout,
-    NonFiniteExperience,
-    PPOModels,
-    UnsupervisedData,
-    disable_dropout,
-    generate,
-    iteration,
-    sampling_of,
-)
+from kubealign.rl.rollout import ModuleRollout, PPOModels, disable_dropout, generate, sampling_of
+from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
 from kubealign.tracking import stage_run
 from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training import engine as engines
@@ -147,9 +139,8 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
             ids, mask = pad_batch(prompts[i : i + cfg.generation_batch_size], models.tokenizer.pad_token_id, "left")
             ids, mask = torch.tensor(ids, device=distributed.device()), torch.tensor(mask, device=distributed.device())
             batch = generate(models, ids, mask, cfg)
-            four = (models.actor, models.reference, models.critic, models.reward)
             chunk = rows.take(list(range(i, i + ids.shape[0]))).repeat(cfg.group_size) if rows else None
-            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, four, sampling_of(cfg), chunk)
+            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, models, sampling_of(cfg), chunk)
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
             totals = function_totals(exp.functions or {}, totals)
@@ -208,72 +199,6 @@ def build_models(cfg: PPOConfig, actor_dir: str, critic_dir: str | None, reward_
 
         rollout = HybridEngineRollout(engine=actor_engine, tokenizer=tokenizer, cfg=RolloutConfig())
     return PPOModels(actor_engine, critic_engine, reference, scorer, rollout, tokenizer, synced), check
-
-
-class EMA:
-    """Exponential moving average of the actor's (gathered) parameters, kept on CPU."""
-
-    def __init__(self, coef: float):
-        self.coef = coef
-        self.state: dict[str, torch.Tensor] = {}
-
-    def update(self, module: torch.nn.Module) -> None:
-        current, _ = export.gather_state(module, keep=True)
-        for name, value in current.items():
-            value = value.float()
-            previous = self.state.get(name)
-            self.state[name] = value if previous is None else self.coef * previous + (1 - self.coef) * value
-
-
-EMA_FILE = "kubealign-ema.pt"
-
-
-def checkpoint_parts(directory: Path, models: PPOModels) -> list[Path]:
-    """The directories one PPO iteration's checkpoint spans (each with ITER/kubealign-sha256.json)."""
-    return [directory / "actor"] + ([directory / "critic"] if models.critic is not None else [])
-
-
-def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLController, ema: EMA | None, extra: dict):
-    """The actor (with the EMA inside its tag), the critic, each sealed, then ONE `latest` for all of them
-    (DIRECTORY/latest, checkpoints.commit): a kill anywhere before it leaves the previous iteration's."""
-    tag = f"iter{step}"
-    state = {"iteration": step, "rng": distributed.rng_state(), "kl": kl.state_dict(), **extra}
-    with checkpoints.saving(directory, tag, STAGE, checkpoint_parts(directory, models)):
-        models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
-        if models.critic is not None:
-            models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
-        if ema is not None and int(os.environ.get("RANK", "0")) == 0:
-            torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
-        for part in checkpoint_parts(directory, models):
-            checkpoints.seal(part, tag)
-    checkpoints.commit(directory, tag)
-    distributed.set_rng_state(state["rng"])
-
-
-def load_checkpoint(
-    models: PPOModels, directory: Path, kl: KLController, ema: EMA | None, algorithm: str = "ppo"
-) -> dict[str, Any]:
-    """The iteration every part sealed (checkpoints.resume_tag over actor and critic): never an actor of one
-    iteration with a critic of another."""
-    tag = checkpoints.resume_tag(directory, checkpoint_parts(directory, models))
-    if tag is None:
-        return {"iteration": 0}
-    state = checkpoints.load(models.actor, directory / "actor", tag)
-    saved = state.get("algorithm", "ppo")  # checkpoints from before ppo.algorithm existed are ppo's
-    if saved != algorithm:  # the advantages (and the critic's presence) would change mid-run
-        raise UserError(
-            f"--resume: the checkpoints in {directory} are of ppo.algorithm {saved}, this run is {algorithm}"
-        )
-    if models.critic is not None:
-        checkpoints.load(models.critic, directory / "critic", tag)
-    distributed.set_rng_state(state["rng"])
-    kl.load_state_dict(state["kl"])
-    if ema is not None:
-        ema_file = directory / "actor" / tag / EMA_FILE
-        if not ema_file.is_file():
-            raise UserError(f"--resume: {ema_file} is missing: the checkpoint was saved without ppo.ema_coef")
-        ema.state = torch.load(ema_file)
-    return state
 
 
 def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
@@ -417,21 +342,9 @@ def run(
             models, cfg, train_prompts, eval_prompts, checkpoint_dir, resume, tracker, unsup, rows, eval_rows
         )
         summary = {
-            "reward_before": before["reward"],
-            "reward_after": after["reward"],
-            "kl_before": before["kl"],
-            "kl_after": after["kl"],
-            "train_reward_first": history[0]["reward_mean"],
-            "train_reward_last": history[-1]["reward_mean"],
-            "train_kl_last": history[-1]["kl"],
-            "kl_coef_last": history[-1]["kl_coef"],
-            "generation_time_s": sum(h["generation_time_s"] for h in history),
-            "experience_time_s": sum(h["experience_time_s"] for h in history),
-            "training_time_s": sum(h["training_time_s"] for h in history),
+            **summarize(history, before, after),
             "wall_time_s": time.perf_counter() - started,
             "world_size": world,
-            **{f"{k}/before": v for k, v in before.items() if k.startswith("fn/")},
-            **{f"{k}/after": v for k, v in after.items() if k.startswith("fn/")},
         }
         critic_out = {"critic": "critic"} if models.critic is not None else {}
         result = {
@@ -453,6 +366,26 @@ def run(
             tracker.log_artifact(output / "result.json", STAGE)
     checkpoints.remove(checkpoint_dir)  # every rank: only what kubealign wrote there
     return {**result, "output": str(output), "run_id": tracker.run_id}
+
+
+def summarize(history: list[dict], before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """result.json's metrics of a finished run: eval reward and KL before / after (each reward function's
+    too), the first and last iterations' training figures, the time split."""
+    return {
+        "reward_before": before["reward"],
+        "reward_after": after["reward"],
+        "kl_before": before["kl"],
+        "kl_after": after["kl"],
+        "train_reward_first": history[0]["reward_mean"],
+        "train_reward_last": history[-1]["reward_mean"],
+        "train_kl_last": history[-1]["kl"],
+        "kl_coef_last": history[-1]["kl_coef"],
+        "generation_time_s": sum(h["generation_time_s"] for h in history),
+        "experience_time_s": sum(h["experience_time_s"] for h in history),
+        "training_time_s": sum(h["training_time_s"] for h in history),
+        **{f"{k}/before": v for k, v in before.items() if k.startswith("fn/")},
+        **{f"{k}/after": v for k, v in after.items() if k.startswith("fn/")},
+    }
 
 
 def write_outputs(models: PPOModels, cfg: PPOConfig, ema: EMA | None, output: Path, result: dict) -> None:

@@ -10,7 +10,6 @@ scores (see training.losses.bradley_terry_loss).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,8 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference, pad_batch
-from kubealign.models import loading
 from kubealign.models.reward import last_token_scores, load_reward_model, token_values
-from kubealign.outputs import check_output_path
-from kubealign.tracking import stage_run
-from kubealign.training import checkpoints, distributed, loop
+from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss
 
@@ -104,55 +100,33 @@ def run(
 ) -> dict:
     """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
-    check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
-    dataset = phases.load(data, "phase2_reward", need_rejected=True)
-    _, world = distributed.init()
-    distributed.seed_everything(cfg.seed)
-    started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
-        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+
+    def build(dataset: Any, tokenizer: Any, world: int, tracker: Any) -> stage.Built:
+        from transformers import AutoModelForSequenceClassification
+
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len)
         with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
             model = load_reward_model(cfg.model, cfg.trust_remote_code, tokenizer.pad_token_id, cfg.dtype)
             model = apply_lora(model, cfg.lora, "SEQ_CLS")
         pad = tokenizer.pad_token_id
-        last_roc: dict[str, Any] = {}
 
-        def evaluate_and_keep(engine: Any) -> dict[str, float]:
+        def evaluate_with_roc(engine: Any) -> loop.Evaluation:
             metrics, roc = evaluate(engine, evals, pad, cfg.micro_batch_size)
-            last_roc.update(roc)
-            return metrics
+            return loop.Evaluation(metrics, {SCORES_FILE: roc})
 
-        task = loop.Task(
-            name=STAGE,
-            cfg=cfg,
+        return stage.Built(
+            model=model,
             train=train,
+            evals=evals,
             collate=lambda b: collate(b, pad),
             loss=lambda engine, batch: bradley_terry_loss(*pair_scores(engine, batch)),
-            evaluate=evaluate_and_keep,
-            checkpoint_dir=checkpoint_dir,
-            resume=resume,
+            evaluate=evaluate_with_roc,
+            model_cls=AutoModelForSequenceClassification,
+            task_type="SEQ_CLS",
+            result={"train_pairs": len(train), "eval_pairs": len(evals)},
         )
-        engine, summary = loop.run(task, model, tracker)
-        summary["wall_time_s"] = time.perf_counter() - started
-        result = {
-            "stage": STAGE,
-            "metrics": summary,
-            "outputs": {"model": ".", "eval_scores": SCORES_FILE},
-            "base_model": cfg.model,
-            "history": task.history,
-            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
-            "train_pairs": len(train),
-            "eval_pairs": len(evals),
-        }
-        from transformers import AutoModelForSequenceClassification
 
-        scores = {SCORES_FILE: last_roc}
-        loop.finish(
-            task, engine, AutoModelForSequenceClassification, "SEQ_CLS", tokenizer, output, result, tracker, scores
-        )
-    return {**result, "output": str(output), "run_id": tracker.run_id}
+    load = lambda: phases.load(data, "phase2_reward", need_rejected=True)  # noqa: E731
+    outputs = {"eval_scores": SCORES_FILE}
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, outputs)

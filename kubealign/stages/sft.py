@@ -9,7 +9,6 @@ Output: a self-contained HF model dir (adapters merged) and result.json.
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,7 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.models import loading
-from kubealign.outputs import check_output_path
-from kubealign.tracking import stage_run
-from kubealign.training import checkpoints, distributed, loop
+from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.lm import batch_loss, collate, tokenize
 
@@ -53,45 +50,27 @@ def run(
 ) -> dict:
     """Fine-tune `model_name` (default: sft.model) on DATA's phase 1; returns the result.json payload."""
     cfg = config.sft if model_name is None else config.sft.model_copy(update={"model": model_name})
-    check_output_path(output, STAGE)
-    checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
-    dataset = phases.load(data, "phase1_sft")
-    _, world = distributed.init()
-    distributed.seed_everything(cfg.seed)
-    started = time.perf_counter()
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
-        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+
+    def build(dataset: Any, tokenizer: Any, world: int, tracker: Any) -> stage.Built:
+        from transformers import AutoModelForCausalLM
+
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len, cfg.include_prompt_in_loss)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len, include_prompt=False)
         with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
             model = loading.load_causal_lm(cfg.model, cfg.trust_remote_code, dtype=loading.torch_dtype(cfg.dtype))
             model = apply_lora(model, cfg.lora, "CAUSAL_LM")
         pad = tokenizer.pad_token_id
-        task = loop.Task(
-            name=STAGE,
-            cfg=cfg,
+        return stage.Built(
+            model=model,
             train=train,
+            evals=evals,
             collate=lambda b: collate(b, pad),
             loss=lambda engine, batch: batch_loss(engine, batch, cfg.fp32_loss).loss,
             evaluate=lambda engine: perplexity(engine, evals, pad, cfg.micro_batch_size),
-            checkpoint_dir=checkpoint_dir,
-            resume=resume,
+            model_cls=AutoModelForCausalLM,
+            task_type="CAUSAL_LM",
+            result={"train_rows": len(train), "eval_rows": len(evals)},
         )
-        engine, summary = loop.run(task, model, tracker)
-        summary["wall_time_s"] = time.perf_counter() - started
-        result = {
-            "stage": STAGE,
-            "metrics": summary,
-            "outputs": {"model": "."},
-            "base_model": cfg.model,
-            "history": task.history,
-            "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
-            "train_rows": len(train),
-            "eval_rows": len(evals),
-        }
-        from transformers import AutoModelForCausalLM
 
-        loop.finish(task, engine, AutoModelForCausalLM, "CAUSAL_LM", tokenizer, output, result, tracker)
-    return {**result, "output": str(output), "run_id": tracker.run_id}
+    load = lambda: phases.load(data, "phase1_sft")  # noqa: E731
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from tqdm import tqdm
@@ -45,6 +45,22 @@ def fault_hook(step: int) -> None:
         os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
+class Loss(NamedTuple):
+    """A loss with metrics of its micro-batch: those of each step's last micro-batch go to MLflow as
+    train_<name> and into the step's history entry (a Task's loss may return a bare tensor instead)."""
+
+    value: torch.Tensor
+    metrics: dict[str, float]
+
+
+class Evaluation(NamedTuple):
+    """An evaluation's metrics and the files it produced (name -> JSON payload): the last evaluation's are
+    written beside the exported model (a Task's evaluate may return the metrics alone)."""
+
+    metrics: dict[str, float]
+    files: dict[str, Any]
+
+
 @dataclass
 class Task:
     """What differs between stages: data, how a batch becomes a loss, how to evaluate."""
@@ -53,11 +69,21 @@ class Task:
     cfg: TrainConfig
     train: list[Any]
     collate: Callable[[list[Any]], dict[str, torch.Tensor]]
-    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]  # (engine, batch) -> scalar loss
-    evaluate: Callable[[Any], dict[str, float]]  # engine -> metrics, reduced over ranks
+    loss: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor | Loss]  # (engine, batch) -> scalar loss
+    evaluate: Callable[[Any], dict[str, float] | Evaluation]  # engine -> metrics, reduced over ranks
     checkpoint_dir: Path
     resume: bool = False
     history: list[dict[str, float]] = field(default_factory=list)
+    files: dict[str, Any] = field(default_factory=dict)  # the last evaluation's (Evaluation.files)
+
+
+def evaluated(task: Task, engine: Any) -> dict[str, float]:
+    """task.evaluate's metrics; the files of an Evaluation are kept on the task."""
+    out = task.evaluate(engine)
+    if isinstance(out, Evaluation):
+        task.files = out.files
+        return out.metrics
+    return out
 
 
 def peak_memory_mb() -> float:
@@ -185,7 +211,8 @@ def _train(task: Task, engine: Any, loader: Any, tracker: Any, bar: Any, stop: p
             if epoch == position["epoch"] and micro < position["micro"]:
                 continue  # already trained on before the checkpoint
             boundary = engine.is_gradient_accumulation_boundary()
-            loss = task.loss(engine, batch)
+            out = task.loss(engine, batch)
+            loss, metrics = (out.value, out.metrics) if isinstance(out, Loss) else (out, {})
             # nan/inf in any micro-batch stays in the sum; checked once per optimizer step, before it
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
             if boundary:
@@ -199,10 +226,10 @@ def _train(task: Task, engine: Any, loader: Any, tracker: Any, bar: Any, stop: p
             step += 1
             bar.update()
             record = {"train_loss": loss.item(), "lr": engine.get_lr()[0]}
-            tracker.log_metrics(record, step=step)
+            tracker.log_metrics({**record, **{f"train_{k}": v for k, v in metrics.items()}}, step=step)
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
-                tracker.log_metrics({f"eval_{k}": v for k, v in task.evaluate(engine).items()}, step=step)
-            task.history.append({"step": step, **record})
+                tracker.log_metrics({f"eval_{k}": v for k, v in evaluated(task, engine).items()}, step=step)
+            task.history.append({"step": step, **record, **metrics})
             saved = bool(cfg.save_every_steps) and step % cfg.save_every_steps == 0
             if saved:
                 _save(engine, task, {"step": step, "epoch": epoch, "micro": micro + 1, "before": before})
@@ -241,7 +268,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
     config = engines.ds_config(cfg, world, torch.cuda.is_available())
     engine = engines.create(model, cfg, config, total_steps)
     position = _restore(engine, task)
-    before = task.evaluate(engine) if position["step"] == 0 else position["before"]
+    before = evaluated(task, engine) if position["step"] == 0 else position["before"]
     tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
     engine.train()  # from_pretrained returns eval mode; without this a resumed run would train without dropout
     started = time.perf_counter()
@@ -254,7 +281,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
         finally:
             bar.close()  # the stop's line comes after the bar's
     elapsed = time.perf_counter() - started
-    after = task.evaluate(engine)
+    after = evaluated(task, engine)
     stop_if_diverged(task, step, after, engine.get_lr()[0])
     tracker.log_metrics({f"eval_{k}": v for k, v in after.items()}, step=step)
     total_tokens, total_time = distributed.all_reduce_sum([tokens, elapsed])

@@ -7,10 +7,7 @@ responses to the same prompt (rl/advantages.py), the same clipped ratio; grpo ad
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -29,178 +26,19 @@ from kubealign.rl.advantages import (
     sequence_rewards,
     whiten,
 )
-from kubealign.rl.experience import (
-    Experience,
-    FirstPass,
-    generation_config,
-    make_experience,
-    make_experience_keeping,
-    merged_lora,
-    policy_logprobs,
-)
+from kubealign.rl.experience import Experience, FirstPass, make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController, k3
 from kubealign.rl.losses import (
     PolicyLoss,
-    Sampling,
     aggregate,
     explained_variance,
     loss_denominator,
     policy_loss,
     value_loss,
 )
+from kubealign.rl.rollout import PPOModels, generate, sampling_of  # noqa: F401
 from kubealign.training import distributed
 from kubealign.training.loop import NonFiniteLoss, check_finite
-
-
-class ModuleRollout:
-    """The rollout API's shape over module.generate, for the plain-engine path."""
-
-    def __init__(self, engine: Any, tokenizer: Any, synced_gpus: bool):
-        self.engine, self.tokenizer, self.synced_gpus = engine, tokenizer, synced_gpus
-
-    def generate(self, request: Any, sampling: Any) -> Any:
-        from deepspeed.runtime.rollout import RolloutBatch
-
-        module = self.engine.module
-        out = module.generate(
-            input_ids=request.prompt_ids,
-            attention_mask=request.prompt_attention_mask,
-            do_sample=True,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=max(sampling.top_k, 0),  # 0 disables; None would mean the model's default (50)
-            max_new_tokens=sampling.max_new_tokens,
-            num_return_sequences=sampling.n_samples_per_prompt,
-            pad_token_id=self.tokenizer.pad_token_id,
-            eos_token_id=self.tokenizer.eos_token_id,
-            synced_gpus=self.synced_gpus,
-        )
-        start = torch.full((out.shape[0],), request.prompt_ids.shape[1], dtype=torch.long, device=out.device)
-        return RolloutBatch(out, torch.ones_like(out), start)
-
-
-def disable_dropout(model: torch.nn.Module) -> None:
-    """PPO without dropout (as TRL does): the log-probs of the rollout and of the first update pass are
-    then computed by the same function, so the ratio is exactly 1 before any step."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        for name in ("dropout", "attention_dropout", "activation_dropout"):
-            if isinstance(getattr(module, name, None), float):
-                setattr(module, name, 0.0)
-
-
-@dataclass
-class PPOModels:
-    actor: Any  # DeepSpeed engine (hybrid or plain), trainable
-    critic: Any  # DeepSpeed engine, trainable; None for grpo / rloo (critic-free)
-    reference: Any  # frozen module or engine
-    reward: Any  # a rewards.scorer.Scorer (reward model and / or functions)
-    rollout: Any  # HybridEngineRollout or ModuleRollout
-    tokenizer: Any
-    synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
-
-
-def sampling_config(cfg: PPOConfig) -> Any:
-    from deepspeed.runtime.rollout import SamplingConfig
-
-    return SamplingConfig(
-        max_new_tokens=cfg.max_new_tokens,
-        temperature=cfg.temperature,
-        top_p=cfg.top_p,
-        top_k=cfg.top_k,
-        n_samples_per_prompt=cfg.group_size,
-    )
-
-
-def sampling_of(cfg: PPOConfig) -> Sampling:
-    """The settings the rollout samples with, for the log-probs that must describe it."""
-    return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-
-
-def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig) -> Any:
-    """Sample responses with the actor in eval mode (the hybrid engine's inference kernels; the next
-    log-prob pass puts it back in train mode) and its adapters merged for the duration."""
-    from deepspeed.runtime.rollout import RolloutRequest
-
-    models.actor.eval()
-    settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, models.tokenizer)
-    # min_p 0 removes nothing, yet generate() would run its softmax and vocabulary sort every step; None
-    # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
-    settings.min_p = None
-    module = models.actor.module
-    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models):
-        return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
-
-
-class EndedAtEOS:
-    """A stopping criterion: a row is finished once it has sampled EOS (HF generate keeps rows finished),
-    so generate() returns when every row has ended — under synced_gpus when every rank's rows have. The
-    rollout API passes eos_token_id=None (it never stops early) and pads after each row's first EOS
-    itself; the rows are sampled exactly as before, the batch just ends at its longest response."""
-
-    def __init__(self, eos_id: int):
-        self.eos_id = eos_id
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        return input_ids[:, -1] == self.eos_id
-
-
-class RepairInvalid:
-    """transformers' InfNanRemoveLogitsProcessor (nan -> 0, +-inf -> the float's max/min), run only when a
-    row has a non-finite value: one reduction per step instead of three full passes. A diverged actor (nan
-    logits) then samples garbage instead of raising in torch.multinomial on one rank; its nan log-probs stop
-    the stage in update() on every rank at once. Finite scores pass untouched (the same samples)."""
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if bool(torch.isfinite(scores.sum())):
-            return scores
-        from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
-
-        return InfNanRemoveLogitsProcessor()(input_ids, scores)
-
-
-@contextlib.contextmanager
-def rollout_hooks(module: Any, models: PPOModels) -> Iterator[None]:
-    """module.generate — what both the rollout API and ModuleRollout call — with EndedAtEOS, RepairInvalid
-    and synced_gpus added. Under ZeRO-3 on several ranks each decode forward gathers parameters
-    collectively, so every rank must run the same number of forwards: synced_gpus makes generate
-    all-reduce the "this rank is done" flag every step and keep a finished rank running forwards (without
-    sampling) until every rank is done, so all ranks stop at the same step."""
-    from transformers import LogitsProcessorList, StoppingCriteriaList
-
-    generate = module.generate
-    own = "generate" in vars(module)  # e.g. the hybrid engine's wrapper of an injected model
-
-    def hooked(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([EndedAtEOS(models.tokenizer.eos_token_id)]))
-        kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid()]))
-        kwargs.setdefault("synced_gpus", models.synced_gpus)
-        return generate(*args, **kwargs)
-
-    module.generate = hooked
-    try:
-        yield
-    finally:
-        if own:
-            module.generate = generate
-        else:
-            del module.generate
-
-
-@contextlib.contextmanager
-def only_settings(module: Any, settings: Any) -> Iterator[None]:
-    """Generation with exactly `settings` (experience.generation_config): the rollout passes only the
-    sampling knobs, and every setting it leaves out would come from the checkpoint's own
-    generation_config.json (a repetition penalty, a min-p, ...), which the experience's log-probs do not
-    describe. The checkpoint's config is put back afterwards, so the exported model keeps it."""
-    hf = module.get_base_model() if hasattr(module, "get_base_model") else module
-    saved = hf.generation_config
-    hf.generation_config = settings
-    try:
-        yield
-    finally:
-        hf.generation_config = saved
 
 
 class UnsupervisedData:
@@ -428,7 +266,6 @@ class NonFiniteExperience(NonFiniteLoss):
 class ExperienceFault(NamedTuple):
     message: str  # what is not finite, and how often; '' when everything is
     trained: bool  # a model that trains (actor, critic) is among them: diverged, the learning rate is the
-    # suspect; else only frozen models (reward model, reference), which no learning rate can have caused
 
 
 def experience_fault(exp: Experience) -> ExperienceFault:
@@ -485,17 +322,16 @@ def iteration(
     started = time.perf_counter()
     batch = generate(models, prompt_ids, prompt_mask, cfg)
     generated = time.perf_counter()
-    four = (models.actor, models.reference, models.critic, models.reward)  # critic None: grpo / rloo
     eos = models.tokenizer.eos_token_id
     plan = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # the first epoch's, as update() drew it
     first = None
     scored = rows.repeat(cfg.group_size) if rows is not None else None  # a prompt's k responses are contiguous
     if cfg.reuse_first_forward != "none":
         both = cfg.reuse_first_forward == "both"
-        exp, first = make_experience_keeping(batch, prompt_mask, eos, four, sampling_of(cfg), plan[0],
+        exp, first = make_experience_keeping(batch, prompt_mask, eos, models, sampling_of(cfg), plan[0],
                                              cfg.entropy_coef > 0, keep_critic=both, scored_rows=scored)  # fmt: skip
     else:
-        exp = make_experience(batch, prompt_mask, eos, four, sampling_of(cfg), scored)
+        exp = make_experience(batch, prompt_mask, eos, models, sampling_of(cfg), scored)
     experienced = time.perf_counter()
     fault = experience_fault(exp)
     if fault.message:  # before any update: a nan here would poison every weight it reaches
