@@ -87,8 +87,17 @@ def _ppo(args: argparse.Namespace) -> None:
     from kubealign.stages import ppo
 
     config = load_config(args.config, args.overrides)
-    result = ppo.run(config, args.prompts, args.actor, args.critic, args.reward, args.output, resume=args.resume,
-                     functions=_functions(args), checkpoint_location=args.checkpoints)  # fmt: skip
+    result = ppo.run(
+        config,
+        args.prompts,
+        args.actor,
+        args.critic,
+        args.reward,
+        args.output,
+        resume=args.resume,
+        functions=_functions(args),
+        checkpoint_location=args.checkpoints,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         m = result["metrics"]
         print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")
@@ -105,8 +114,9 @@ def _evaluate(args: argparse.Namespace) -> None:
     from kubealign.summary import evaluate_lines
 
     config = load_config(args.config, args.overrides)
-    result = evaluate.run(config, args.prompts, args.baseline, args.candidate, args.reward, args.output,
-                          functions=_functions(args))  # fmt: skip
+    result = evaluate.run(
+        config, args.prompts, args.baseline, args.candidate, args.reward, args.output, functions=_functions(args)
+    )
     m = result["metrics"]
     print(f"evaluate: {result['output']}  ({m['prompts']} prompts)")
     for line in evaluate_lines(m):
@@ -195,9 +205,15 @@ def _submit(args: argparse.Namespace) -> None:
     from kubealign.pipelines.remote import submit
 
     result = submit(
-        load_config(args.config, args.overrides), args.host, args.experiment, args.run_name, args.namespace,
-        enable_caching=not args.no_cache, token=args.token, parent_run=not args.no_parent_run,
-    )  # fmt: skip
+        load_config(args.config, args.overrides),
+        args.host,
+        args.experiment,
+        args.run_name,
+        args.namespace,
+        enable_caching=not args.no_cache,
+        token=args.token,
+        parent_run=not args.no_parent_run,
+    )
     print(f"submitted run {result['run_name']} ({result['run_id']}): {result['url']}")
     if result["mlflow_parent_run_id"]:
         print(f"MLflow parent run: {result['mlflow_parent_run_id']}")

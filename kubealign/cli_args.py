@@ -203,8 +203,9 @@ def _add_pipeline_commands(sub: Any) -> None:
     submit.add_argument("--namespace", help="profile namespace on multi-user Kubeflow")
     submit.add_argument("--no-cache", action="store_true", help="run every task even if KFP has a cached result")
     submit.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
-    submit.add_argument("--no-parent-run", action="store_true",
-                        help="do not create a parent MLflow run for the pipeline run")  # fmt: skip
+    submit.add_argument(
+        "--no-parent-run", action="store_true", help="do not create a parent MLflow run for the pipeline run"
+    )
 
     upload = sub.add_parser("upload", help="compile and upload the pipeline to KFP (new pipeline or new version)")
     _add_pipeline_config(upload)
@@ -221,10 +222,17 @@ def _add_pipeline_commands(sub: Any) -> None:
         help="a stage; in a run comparing several routes, a route (its training, evaluation, then the comparison "
         "and the promotions) or compare",
     )
-    rerun.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR",
-                       help="--output of an earlier `kubealign run`")  # fmt: skip
-    rerun.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                       help="override one field of that run's config (repeatable)")  # fmt: skip
+    rerun.add_argument(
+        "--from", dest="run", required=True, type=Path, metavar="RUN_DIR", help="--output of an earlier `kubealign run`"
+    )
+    rerun.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one field of that run's config (repeatable)",
+    )
     rerun.add_argument("--downstream", action="store_true", help="also rerun every stage that depends on it")
     rerun.add_argument("--output", type=Path, metavar="DIR", help="default: RUN_DIR-rerun-STAGE-<timestamp>")
 

@@ -14,26 +14,37 @@ from kubealign.shape import SUMMARY_STAGES as STAGES
 def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
     m = r.get("metrics", {})
     if stage == "data-split":
-        prompts = "/".join(str(int(m.get(f"{p}_train_prompts", 0) + m.get(f"{p}_eval_prompts", 0)))
-                           for p in ("phase1_sft", "phase2_reward", "phase3_prompts"))  # fmt: skip
+        prompts = "/".join(
+            str(int(m.get(f"{p}_train_prompts", 0) + m.get(f"{p}_eval_prompts", 0)))
+            for p in ("phase1_sft", "phase2_reward", "phase3_prompts")
+        )
         return f"{int(m.get('rows_kept', 0))} rows kept; prompts per phase {prompts}"
     if stage == "sft":
         return f"eval perplexity {m['before_perplexity']:.1f} -> {m['after_perplexity']:.1f}"
     if stage == "reward":
         return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
     if stage == "ppo":
-        fns = "".join(f", {k.removesuffix('/before')} {m[k]:.2f} -> {m[k.removesuffix('/before') + '/after']:.2f}"
-                      for k in m if k.startswith("fn/") and k.endswith("/before"))  # fmt: skip
+        fns = "".join(
+            f", {k.removesuffix('/before')} {m[k]:.2f} -> {m[k.removesuffix('/before') + '/after']:.2f}"
+            for k in m
+            if k.startswith("fn/") and k.endswith("/before")
+        )
         if r.get("algorithm") not in (None, "ppo"):
-            return (f"{r['algorithm']}: eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, "
-                    f"KL {m['kl_after']:.3f}, rollout path {r.get('rollout_path')}")  # fmt: skip
+            return (
+                f"{r['algorithm']}: eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, "
+                f"KL {m['kl_after']:.3f}, rollout path {r.get('rollout_path')}"
+            )
         target = f" (adaptive target {r['kl_target']})" if r.get("kl_target") is not None else ""
-        return (f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, KL {m['kl_after']:.3f}"
-                f"{target}, rollout path {r.get('rollout_path')}")  # fmt: skip
+        return (
+            f"eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}{fns}, KL {m['kl_after']:.3f}"
+            f"{target}, rollout path {r.get('rollout_path')}"
+        )
     if stage == "dpo":
-        return (f"eval loss {m['before_loss']:.3f} -> {m['after_loss']:.3f}, implicit-reward accuracy "
-                f"{m['after_rewards_accuracy']:.2f}, margin {m['after_rewards_margin']:.2f}, "
-                f"KL/token {m['after_kl_per_token']:.3f}")  # fmt: skip
+        return (
+            f"eval loss {m['before_loss']:.3f} -> {m['after_loss']:.3f}, implicit-reward accuracy "
+            f"{m['after_rewards_accuracy']:.2f}, margin {m['after_rewards_margin']:.2f}, "
+            f"KL/token {m['after_kl_per_token']:.3f}"
+        )
     if stage == "evaluate":
         return "\n".join(evaluate_lines(m, label))
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())

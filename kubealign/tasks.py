@@ -148,8 +148,9 @@ def _functions_file(specs: list, directory: Path) -> list[str]:
     return ["--reward-functions", str(path)]
 
 
-def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic: str, output: str,
-        functions_json: str = "") -> dict:  # fmt: skip
+def ppo(
+    config_json: str, overrides: list[str], prompts: str, actor: str, critic: str, output: str, functions_json: str = ""
+) -> dict:
     """PPO in-process, under torchrun on a multi-GPU pod, or as a multi-node TrainJob. critic: the reward
     model's dir (critic and reward), or with reward functions alone the SFT dir (ppo's critic start)."""
     config = load(config_json, overrides)
@@ -169,8 +170,16 @@ def ppo(config_json: str, overrides: list[str], prompts: str, actor: str, critic
     return _tidy(location, stage.run(config, *paths, resume=resume, functions=specs, checkpoint_location=location))
 
 
-def ppo_trainjob(config: KubealignConfig, prompts: str, actor: str, critic: str, output: str, specs: list,
-                 location: Path | None = None, resume: bool = False) -> dict:  # fmt: skip
+def ppo_trainjob(
+    config: KubealignConfig,
+    prompts: str,
+    actor: str,
+    critic: str,
+    output: str,
+    specs: list,
+    location: Path | None = None,
+    resume: bool = False,
+) -> dict:
     """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back; the staging directory
     is removed on every exit this process lives through (a SIGKILLed try's is replaced by the retry's).
 

@@ -130,8 +130,12 @@ def _preemptible(task: dsl.PipelineTask, k8s: KubernetesConfig) -> None:
     cached. The downward API gives the run (KFP labels its pods `pipeline/runid`) and the pod's identity
     (the owner of a multi-node TrainJob)."""
     if k8s.retries:
-        task.set_retry(k8s.retries, backoff_duration=k8s.retry_backoff, backoff_factor=2.0,
-                       backoff_max_duration=k8s.retry_backoff_max)  # fmt: skip
+        task.set_retry(
+            k8s.retries,
+            backoff_duration=k8s.retry_backoff,
+            backoff_factor=2.0,
+            backoff_max_duration=k8s.retry_backoff_max,
+        )
     if k8s.queue:
         kubernetes.add_pod_label(task, trainjob.QUEUE_LABEL, k8s.queue)
     if k8s.pvc:
@@ -188,13 +192,21 @@ class Tasks:
         """The shared tasks: (dataset, SFT model, scorer: kubealign.shape.scorer's task's model)."""
         split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"])
         dataset = self.place(split, "data split", 0, training=False).outputs["dataset"]
-        sft = stages.sft(config_json=p["config_json"], model_name=p["sft_model"],
-                         model_fingerprint=p["sft_model_fingerprint"], data=dataset)  # fmt: skip
+        sft = stages.sft(
+            config_json=p["config_json"],
+            model_name=p["sft_model"],
+            model_fingerprint=p["sft_model_fingerprint"],
+            data=dataset,
+        )
         self.place(sft, "supervised fine-tuning", self.k8s.sft_gpus, training=True)
         models = {"sft": sft.outputs["model"]}
         if self.with_model:
-            reward = stages.reward(config_json=p["config_json"], model_name=p["reward_model"],
-                                   model_fingerprint=p["reward_model_fingerprint"], data=dataset)  # fmt: skip
+            reward = stages.reward(
+                config_json=p["config_json"],
+                model_name=p["reward_model"],
+                model_fingerprint=p["reward_model_fingerprint"],
+                data=dataset,
+            )
             models["reward"] = self.place(reward, "reward model", self.k8s.reward_gpus, training=True).outputs["model"]
         return dataset, models["sft"], models[scorer_task(self.with_model)]
 
@@ -202,16 +214,31 @@ class Tasks:
         task = component(config_json=p["config_json"], data=dataset, actor=sft)
         return self.place(task, "DPO", self.k8s.sft_gpus, training=True)
 
-    def rl(self, component: Any, p: dict[str, Any], algorithm: Any, dataset: Any, sft: Any, scorer: Any,
-           label: str) -> dsl.PipelineTask:  # fmt: skip
-        task = component(config_json=p["config_json"], algorithm=algorithm, num_iterations=p["ppo_num_iterations"],
-                         reward_functions=p["reward_functions"], prompts=dataset, actor=sft, critic=scorer)  # fmt: skip
+    def rl(
+        self, component: Any, p: dict[str, Any], algorithm: Any, dataset: Any, sft: Any, scorer: Any, label: str
+    ) -> dsl.PipelineTask:
+        task = component(
+            config_json=p["config_json"],
+            algorithm=algorithm,
+            num_iterations=p["ppo_num_iterations"],
+            reward_functions=p["reward_functions"],
+            prompts=dataset,
+            actor=sft,
+            critic=scorer,
+        )
         return self.place(task, label, self.k8s.ppo_gpus, training=True)
 
-    def evaluate(self, component: Any, p: dict[str, Any], dataset: Any, sft: Any, candidate: Any,
-                 scorer: Any) -> dsl.PipelineTask:  # fmt: skip
-        evaluation = component(config_json=p["config_json"], reward_functions=p["reward_functions"],
-                               prompts=dataset, baseline=sft, candidate=candidate, reward_model=scorer)  # fmt: skip
+    def evaluate(
+        self, component: Any, p: dict[str, Any], dataset: Any, sft: Any, candidate: Any, scorer: Any
+    ) -> dsl.PipelineTask:
+        evaluation = component(
+            config_json=p["config_json"],
+            reward_functions=p["reward_functions"],
+            prompts=dataset,
+            baseline=sft,
+            candidate=candidate,
+            reward_model=scorer,
+        )
         return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False)
 
     def promote(self, task: dsl.PipelineTask, label: str) -> dsl.PipelineTask:
@@ -244,8 +271,9 @@ def _one_route(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             ppo = tasks.rl(stages.ppo, p, algorithm, dataset, sft, scorer, "PPO / GRPO / RLOO (hybrid engine)")
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
         evaluation = tasks.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
-        promote = stages.promote(config_json=config_json, evaluation=evaluation.outputs["evaluation"],
-                                 candidate=candidate)  # fmt: skip
+        promote = stages.promote(
+            config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
+        )
         tasks.promote(promote, "promote (MLflow registry)")
         done = {
             "data_split": dataset,

@@ -206,12 +206,21 @@ def run(
     wall = time.perf_counter() - started
     stages = _stage_dirs(config, route, tasks.records, outputs)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
-    return _finish(config, output, route, stages, tasks, logs, {"wall_time_s": wall, "mlflow": mlflow,
-                                                               "runner": runner}, client)  # fmt: skip
+    return _finish(
+        config, output, route, stages, tasks, logs, {"wall_time_s": wall, "mlflow": mlflow, "runner": runner}, client
+    )
 
 
-def _finish(config: KubealignConfig, output: Path, route: tuple[str, ...], stages: dict[str, Path], tasks: Any,
-            logs: Path, extra: dict[str, Any], client: Any) -> dict[str, Any]:  # fmt: skip
+def _finish(
+    config: KubealignConfig,
+    output: Path,
+    route: tuple[str, ...],
+    stages: dict[str, Path],
+    tasks: Any,
+    logs: Path,
+    extra: dict[str, Any],
+    client: Any,
+) -> dict[str, Any]:
     """Write the run index, end the parent MLflow run; a failed task that fails the run raises PipelineFailed.
     With several routes, a route whose training or evaluation failed does not fail the run: the comparison
     ranks the others (a failed promotion still does: the registry is the run's point)."""
@@ -239,8 +248,9 @@ def _finish(config: KubealignConfig, output: Path, route: tuple[str, ...], stage
     return index
 
 
-def _task_runner(config: KubealignConfig, output: Path, env: dict[str, str | None], runner: str
-                 ) -> tuple[KubealignConfig, Any, Path]:  # fmt: skip
+def _task_runner(
+    config: KubealignConfig, output: Path, env: dict[str, str | None], runner: str
+) -> tuple[KubealignConfig, Any, Path]:
     """(the config the tasks get, kfp.local's runner, its cache root). docker: each task in the CPU image
     (kubealign.containers.runner; env gains DOCKER_HOST, which kfp.local's handler reads)."""
     from kfp import local
@@ -257,8 +267,9 @@ def _task_runner(config: KubealignConfig, output: Path, env: dict[str, str | Non
     return config, local.SubprocessRunner(use_venv=False), cache_root() / "kfp-local"
 
 
-def _stage_dirs(config: KubealignConfig, route: tuple[str, ...], records: dict[str, Any], outputs: Any
-                ) -> dict[str, Path]:  # fmt: skip
+def _stage_dirs(
+    config: KubealignConfig, route: tuple[str, ...], records: dict[str, Any], outputs: Any
+) -> dict[str, Path]:
     """Each finished task's output directory. Cached tasks point into the run that computed them: take the
     directories from the outputs (of each task, with several routes: a failed route leaves kfp.local's
     pipeline outputs empty)."""
@@ -277,8 +288,9 @@ def _stage_dirs(config: KubealignConfig, route: tuple[str, ...], records: dict[s
 
 def failed_in(records: dict[str, Any], route: str) -> Any:
     """The task of `route` that failed (its training or its evaluation), or None."""
-    return next((records[t] for t in (route, f"evaluate-{route}") if t in records and records[t].status == "failed"),
-                None)  # fmt: skip
+    return next(
+        (records[t] for t in (route, f"evaluate-{route}") if t in records and records[t].status == "failed"), None
+    )
 
 
 def failure_message(failed: Any, logs: Path) -> str:

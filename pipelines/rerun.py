@@ -23,8 +23,9 @@ from kubealign.shape import downstream_of, route_task, stages_for, upstream
 from kubealign.tracking import PARENT_RUN_ENV
 
 
-def _run_stage(stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str, functions: str
-               ) -> dict[str, Any]:  # fmt: skip
+def _run_stage(
+    stage: str, config_json: str, dirs: dict[str, Path], out: Path, algorithm: str, functions: str
+) -> dict[str, Any]:
     d = {name: str(path) for name, path in dirs.items()}
     scorer = d.get(shape.scorer("reward" in d), "")  # the reward model, else the SFT model (kubealign.shape)
     candidate = route_task(algorithm)
@@ -54,8 +55,9 @@ def reusable(index: dict[str, Any], run: Path, name: str, stage: str) -> Path:
     return path
 
 
-def start(config: Any, index: dict[str, Any], run: Path, stage: str, output: Path | None
-          ) -> tuple[Path, Any, str, dict[str, str]]:  # fmt: skip
+def start(
+    config: Any, index: dict[str, Any], run: Path, stage: str, output: Path | None
+) -> tuple[Path, Any, str, dict[str, str]]:
     """The rerun's output directory (new or empty) and its parent MLflow run, tagged as a rerun of RUN's:
     (output, client, parent run id, the environment that nests the stages under it)."""
     output = (output or run.parent / f"{run.name}-rerun-{stage}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
@@ -63,8 +65,12 @@ def start(config: Any, index: dict[str, Any], run: Path, stage: str, output: Pat
         raise UserError(f"--output {output}: exists and is not empty")
     client, uri, experiment_id, parent = parent_run(config, output)
     client.set_tag(parent, "kubealign.rerun_of", index.get("mlflow", {}).get("parent_run_id", str(run)))
-    return output, client, parent, {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id,
-                                    PARENT_RUN_ENV: parent}  # fmt: skip
+    return (
+        output,
+        client,
+        parent,
+        {"MLFLOW_TRACKING_URI": uri, "MLFLOW_EXPERIMENT_ID": experiment_id, PARENT_RUN_ENV: parent},
+    )
 
 
 def rerun(
@@ -135,8 +141,14 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
             if route != "compare":
                 _run_stage(route_task(route), config_json, dirs, output / route, route, functions)
                 dirs[route] = output / route
-                _run_stage("evaluate", config_json, {**dirs, route_task(route): dirs[route]},
-                           output / f"evaluate-{route}", route, functions)  # fmt: skip
+                _run_stage(
+                    "evaluate",
+                    config_json,
+                    {**dirs, route_task(route): dirs[route]},
+                    output / f"evaluate-{route}",
+                    route,
+                    functions,
+                )
                 dirs[f"evaluate-{route}"] = output / f"evaluate-{route}"
             evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in routes}
             tasks.compare(config_json, [], list(routes), evaluations, str(output / "compare"))
@@ -144,8 +156,14 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
             todo.append("compare")
             for name in (r for r in routes if f"evaluate-{r}" in dirs and r in dirs):
                 target = output / f"promote-{name}"
-                tasks.promote(config_json, [], str(dirs[f"evaluate-{name}"]), str(dirs[name]), str(target),
-                              str(output / "compare"))  # fmt: skip
+                tasks.promote(
+                    config_json,
+                    [],
+                    str(dirs[f"evaluate-{name}"]),
+                    str(dirs[name]),
+                    str(target),
+                    str(output / "compare"),
+                )
                 dirs[f"promote-{name}"] = target
                 todo.append(f"promote-{name}")
         status = "FINISHED"

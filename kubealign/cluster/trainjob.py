@@ -228,12 +228,19 @@ def replace_leftover(
                 return True
             raise
         sleep(poll_s)
-    raise TrainJobFailed(f"TrainJob {namespace}/{name}, left by an earlier try, still exists {timeout_s:.0f} s "
-                         "after its deletion")  # fmt: skip
+    raise TrainJobFailed(
+        f"TrainJob {namespace}/{name}, left by an earlier try, still exists {timeout_s:.0f} s after its deletion"
+    )
 
 
-def run(custom: Any, core: Any, body: dict[str, Any], timeout_s: float | None, poll_s: float = 10.0,
-        sleep: Callable[[float], None] = time.sleep) -> str:  # fmt: skip
+def run(
+    custom: Any,
+    core: Any,
+    body: dict[str, Any],
+    timeout_s: float | None,
+    poll_s: float = 10.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> str:
     """Create the TrainJob, follow its log, wait for its end (wait). Whatever stops the wait before the end (a
     SIGTERM raised as Stopped, an API error) deletes the TrainJob: its GPUs are freed and its nodes checkpoint
     within their grace period. A TrainJob that ended Failed stays for inspection (a retry replaces it)."""

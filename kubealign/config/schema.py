@@ -19,10 +19,27 @@ from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfi
 
 # the sections' classes live by concept in base, train, ppo and cluster; importable from here as before
 __all__ = [
-    "DPOConfig", "DType", "DataConfig", "DataSource", "EvaluateConfig", "HybridEngineConfig", "KubealignConfig",
-    "KubernetesConfig", "LoraConfig", "PPOConfig", "PipelineConfig", "PromoteConfig", "RewardConfig",
-    "RewardFunction", "RewardsConfig", "SFTConfig", "Section", "Toleration", "TrackingConfig", "TrainConfig",
-]  # fmt: skip
+    "DPOConfig",
+    "DType",
+    "DataConfig",
+    "DataSource",
+    "EvaluateConfig",
+    "HybridEngineConfig",
+    "KubealignConfig",
+    "KubernetesConfig",
+    "LoraConfig",
+    "PPOConfig",
+    "PipelineConfig",
+    "PromoteConfig",
+    "RewardConfig",
+    "RewardFunction",
+    "RewardsConfig",
+    "SFTConfig",
+    "Section",
+    "Toleration",
+    "TrackingConfig",
+    "TrainConfig",
+]
 
 SourceFormat = Literal[
     "auto", "prompt_chosen_rejected", "hh", "prompt_response", "prompt_completion", "messages", "prompt_only"

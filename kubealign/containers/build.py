@@ -248,8 +248,13 @@ def build(
     # the image this tag held before is now untagged: drop it (and its layers), or every rebuild adds ~2 GB
     client.images.prune(filters={"dangling": True})
     image = client.images.get(tag)
-    python = client.containers.run(tag, ["python", "-c", "import platform; print(platform.python_version())"],
-                                   remove=True, network_mode="none").decode().strip()  # fmt: skip
+    python = (
+        client.containers.run(
+            tag, ["python", "-c", "import platform; print(platform.python_version())"], remove=True, network_mode="none"
+        )
+        .decode()
+        .strip()
+    )
     report = check_train(client, tag, repo) if flavour == "train" else None
     return Built(tag, chosen, time.perf_counter() - started, int(image.attrs["Size"]), python, report)
 

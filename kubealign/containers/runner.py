@@ -87,8 +87,10 @@ def prepare(config: KubealignConfig, output: Path, env: dict[str, str | None]) -
     except UserError:
         current = None  # an installed kubealign, no checkout: nothing to compare with
     if current and built_from != current:
-        print(f"warning: {image} was built from other sources than this checkout; `make images` rebuilds it",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"warning: {image} was built from other sources than this checkout; `make images` rebuilds it",
+            file=sys.stderr,
+        )
     user = attrs.get("Config", {}).get("User") or "0:0"
     environment = task_environment(env)
     # tiny models and tokenizers built by one task are reused by the next (the image's default is per container)

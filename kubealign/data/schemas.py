@@ -33,8 +33,22 @@ from typing import Any, NamedTuple
 ASSISTANT = "\n\nAssistant:"
 ROLE_LABELS = {"user": "Human", "human": "Human", "assistant": "Assistant", "system": "System"}
 # Fields of a prompt-only row that name a response more often than a column: kept only when declared.
-ANSWER_LIKE = ("answer", "answers", "completion", "output", "outputs", "text", "solution", "response", "reply",
-               "target", "chosen", "rejected", "assistant", "ground_truth")  # fmt: skip
+ANSWER_LIKE = (
+    "answer",
+    "answers",
+    "completion",
+    "output",
+    "outputs",
+    "text",
+    "solution",
+    "response",
+    "reply",
+    "target",
+    "chosen",
+    "rejected",
+    "assistant",
+    "ground_truth",
+)
 
 
 class Pair(NamedTuple):
@@ -182,8 +196,11 @@ def _prompt_only(row: dict[str, Any], declared: frozenset[str]) -> Pair:
     columns = {k: v for k, v in row.items() if k != "prompt"}
     for key in columns:
         if key.lower() in ANSWER_LIKE and key not in declared:
-            raise RowError(key, "looks like the row's answer, not a column: list it in the source's `columns` "
-                           "to give it to reward functions, or name it `completion` to train on it")  # fmt: skip
+            raise RowError(
+                key,
+                "looks like the row's answer, not a column: list it in the source's `columns` "
+                "to give it to reward functions, or name it `completion` to train on it",
+            )
     try:  # what the functions get must survive JSON (the worker protocol, the saved dataset)
         text = json.dumps(columns, sort_keys=True, ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as exc:

@@ -46,8 +46,9 @@ def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple
     return checks
 
 
-def metric_checks(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None
-                  ) -> list[tuple[bool, str]]:  # fmt: skip
+def metric_checks(
+    metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None
+) -> list[tuple[bool, str]]:
     """promote.metric's checks: its threshold, the SFT baseline's value of an fn/<NAME>/candidate metric, and
     the champion's value (a champion registered without this metric is not compared: said so)."""
     name = cfg.metric

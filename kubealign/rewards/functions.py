@@ -75,8 +75,14 @@ class FunctionRunner:
             raise UserError(f"{label(spec)}: its worker process exited with code {code} ({what})")
         return json.loads(line)
 
-    def call(self, spec: FunctionSpec, prompts: list[str], completions: list[str], columns: dict[str, list],
-             origins: list[str]) -> Values:  # fmt: skip
+    def call(
+        self,
+        spec: FunctionSpec,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list],
+        origins: list[str],
+    ) -> Values:
         """One value (float or None) per completion, checked; UserError naming the function and the row."""
         request = {"op": "call", "name": spec.name, "prompts": prompts, "completions": completions, "columns": columns}
         what = f"a batch of {len(completions)} rows starting at {origins[0]}" if origins else "an empty batch"
@@ -90,20 +96,33 @@ class FunctionRunner:
             raise UserError(f"{label(spec)}: {reply['message']}{row}")
         values = reply["values"]
         if len(values) != len(completions):
-            raise UserError(f"{label(spec)}: returned {len(values)} values for {len(completions)} completions "
-                            f"({what}); expected one per completion")  # fmt: skip
+            raise UserError(
+                f"{label(spec)}: returned {len(values)} values for {len(completions)} completions "
+                f"({what}); expected one per completion"
+            )
         for i, value in enumerate(values):
             if isinstance(value, str) or (value is not None and not math.isfinite(value)):
                 raise UserError(f"{label(spec)}: returned {value} for row {origins[i]}; a reward must be finite")
         return values
 
-    def _name_row(self, spec: FunctionSpec, prompts: list[str], completions: list[str], columns: dict[str, list],
-                  origins: list[str]) -> None:  # fmt: skip
+    def _name_row(
+        self,
+        spec: FunctionSpec,
+        prompts: list[str],
+        completions: list[str],
+        columns: dict[str, list],
+        origins: list[str],
+    ) -> None:
         """Retry the rows one at a time and raise for the first one the function raises on."""
         for i in range(len(completions)):
             one = {k: v[i : i + 1] for k, v in columns.items()}
-            request = {"op": "call", "name": spec.name, "prompts": prompts[i : i + 1],
-                       "completions": completions[i : i + 1], "columns": one}  # fmt: skip
+            request = {
+                "op": "call",
+                "name": spec.name,
+                "prompts": prompts[i : i + 1],
+                "completions": completions[i : i + 1],
+                "columns": one,
+            }
             reply = self._ask(request, spec, f"row {origins[i]}")
             if reply.get("error") == "raised":
                 raise UserError(f"{label(spec)}: raised {reply['message']} on row {origins[i]}")

@@ -27,8 +27,9 @@ class Scores(NamedTuple):
     per_function: dict[str, list[float | None]]
 
 
-def combine(model_scores: list[float] | None, model_weight: float, values: list[list[float | None]],
-            weights: list[float]) -> list[float]:  # fmt: skip
+def combine(
+    model_scores: list[float] | None, model_weight: float, values: list[list[float | None]], weights: list[float]
+) -> list[float]:
     """model_weight * model score + sum of weight * value over the functions (None adds 0), per response."""
     n = len(model_scores) if model_scores is not None else len(values[0])
     total = [model_weight * s for s in model_scores] if model_scores is not None else [0.0] * n
@@ -50,8 +51,10 @@ def completions_of(tokenizer: Any, input_ids: torch.Tensor, response_mask: torch
     """The response text of each row: the tokens the response actions produced (action t made token t + 1),
     decoded without special tokens (the EOS)."""
     tokens = input_ids[:, 1:]
-    return [tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True) for row, mask in
-            zip(tokens, response_mask, strict=True)]  # fmt: skip
+    return [
+        tokenizer.decode(row[mask.bool()].tolist(), skip_special_tokens=True)
+        for row, mask in zip(tokens, response_mask, strict=True)
+    ]
 
 
 class Scorer:
@@ -70,13 +73,15 @@ class Scorer:
         return self
 
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                 rows: Rows | None) -> torch.Tensor:  # fmt: skip
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, rows: Rows | None
+    ) -> torch.Tensor:
         return torch.tensor(self.score(input_ids, attention_mask, response_mask, rows).total, device=input_ids.device)
 
     @torch.no_grad()
-    def scored(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-               rows: Rows | None) -> tuple[torch.Tensor, torch.Tensor, Scores]:  # fmt: skip
+    def scored(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, rows: Rows | None
+    ) -> tuple[torch.Tensor, torch.Tensor, Scores]:
         """(scores [N] float, scored [N] bool: scored_rows, the Scores they came from) of the rows."""
         scores = self.score(input_ids, attention_mask, response_mask, rows)
         mask = scored_rows(self.model is not None, list(scores.per_function.values()), len(scores.total))
@@ -85,8 +90,9 @@ class Scorer:
         return total, torch.tensor(mask, dtype=torch.bool, device=device), scores
 
     @torch.no_grad()
-    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-              rows: Rows | None) -> Scores:  # fmt: skip
+    def score(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, rows: Rows | None
+    ) -> Scores:
         """The rows' total scores and each function's values."""
         model_scores = None
         if self.model is not None:
@@ -95,8 +101,10 @@ class Scorer:
         if self.specs:
             assert self.runner is not None and rows is not None, "reward functions need the rows of the batch"
             if len(rows.prompts) != input_ids.shape[0]:  # scoring shifted rows would reward the wrong prompts
-                raise ValueError(f"reward scoring: {len(rows.prompts)} data rows for {input_ids.shape[0]} "
-                                 "completions; expected one row per completion")  # fmt: skip
+                raise ValueError(
+                    f"reward scoring: {len(rows.prompts)} data rows for {input_ids.shape[0]} "
+                    "completions; expected one row per completion"
+                )
             completions = completions_of(self.tokenizer, input_ids, response_mask)
             for spec in self.specs:
                 values[spec.name] = self.runner.call(spec, rows.prompts, completions, rows.columns, rows.origins)

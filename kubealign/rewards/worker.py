@@ -81,8 +81,11 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
         if value is None or isinstance(value, bool | int | float):
             out.append(None if value is None else float(value))
         else:
-            return {"error": "value", "row": i, "message": f"returned {value!r} ({type(value).__name__}), expected "
-                    "a float or None"}  # fmt: skip
+            return {
+                "error": "value",
+                "row": i,
+                "message": f"returned {value!r} ({type(value).__name__}), expected a float or None",
+            }
     # JSON has no nan/inf: they travel as strings and are refused by the caller with the row named
     return {"values": [v if v is None or v == v and abs(v) != float("inf") else repr(v) for v in out]}
 

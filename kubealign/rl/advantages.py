@@ -150,8 +150,14 @@ def group_stats(rewards: torch.Tensor, group_size: int, scored: torch.Tensor | N
     return GroupStats(mean, var.sqrt(), count, valid)
 
 
-def grpo_advantages(rewards: torch.Tensor, group_size: int, eps: float = GRPO_EPS, scale: str = "group",
-                    batch_std: float | None = None, scored: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def grpo_advantages(
+    rewards: torch.Tensor,
+    group_size: int,
+    eps: float = GRPO_EPS,
+    scale: str = "group",
+    batch_std: float | None = None,
+    scored: torch.Tensor | None = None,
+) -> torch.Tensor:
     """[G * k] -> [G * k]: A_i = (R_i - mean_g R) / s, centred on each prompt's group (ppo.scale_rewards):
       group  s = std_g R + eps, the group's own (Shao et al. 2024, DeepSeekMath sec. 4.1.2);
       batch  s = batch_std + eps, one std of every scored response's reward in the batch, every rank's (TRL's

@@ -61,8 +61,13 @@ def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Te
     """[N, T - first, V] logits of positions first..T-1 (a causal LM's logits_to_keep: the LM head and
     everything after it skip the prompt); all T positions for first 0 or a model without logits_to_keep."""
     keep = {"logits_to_keep": input_ids.shape[1] - first} if first > 0 and keeps_logits(model) else {}
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask),
-                   use_cache=False, **keep).logits  # fmt: skip
+    logits = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids(attention_mask),
+        use_cache=False,
+        **keep,
+    ).logits
     return logits if keep else logits[:, first:]
 
 
@@ -80,8 +85,9 @@ def first_response_action(response_mask: torch.Tensor) -> int:
     return int(columns.int().argmax()) if bool(columns.any()) else 0
 
 
-def action_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                  sampling: Sampling) -> tuple[torch.Tensor, int]:  # fmt: skip
+def action_logits(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, sampling: Sampling
+) -> tuple[torch.Tensor, int]:
     """(scaled_logits of positions first..T-1, first = first_response_action): what every action from
     `first` on needs; the actions before it get 0 (left_pad)."""
     first = first_response_action(response_mask)
@@ -98,8 +104,14 @@ def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(response_mask.bool(), x, torch.zeros_like(x))
 
 
-def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                    sampling: Sampling, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def policy_logprobs(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    sampling: Sampling,
+    entropy_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) [N, A] of the policy at the sampling temperature (scaled_logits) on the
     response actions, 0 elsewhere: one forward serves the experience and the update. entropy_grad False:
     the entropy carries no gradient (logging only)."""
@@ -109,16 +121,23 @@ def policy_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.T
     return response_only(logprobs, response_mask), response_only(entropy, response_mask)
 
 
-def model_logprobs(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor,
-                   sampling: Sampling) -> torch.Tensor:  # fmt: skip
+def model_logprobs(
+    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, sampling: Sampling
+) -> torch.Tensor:
     """[N, A] log-probs of the sampled response tokens at the sampling temperature, 0 elsewhere —
     policy_logprobs without the entropy, for the actor's other rows, the reference or a baseline."""
     logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
     return response_only(left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first), response_mask)
 
 
-def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                    response_mask: torch.Tensor, sampling: Sampling) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def paired_logprobs(
+    sampler: Any,
+    other: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    response_mask: torch.Tensor,
+    sampling: Sampling,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sampler's, other's) log-probs [N, A] of the sampled response tokens, 0 elsewhere, both from the same
     scaled_logits: their difference estimates a finite KL, exactly 0 for two copies of one model."""
     return (
@@ -127,8 +146,9 @@ def paired_logprobs(sampler: Any, other: Any, input_ids: torch.Tensor, attention
     )
 
 
-def sequence_scores(reward: Scorer, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor,
-                    rows: Any) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float | None]]]:  # fmt: skip
+def sequence_scores(
+    reward: Scorer, input_ids: torch.Tensor, attention: torch.Tensor, response: torch.Tensor, rows: Any
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[float | None]]]:
     """([N] float scores, [N] bool scored, each function's values): the Scorer (reward model, functions or
     both) gets the rows the prompts came from."""
     if not isinstance(reward, Scorer):  # one reward path: a bare model would skip the functions silently

@@ -75,9 +75,17 @@ class ActorObjective(NamedTuple):
     kl: torch.Tensor | None  # grpo: the aggregated k3 KL to the reference (the loss term); else None
 
 
-def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: torch.Tensor, cfg: PPOConfig,
-                    kl_coef: float = 0.0, first: FirstPass | None = None,
-                    keep: torch.Tensor | None = None, denominator: float | None = None) -> ActorObjective:  # fmt: skip
+def actor_objective(
+    actor: Any,
+    exp: Experience,
+    idx: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: PPOConfig,
+    kl_coef: float = 0.0,
+    first: FirstPass | None = None,
+    keep: torch.Tensor | None = None,
+    denominator: float | None = None,
+) -> ActorObjective:
     """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
     (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
     kl_coef * the k3 KL of the current policy to the reference (DeepSeekMath eq. 3), a loss term instead of
@@ -95,8 +103,17 @@ def actor_objective(actor: Any, exp: Experience, idx: torch.Tensor, advantages: 
     rows = slice(None) if keep is None else keep[idx].bool()
     logprobs, entropy, resp = logprobs[rows], entropy[rows], resp[rows]
     how, most = cfg.loss_aggregation, cfg.max_new_tokens
-    pl = policy_loss(logprobs, exp.logprobs[idx][rows], advantages[idx][rows], resp, cfg.cliprange, cfg.cliprange_high,
-                     how, most, denominator)  # fmt: skip
+    pl = policy_loss(
+        logprobs,
+        exp.logprobs[idx][rows],
+        advantages[idx][rows],
+        resp,
+        cfg.cliprange,
+        cfg.cliprange_high,
+        how,
+        most,
+        denominator,
+    )
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
     kl = None
@@ -146,8 +163,9 @@ def update(
     if with_critic:
         models.critic.train()
     for epoch in range(cfg.ppo_epochs):
-        minibatches = plan if epoch == 0 and plan is not None else _minibatches(exp.input_ids.shape[0],
-                                                                                cfg.micro_batch_size, gen)  # fmt: skip
+        minibatches = (
+            plan if epoch == 0 and plan is not None else _minibatches(exp.input_ids.shape[0], cfg.micro_batch_size, gen)
+        )
         for step, idx in enumerate(minibatches):
             ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
             counted = resp if keep is None else resp[keep[idx].bool()]
@@ -156,8 +174,9 @@ def update(
                 skipped += 1
                 continue
             reused = first if epoch == 0 and step == 0 else None
-            pl, mean_entropy, actor_loss, kl = actor_objective(models.actor, exp, idx, advantages, cfg, kl_coef, reused,
-                                                               keep, denominator)  # fmt: skip
+            pl, mean_entropy, actor_loss, kl = actor_objective(
+                models.actor, exp, idx, advantages, cfg, kl_coef, reused, keep, denominator
+            )
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
                 actor_loss = actor_loss + cfg.unsup_coef * lm
@@ -165,8 +184,12 @@ def update(
             check_finite({"actor loss": actor_loss})  # before the step: a nan step would poison the weights
             models.actor.backward(actor_loss)
             models.actor.step()
-            logged = {"policy_loss": pl.loss, "clip_fraction": pl.clip_fraction, "approx_kl": pl.approx_kl,
-                      "entropy": mean_entropy}  # fmt: skip
+            logged = {
+                "policy_loss": pl.loss,
+                "clip_fraction": pl.clip_fraction,
+                "approx_kl": pl.approx_kl,
+                "entropy": mean_entropy,
+            }
             if kl is not None:
                 logged["kl_loss"] = kl  # the k3 KL before the coefficient
             if with_critic:
@@ -230,8 +253,9 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
     order, before update() shuffles it into minibatches."""
     k = cfg.group_size
     rloo = cfg.algorithm == "rloo"
-    seq = sequence_rewards(exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta if rloo else 0.0,
-                           cfg.reward_clip)  # fmt: skip
+    seq = sequence_rewards(
+        exp.logprobs, exp.ref_logprobs, exp.scores, exp.response_mask, beta if rloo else 0.0, cfg.reward_clip
+    )
     scored = exp.scored  # rows nothing scored join no group statistic and get advantage 0 (None: all scored)
     if rloo:
         advantages = rloo_advantages(seq.rewards, k, scored)
@@ -328,8 +352,17 @@ def iteration(
     scored = rows.repeat(cfg.group_size) if rows is not None else None  # a prompt's k responses are contiguous
     if cfg.reuse_first_forward != "none":
         both = cfg.reuse_first_forward == "both"
-        exp, first = make_experience_keeping(batch, prompt_mask, eos, models, sampling_of(cfg), plan[0],
-                                             cfg.entropy_coef > 0, keep_critic=both, scored_rows=scored)  # fmt: skip
+        exp, first = make_experience_keeping(
+            batch,
+            prompt_mask,
+            eos,
+            models,
+            sampling_of(cfg),
+            plan[0],
+            cfg.entropy_coef > 0,
+            keep_critic=both,
+            scored_rows=scored,
+        )
     else:
         exp = make_experience(batch, prompt_mask, eos, models, sampling_of(cfg), scored)
     experienced = time.perf_counter()
@@ -338,8 +371,9 @@ def iteration(
         raise NonFiniteExperience(fault)
     kl_coef = kl.value
     targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
-    losses = update(models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first,
-                    targets.keep)  # fmt: skip
+    losses = update(
+        models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first, targets.keep
+    )
     trained = time.perf_counter()
     kl_mean = update_kl(kl, targets.kl.sum(-1))
     # over the responses something scored, as the fn/NAME means: an unscored one's 0 is no reward

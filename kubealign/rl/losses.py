@@ -65,8 +65,9 @@ def entropy_from_logprobs(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp.masked_fill(torch.isinf(logp), 0.0)).sum(-1)
 
 
-def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool,
-                         where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool, where: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(logprobs_from_logits, entropy_from_logits) of [B, T, V] logits from ONE log-softmax over the
     vocabulary. entropy_grad False: the entropy is for logging only (entropy_coef 0), computed without
     autograd — the backward pass holds and differentiates nothing the loss does not use — and only at
@@ -95,8 +96,13 @@ def loss_denominator(response_mask: torch.Tensor, how: str = "token", max_tokens
     raise ValueError(f"unknown loss aggregation {how!r} (expected token, sequence or constant)")
 
 
-def aggregate(per_token: torch.Tensor, response_mask: torch.Tensor, how: str = "token", max_tokens: int = 0,
-              denominator: float | None = None) -> torch.Tensor:  # fmt: skip
+def aggregate(
+    per_token: torch.Tensor,
+    response_mask: torch.Tensor,
+    how: str = "token",
+    max_tokens: int = 0,
+    denominator: float | None = None,
+) -> torch.Tensor:
     """[B, A] per-token loss -> scalar, over the response actions (ppo.loss_aggregation):
     token     sum over every response token / their count (DAPO, TRL's "dapo"): each token weighs the
               same, so a long response weighs more;

@@ -41,8 +41,9 @@ from kubealign.tracking import PARENT_RUN_ENV, stage_run
 STAGE = "compare"
 
 
-def run(config: KubealignConfig, routes: Sequence[str], evaluations: Mapping[str, Path | None], output: Path
-        ) -> dict[str, Any]:  # fmt: skip
+def run(
+    config: KubealignConfig, routes: Sequence[str], evaluations: Mapping[str, Path | None], output: Path
+) -> dict[str, Any]:
     """Rank the routes whose evaluation exists (the others failed); write OUTPUT; returns its result."""
     started = time.perf_counter()
     check_output_path(output, STAGE)
@@ -102,8 +103,9 @@ def rows(standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float
     ]
 
 
-def log_to_pipeline_run(tracker: Any, standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]]
-                        ) -> None:  # fmt: skip
+def log_to_pipeline_run(
+    tracker: Any, standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]]
+) -> None:
     """The table and one metric per route on the pipeline's run: the parent of this stage's run
     (kubealign run, KUBEALIGN_PARENT_RUN_ID) or, on a cluster whose MLflow plugin injects MLFLOW_RUN_ID,
     that run itself (this stage logs into it)."""
@@ -117,8 +119,9 @@ def log_to_pipeline_run(tracker: Any, standings: Sequence[Standing], metrics: Ma
         client.log_metric(run_id, f"leaderboard/{s.route}", s.measure)
 
 
-def leaderboard_markdown(standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]],
-                         failed: Sequence[str], measure: str) -> str:  # fmt: skip
+def leaderboard_markdown(
+    standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]], failed: Sequence[str], measure: str
+) -> str:
     """The table a person reads in the KFP UI (Markdown artifact)."""
     lines = [
         f"# Leaderboard: {len(standings)} route(s) ranked by {measure}, then {REWARD}, then lower {KL}",
@@ -138,8 +141,9 @@ def leaderboard_markdown(standings: Sequence[Standing], metrics: Mapping[str, Ma
     return "\n".join(lines) + "\n"
 
 
-def leaderboard_html(table: str, standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]],
-                     failed: Sequence[str]) -> str:  # fmt: skip
+def leaderboard_html(
+    table: str, standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float]], failed: Sequence[str]
+) -> str:
     """One self-contained page (the KFP UI shows one file): the table and the plot inlined as a PNG."""
     image = base64.b64encode(plot(standings, metrics)).decode("ascii")
     body = html.escape(table)
@@ -164,8 +168,9 @@ def plot(standings: Sequence[Standing], metrics: Mapping[str, Mapping[str, float
     for r in records:
         kl = r["kl_to_baseline"] if math.isfinite(r["kl_to_baseline"]) else 0.0
         left.scatter([kl], [r["candidate_reward_mean"]], s=60)
-        left.annotate(f"{r['rank']}. {r['route']}", (kl, r["candidate_reward_mean"]), textcoords="offset points",
-                      xytext=(6, 4))  # fmt: skip
+        left.annotate(
+            f"{r['rank']}. {r['route']}", (kl, r["candidate_reward_mean"]), textcoords="offset points", xytext=(6, 4)
+        )
     left.set(xlabel="KL to the SFT model (nats)", ylabel="candidate reward (mean)", title="reward against KL")
     names = [r["route"] for r in records]
     rates = [r["win_rate"] for r in records]

@@ -168,8 +168,13 @@ def evaluate(engine: Any, view: Callable[[Any], Any], pairs: list[Any], pad: int
         kl = token_kl(logits[:n], ref_logits[:n], batch["loss_mask"][:n, first:].to(logits.device))
         metrics = {k: v * n for k, v in reward_metrics(out, pc, pr).items()}
         chosen = first_half(seq)
-        metrics.update(kl=float(kl.total.sum()), kl_tokens=float(kl.tokens.sum()), pairs=float(n),
-                       nll=-float(chosen.total.sum()), nll_tokens=float(chosen.tokens.sum()))  # fmt: skip
+        metrics.update(
+            kl=float(kl.total.sum()),
+            kl_tokens=float(kl.tokens.sum()),
+            pairs=float(n),
+            nll=-float(chosen.total.sum()),
+            nll_tokens=float(chosen.tokens.sum()),
+        )
         for key, value in metrics.items():
             sums[key] = sums.get(key, 0.0) + weight * value
     engine.train()

@@ -198,8 +198,10 @@ def check_inputs(config: KubealignConfig, prompts: Path, baseline: Path, candida
             f"{'' if config.rewards.functions else ' and no rewards.functions are set'}; for reward functions alone "
             "set rewards.model_weight: 0"
         )
-    wanted = [("--baseline", baseline, "ForCausalLM", "baseline"),
-              ("--candidate", candidate, "ForCausalLM", "candidate")]  # fmt: skip
+    wanted = [
+        ("--baseline", baseline, "ForCausalLM", "baseline"),
+        ("--candidate", candidate, "ForCausalLM", "candidate"),
+    ]
     if config.rewards.uses_model:
         wanted.append(("--reward", reward, "ForSequenceClassification", "reward model"))
     configs = {flag: loading.model_dir_config(flag, path, kind) for flag, path, kind, _ in wanted}

@@ -197,8 +197,17 @@ def stop_if_diverged(task: Task, step: int, after: dict[str, float], lr: float) 
         )
 
 
-def _train(task: Task, engine: Any, loader: Any, tracker: Any, bar: Any, stop: preemption.StopRequest,
-           position: dict[str, Any], before: dict[str, float], total_steps: int) -> tuple[int, int]:  # fmt: skip
+def _train(
+    task: Task,
+    engine: Any,
+    loader: Any,
+    tracker: Any,
+    bar: Any,
+    stop: preemption.StopRequest,
+    position: dict[str, Any],
+    before: dict[str, float],
+    total_steps: int,
+) -> tuple[int, int]:
     """The optimizer steps from `position` to total_steps; returns (steps done, tokens trained on). At each
     step boundary a stop the ranks agree on (a SIGTERM or SIGINT: preemption) saves a checkpoint, unless
     the step just saved one, and raises Stopped."""

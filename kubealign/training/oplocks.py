@@ -226,8 +226,11 @@ def wait_for(ops: Iterable[str], root: Path | None = None, timeout: float | None
                 noticed = True
                 log.warning(
                     "kubealign: waiting for %s, which holds %s (building DeepSpeed's op %s), at most %.0f s",
-                    who, lock, op, timeout,
-                )  # fmt: skip
+                    who,
+                    lock,
+                    op,
+                    timeout,
+                )
             time.sleep(POLL_S)
 
 

@@ -51,8 +51,9 @@ class StopRequest:
     def agreed(self) -> int:
         """The signal every rank stops for (0: none): SIGTERM when any rank got one, else SIGINT when any
         rank got that. One all_reduce; call it on every rank at the same boundaries."""
-        flags = distributed.all_reduce_sum([float(signal.SIGTERM in self.received),
-                                            float(signal.SIGINT in self.received)])  # fmt: skip
+        flags = distributed.all_reduce_sum(
+            [float(signal.SIGTERM in self.received), float(signal.SIGINT in self.received)]
+        )
         if flags[0]:
             return int(signal.SIGTERM)
         return int(signal.SIGINT) if flags[1] else 0
