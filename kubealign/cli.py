@@ -15,6 +15,7 @@ from typing import Any
 
 from kubealign.cli_args import build_parser
 from kubealign.errors import Stopped, UserError
+from kubealign.ranks import is_main
 
 
 def _print_split_summary(result: dict[str, Any]) -> None:
@@ -56,10 +57,10 @@ def _functions(args: argparse.Namespace) -> list | None:
     """The specs of --reward-functions, or None (resolved from the config's rewards.functions)."""
     if args.reward_functions is None:
         return None
-    from kubealign.rewards import sources
+    from kubealign.rewards import definitions
 
     try:
-        return sources.from_json(args.reward_functions.read_text(encoding="utf-8"))
+        return definitions.from_json(args.reward_functions.read_text(encoding="utf-8"))
     except OSError as exc:
         raise UserError(f"--reward-functions {args.reward_functions}: {exc.strerror}") from None
 
@@ -75,7 +76,7 @@ def _train(args: argparse.Namespace) -> None:
         from kubealign.stages import reward as stage
     config = load_config(args.config, args.overrides)
     result = stage.run(config, args.data, args.model, args.output, args.resume, args.checkpoints)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main():
         metrics = result["metrics"]
         shown = {k: v for k, v in metrics.items() if k.startswith(("before_", "after_"))}
         print(f"{args.command}: {result['output']}  ({metrics['steps']} steps, {metrics['tokens_per_s']:.0f} tokens/s)")
@@ -98,7 +99,7 @@ def _ppo(args: argparse.Namespace) -> None:
         functions=_functions(args),
         checkpoint_location=args.checkpoints,
     )
-    if int(os.environ.get("RANK", "0")) == 0:
+    if is_main():
         m = result["metrics"]
         print(f"ppo: {result['output']}  (rollout path: {result['rollout_path']})")
         print(f"  eval reward {m['reward_before']:.3f} -> {m['reward_after']:.3f}, KL to reference {m['kl_after']:.3f}")

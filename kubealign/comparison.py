@@ -62,7 +62,7 @@ def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, floa
     return metrics
 
 
-def function_means(base: list[dict], cand: list[dict]) -> dict[str, float]:
+def function_means_by_model(base: list[dict], cand: list[dict]) -> dict[str, float]:
     """fn/<NAME>/baseline and fn/<NAME>/candidate: each reward function's mean over the responses it applies to
     (a None is left out); a function that applies to none of a model's responses gets no metric."""
     metrics: dict[str, float] = {}

@@ -127,24 +127,24 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
 
 def reward_functions(config: KubealignConfig, functions_json: str) -> list:
     """The reward functions a task scores with: as the compiled pipeline embedded them (functions_json, from
-    kubealign.rewards.sources.to_json), checked against config.rewards; none when the config has none."""
-    from kubealign.rewards import sources
+    kubealign.rewards.definitions.to_json), checked against config.rewards; none when the config has none."""
+    from kubealign.rewards import definitions
 
-    specs = sources.from_json(functions_json) if functions_json else []
+    specs = definitions.from_json(functions_json) if functions_json else []
     if config.rewards.functions and not specs:
         raise UserError("rewards.functions are set but the task got no reward_functions: compile the pipeline again")
-    sources.check_matches(specs, config.rewards)
+    definitions.check_matches(specs, config.rewards)
     return specs
 
 
 def _functions_file(specs: list, directory: Path) -> list[str]:
     """CLI args handing the embedded functions to a `kubealign ppo|evaluate` process (torchrun, a TrainJob)."""
-    from kubealign.rewards import sources
+    from kubealign.rewards import definitions
 
     if not specs:
         return []
     path = directory / "reward_functions.json"
-    path.write_text(sources.to_json(specs), encoding="utf-8")
+    path.write_text(definitions.to_json(specs), encoding="utf-8")
     return ["--reward-functions", str(path)]
 
 

@@ -41,6 +41,7 @@ from urllib.parse import urlsplit
 
 from kubealign.config import KubealignConfig, config_to_yaml, flatten
 from kubealign.errors import Stopped, UserError, first_line
+from kubealign.ranks import is_main
 from kubealign.trackers import BackgroundTracker, MlflowTracker, NullTracker, warn
 
 __all__ = ["BackgroundTracker", "MlflowTracker", "NullTracker", "PARENT_RUN_ENV", "stage_run", "warn"]
@@ -82,10 +83,6 @@ def resolve_uri(config: KubealignConfig) -> str | None:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     check_uri(env, "MLFLOW_TRACKING_URI")
     return env or config.tracking.uri
-
-
-def is_rank_zero() -> bool:
-    return os.environ.get("RANK", "0") == "0"
 
 
 def default_store(output_root: Path) -> tuple[str, str]:
@@ -133,7 +130,7 @@ def stage_run(stage: str, config: KubealignConfig, output_root: Path, required: 
     yields a BackgroundTracker: tracking failures cost a warning line, never the stage (see the module
     docstring). `required=True` (the default; promote) yields a synchronous tracker, and failing to end
     the run fails the stage. Ending the run never raises over the stage's own error."""
-    if not config.tracking.enabled or not is_rank_zero():
+    if not config.tracking.enabled or not is_main():
         yield NullTracker()
         return
     uri = resolve_uri(config)

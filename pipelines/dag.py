@@ -48,7 +48,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.shape import ROUTES, route_task
 from kubealign.shape import scorer as scorer_task
 from kubealign.tracking import check_uri
@@ -167,7 +167,7 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
         "data_fingerprint": data_fingerprint(config),
         "sft_model_fingerprint": model_fingerprint(config.sft.model),
         "reward_model_fingerprint": model_fingerprint(config.reward.model),
-        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
+        "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
     }
 
 

@@ -35,7 +35,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError, first_line
 from kubealign.models.tiny import cache_root
 from kubealign.outputs import read_json, tree_sha256, write_json
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.tracking import PARENT_RUN_ENV, default_store
 from kubealign.training.distributed import RENDEZVOUS_ENV
 
@@ -199,7 +199,9 @@ def run(
         warnings.filterwarnings("ignore", message=".*non-Python base image.*")
         # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
         warnings.filterwarnings("ignore", message=".*have no effect.*")
-        outputs = build(config)().outputs
+        # kfp.local honours a task's retry policy, backoff included: a task that failed here fails the same way
+        # again (no preemption on this machine), so the retries would only add minutes. Not in any cache key.
+        outputs = build(without_retries(config))().outputs
         for name in route:  # kfp.local skips, without a word, what depends on a failed task
             if display is not None and name not in tasks.records:
                 display.update(name, status=SKIPPED)
@@ -229,7 +231,7 @@ def _finish(
     ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes)
     extra = {
         "config_json": config_to_json(config),
-        "reward_functions": sources.to_json(sources.resolve(config.rewards, config.base_dir)),
+        "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
         **extra,
         "succeeded": ok,
         "algorithm": config.route(),
@@ -246,6 +248,11 @@ def _finish(
         culprits = [r for r in failed if shape.route_of(r.name) not in failed_routes]
         raise PipelineFailed(failure_message(culprits[0] if culprits else tasks.failed(), logs))
     return index
+
+
+def without_retries(config: KubealignConfig) -> KubealignConfig:
+    """The config with kubernetes.retries 0: what a local run compiles (see run)."""
+    return config.model_copy(update={"kubernetes": config.kubernetes.model_copy(update={"retries": 0})})
 
 
 def _task_runner(

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kubealign.comparison import bootstrap_interval, compare, function_means, repetition_rate
+from kubealign.comparison import bootstrap_interval, compare, function_means_by_model, repetition_rate
 
 
 def rows(scores, tokens, fns=None):
@@ -73,12 +73,12 @@ def test_function_means_leave_out_none_in_each_model():
     cand = rows(
         [0.0] * 3, [[1]] * 3, [{"exact": 1.0, "len": 4.0}, {"exact": 1.0, "len": None}, {"exact": None, "len": 2.0}]
     )
-    assert function_means(base, cand) == {
+    assert function_means_by_model(base, cand) == {
         "fn/exact/baseline": 0.5,  # 1 and 0; the None left out, not counted as 0 (that would be 1/3)
         "fn/exact/candidate": 1.0,
         "fn/len/candidate": 3.0,  # len applies to none of the baseline's rows: no metric
     }
-    assert function_means([], []) == {}
+    assert function_means_by_model([], []) == {}
 
 
 def test_repetition_counts_pairs_not_single_tokens():
@@ -113,5 +113,7 @@ def test_compare_edges():
 
 
 def test_function_means_of_one_row_and_of_rows_without_functions():
-    assert function_means(rows([0.0], [[1]], [{"f": 2.0}]), rows([0.0], [[1]], [{"f": None}])) == {"fn/f/baseline": 2.0}
-    assert function_means([{"score": 0.0, "tokens": [1]}], [{"score": 0.0, "tokens": [1]}]) == {}
+    assert function_means_by_model(rows([0.0], [[1]], [{"f": 2.0}]), rows([0.0], [[1]], [{"f": None}])) == {
+        "fn/f/baseline": 2.0
+    }
+    assert function_means_by_model([{"score": 0.0, "tokens": [1]}], [{"score": 0.0, "tokens": [1]}]) == {}

@@ -14,7 +14,7 @@ import torch
 
 from kubealign.config.schema import PPOConfig, RewardsConfig
 from kubealign.data import phases
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, scored_rows
 from kubealign.rl import iteration, rollout
@@ -255,7 +255,7 @@ def test_the_scorer_marks_what_no_function_scored_and_refuses_misaligned_rows(fn
     response = torch.tensor([[1, 1], [1, 0], [1, 1]])
     rows = phases.Rows(["p"] * 3, {"answer": ["r", None, "x"]}, ORIGINS)
     rewards = RewardsConfig(functions=[{"path": "fns.py:exact"}])
-    with FunctionRunner(sources.resolve(rewards, str(fns)), 10) as runner:
+    with FunctionRunner(definitions.resolve(rewards, str(fns)), 10) as runner:
         scorer = Scorer(None, 1.0, runner, CharTokenizer())
         scores, scored, parts = scorer.scored(ids, attention, response, rows)
         assert scores.tolist() == [1.0, 0.0, 0.0] and scored.tolist() == [True, False, True]

@@ -7,7 +7,7 @@ import math
 import torch
 
 from kubealign.models.inputs import position_ids
-from kubealign.models.reward import last_token_scores
+from kubealign.models.value_head import last_token_scores
 from kubealign.training.losses import bradley_terry_loss, lm_loss
 
 

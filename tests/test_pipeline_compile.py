@@ -217,3 +217,15 @@ def test_cache_keys_ignore_the_preemption_settings(tmp_path: Path) -> None:
     assert plain == keyed(["kubernetes.pvc=rlhf", "kubernetes.queue=q", "kubernetes.retries=5",
                            "kubernetes.retry_backoff=5m", "kubernetes.retry_backoff_max=2h"])  # fmt: skip
     assert plain != keyed(["kubernetes.pvc=other"])  # the tasks read the PVC's mount (a TrainJob's nodes)
+
+
+def test_a_local_run_compiles_without_retries(tmp_path: Path) -> None:
+    """kfp.local honours retry policies with their backoff: `kubealign run` would wait minutes before
+    failing a task that fails the same way each time, so the local DAG has none (the cluster's keeps them)."""
+    from kubealign.pipelines.local import without_retries
+
+    config = load_config(None, ["kubernetes.retries=3"])
+    path = compile_pipeline(without_retries(config), tmp_path / "local.yaml")
+    tasks = yaml.safe_load_all(path.read_text(encoding="utf-8")).__next__()["root"]["dag"]["tasks"]
+    assert not any("retryPolicy" in task for task in tasks.values())
+    assert config.kubernetes.retries == 3  # the caller's config is left as it was

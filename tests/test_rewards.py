@@ -18,7 +18,7 @@ from kubealign.data.schemas import Pair, normalize
 from kubealign.data.split import split_rows
 from kubealign.errors import UserError
 from kubealign.promotion.gate import gate
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, combine, completions_of
 from kubealign.rewards.totals import function_totals
@@ -68,7 +68,7 @@ def fns(tmp_path: Path) -> Path:
 
 def runner_for(directory: Path, name: str, timeout_s: float = 10.0) -> FunctionRunner:
     rewards = RewardsConfig(functions=[{"path": f"fns.py:{name}"}], timeout_s=timeout_s)
-    return FunctionRunner(sources.resolve(rewards, str(directory)), timeout_s)
+    return FunctionRunner(definitions.resolve(rewards, str(directory)), timeout_s)
 
 
 ORIGINS = ["d.jsonl:3", "d.jsonl:7", "d.jsonl:9"]
@@ -118,7 +118,7 @@ def test_scorer_adds_the_weighted_functions_to_the_reward_model(fns: Path):
     rewards = RewardsConfig(
         functions=[{"path": "fns.py:exact", "weight": 3.0}, {"path": "fns.py:length", "weight": -0.5}]
     )
-    with FunctionRunner(sources.resolve(rewards, str(fns)), 10) as runner:
+    with FunctionRunner(definitions.resolve(rewards, str(fns)), 10) as runner:
         scorer = Scorer(TokenValue(), 0.5, runner, CharTokenizer())
         scores, values = scorer.score(ids, attention, response, rows)
         assert values == {"exact": [1.0, None], "length": [1.0, 1.0]}
@@ -168,7 +168,7 @@ def test_a_file_that_does_not_load_names_its_error_and_line(tmp_path: Path):
     (tmp_path / "bad.py").write_text("def f(prompts, completions):\n    return [\n", encoding="utf-8")
     rewards = RewardsConfig(functions=[{"path": "bad.py:f"}])
     with pytest.raises(UserError, match=r"rewards.functions\[0\].path: cannot load bad.py: SyntaxError"):
-        FunctionRunner(sources.resolve(rewards, str(tmp_path)), 10).start()
+        FunctionRunner(definitions.resolve(rewards, str(tmp_path)), 10).start()
 
 
 def test_missing_file_is_named_with_the_directory_it_was_looked_for_in(tmp_path: Path):
@@ -177,13 +177,13 @@ def test_missing_file_is_named_with_the_directory_it_was_looked_for_in(tmp_path:
     with pytest.raises(
         UserError, match=rf"rewards.functions\[1\].path: no such file: nope/y.py \(relative to {tmp_path}\)"
     ):
-        sources.resolve(rewards, str(tmp_path))
+        definitions.resolve(rewards, str(tmp_path))
 
 
 def test_the_function_prints_do_not_break_the_protocol(tmp_path: Path, capfd):
     (tmp_path / "loud.py").write_text("def f(p, c, **k):\n    print('[1.0]')\n    return [2.0] * len(c)\n", "utf-8")
     rewards = RewardsConfig(functions=[{"path": "loud.py:f"}])
-    with FunctionRunner(sources.resolve(rewards, str(tmp_path)), 10) as runner:
+    with FunctionRunner(definitions.resolve(rewards, str(tmp_path)), 10) as runner:
         assert runner.call(runner.specs[0], ["p"], ["a"], {}, ["o"]) == [2.0]
     assert "[1.0]" in capfd.readouterr().err
 
@@ -196,14 +196,14 @@ def test_relative_function_files_are_relative_to_the_config_file(tmp_path: Path,
     config = tmp_path / "conf" / "c.yaml"
     config.write_text(yaml.safe_dump({"rewards": {"functions": [{"path": "../fns.py:exact", "weight": 2}]}}), "utf-8")
     loaded = load_config(config)
-    (spec,) = sources.resolve(loaded.rewards, loaded.base_dir)
+    (spec,) = definitions.resolve(loaded.rewards, loaded.base_dir)
     assert (spec.name, spec.weight, spec.source) == ("exact", 2.0, FUNCTIONS)
-    assert sources.from_json(sources.to_json([spec])) == [spec]
+    assert definitions.from_json(definitions.to_json([spec])) == [spec]
 
 
 def test_a_module_function_travels_by_name_with_its_modules_hash():
     rewards = RewardsConfig(functions=[{"path": "kubealign.rewards.scorer:combine"}])
-    (spec,) = sources.resolve(rewards, None)
+    (spec,) = definitions.resolve(rewards, None)
     assert spec.source is None
     scorer_file = Path(__file__).parents[1] / "kubealign" / "rewards" / "scorer.py"
     import hashlib
@@ -235,10 +235,10 @@ def test_the_reward_model_is_used_unless_functions_alone_are_asked_for():
 
 def test_specs_that_do_not_match_the_config_are_refused(fns: Path):
     rewards = RewardsConfig(functions=[{"path": "fns.py:exact"}])
-    specs = sources.resolve(rewards, str(fns))
-    sources.check_matches(specs, rewards)
+    specs = definitions.resolve(rewards, str(fns))
+    definitions.check_matches(specs, rewards)
     with pytest.raises(UserError, match="does not match rewards.functions"):
-        sources.check_matches(specs, RewardsConfig(functions=[{"path": "fns.py:exact", "weight": 2}]))
+        definitions.check_matches(specs, RewardsConfig(functions=[{"path": "fns.py:exact", "weight": 2}]))
 
 
 # --- prompt-only rows ----------------------------------------------------------------------------------

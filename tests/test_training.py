@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from kubealign.data.tokenize import encode_pair, pad_batch
 from kubealign.models import loading
-from kubealign.models.reward import last_token_scores, token_values
+from kubealign.models.value_head import last_token_scores, token_values
 from kubealign.training.export import state_sha256
 from tests.conftest import NO_TRACKING
 

@@ -15,7 +15,7 @@ from kubealign.data.schemas import normalize
 from kubealign.data.sources import declared_columns, read_source
 from kubealign.data.split import split_rows
 from kubealign.errors import UserError
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from tests.conftest import REPO
 
 QUESTION = re.compile(r"Human: (.*)\n\nAssistant:$", re.S)
@@ -104,7 +104,7 @@ def test_checker_on_hand_made_completions():
 
 def test_preset_resolves_the_shipped_checker():
     config = load_config("tiny-cpu-verifiable")
-    (spec,) = sources.resolve(config.rewards, config.base_dir)
+    (spec,) = definitions.resolve(config.rewards, config.base_dir)
     assert spec.name == "exact_answer" and "def exact_answer" in spec.source
     assert config.rewards.model_weight == 0 and not config.rewards.uses_model
     assert config.promote.metric == f"fn/{spec.name}/candidate"

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from kubealign.errors import UserError
-from kubealign.rewards.sources import FunctionSpec
+from kubealign.rewards.definitions import FunctionSpec
 
 Values = list[float | None]
 

@@ -13,10 +13,9 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.data.phases import Rows
-from kubealign.models.reward import score_and_value
+from kubealign.models.value_head import score_and_value
+from kubealign.rewards.definitions import FunctionSpec
 from kubealign.rewards.functions import FunctionRunner
-from kubealign.rewards.sources import FunctionSpec
-from kubealign.rewards.totals import function_means, function_totals  # noqa: F401  (re-exported)
 
 
 class Scores(NamedTuple):

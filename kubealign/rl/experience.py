@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.models.inputs import position_ids
-from kubealign.models.reward import score_and_value
+from kubealign.models.value_head import score_and_value
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, scaled_logits
 from kubealign.rl.rollout import PPOModels

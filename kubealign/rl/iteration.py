@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.config.schema import PPOConfig
-from kubealign.models.reward import score_and_value
+from kubealign.models.value_head import score_and_value
 from kubealign.rewards import totals
 from kubealign.rl.advantages import (
     gae,
@@ -321,7 +321,7 @@ def experience_fault(exp: Experience) -> ExperienceFault:
     return ExperienceFault("; ".join(faults), trained)
 
 
-def function_means(exp: Experience) -> dict[str, float]:
+def pooled_function_means(exp: Experience) -> dict[str, float]:
     """fn/<NAME>: each reward function's mean over every rank's responses of this experience it applied to
     (None rows left out); a function that applied to none is not logged."""
     mine = totals.function_totals(exp.functions or {})
@@ -385,7 +385,7 @@ def iteration(
         "kl": kl_mean,
         "kl_coef": kl_coef,
         **targets.metrics,
-        **function_means(exp),
+        **pooled_function_means(exp),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,

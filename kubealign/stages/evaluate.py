@@ -23,16 +23,16 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, function_means
+from kubealign.comparison import compare, function_means_by_model
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.models import loading
-from kubealign.models.reward import load_reward_model
+from kubealign.models.value_head import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import paired_logprobs, response_masks
@@ -220,7 +220,7 @@ def run(
     candidate: Path,
     reward: Path | None,
     output: Path,
-    functions: list[sources.FunctionSpec] | None = None,
+    functions: list[definitions.FunctionSpec] | None = None,
 ) -> dict[str, Any]:
     """functions: the reward functions as a pipeline task was handed them (source embedded); None = resolved
     from config.rewards. reward: the reward model dir, when rewards use one (else ignored)."""
@@ -228,8 +228,8 @@ def run(
     check_output_path(output, STAGE)
     check_inputs(config, prompts, baseline, candidate, reward)
     reward = reward if config.rewards.uses_model else None
-    specs = sources.resolve(config.rewards, config.base_dir) if functions is None else functions
-    sources.check_matches(specs, config.rewards)
+    specs = definitions.resolve(config.rewards, config.base_dir) if functions is None else functions
+    definitions.check_matches(specs, config.rewards)
     split = phases.load(prompts, "phase3_prompts")
     rows = split["eval"] if len(split["eval"]) else split["train"]
     started = time.perf_counter()
@@ -251,7 +251,7 @@ def run(
         score(scorer, base, cfg.batch_size, data)
         score(scorer, cand, cfg.batch_size, data)
         metrics = compare(base, cand, cfg.seed)
-        metrics.update(function_means(base, cand))
+        metrics.update(function_means_by_model(base, cand))
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
         if (Path(prompts) / "phase1_sft").is_dir():
             sft_eval = phases.load(prompts, "phase1_sft")["eval"]

@@ -28,7 +28,7 @@ from kubealign.data.phases import Rows
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
-from kubealign.rewards import sources
+from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.totals import function_means, function_totals
 from kubealign.rl.experience import make_experience
@@ -226,7 +226,7 @@ def run(
     reward: Path | None,
     output: Path,
     resume: bool = False,
-    functions: list[sources.FunctionSpec] | None = None,
+    functions: list[definitions.FunctionSpec] | None = None,
     checkpoint_location: Path | None = None,
 ) -> dict:
     """PPO (or GRPO / RLOO: ppo.algorithm) on DATA's phase 3, from the SFT dir (actor + reference), scored by
@@ -238,8 +238,8 @@ def run(
     reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
     check_inputs(cfg, actor, critic, reward, reward_flag)
-    specs = sources.resolve(config.rewards, config.base_dir) if functions is None else functions
-    sources.check_matches(specs, config.rewards)
+    specs = definitions.resolve(config.rewards, config.base_dir) if functions is None else functions
+    definitions.check_matches(specs, config.rewards)
     dataset = phases.load(prompts, "phase3_prompts")
     if len(dataset["train"]) == 0:
         raise UserError(f"--prompts {prompts}: the phase3_prompts train split is empty")

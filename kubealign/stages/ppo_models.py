@@ -11,7 +11,7 @@ import torch
 from kubealign.config.schema import PPOConfig, RewardsConfig, TrainConfig
 from kubealign.errors import UserError
 from kubealign.models import loading
-from kubealign.models.reward import load_reward_model
+from kubealign.models.value_head import load_reward_model
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl import preflight

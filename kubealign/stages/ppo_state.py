@@ -3,7 +3,6 @@ one `latest` (kubealign.training.checkpoints), with the KL controller, the RNG a
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLControl
         models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
         if models.critic is not None:
             models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
-        if ema is not None and int(os.environ.get("RANK", "0")) == 0:
+        if ema is not None and distributed.is_main():
             torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
         for part in checkpoint_parts(directory, models):
             checkpoints.seal(part, tag)

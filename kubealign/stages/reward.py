@@ -18,7 +18,7 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference, pad_batch
-from kubealign.models.reward import last_token_scores, load_reward_model, token_values
+from kubealign.models.value_head import last_token_scores, load_reward_model, token_values
 from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss

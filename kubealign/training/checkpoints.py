@@ -77,7 +77,7 @@ def seal(save_dir: Path, tag: str) -> None:
     tag_dir = save_dir / tag
     names = _files(tag_dir)
     hashes = _gather({name: file_sha256(tag_dir / name) for name in _share(names)})
-    if distributed.rank() == 0:
+    if distributed.is_main():
         write_json(tag_dir / MANIFEST, {"tag": tag, "files": hashes})
     distributed.barrier()
 
@@ -93,7 +93,7 @@ def commit(save_dir: Path, tag: str) -> None:
     """Point SAVE_DIR/latest at TAG, atomically (rank 0; every rank waits): call after every part of the
     step is sealed. A reader sees the previous tag or this one, never an empty or partial name."""
     distributed.barrier()
-    if distributed.rank() == 0:
+    if distributed.is_main():
         tmp = save_dir / f".latest.tmp-{os.getpid()}"
         tmp.write_text(tag, encoding="utf-8")
         os.replace(tmp, save_dir / "latest")
@@ -148,7 +148,7 @@ def resume_tag(save_dir: Path, parts: list[Path] | None = None) -> str | None:
 def _problem(tag_dir: Path, expected: dict[str, str]) -> str | None:
     names = sorted(expected)
     extra = sorted(set(_files(tag_dir)) - set(names))
-    if extra and distributed.rank() == 0:
+    if extra and distributed.is_main():
         return f"{tag_dir / extra[0]} is not in the checkpoint's sha256 manifest"
     for name in _share(names):
         path = tag_dir / name
@@ -249,7 +249,7 @@ def remove(save_dir: Path) -> None:
     the PPO part directories too), then each directory left empty. Anything else stays where it is (rank 0;
     every rank waits)."""
     distributed.barrier()
-    if distributed.rank() == 0:
+    if distributed.is_main():
         for entry in _entries(save_dir):
             if _ours(entry):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

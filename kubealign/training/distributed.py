@@ -13,6 +13,8 @@ import socket
 
 import torch
 
+from kubealign.ranks import is_main, rank  # noqa: F401  (re-exported: one way to ask, kubealign.ranks)
+
 # What torchrun / the deepspeed launcher set for a rank. A process that starts a job of its own (a KFP
 # task, a torchrun launch) must not pass these on, or the new job tries to join the caller's group.
 RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -59,13 +61,6 @@ def shutdown(ok: bool) -> None:
     if ok and dist.get_world_size() > 1:
         dist.barrier()
     dist.destroy_process_group()
-
-
-def rank() -> int:
-    """This process's rank (0 when torch.distributed is not initialized)."""
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def world_size() -> int:

@@ -41,7 +41,7 @@ def fault_hook(step: int) -> None:
     if os.environ.get(FAULT_ENV) != str(step):
         return
     name = os.environ.get(FAULT_SIGNAL_ENV, "KILL")
-    if name == "KILL" or distributed.rank() == 0:
+    if name == "KILL" or distributed.is_main():
         os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
@@ -328,7 +328,7 @@ def finish(
     from kubealign.training import export
 
     export.export(engine, model_cls, task.cfg.lora, task_type, tokenizer, output, result, extra_json)
-    if distributed.rank() == 0:
+    if distributed.is_main():
         tracker.log_metrics(result["metrics"])
         tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
         for name in ["result.json", *(extra_json or {})]:
