@@ -7,6 +7,16 @@ types. No packages_to_install and no pip install at start-up (install_kfp_packag
 carry kubealign and kfp, and kfp.local's SubprocessRunner runs the same bodies in this environment.
 """
 
-from kubealign.components.stages import data_split, evaluate, ppo, promote, reward, sft
+from kubealign.components.stages import (
+    compare,
+    data_split,
+    dpo,
+    evaluate,
+    ppo,
+    promote,
+    promote_ranked,
+    reward,
+    sft,
+)
 
-__all__ = ["data_split", "evaluate", "ppo", "promote", "reward", "sft"]
+__all__ = ["compare", "data_split", "dpo", "evaluate", "ppo", "promote", "promote_ranked", "reward", "sft"]

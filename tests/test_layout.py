@@ -122,3 +122,13 @@ def test_functions_stay_readable():
                 if lines > MAX_FUNCTION:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def test_the_components_package_exports_every_component():
+    from kfp.dsl.base_component import BaseComponent
+
+    from kubealign import components
+    from kubealign.components import stages
+
+    declared = {name for name, value in vars(stages).items() if isinstance(value, BaseComponent)}
+    assert set(components.__all__) == declared and len(declared) == 9
