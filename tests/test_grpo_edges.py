@@ -313,6 +313,8 @@ def test_batch_scale_with_one_or_two_scored_rewards_and_the_defaults():
 
 
 def test_a_scorer_without_functions_has_no_specs_and_no_function_values():
-    scorer = Scorer(None, 1.0, None, CharTokenizer())
-    ids = torch.tensor([[5, 6]])
-    assert (scorer.specs, scorer.score(ids, torch.ones(1, 2), torch.ones(1, 1), None).per_function) == ([], {})
+    from tests.test_experience import TokenValue  # value at position t: 10 * token + t
+
+    scorer = Scorer(TokenValue(), 1.0, None, CharTokenizer())
+    scores = scorer.score(torch.tensor([[5, 6]]), torch.ones(1, 2), torch.ones(1, 1), None)
+    assert (scorer.specs, scores.per_function, scores.total) == ([], {}, [61.0])  # the RM alone: 10 * 6 + 1
