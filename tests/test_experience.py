@@ -234,7 +234,7 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
     from transformers import GenerationConfig
 
     from kubealign.config.schema import PPOConfig
-    from kubealign.rl import rollout
+    from kubealign.rl import rollout as rl_rollout
 
     modes = []
     own = GenerationConfig(repetition_penalty=1.3, top_k=50, min_p=0.1)  # what a checkpoint may bring
@@ -256,9 +256,9 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
             return "batch"
 
     tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=EOS, bos_token_id=0)
-    models = rollout.PPOModels(actor, None, None, None, Rollout(), tokenizer)
+    models = rl_rollout.PPOModels(actor, None, None, None, Rollout(), tokenizer)
     cfg = PPOConfig(top_k=7, top_p=0.9, temperature=0.8)
-    assert rollout.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
+    assert rl_rollout.generate(models, torch.tensor([[1, 3]]), torch.tensor([[1, 1]]), cfg) == "batch"
     assert modes == ["eval", "generate:eval", (7, 0.9, 0.8, 1.0, None)]  # min_p None: no MinP(0) pass
     assert module.generation_config is own  # the checkpoint's own settings are back for the export
 

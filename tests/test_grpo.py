@@ -16,7 +16,8 @@ from kubealign.config.load import config_from_json, config_to_json
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import iteration, rollout
+from kubealign.rl import iteration
+from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import (
     GRPO_EPS,
     group_std,
@@ -163,7 +164,7 @@ def test_the_rollout_keeps_each_prompts_samples_contiguous(path):
 
     cfg = PPOConfig(algorithm="grpo", max_new_tokens=5)  # grpo's default group: 4 samples per prompt
     torch.manual_seed(0)
-    batch = rollout.generate(models_for(tiny_opt(), path), PROMPTS, PROMPT_MASK, cfg)
+    batch = rl_rollout.generate(models_for(tiny_opt(), path), PROMPTS, PROMPT_MASK, cfg)
     assert batch.input_ids.shape[0] == 16
     for row in range(16):  # rows 4g .. 4g+3 are prompt g's
         assert torch.equal(batch.input_ids[row, : PROMPTS.shape[1]], PROMPTS[row // 4]), row
@@ -235,7 +236,7 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
 
     monkeypatch.setattr(iteration, "policy_loss", spy_loss)
     monkeypatch.setattr(iteration, "_minibatches", spy_batches)
-    models = rollout.PPOModels(actor, None, None, None, None, None)
+    models = rl_rollout.PPOModels(actor, None, None, None, None, None)
     stats = iteration.update(models, exp, targets.advantages, None, cfg, torch.Generator().manual_seed(0))
     assert len(seen) == len(minibatches) == 6
     # The shuffled minibatches mix the two prompts' samples, and each row still gets its own group's value.

@@ -17,7 +17,8 @@ from kubealign.data import phases
 from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, scored_rows
-from kubealign.rl import iteration, rollout
+from kubealign.rl import iteration
+from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import GRPO_EPS, group_std, grpo_advantages, rloo_advantages
 from kubealign.rl.losses import aggregate, loss_denominator
 from kubealign.training import distributed
@@ -160,12 +161,12 @@ def test_a_step_where_every_rank_dropped_every_row_is_skipped(monkeypatch):
     plan = [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])]
     keep = torch.tensor([True] * 3 + [False] * 3)
     adv = torch.tensor(GROUP0 + [0.0] * 3, dtype=torch.float64)[:, None] * exp.response_mask
-    models = rollout.PPOModels(actor, None, None, None, None, None)
+    models = rl_rollout.PPOModels(actor, None, None, None, None, None)
     stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan, keep=keep)
     assert (actor.backwards, actor.steps, stats["skipped_steps"]) == (1, 1, 1.0)
     # nothing anywhere: no step at all, and the weights are exactly as they were (no momentum, no decay)
     actor = CountingActor(before.clone())
-    models = rollout.PPOModels(actor, None, None, None, None, None)
+    models = rl_rollout.PPOModels(actor, None, None, None, None, None)
     stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan,
                            keep=torch.zeros(6, dtype=torch.bool))  # fmt: skip
     assert (actor.backwards, actor.steps, stats["skipped_steps"]) == (0, 0, 2.0)
@@ -183,7 +184,7 @@ def test_a_rank_with_nothing_steps_with_a_zero_loss_while_another_rank_has_rows(
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True,
                     micro_batch_size=6, ppo_epochs=1)  # fmt: skip
     adv = torch.ones_like(exp.logprobs)
-    models = rollout.PPOModels(actor, None, None, None, None, None)
+    models = rl_rollout.PPOModels(actor, None, None, None, None, None)
     stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0),
                            keep=torch.zeros(6, dtype=torch.bool))  # fmt: skip
     assert (actor.backwards, actor.steps, stats["skipped_steps"], stats["policy_loss"]) == (1, 1, 0.0, 0.0)

@@ -14,7 +14,8 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import iteration, rollout
+from kubealign.rl import iteration
+from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.experience import make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController
 from kubealign.rl.losses import Sampling
@@ -73,7 +74,7 @@ def setup(cfg: PPOConfig):
     reference, reward = tiny_opt(2).eval(), tiny_critic(3).eval()
     tokenizer = SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD)
     scorer = Scorer(reward, 1.0, None, None)
-    models = rollout.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, scorer, None, tokenizer)
+    models = rl_rollout.PPOModels(actor, critic if cfg.algorithm == "ppo" else None, reference, scorer, None, tokenizer)
     return models, torch.Generator().manual_seed(7)
 
 
@@ -164,12 +165,13 @@ def test_the_frozen_models_run_before_the_actors_graph_is_held_top_k_or_not(trun
     order: list[str] = []
     for name in ("actor", "reference", "critic", "reward"):
         module = getattr(models, name)
+        module = module.model if name == "reward" else module  # the Scorer's reward model
         module.register_forward_pre_hook(lambda _m, _a, _k, name=name: order.append(name), with_kwargs=True)
     batch = SimpleNamespace(input_ids=sampled(cfg) if truncate else IDS, response_start_idx=torch.full((6,), 4))
-    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, models, rollout.sampling_of(cfg),
+    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg),
                                          torch.tensor([5, 0, 3, 2]), False)  # fmt: skip
     # The reference's log-probs are unfiltered (losses.scaled_logits): it needs nothing of the actor.
     assert order == ["reward", "reference", "actor", "actor", "critic"]
     assert first.values is None and not exp.values.requires_grad  # the critic is not kept by default
-    whole = make_experience(batch, PROMPT_MASK, EOS, models, rollout.sampling_of(cfg))
+    whole = make_experience(batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg))
     assert torch.equal(exp.values, whole.values) and torch.equal(exp.ref_logprobs, whole.ref_logprobs)

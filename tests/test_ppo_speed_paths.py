@@ -12,7 +12,8 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import iteration, rollout
+from kubealign.rl import iteration
+from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import masked_mean
 from kubealign.rl.experience import forward_logits, make_experience, response_masks, response_only
 from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
@@ -51,7 +52,7 @@ def random_experience(sampling: Sampling, seed: int = 0):
 def old_actor_loss(actor, exp, idx, advantages, cfg):
     """The update's actor loss as 892bdca computed it: a second log-softmax for the entropy, in autograd."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-    logits = scaled_logits(forward_logits(actor, ids, mask), rollout.sampling_of(cfg))
+    logits = scaled_logits(forward_logits(actor, ids, mask), rl_rollout.sampling_of(cfg))
     logprobs = response_only(logprobs_from_logits(logits, ids), resp)
     entropy = response_only(entropy_from_logits(logits), resp)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
@@ -145,18 +146,18 @@ def models_for(model, path: str, synced: bool = False):
 
         rollout = HybridEngineRollout(engine=actor, tokenizer=TOKENIZER)
     else:
-        rollout = rollout.ModuleRollout(actor, TOKENIZER, synced_gpus=synced)
-    return rollout.PPOModels(actor, None, None, None, rollout, TOKENIZER, synced)
+        rollout = rl_rollout.ModuleRollout(actor, TOKENIZER, synced_gpus=synced)
+    return rl_rollout.PPOModels(actor, None, None, None, rollout, TOKENIZER, synced)
 
 
 def old_generate(models, cfg):
     """rollout.generate as 892bdca had it: min_p 0, remove_invalid_values, no stopping criterion added."""
     from deepspeed.runtime.rollout import RolloutRequest
 
-    settings = generation_config(rollout.sampling_of(cfg), cfg.max_new_tokens, TOKENIZER)
+    settings = generation_config(rl_rollout.sampling_of(cfg), cfg.max_new_tokens, TOKENIZER)
     settings.remove_invalid_values = True
-    with rollout.only_settings(models.actor.module, settings):
-        return models.rollout.generate(RolloutRequest(PROMPTS, PROMPT_MASK), rollout.sampling_config(cfg))
+    with rl_rollout.only_settings(models.actor.module, settings):
+        return models.rollout.generate(RolloutRequest(PROMPTS, PROMPT_MASK), rl_rollout.sampling_config(cfg))
 
 
 def seeded(fn, seed: int):
@@ -183,7 +184,7 @@ def test_rollout_stops_after_the_forward_where_the_last_row_ends(path):
     ends = [2, 4, 1, 3]  # the last row to end samples EOS at step 4: 5 forwards (prefill + 4 decodes)
     model = tiny_opt()
     calls = force_eos_at(model, ends)
-    new = seeded(lambda: rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), 7)
+    new = seeded(lambda: rl_rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), 7)
     assert len(calls) == max(ends) + 1
     calls.clear()
     old = seeded(lambda: old_generate(models_for(model, path), cfg), 7)
@@ -198,7 +199,7 @@ def test_a_rollout_where_a_row_never_ends_runs_every_step():
     cfg = PPOConfig(max_new_tokens=6)
     model = tiny_opt()
     calls = force_eos_at(model, [1, 2, 99, 0])
-    new = seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 3)
+    new = seeded(lambda: rl_rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 3)
     assert len(calls) == cfg.max_new_tokens
     assert new.input_ids.shape[1] == PROMPTS.shape[1] + cfg.max_new_tokens
 
@@ -209,7 +210,7 @@ def test_the_new_sampling_setup_draws_the_same_samples_under_a_fixed_seed(path, 
     cfg = PPOConfig(max_new_tokens=12, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     for seed in range(3):
         model = tiny_opt(seed)
-        new = seeded(lambda: rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), seed)  # noqa: B023
+        new = seeded(lambda: rl_rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg), seed)  # noqa: B023
         old = seeded(lambda: old_generate(models_for(model, path), cfg), seed)  # noqa: B023
         assert_same_up_to_padding(new, old, new.input_ids.shape[1] - PROMPTS.shape[1])
 
@@ -226,12 +227,12 @@ def test_no_op_processors_are_skipped_and_invalid_scores_are_still_repaired():
         return seen["processors"]
 
     model._get_logits_processor = spy
-    seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=2)), 0)
+    seeded(lambda: rl_rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=2)), 0)
     assert [type(p).__name__ for p in seen["processors"]] == ["RepairInvalid"]  # no MinP(0), no InfNan pass
     scores = torch.randn(3, 8)
-    assert rollout.RepairInvalid()(None, scores) is scores  # finite: untouched
+    assert rl_rollout.RepairInvalid()(None, scores) is scores  # finite: untouched
     scores[0, 1], scores[1, 2], scores[2, 3] = float("nan"), float("inf"), float("-inf")
-    assert torch.equal(rollout.RepairInvalid()(None, scores), InfNanRemoveLogitsProcessor()(None, scores))
+    assert torch.equal(rl_rollout.RepairInvalid()(None, scores), InfNanRemoveLogitsProcessor()(None, scores))
 
 
 def test_generate_passes_synced_gpus_so_zero3_ranks_stop_at_the_same_step():
@@ -249,9 +250,9 @@ def test_generate_passes_synced_gpus_so_zero3_ranks_stop_at_the_same_step():
         module = Module()
         models = models_for(module, "he", synced)
         with contextlib.suppress(Exception):
-            rollout.generate(models, PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=1))
+            rl_rollout.generate(models, PROMPTS, PROMPT_MASK, PPOConfig(max_new_tokens=1))
         assert seen["synced_gpus"] is synced
-        assert isinstance(seen["stopping_criteria"][0], rollout.EndedAtEOS)
+        assert isinstance(seen["stopping_criteria"][0], rl_rollout.EndedAtEOS)
         assert "generate" not in vars(module)
 
 
@@ -263,7 +264,7 @@ def test_log_prob_passes_skip_the_prompt_and_keep_the_ratio_exactly_one():
 
     model = tiny_opt()
     cfg = PPOConfig(max_new_tokens=6)
-    batch = seeded(lambda: rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 0)
+    batch = seeded(lambda: rl_rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 0)
     attention, response = masks(batch)
     assert keeps_logits(model) and first_response_action(response) == PROMPTS.shape[1] - 1
     assert first_response_action(torch.zeros(2, 4, dtype=torch.long)) == 0
