@@ -35,3 +35,45 @@ def test_gate_on_the_win_rate_lower_bound():
     assert gate({**good, "win_rate_lower_bound": 0.1}, PromoteConfig(), None)[0]  # unset: not checked
     with pytest.raises(UserError, match="no win_rate_lower_bound"):
         gate({k: v for k, v in good.items() if k != "win_rate_lower_bound"}, cfg, None)
+
+
+GOOD = {"win_rate": 0.5, "reward_gain": 0.1, "kl_to_baseline": 2.0, "candidate_reward_mean": 1.0}
+
+
+def test_every_threshold_holds_at_its_boundary():
+    """A value equal to its threshold passes (>= / <=); beating the champion needs strictly more."""
+    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0)
+    passed, lines = gate(GOOD, cfg, None)
+    assert passed and lines == ["pass: win_rate 0.500 >= 0.5", "pass: reward_gain 0.100 >= 0.1",
+                                "pass: kl_to_baseline 2.000 <= 2.0"]  # fmt: skip
+    for key, worse in (("win_rate", 0.4999), ("reward_gain", 0.0999), ("kl_to_baseline", 2.0001)):
+        assert gate({**GOOD, key: worse}, cfg, None)[0] is False, key
+    passed, lines = gate(GOOD, cfg, {"candidate_reward_mean": 1.0})  # a tie with the champion
+    assert not passed and lines[-1] == "FAIL: candidate_reward_mean 1.000 > champion's 1.000"
+    bound = cfg.model_copy(update={"min_win_rate_lower_bound": 0.3})
+    with pytest.raises(UserError, match=r"^promote\.min_win_rate_lower_bound is set but the evaluation has no"):
+        gate(GOOD, bound, None)
+
+
+def test_promote_metric_boundaries_a_missing_baseline_and_a_champion_without_it():
+    evaluation = {**GOOD, "fn/exact/candidate": 0.6}  # no fn/exact/baseline: no baseline check
+    cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6)
+    passed, lines = gate(evaluation, cfg, None)
+    assert passed and lines == ["pass: reward_gain 0.100 >= 0.0", "pass: fn/exact/candidate 0.600 >= 0.6"]
+    passed, lines = gate(evaluation, cfg, {"fn/exact/candidate": 0.6})  # the champion's equal value: not beaten
+    assert not passed and lines[-1] == "FAIL: fn/exact/candidate 0.600 > champion's 0.600"
+    passed, lines = gate(evaluation, cfg, {"candidate_reward_mean": 5.0})  # registered before the metric existed
+    assert passed and lines[-1] == "pass: fn/exact/candidate: the champion has none recorded, not compared"
+    with pytest.raises(UserError, match=r"the evaluation has no such metric \(no fn/ metrics\)$"):
+        gate(GOOD, cfg, None)
+
+
+def test_function_totals_add_to_earlier_ones_and_means_name_the_metric():
+    from kubealign.rewards.totals import function_means, function_totals
+
+    first = function_totals({"f": [1.0, None], "g": [None]})
+    assert first == {"f": (1.0, 1), "g": (0.0, 0)}
+    both = function_totals({"f": [3.0, 4.0]}, into=first)
+    assert both == {"f": (8.0, 3), "g": (0.0, 0)} and first == {"f": (1.0, 1), "g": (0.0, 0)}  # a new dict
+    assert function_means(both) == {"fn/f": 8.0 / 3}  # g applied to nothing: no metric
+    assert function_means(both, "/candidate") == {"fn/f/candidate": 8.0 / 3}
