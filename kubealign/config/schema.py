@@ -195,7 +195,9 @@ class RewardFunction(Section):
 
 class RewardsConfig(Section):
     """What scores a response in ppo / grpo / rloo and in evaluate: the reward model, reward functions as code
-    (verifiable rewards), or both. Functions are the user's own code and run with the task's permissions."""
+        (verifiable rewards), or both. Functions are the user's own code: they run in a worker process with a scrubbed
+    environment, a private working directory, a memory limit and a timeout (kubealign.rewards.functions), but
+    with the task's file-system permissions."""
 
     functions: list[RewardFunction] = Field(default_factory=list, description="Reward functions, in order.")
     model_weight: float = Field(
@@ -205,6 +207,17 @@ class RewardsConfig(Section):
         "stage is skipped in the DAG, ppo's critic starts from the SFT model with a new value head).",
     )
     timeout_s: float = Field(60.0, gt=0, description="Per-call limit of one reward function on one batch, s.")
+    memory_limit_mb: int = Field(
+        4096,
+        ge=256,
+        description="Address-space limit of the reward-function worker, MiB: past it the function fails with one "
+        "line, not the trainer (the worker is also the OOM killer's first choice).",
+    )
+    worker_env: list[str] = Field(
+        default_factory=list,
+        description="Environment variables the reward-function worker gets besides PATH, LANG, LC_*, TZ and "
+        "PYTHONPATH (e.g. a judge API's key). None of the task's credentials by default.",
+    )
 
     @property
     def uses_model(self) -> bool:

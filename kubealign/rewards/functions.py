@@ -6,30 +6,69 @@ that cannot be loaded, has the wrong signature, raises, returns the wrong number
 is not a number or None, or a non-finite one, or does not return within rewards.timeout_s (then the
 worker is killed). When a batch call raises, the rows are retried one at a time to name the first row
 that makes it raise.
+
+The worker's limits (user code runs there, not in the trainer): an environment with none of the task's
+variables but PATH, LANG, LC_*, TZ, PYTHONPATH and those rewards.worker_env names (so no MLflow or object-store
+credentials); a private working and temporary directory, removed at the end (a relative path a function
+writes lands there, not in a stage's output; absolute paths are the task's file-system permissions, which
+only the container bounds); rewards.memory_limit_mb of address space, past which its allocation fails and
+the call is one line, with the worker first in line for the OOM killer; a process group of its own, killed
+whole on a timeout or at the end; and what it prints, forwarded to the task's log at most OUTPUT_LIMIT
+bytes per call (the last part kept, the cut said once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 from kubealign.errors import UserError
 from kubealign.rewards.definitions import FunctionSpec
+from kubealign.rewards.worker import MEMORY_ENV
 
 Values = list[float | None]
+KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
+OUTPUT_LIMIT = 64 * 1024  # bytes of a call's printed output forwarded to the task's log
+DEFAULT_MEMORY_MB = 4096
+
+
+def worker_env(environ: dict[str, str], passed: list[str], home: Path, cwd: str) -> dict[str, str]:
+    """The worker's environment: KEPT_ENV, LC_*, the names in `passed`; HOME and TMPDIR its private dir; the
+    directory the stage runs in on PYTHONPATH (a module:NAME function importable there stays importable)."""
+    env = {k: v for k, v in environ.items() if k in KEPT_ENV or k.startswith("LC_") or k in passed}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), cwd) if p)
+    env.update(HOME=str(home), TMPDIR=str(home), PYTHONUNBUFFERED="1", PYTHONDONTWRITEBYTECODE="1")
+    # one thread per math library: their per-thread arenas would count against the address-space limit
+    env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return env
 
 
 class FunctionRunner:
     """The worker process and the loaded functions; use as a context manager (the worker is ended on exit)."""
 
-    def __init__(self, specs: list[FunctionSpec], timeout_s: float):
+    def __init__(
+        self,
+        specs: list[FunctionSpec],
+        timeout_s: float,
+        memory_limit_mb: int = DEFAULT_MEMORY_MB,
+        passed_env: list[str] | None = None,
+    ):
         self.specs, self.timeout_s = specs, timeout_s
+        self.memory_limit_mb, self.passed_env = memory_limit_mb, list(passed_env or [])
         self.process: subprocess.Popen | None = None
+        self.home: Path | None = None
+        self.output: Any = None  # the worker's stderr: a file in its private dir, drained after every call
+        self.cut_said = False
 
     def __enter__(self) -> FunctionRunner:
         self.start()
@@ -39,13 +78,19 @@ class FunctionRunner:
         self.close()
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.home = Path(tempfile.mkdtemp(prefix="kubealign-reward-fn-"))
+        self.output = open(self.home / ".output", "ab+")  # noqa: SIM115 - closed in close()
+        env = worker_env(dict(os.environ), self.passed_env, self.home, os.getcwd())
+        env[MEMORY_ENV] = str(self.memory_limit_mb)  # the worker limits itself before it loads any user code
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kubealign.rewards.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
+            stderr=self.output,
             text=True,
             env=env,
+            cwd=self.home,
+            start_new_session=True,  # its own process group: killed whole, children included
         )
         for spec in self.specs:
             reply = self._ask({"op": "load", "spec": spec._asdict()}, spec, "loading it")
@@ -53,10 +98,38 @@ class FunctionRunner:
                 raise UserError(f"{spec.field}: {reply['message']}")
 
     def close(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):  # the group: whatever the function started goes too
+                os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         self.process = None
+        if self.output is not None:
+            self._drain()
+            self.output.close()
+            self.output = None
+        if self.home is not None:
+            shutil.rmtree(self.home, ignore_errors=True)
+            self.home = None
+
+    def _drain(self) -> None:
+        """Forward what the worker printed since the last call to the task's stderr, at most OUTPUT_LIMIT bytes
+        (the last part), then empty the file (the worker appends: its writes land at the new end)."""
+        self.output.flush()
+        self.output.seek(0)
+        printed = self.output.read()
+        self.output.truncate(0)
+        if len(printed) > OUTPUT_LIMIT:
+            if not self.cut_said:
+                self.cut_said = True
+                print(
+                    f"kubealign: reward functions printed {len(printed)} bytes in one call; only the last "
+                    f"{OUTPUT_LIMIT} of each call are kept",
+                    file=sys.stderr,
+                )
+            printed = printed[-OUTPUT_LIMIT:]
+        if printed:
+            sys.stderr.write(printed.decode(errors="replace"))
+            sys.stderr.flush()
 
     def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str) -> dict[str, Any]:
         assert self.process is not None and self.process.stdin and self.process.stdout
@@ -70,10 +143,17 @@ class FunctionRunner:
             self.close()
             raise UserError(f"{label(spec)}: no answer within rewards.timeout_s {self.timeout_s:g} s ({what}); stopped")
         line = self.process.stdout.readline()
+        self._drain()
         if not line:
             code = self.process.wait()
-            raise UserError(f"{label(spec)}: its worker process exited with code {code} ({what})")
-        return json.loads(line)
+            killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
+            raise UserError(f"{label(spec)}: its worker process exited with code {code}{killed} ({what})")
+        reply = json.loads(line)
+        if reply.get("memory"):  # the function's allocation failed at the limit
+            raise UserError(
+                f"{label(spec)}: ran out of its memory, rewards.memory_limit_mb {self.memory_limit_mb} ({what})"
+            )
+        return reply
 
     def call(
         self,

@@ -1,7 +1,8 @@
 """The reward-function worker: `python -m kubealign.rewards.worker`, driven by kubealign.rewards.functions.
 
 It loads the functions once and answers one JSON request per line on stdin with one JSON line on its
-own copy of stdout; whatever the functions print goes to stderr, so it cannot break the protocol. It runs
+own copy of stdout; whatever the functions print goes to stderr, so it cannot break the protocol. It caps its
+own memory (MEMORY_ENV) before it loads any user code. It runs
 in a process of its own so that a function that hangs (even inside C code) can be killed when the
 per-call timeout runs out, and a crash in user code cannot take the training process with it. It imports
 nothing heavy (no torch): it starts in well under a second.
@@ -70,6 +71,8 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
         pass
     try:
         values = function(request["prompts"], request["completions"], **request["columns"])
+    except MemoryError:  # the worker's address-space limit (kubealign.rewards.functions): not the function's bug
+        return {"error": "memory", "memory": True, "message": "MemoryError"}
     except Exception as exc:  # the user's code: report, do not die
         return {"error": "raised", "message": _describe(exc)}
     try:
@@ -90,7 +93,26 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {"values": [v if v is None or v == v and abs(v) != float("inf") else repr(v) for v in out]}
 
 
+MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
+
+
+def limit_self(memory_mb: int) -> None:
+    """This process's address space capped at memory_mb (an allocation past it fails with MemoryError), and
+    this process first in line for the OOM killer, so that a function's appetite never costs the trainer."""
+    import resource
+
+    limit = memory_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    try:
+        with open("/proc/self/oom_score_adj", "w", encoding="ascii") as adj:
+            adj.write("1000")
+    except OSError:  # not Linux, or /proc read-only: the rlimit still holds
+        pass
+
+
 def main() -> int:
+    if os.environ.get(MEMORY_ENV):
+        limit_self(int(os.environ[MEMORY_ENV]))
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the functions' print() goes to stderr
     sys.stdout = sys.stderr

@@ -1,0 +1,119 @@
+"""The reward-function worker inside limits (issue 37): the user's code sees none of the task's credentials,
+writes relative paths into a private directory, cannot take the trainer's memory, leaves no process behind
+a timeout, and cannot flood the task's log. Real worker processes, real limits."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kubealign.config.schema import RewardsConfig
+from kubealign.errors import UserError
+from kubealign.rewards import definitions
+from kubealign.rewards.functions import OUTPUT_LIMIT, FunctionRunner, worker_env
+
+pytestmark = pytest.mark.unit
+
+FUNCTIONS = """
+import os, subprocess, time
+
+def secret_length(prompts, completions, **columns):
+    return [float(len(os.environ.get("AWS_SECRET_ACCESS_KEY", "")))] * len(completions)
+
+def writes_relative(prompts, completions, **columns):
+    with open("result.json", "w") as f:
+        f.write("{}")
+    return [float(os.getcwd() == os.environ["HOME"])] * len(completions)
+
+def greedy(prompts, completions, **columns):
+    hog = bytearray(1024 * 2**20)  # 1 GiB
+    return [float(len(hog))] * len(completions)
+
+def spawns_and_hangs(prompts, completions, **columns):
+    child = subprocess.Popen(["sleep", "600"])
+    with open(os.environ["PID_FILE"], "w") as f:
+        f.write(str(child.pid))
+    time.sleep(600)
+
+def loud(prompts, completions, **columns):
+    print("x" * 300_000)
+    print("THE END")
+    return [1.0] * len(completions)
+"""
+
+
+def runner(directory: Path, name: str, timeout_s: float = 20.0, memory_mb: int = 4096, env: list[str] | None = None):
+    (directory / "fns.py").write_text(FUNCTIONS, encoding="utf-8")
+    rewards = RewardsConfig(functions=[{"path": f"fns.py:{name}"}], timeout_s=timeout_s)
+    return FunctionRunner(definitions.resolve(rewards, str(directory)), timeout_s, memory_mb, env)
+
+
+def call(r: FunctionRunner) -> list:
+    return r.call(r.specs[0], ["p"], ["c"], {}, ["d.jsonl:1"])
+
+
+def test_the_worker_sees_no_credential_unless_the_config_passes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-key")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "pw")
+    with runner(tmp_path, "secret_length") as r:
+        assert call(r) == [0.0]
+    with runner(tmp_path, "secret_length", env=["AWS_SECRET_ACCESS_KEY"]) as r:
+        assert call(r) == [10.0]
+    env = worker_env({"PATH": "/bin", "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_PASSWORD": "p",
+                      "PYTHONPATH": "/lib"}, [], tmp_path / "home", "/work/stage")  # fmt: skip
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "MLFLOW_TRACKING_PASSWORD" not in env
+    assert (env["PATH"], env["LC_ALL"], env["HOME"], env["TMPDIR"]) == ("/bin", "C", *[str(tmp_path / "home")] * 2)
+    assert env["PYTHONPATH"] == os.pathsep.join(["/lib", "/work/stage"])  # module:NAME still importable
+
+
+def test_a_relative_write_lands_in_the_private_directory_which_goes_at_the_end(tmp_path, monkeypatch):
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    monkeypatch.chdir(stage)  # where the stage runs, its outputs beside it
+    with runner(tmp_path, "writes_relative") as r:
+        assert call(r) == [1.0]  # its working directory is its HOME: the private directory
+        home = r.home
+        assert (home / "result.json").is_file()
+    assert not (stage / "result.json").exists() and not home.exists()
+
+
+def test_past_its_memory_limit_a_function_fails_in_one_line_and_the_caller_lives(tmp_path):
+    with runner(tmp_path, "greedy", memory_mb=512) as r, pytest.raises(UserError) as err:
+        call(r)
+    assert str(err.value) == (
+        "reward function greedy (rewards.functions[0].path): ran out of its memory, rewards.memory_limit_mb 512 "
+        "(a batch of 1 rows starting at d.jsonl:1)"
+    )
+    with runner(tmp_path, "greedy", memory_mb=2048) as r:  # room for it: the same function works
+        assert call(r) == [float(2**30)]
+
+
+def test_a_timeout_kills_the_workers_whole_process_group(tmp_path, monkeypatch):
+    pid_file = tmp_path / "child.pid"
+    monkeypatch.setenv("PID_FILE", str(pid_file))
+    r = runner(tmp_path, "spawns_and_hangs", timeout_s=3.0, env=["PID_FILE"])
+    with r, pytest.raises(UserError, match="no answer within rewards.timeout_s 3 s"):
+        call(r)
+    child = int(pid_file.read_text())
+    for _ in range(50):  # killed with the group; reaped by init once its parent is gone
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
+            break  # a zombie: dead, waiting for init to reap it
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the function's child {child} outlived the timeout")
+
+
+def test_what_a_function_prints_reaches_the_log_bounded_and_the_cut_is_said_once(tmp_path, capfd):
+    with runner(tmp_path, "loud") as r:
+        assert call(r) == [1.0] and call(r) == [1.0]
+    err = capfd.readouterr().err
+    assert err.count("reward functions printed") == 1  # said once, for two calls
+    assert err.count("THE END") == 2  # the last part of each call kept
+    assert len(err) < 2 * OUTPUT_LIMIT + 1000 < 2 * 300_000
