@@ -28,9 +28,31 @@ from kubealign.errors import UserError
 from kubealign.outputs import read_result
 from kubealign.training.distributed import RENDEZVOUS_ENV
 
+# Pinned when the pipeline is compiled, on every task's container (pipelines/dag.py: pins), where a run's
+# parameters cannot reach: the sha256 of the reward functions the pipeline embedded, and the config sections
+# allowed to run a model's own code. A run that edits the parameters `reward_functions` or `config_json`
+# cannot run other code than what was compiled.
+FUNCTIONS_SHA_ENV, REMOTE_CODE_ENV = "KUBEALIGN_REWARD_FUNCTIONS_SHA256", "KUBEALIGN_TRUST_REMOTE_CODE"
+REMOTE_CODE_SECTIONS = ("sft", "reward", "dpo")
+
+
+def pins(config: KubealignConfig, functions_json: str) -> dict[str, str]:
+    """What a compiled pipeline pins on its tasks (see FUNCTIONS_SHA_ENV)."""
+    trusted = [s for s in REMOTE_CODE_SECTIONS if getattr(config, s).trust_remote_code]
+    return {FUNCTIONS_SHA_ENV: hashlib.sha256(functions_json.encode()).hexdigest(), REMOTE_CODE_ENV: ",".join(trusted)}
+
 
 def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfig:
-    return config_from_json(config_json, overrides)
+    config = config_from_json(config_json, overrides)
+    allowed = os.environ.get(REMOTE_CODE_ENV)
+    if allowed is not None:  # a compiled pipeline's task
+        for section in REMOTE_CODE_SECTIONS:
+            if getattr(config, section).trust_remote_code and section not in allowed.split(","):
+                raise UserError(
+                    f"{section}.trust_remote_code is true in this run's config_json but the pipeline was compiled "
+                    "without it: a run's parameters cannot allow a model's own code; compile the pipeline with it"
+                )
+    return config
 
 
 def device_count() -> int:
@@ -130,6 +152,13 @@ def reward_functions(config: KubealignConfig, functions_json: str) -> list:
     kubealign.rewards.definitions.to_json), checked against config.rewards; none when the config has none."""
     from kubealign.rewards import definitions
 
+    pinned = os.environ.get(FUNCTIONS_SHA_ENV)
+    digest = hashlib.sha256(functions_json.encode()).hexdigest()
+    if pinned is not None and digest != pinned:
+        raise UserError(
+            f"reward_functions: sha256 {digest[:12]}… is not the {pinned[:12]}… compiled into the pipeline: the "
+            "parameter was edited after compiling; compile the pipeline with the functions it should run"
+        )
     specs = definitions.from_json(functions_json) if functions_json else []
     if config.rewards.functions and not specs:
         raise UserError("rewards.functions are set but the task got no reward_functions: compile the pipeline again")

@@ -174,8 +174,9 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
 class Tasks:
     """Makes the DAG's tasks and places them on the cluster (config.kubernetes, `env` on every task)."""
 
-    def __init__(self, config: KubealignConfig, env: dict[str, str] | None):
-        self.config, self.k8s, self.env = config, config.kubernetes, env or {}
+    def __init__(self, config: KubealignConfig, env: dict[str, str] | None, functions_json: str):
+        self.config, self.k8s = config, config.kubernetes
+        self.env = {**(env or {}), **tasks.pins(config, functions_json)}  # what a run cannot edit
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
@@ -249,7 +250,7 @@ class Tasks:
         return task
 
 
-def _one_route(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
+def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
     """The pipeline of one route, chosen by the `algorithm` parameter with KFP conditions."""
 
     def kubealign_pipeline(
@@ -264,17 +265,17 @@ def _one_route(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
         reward_functions: str = d["reward_functions"],
     ):
         p = dict(locals())
-        dataset, sft, scorer = tasks.upstream(p)
+        dataset, sft, scorer = builder.upstream(p)
         with dsl.If(algorithm == "dpo", name="dpo route"):
-            dpo = tasks.dpo(stages.dpo, p, dataset, sft)
+            dpo = builder.dpo(stages.dpo, p, dataset, sft)
         with dsl.Else(name="rl route"):
-            ppo = tasks.rl(stages.ppo, p, algorithm, dataset, sft, scorer, "PPO / GRPO / RLOO (hybrid engine)")
+            ppo = builder.rl(stages.ppo, p, algorithm, dataset, sft, scorer, "PPO / GRPO / RLOO (hybrid engine)")
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
-        evaluation = tasks.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
+        evaluation = builder.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
         promote = stages.promote(
             config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
-        tasks.promote(promote, "promote (MLflow registry)")
+        builder.promote(promote, "promote (MLflow registry)")
         done = {
             "data_split": dataset,
             "sft": sft,
@@ -282,14 +283,14 @@ def _one_route(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             "evaluate": evaluation.outputs["evaluation"],
             "promote": promote.outputs["promotion"],
         }
-        return Outputs(reward=scorer, **done) if tasks.with_model else FunctionOutputs(**done)
+        return Outputs(reward=scorer, **done) if builder.with_model else FunctionOutputs(**done)
 
     return kubealign_pipeline
 
 
-def _several_routes(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
-    """The pipeline of several routes: a branch per route from the shared tasks, a comparison, a promotion each."""
-    routes = tasks.config.routes()
+def _several_routes(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
+    """The pipeline of several routes: a branch per route from the shared builder, a comparison, a promotion each."""
+    routes = builder.config.routes()
 
     def kubealign_routes_pipeline(
         config_json: str = d["config_json"],
@@ -302,18 +303,18 @@ def _several_routes(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
         reward_functions: str = d["reward_functions"],
     ):
         p = dict(locals())
-        dataset, sft, scorer = tasks.upstream(p)
+        dataset, sft, scorer = builder.upstream(p)
         candidates, evaluations = {}, {}
         for name in routes:
             if route_task(name) == "dpo":
-                task = tasks.dpo(named(stages.dpo, name), p, dataset, sft)
+                task = builder.dpo(named(stages.dpo, name), p, dataset, sft)
             else:
-                task = tasks.rl(
+                task = builder.rl(
                     named(stages.ppo, name), p, name, dataset, sft, scorer, f"{name.upper()} (hybrid engine)"
                 )
             candidates[name] = task.outputs["model"]
             component = named(stages.evaluate, f"evaluate-{name}")
-            evaluation = tasks.evaluate(component, p, dataset, sft, candidates[name], scorer)
+            evaluation = builder.evaluate(component, p, dataset, sft, candidates[name], scorer)
             evaluation.set_display_name(f"evaluate {name}")
             evaluations[name] = evaluation.outputs["evaluation"]
         # only the listed routes' inputs: kfp's ignore_upstream_failure() looks up every input of the
@@ -327,7 +328,7 @@ def _several_routes(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
         # A failed route must not sink the others: the comparison runs once every route has ended, and
         # gets no evaluation from one that failed (its input's default, None).
         comparison.ignore_upstream_failure()
-        tasks.place(comparison, "compare routes", 0, training=False)
+        builder.place(comparison, "compare routes", 0, training=False)
         for name in routes:
             promote = named(stages.promote_ranked, f"promote-{name}")(
                 config_json=config_json,
@@ -335,9 +336,9 @@ def _several_routes(tasks: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
                 evaluation=evaluations[name],
                 candidate=candidates[name],
             )
-            tasks.promote(promote, f"promote {name} (MLflow registry)")
+            builder.promote(promote, f"promote {name} (MLflow registry)")
         done = {"data_split": dataset, "sft": sft, "compare": comparison.outputs["comparison"]}
-        return RoutesOutputs(reward=scorer, **done) if tasks.with_model else RoutesFunctionOutputs(**done)
+        return RoutesOutputs(reward=scorer, **done) if builder.with_model else RoutesFunctionOutputs(**done)
 
     return kubealign_routes_pipeline
 
@@ -347,13 +348,14 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
     One route (pipeline.algorithm, or a one-entry pipeline.algorithms): the route is the `algorithm`
     parameter. Several: a branch per route."""
     check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
-    tasks, defaults = Tasks(config, env), pipeline_defaults(config)
+    defaults = pipeline_defaults(config)
+    builder = Tasks(config, env, defaults["reward_functions"])
     several = len(config.routes()) > 1
-    function = (_several_routes if several else _one_route)(tasks, defaults)
+    function = (_several_routes if several else _one_route)(builder, defaults)
     # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
     outputs = {(False, True): Outputs, (False, False): FunctionOutputs}
     outputs.update({(True, True): RoutesOutputs, (True, False): RoutesFunctionOutputs})
-    function.__annotations__["return"] = outputs[several, tasks.with_model]
+    function.__annotations__["return"] = outputs[several, builder.with_model]
     function.__name__ = "kubealign_pipeline"
     return dsl.pipeline(
         name=PIPELINE_NAME,

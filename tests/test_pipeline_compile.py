@@ -16,6 +16,7 @@ from kubealign.pipelines.remote import compile_pipeline
 from tests.conftest import write_jsonl
 
 pytestmark = pytest.mark.kfp
+PINS = {"KUBEALIGN_REWARD_FUNCTIONS_SHA256", "KUBEALIGN_TRUST_REMOTE_CODE"}  # on every task: tasks.pins
 
 GPU_CLUSTER = [
     "kubernetes.sft_gpus=2",
@@ -174,8 +175,13 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
         "maxRetryCount": 3, "backoffDuration": "60s", "backoffFactor": 2.0, "backoffMaxDuration": "1800s"
     }  # fmt: skip
     executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+
+    def env_of(name: str) -> dict[str, str]:  # without what every task gets (the compile-time pins)
+        env = {e["name"]: e.get("value", "") for e in executors[f"exec-{name}"]["container"]["env"]}
+        return {k: v for k, v in env.items() if k not in PINS}
+
     for name in training:
-        env = {e["name"]: e["value"] for e in executors[f"exec-{name}"]["container"]["env"]}
+        env = env_of(name)
         assert env == {"KUBEALIGN_CHECKPOINT_ROOT": "/mnt/kubealign/checkpoints", "KUBEALIGN_TASK": name}
         fields = {f.name: f.field_path for f in platform[f"exec-{name}"].field_path_as_env}
         assert fields == {
@@ -186,12 +192,12 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
         }
         assert dict(platform[f"exec-{name}"].pod_metadata.labels) == {"kueue.x-k8s.io/queue-name": "team-a"}
     for name in ("data-split", "evaluate-grpo", "compare", "promote-dpo"):
-        assert "env" not in executors[f"exec-{name}"]["container"] and not platform[f"exec-{name}"].field_path_as_env
+        assert env_of(name) == {} and not platform[f"exec-{name}"].field_path_as_env
     # no PVC: the checkpoints stay beside the output (nothing to find after a retry), and no queue, no retry
     spec, platform = compiled(tmp_path, ["kubernetes.retries=0"])
     assert not any("retryPolicy" in t for t in json_format.MessageToDict(spec.root.dag)["tasks"].values())
     container = json_format.MessageToDict(spec.deployment_spec)["executors"]["exec-sft"]["container"]
-    assert "env" not in container and not platform["exec-sft"].pod_metadata.labels
+    assert {e["name"] for e in container["env"]} == PINS and not platform["exec-sft"].pod_metadata.labels
     assert [f.name for f in platform["exec-sft"].field_path_as_env] == [
         "KUBEALIGN_POD_NAME", "KUBEALIGN_POD_UID", "KUBEALIGN_POD_NAMESPACE"
     ]  # fmt: skip
@@ -229,3 +235,17 @@ def test_a_local_run_compiles_without_retries(tmp_path: Path) -> None:
     tasks = yaml.safe_load_all(path.read_text(encoding="utf-8")).__next__()["root"]["dag"]["tasks"]
     assert not any("retryPolicy" in task for task in tasks.values())
     assert config.kubernetes.retries == 3  # the caller's config is left as it was
+
+
+def test_every_task_carries_the_compile_time_pins(tmp_path: Path) -> None:
+    """The reward functions' sha256 and the sections allowed to run a model's code sit in the tasks'
+    containers, not in a parameter: equal to the sha256 of the `reward_functions` parameter's default."""
+    import hashlib
+
+    spec, _ = compiled(tmp_path, [])
+    default = spec.root.input_definitions.parameters["reward_functions"].default_value.string_value
+    executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+    for name, executor in executors.items():
+        env = {e["name"]: e.get("value", "") for e in executor["container"]["env"]}
+        assert env["KUBEALIGN_REWARD_FUNCTIONS_SHA256"] == hashlib.sha256(default.encode()).hexdigest(), name
+        assert env["KUBEALIGN_TRUST_REMOTE_CODE"] == "", name

@@ -220,3 +220,50 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
         not (tmp_path / "pvc" / "trainjobs" / name).exists()
         and "--resume" not in created[1]["spec"]["trainer"]["command"]
     )
+
+
+# --- what a run cannot edit: pinned at compile time --------------------------------------------------------
+
+
+@pytest.mark.unit
+def test_an_edited_reward_functions_parameter_is_refused_at_the_task(tmp_path: Path, monkeypatch) -> None:
+    import hashlib
+
+    from kubealign.rewards import definitions
+
+    (tmp_path / "f.py").write_text("def f(prompts, completions):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "c.yaml").write_text("rewards: {functions: [{path: f.py:f}]}\n", encoding="utf-8")
+    config = load_config(str(tmp_path / "c.yaml"), [])
+    compiled = definitions.to_json(definitions.resolve(config.rewards, config.base_dir))
+    pins = tasks.pins(config, compiled)
+    assert pins == {tasks.FUNCTIONS_SHA_ENV: hashlib.sha256(compiled.encode()).hexdigest(), tasks.REMOTE_CODE_ENV: ""}
+    for key, value in pins.items():
+        monkeypatch.setenv(key, value)
+    assert [s.name for s in tasks.reward_functions(config, compiled)] == ["f"]
+    edited = compiled.replace("[1.0]", "[9.0]")  # what a run's parameter could carry
+    with pytest.raises(UserError, match=r"^reward_functions: sha256 \w+… is not the \w+… compiled into the pipeline"):
+        tasks.reward_functions(config, edited)
+    monkeypatch.delenv(tasks.FUNCTIONS_SHA_ENV)  # kubealign rerun / a stage by hand: nothing pinned
+    assert len(tasks.reward_functions(config, edited)) == 1
+
+
+@pytest.mark.unit
+def test_trust_remote_code_only_where_the_pipeline_was_compiled_with_it(monkeypatch) -> None:
+    trusting = config_to_json(load_config(None, ["sft.trust_remote_code=true"]))
+    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "")  # compiled without it
+    with pytest.raises(UserError, match=r"^sft.trust_remote_code is true in this run's config_json but the pipeline"):
+        tasks.load(trusting)
+    assert tasks.load(config_to_json(load_config(None, [])))  # nothing asked: fine
+    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "sft")  # compiled with it
+    assert tasks.load(trusting).sft.trust_remote_code
+    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "reward")
+    with pytest.raises(UserError, match="sft.trust_remote_code"):
+        tasks.load(trusting)
+    monkeypatch.delenv(tasks.REMOTE_CODE_ENV)
+    assert tasks.load(trusting).sft.trust_remote_code  # not a compiled pipeline's task
+    assert (
+        tasks.pins(load_config(None, ["dpo.trust_remote_code=true", "sft.trust_remote_code=true"]), "[]")[
+            tasks.REMOTE_CODE_ENV
+        ]
+        == "sft,dpo"
+    )
