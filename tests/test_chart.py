@@ -147,6 +147,7 @@ def test_training_runtime_has_shm_as_memory() -> None:
     pod = runtime["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "128Gi"}} in pod["volumes"]
     assert pod["terminationGracePeriodSeconds"] == 240  # SIGTERM -> the last checkpoint -> exit
+    assert pod["automountServiceAccountToken"] is False  # the nodes never call the API
     assert runtime["metadata"]["name"] == "kubealign-deepspeed"  # = kubernetes.trainjob_runtime's default
 
 

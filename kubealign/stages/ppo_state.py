@@ -78,5 +78,5 @@ def load_checkpoint(
         ema_file = directory / "actor" / tag / EMA_FILE
         if not ema_file.is_file():
             raise UserError(f"--resume: {ema_file} is missing: the checkpoint was saved without ppo.ema_coef")
-        ema.state = torch.load(ema_file)
+        ema.state = torch.load(ema_file, weights_only=True)  # tensors only: no pickled code
     return state
