@@ -33,10 +33,11 @@ def data_fingerprint(config: KubealignConfig) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
-def model_fingerprint(name: str) -> str:
-    """A local model dir by content; a built-in tiny model by name and code version; else by name."""
+def model_fingerprint(name: str, revision: str | None = None) -> str:
+    """A local model dir by content; a built-in tiny model by name and code version; a hub model by the
+    commit it was pinned to (kubealign.models.hub.pin); else by name."""
     if Path(name).is_dir():
         return tree_sha256(Path(name))
     if name.startswith("tiny-"):  # built from config by this version of kubealign
         return f"{name}@kubealign-{__version__}"
-    return f"name:{name}"
+    return f"hub:{name}@{revision}" if revision else f"name:{name}"

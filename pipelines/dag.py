@@ -48,6 +48,7 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
+from kubealign.models import hub
 from kubealign.rewards import definitions
 from kubealign.shape import ROUTES, route_task
 from kubealign.shape import scorer as scorer_task
@@ -150,6 +151,7 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
     """The pipeline parameters' defaults: config_json without what varies per route or only this module
     reads, so runs of different routes (and retry / queue settings) share the tasks before the branch (KFP's
     cache keys); the route itself is the `algorithm` parameter."""
+    config = hub.pin(config)  # hub models as the commits they name now: what every task loads, the cache key
     scheduling = {key: KubernetesConfig.model_fields[key].default for key in DAG_ONLY}
     shared = config.model_copy(
         update={
@@ -165,8 +167,8 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
         "reward_model": config.reward.model,
         "ppo_num_iterations": config.ppo.num_iterations,
         "data_fingerprint": data_fingerprint(config),
-        "sft_model_fingerprint": model_fingerprint(config.sft.model),
-        "reward_model_fingerprint": model_fingerprint(config.reward.model),
+        "sft_model_fingerprint": model_fingerprint(config.sft.model, config.sft.revision),
+        "reward_model_fingerprint": model_fingerprint(config.reward.model, config.reward.revision),
         "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
     }
 

@@ -29,6 +29,11 @@ class TrainConfig(Section):
 
     model: str = Field("tiny-opt", description="tiny-opt, tiny-llama, a hub model id or a local HF dir.")
     trust_remote_code: bool = Field(False, description="Allow model code from the model repo/dir.")
+    revision: str | None = Field(
+        None,
+        description="Hub revision of `model` (branch, tag or commit; None = main). A compiled pipeline pins it to "
+        "the commit it names then (kubealign.models.hub).",
+    )
     zero_stage: int = Field(0, ge=0, le=3, description="DeepSpeed ZeRO stage (0-3).")
     offload: bool = Field(False, description="Offload optimizer state and (ZeRO-3) params to CPU.")
     dtype: DType = Field("fp32", description="Training precision; fp32 on CPU.")

@@ -43,14 +43,19 @@ def _load(kind: str, loader: Any, name: str, trust_remote_code: bool, **kwargs: 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
-def load_tokenizer(name: str, trust_remote_code: bool = False) -> Any:
+def revision_kw(revision: str | None) -> dict[str, str]:
+    """from_pretrained's `revision` for a hub model pinned to one (config: section.revision), else nothing."""
+    return {"revision": revision} if revision else {}
+
+
+def load_tokenizer(name: str, trust_remote_code: bool = False, revision: str | None = None) -> Any:
     from transformers import AutoTokenizer
 
     target = Path(resolve(name))
     # transformers 5 builds an empty tokenizer (vocabulary of 1) for a dir without tokenizer files.
     if target.is_dir() and not any((target / f).is_file() for f in TOKENIZER_FILES):
         raise UserError(f"model {name}: cannot load tokenizer: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-    tokenizer = _load("tokenizer", AutoTokenizer, name, trust_remote_code)
+    tokenizer = _load("tokenizer", AutoTokenizer, name, trust_remote_code, **revision_kw(revision))
     if len(tokenizer) < 2:
         raise UserError(f"model {name}: cannot load tokenizer: it has an empty vocabulary")
     return tokenizer

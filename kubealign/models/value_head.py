@@ -19,7 +19,9 @@ from kubealign.models.inputs import position_ids
 HEAD_NAMES = ("score",)
 
 
-def load_reward_model(name: str, trust_remote_code: bool, pad_token_id: int, dtype: str) -> Any:
+def load_reward_model(
+    name: str, trust_remote_code: bool, pad_token_id: int, dtype: str, revision: str | None = None
+) -> Any:
     """Load `name` (a causal-LM or reward-model dir, tiny-*, or hub id) with a 1-output value head."""
     from transformers import AutoModelForSequenceClassification
     from transformers.utils import logging as hf_logging
@@ -37,6 +39,7 @@ def load_reward_model(name: str, trust_remote_code: bool, pad_token_id: int, dty
             trust_remote_code,
             num_labels=1,
             dtype=loading.torch_dtype(dtype),
+            **loading.revision_kw(revision),
         )
     finally:
         hf_logging.set_verbosity(previous)

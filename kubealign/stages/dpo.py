@@ -269,7 +269,10 @@ def run(
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len) if len(dataset.get("eval", [])) else train[:256]
         with engines.zero3_loading(engines.ds_config(cfg, world, torch.cuda.is_available())):
-            model = loading.load_causal_lm(cfg.model, cfg.trust_remote_code, dtype=loading.torch_dtype(cfg.dtype))
+            dtype = loading.torch_dtype(cfg.dtype)
+            model = loading.load_causal_lm(
+                cfg.model, cfg.trust_remote_code, dtype=dtype, **loading.revision_kw(cfg.revision)
+            )
             model = engines.apply_lora(model, cfg.lora, "CAUSAL_LM")
         # No dropout (TRL's DPOTrainer default): with it the policy's log-probs are noisy against the
         # eval-mode reference and the implicit rewards are not 0 before the first step.

@@ -107,7 +107,8 @@ def run(
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len)
         with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
-            model = load_reward_model(cfg.model, cfg.trust_remote_code, tokenizer.pad_token_id, cfg.dtype)
+            pad = tokenizer.pad_token_id
+            model = load_reward_model(cfg.model, cfg.trust_remote_code, pad, cfg.dtype, cfg.revision)
             model = apply_lora(model, cfg.lora, "SEQ_CLS")
         pad = tokenizer.pad_token_id
 

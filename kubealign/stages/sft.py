@@ -57,7 +57,10 @@ def run(
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len, cfg.include_prompt_in_loss)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len, include_prompt=False)
         with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
-            model = loading.load_causal_lm(cfg.model, cfg.trust_remote_code, dtype=loading.torch_dtype(cfg.dtype))
+            dtype = loading.torch_dtype(cfg.dtype)
+            model = loading.load_causal_lm(
+                cfg.model, cfg.trust_remote_code, dtype=dtype, **loading.revision_kw(cfg.revision)
+            )
             model = apply_lora(model, cfg.lora, "CAUSAL_LM")
         pad = tokenizer.pad_token_id
         return stage.Built(

@@ -61,7 +61,7 @@ def run(
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
     with stage_run(name, config, output.resolve().parent, required=False) as tracker:
-        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code)
+        tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.revision)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         built = build(dataset, tokenizer, world, tracker)
