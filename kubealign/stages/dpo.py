@@ -244,7 +244,9 @@ def train_loss(cfg: DPOConfig, table: ReferenceTable):
         seq = response_logprobs(engine, batch)
         (pc, pr), (rc, rr) = halves(seq, cfg.loss_type), halves(SequenceLogprobs(ref, seq.tokens), cfg.loss_type)
         out = dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing, cfg.loss_type)
-        metrics = {k: v for k, v in reward_metrics(out, pc, pr).items() if k != "loss"}
+        # only the step's last micro-batch's are logged: computing them reads values back (a GPU sync)
+        boundary = engine.is_gradient_accumulation_boundary()
+        metrics = {k: v for k, v in reward_metrics(out, pc, pr).items() if k != "loss"} if boundary else {}
         value = out.loss + cfg.rpo_alpha * chosen_nll(first_half(seq)) if cfg.rpo_alpha else out.loss
         return loop.Loss(value, metrics)
 
