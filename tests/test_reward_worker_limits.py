@@ -63,10 +63,10 @@ def test_the_worker_sees_no_credential_unless_the_config_passes_it(tmp_path, mon
     with runner(tmp_path, "secret_length", env=["AWS_SECRET_ACCESS_KEY"]) as r:
         assert call(r) == [10.0]
     env = worker_env({"PATH": "/bin", "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_PASSWORD": "p",
-                      "PYTHONPATH": "/lib"}, [], tmp_path / "home", "/work/stage")  # fmt: skip
+                      "PYTHONPATH": "/lib"}, [], tmp_path / "home", "/srv/stage")  # fmt: skip
     assert "AWS_SECRET_ACCESS_KEY" not in env and "MLFLOW_TRACKING_PASSWORD" not in env
     assert (env["PATH"], env["LC_ALL"], env["HOME"], env["TMPDIR"]) == ("/bin", "C", *[str(tmp_path / "home")] * 2)
-    assert env["PYTHONPATH"] == os.pathsep.join(["/lib", "/work/stage"])  # module:NAME still importable
+    assert env["PYTHONPATH"] == os.pathsep.join(["/lib", "/srv/stage"])  # module:NAME still importable
 
 
 def test_a_relative_write_lands_in_the_private_directory_which_goes_at_the_end(tmp_path, monkeypatch):
