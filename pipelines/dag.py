@@ -178,16 +178,23 @@ class Tasks:
 
     def __init__(self, config: KubealignConfig, env: dict[str, str] | None, functions_json: str):
         self.config, self.k8s = config, config.kubernetes
-        self.env = {**(env or {}), **tasks.pins(config, functions_json)}  # what a run cannot edit
+        pins = tasks.pins(config, functions_json)  # what a run cannot edit
+        # the functions' sha256 only on the tasks that read them (it changes with them, and kfp.local's cache
+        # key includes a task's environment): every other task stays cached when a function is edited
+        self.scoring_env = {tasks.FUNCTIONS_SHA_ENV: pins.pop(tasks.FUNCTIONS_SHA_ENV)}
+        self.env = {**(env or {}), **pins}
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
 
-    def place(self, task: dsl.PipelineTask, name: str, gpus: int, training: bool) -> dsl.PipelineTask:
+    def place(
+        self, task: dsl.PipelineTask, name: str, gpus: int, training: bool, scoring: bool = False
+    ) -> dsl.PipelineTask:
+        """scoring: the task reads the reward functions (ppo's, evaluate)."""
         task.set_display_name(name)
         image = self.train_image if training or gpus else self.cpu_image
         _resources(task, self.k8s, gpus, image, training)
-        for key, value in sorted(self.env.items()):
+        for key, value in sorted({**self.env, **(self.scoring_env if scoring else {})}.items()):
             task.set_env_variable(key, value)
         return task
 
@@ -229,7 +236,7 @@ class Tasks:
             actor=sft,
             critic=scorer,
         )
-        return self.place(task, label, self.k8s.ppo_gpus, training=True)
+        return self.place(task, label, self.k8s.ppo_gpus, training=True, scoring=True)
 
     def evaluate(
         self, component: Any, p: dict[str, Any], dataset: Any, sft: Any, candidate: Any, scorer: Any
@@ -242,7 +249,7 @@ class Tasks:
             candidate=candidate,
             reward_model=scorer,
         )
-        return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False)
+        return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False, scoring=True)
 
     def promote(self, task: dsl.PipelineTask, label: str) -> dsl.PipelineTask:
         self.place(task, label, 0, training=False)

@@ -197,7 +197,8 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
     spec, platform = compiled(tmp_path, ["kubernetes.retries=0"])
     assert not any("retryPolicy" in t for t in json_format.MessageToDict(spec.root.dag)["tasks"].values())
     container = json_format.MessageToDict(spec.deployment_spec)["executors"]["exec-sft"]["container"]
-    assert {e["name"] for e in container["env"]} == PINS and not platform["exec-sft"].pod_metadata.labels
+    assert {e["name"] for e in container["env"]} == PINS - {"KUBEALIGN_REWARD_FUNCTIONS_SHA256"}
+    assert not platform["exec-sft"].pod_metadata.labels
     assert [f.name for f in platform["exec-sft"].field_path_as_env] == [
         "KUBEALIGN_POD_NAME", "KUBEALIGN_POD_UID", "KUBEALIGN_POD_NAMESPACE"
     ]  # fmt: skip
@@ -238,14 +239,19 @@ def test_a_local_run_compiles_without_retries(tmp_path: Path) -> None:
 
 
 def test_every_task_carries_the_compile_time_pins(tmp_path: Path) -> None:
-    """The reward functions' sha256 and the sections allowed to run a model's code sit in the tasks'
-    containers, not in a parameter: equal to the sha256 of the `reward_functions` parameter's default."""
+    """The sections allowed to run a model's code sit in every task's container, the reward functions'
+    sha256 (equal to that of the `reward_functions` parameter's default) in those that read them: not in a
+    parameter a run can edit, and not where it would change the cache key of tasks the functions do not touch."""
     import hashlib
 
-    spec, _ = compiled(tmp_path, [])
+    spec, _ = compiled(tmp_path, ["pipeline.algorithms=[grpo,dpo]"])
     default = spec.root.input_definitions.parameters["reward_functions"].default_value.string_value
     executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+    scoring = set()
     for name, executor in executors.items():
         env = {e["name"]: e.get("value", "") for e in executor["container"]["env"]}
-        assert env["KUBEALIGN_REWARD_FUNCTIONS_SHA256"] == hashlib.sha256(default.encode()).hexdigest(), name
         assert env["KUBEALIGN_TRUST_REMOTE_CODE"] == "", name
+        if "KUBEALIGN_REWARD_FUNCTIONS_SHA256" in env:
+            assert env["KUBEALIGN_REWARD_FUNCTIONS_SHA256"] == hashlib.sha256(default.encode()).hexdigest()
+            scoring.add(name)
+    assert scoring == {"exec-grpo", "exec-evaluate-grpo", "exec-evaluate-dpo"}
