@@ -1,5 +1,6 @@
-"""Which rank this process is, asked one way everywhere, without importing torch: torch.distributed's rank
-once a process group exists, else the launcher's RANK (torchrun, the deepspeed launcher), else 0."""
+"""Which rank this process is, asked one way everywhere, without importing torch: the launcher's RANK
+(torchrun, the deepspeed launcher; training.distributed.init sets it for a process group of one), else
+torch.distributed's rank where a group was made without it, else 0."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import sys
 
 
 def rank() -> int:
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return 0
 
 
 def is_main() -> bool:
