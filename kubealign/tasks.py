@@ -30,8 +30,8 @@ from kubealign.training.distributed import RENDEZVOUS_ENV
 
 # Pinned when the pipeline is compiled, on the tasks' containers (pipelines/dag.py: Tasks), where a run's
 # parameters cannot reach: the sha256 of the reward functions the pipeline embedded (on the tasks that read
-# them), and the config sections allowed to run a model's own code (on every task). A run that edits the parameters `reward_functions` or `config_json`
-# cannot run other code than what was compiled.
+# them), and the config sections allowed to run a model's own code (on every task). A run that edits the
+# parameters `reward_functions` or `config_json` cannot run other code than what was compiled.
 FUNCTIONS_SHA_ENV, REMOTE_CODE_ENV = "KUBEALIGN_REWARD_FUNCTIONS_SHA256", "KUBEALIGN_TRUST_REMOTE_CODE"
 REMOTE_CODE_SECTIONS = ("sft", "reward", "dpo")
 
