@@ -196,8 +196,15 @@ def follow_logs(core: Any, name: str, namespace: str, write: Callable[[str], Non
     return thread
 
 
-def _absent(exc: Exception) -> bool:
-    return getattr(exc, "status", None) == 404
+def _exists(custom: Any, name: str, namespace: str) -> bool:
+    """Whether the TrainJob is there (a 404 says no; any other API error is raised)."""
+    try:
+        custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+    except Exception as exc:
+        if getattr(exc, "status", None) == 404:
+            return False
+        raise
+    return True
 
 
 def replace_leftover(
@@ -211,22 +218,14 @@ def replace_leftover(
 ) -> bool:
     """Delete the TrainJob NAME that an earlier try of this task left (running or ended) and wait until it is
     gone, so that a new one of the same name can be created; True if there was one."""
-    try:
-        custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-    except Exception as exc:
-        if _absent(exc):
-            return False
-        raise
+    if not _exists(custom, name, namespace):
+        return False
     print(f"replacing TrainJob {namespace}/{name}, left by an earlier try of this task", flush=True)
     custom.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
     start = clock()
     while clock() - start <= timeout_s:
-        try:
-            custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
-        except Exception as exc:
-            if _absent(exc):
-                return True
-            raise
+        if not _exists(custom, name, namespace):
+            return True
         sleep(poll_s)
     raise TrainJobFailed(
         f"TrainJob {namespace}/{name}, left by an earlier try, still exists {timeout_s:.0f} s after its deletion"
