@@ -143,6 +143,21 @@ def _rollback(args: argparse.Namespace) -> None:
     print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
 
 
+def _registry(args: argparse.Namespace) -> None:
+    from kubealign.cluster import registry_auth
+
+    if args.registry_command == "auth-config":
+        registry_auth.write_config(args.output)
+        print(f"registry: basic-auth config written to {args.output}")
+        return
+    wanted = registry_auth.identities()
+    if not wanted:
+        raise UserError("no identity to create: set KUBEALIGN_PIPELINE_USERNAME / _PASSWORD (and the reader's)")
+    registry_auth.wait_until_up(args.tracking_uri, args.wait)
+    for line in registry_auth.ensure(args.tracking_uri, wanted):
+        print(f"registry: {line}")
+
+
 def _run(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.pipelines import local
@@ -283,6 +298,7 @@ COMMANDS = {
     "rerun": _rerun,
     "summary": _summary,
     "tiny-model": _tiny_model,
+    "registry": _registry,
     "config": _config,
 }
 

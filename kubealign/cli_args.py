@@ -267,7 +267,7 @@ def _add_image_commands(sub: Any) -> None:
 
 
 def _add_tool_commands(sub: Any) -> None:
-    """summary, tiny-model, config."""
+    """summary, tiny-model, config, registry."""
     summary = sub.add_parser("summary", help="one-screen summary of a run directory (as make demo writes)")
     summary.add_argument("run_dir", nargs="?", type=Path, default=Path("runs/demo"), help="default: runs/demo")
 
@@ -285,3 +285,20 @@ def _add_tool_commands(sub: Any) -> None:
     show = config_sub.add_parser("show", help="print the resolved config (defaults, file, --set)")
     _add_config_options(show)
     config_sub.add_parser("presets", help="list the shipped presets")
+
+    registry = sub.add_parser(
+        "registry",
+        help="the chart's MLflow with authentication: its config file and its identities (run by the chart's pods)",
+        description="auth-config writes MLflow's basic-auth ini for the database in $MLFLOW_AUTH_DATABASE_URI; "
+        "identities signs in as the admin (MLFLOW_TRACKING_USERNAME / _PASSWORD) and creates the pipeline and "
+        "reader identities from KUBEALIGN_PIPELINE_USERNAME / _PASSWORD and KUBEALIGN_READER_USERNAME / _PASSWORD "
+        "(or sets their passwords again). docs/reliability.md 'Trust boundaries'.",
+    )
+    registry_sub = registry.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
+    auth_config = registry_sub.add_parser("auth-config", help="write the basic-auth ini (MLFLOW_AUTH_CONFIG_PATH)")
+    auth_config.add_argument("--output", required=True, type=Path, metavar="FILE", help="the ini file to write")
+    identities = registry_sub.add_parser("identities", help="create the pipeline and reader identities")
+    identities.add_argument("--tracking-uri", required=True, metavar="URL", help="the MLflow server")
+    identities.add_argument(
+        "--wait", type=float, default=300.0, metavar="S", help="seconds to wait for the server to answer (default 300)"
+    )

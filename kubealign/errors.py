@@ -17,6 +17,21 @@ def first_line(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+# What a person does about a refusal by an MLflow server with authentication on (the chart's registry,
+# docs/reliability.md "Trust boundaries"), by MLflow's error code.
+AUTH_HINTS = {
+    "UNAUTHENTICATED": " (no or wrong credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, on a"
+    " cluster through kubernetes.mlflow_secret)",
+    "PERMISSION_DENIED": " (this identity may not change it: the pipeline identity, which created it, or the admin"
+    " can)",
+}
+
+
+def auth_hint(exc: BaseException) -> str:
+    """The AUTH_HINTS line for an MLflow error, or ""."""
+    return AUTH_HINTS.get(getattr(exc, "error_code", None) or "", "")
+
+
 class Stopped(Exception):
     """A stage stopped on a signal (SIGTERM, SIGINT) after saving a checkpoint: reported in one line, exit code
     128 + the signal's number (143 for SIGTERM), as a process killed by it would report."""

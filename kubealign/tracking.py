@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kubealign.config import KubealignConfig, config_to_yaml, flatten
-from kubealign.errors import Stopped, UserError, first_line
+from kubealign.errors import Stopped, UserError, auth_hint, first_line
 from kubealign.ranks import is_main
 from kubealign.trackers import BackgroundTracker, MlflowTracker, NullTracker, warn
 
@@ -174,7 +174,7 @@ def _start(stage: str, config: KubealignConfig, uri: str | None, output_root: Pa
         tracker.log_params(flatten(config))
         tracker.log_text(config_to_yaml(config), "config/resolved.yaml")
     except Exception as exc:  # a bad URI, an unreachable server, a permission problem
-        raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}") from None
+        raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}{auth_hint(exc)}") from None
     return tracker, bool(attached)
 
 

@@ -4,6 +4,7 @@ resources against ../shared/k8s-schemas; helm lint; the values schema; the harde
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
 import helm_python as helm
@@ -68,10 +69,11 @@ def test_every_manifest_validates_strictly(name: str) -> None:
 def test_value_sets_change_what_is_rendered() -> None:
     kinds = {name: sorted(d["kind"] for d in render(values)) for name, values in VALUE_SETS.items()}
     assert kinds["default"] == sorted(
-        ["ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "Role", "RoleBinding", "ClusterTrainingRuntime"]
-    )
+        ["ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "Role", "RoleBinding", "ClusterTrainingRuntime",
+         "NetworkPolicy", "Secret", "Secret", "Secret", "Job"]
+    )  # fmt: skip
     assert "NetworkPolicy" in kinds["postgres-s3-networkpolicy-upload"]
-    assert "Job" in kinds["postgres-s3-networkpolicy-upload"]
+    assert kinds["postgres-s3-networkpolicy-upload"].count("Job") == 2  # the identities and the upload
     assert "PersistentVolumeClaim" not in kinds["postgres-s3-networkpolicy-upload"]  # nothing on a PVC
     assert "Deployment" not in kinds["external-mlflow-no-runtime"]
     config = next(d for d in render(VALUE_SETS["external-mlflow-no-runtime"]) if d["kind"] == "ConfigMap")
@@ -100,7 +102,8 @@ def test_postgresql_schema_is_migrated_before_the_server_starts(name: str) -> No
     deploy = next(d for d in render(VALUE_SETS[name]) if d["kind"] == "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     server = pod["containers"][0]
-    [upgrade] = pod["initContainers"]
+    upgrade, auth = pod["initContainers"]  # the migration first: the auth app's tables may share its database
+    assert upgrade["name"] == "mlflow-db-upgrade" and auth["name"] == "mlflow-auth-config"
     assert upgrade["command"] + upgrade["args"] == ["mlflow", "db", "upgrade", "$(MLFLOW_BACKEND_STORE_URI)"]
     assert upgrade["image"] == server["image"]
     # Kubernetes expands $(VAR) from the container's own env: the init container must define it, from
@@ -115,7 +118,10 @@ def test_postgresql_schema_is_migrated_before_the_server_starts(name: str) -> No
 
 def test_sqlite_needs_no_migration_container() -> None:
     deploy = next(d for d in render({}) if d["kind"] == "Deployment")
-    assert "initContainers" not in deploy["spec"]["template"]["spec"]  # the server creates its sqlite schema
+    names = [c["name"] for c in deploy["spec"]["template"]["spec"]["initContainers"]]
+    assert names == ["mlflow-auth-config"]  # the server creates its sqlite schema
+    unauthenticated = next(d for d in render({"mlflow": {"auth": {"enabled": False}}}) if d["kind"] == "Deployment")
+    assert "initContainers" not in unauthenticated["spec"]["template"]["spec"]
 
 
 def test_pods_are_hardened() -> None:
@@ -170,6 +176,8 @@ def test_helm_lint_is_clean() -> None:
         ),
         ({"uploadJob": {"kfpHost": "ml-pipeline:8888"}}, "/uploadJob/kfpHost"),
         ({"extra": 1}, "extra"),
+        ({"mlflow": {"allowedHosts": "*"}}, "/mlflow/allowedHosts"),  # the string of before: now a list
+        ({"mlflow": {"auth": {"enable": False}}}, "enable"),
     ],
 )
 def test_bad_values_are_rejected_naming_the_key(values: dict, named: str) -> None:
@@ -192,3 +200,87 @@ def test_every_value_is_documented() -> None:
         if not any(k in kubernetes_objects for _, k in parents):
             assert lines[i - 1].strip().startswith("# --"), f"values.yaml:{i + 1}: {key} has no '# --' comment"
         parents.append((indent, key))
+
+
+def _server(docs: list[dict]) -> dict:
+    return next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+
+
+def test_the_registry_signs_everyone_in_by_default() -> None:
+    """Authentication on, its ini written where the server reads it, the admin from the chart's Secret."""
+    docs = render({})
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    server, [init] = pod["containers"][0], pod["initContainers"]
+    assert "--app-name=basic-auth" in server["args"]
+    env = {e["name"]: e for e in server["env"]}
+    ini = env["MLFLOW_AUTH_CONFIG_PATH"]["value"]
+    assert init["command"] + init["args"] == ["kubealign", "registry", "auth-config", f"--output={ini}"]
+    mount = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert {m["name"]: m["mountPath"] for m in server["volumeMounts"]}["auth"] == mount["auth"] == str(Path(ini).parent)
+    assert {"name": "auth", "emptyDir": {}} in pod["volumes"]
+    [uri] = [e for e in init["env"] if e["name"] == "MLFLOW_AUTH_DATABASE_URI"]
+    assert uri["value"] == "sqlite:////data/basic_auth.db"  # on the PVC, beside mlflow.db
+    for var, key in (("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"),
+                     ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD"),
+                     ("MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_FLASK_SERVER_SECRET_KEY")):  # fmt: skip
+        assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "ka-kubealign-mlflow-admin", "key": key}
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    assert set(secrets) == {"ka-kubealign-mlflow-admin", "ka-kubealign-mlflow", "ka-kubealign-mlflow-reader"}
+    for secret in secrets.values():
+        assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+        assert len(base64.b64decode(secret["data"]["MLFLOW_TRACKING_PASSWORD"])) == 32
+    passwords = {s["data"]["MLFLOW_TRACKING_PASSWORD"] for s in secrets.values()}
+    assert len(passwords) == 3  # three identities, three passwords
+    off = render({"mlflow": {"auth": {"enabled": False}}})
+    assert "--app-name=basic-auth" not in _server(off)["args"]
+    assert not [d for d in off if d["kind"] in ("Secret", "Job")]
+
+
+def test_the_users_own_secrets_replace_the_generated_ones() -> None:
+    values = {"mlflow": {"auth": {"adminSecret": "adm", "pipelineSecret": "pipe", "readerSecret": "ro"},
+                         "backendStore": {"type": "postgresql", "existingSecret": "mlflow-db"}}}  # fmt: skip
+    docs = render(values)
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    env = {e["name"]: e for e in _server(docs)["env"]}
+    assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "adm"
+    job = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in job["env"] if "valueFrom" in e}
+    assert refs == {"MLFLOW_TRACKING_USERNAME": "adm", "MLFLOW_TRACKING_PASSWORD": "adm",
+                    "KUBEALIGN_PIPELINE_USERNAME": "pipe", "KUBEALIGN_PIPELINE_PASSWORD": "pipe",
+                    "KUBEALIGN_READER_USERNAME": "ro", "KUBEALIGN_READER_PASSWORD": "ro"}  # fmt: skip
+    pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    init = next(c for c in pod["initContainers"] if c["name"] == "mlflow-auth-config")
+    [uri] = [e for e in init["env"] if e["name"] == "MLFLOW_AUTH_DATABASE_URI"]
+    assert uri["valueFrom"]["secretKeyRef"] == {"name": "mlflow-db", "key": "uri"}  # the tracking store's database
+    values["mlflow"]["auth"]["databaseSecretKey"] = "auth-uri"
+    pod = next(d for d in render(values) if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    init = next(c for c in pod["initContainers"] if c["name"] == "mlflow-auth-config")
+    [uri] = [e for e in init["env"] if e["name"] == "MLFLOW_AUTH_DATABASE_URI"]
+    assert uri["valueFrom"]["secretKeyRef"] == {"name": "mlflow-db", "key": "auth-uri"}
+
+
+def _allowed_hosts(values: dict) -> list[str]:
+    arg = next(a for a in _server(render(values))["args"] if a.startswith("--allowed-hosts="))
+    return arg.removeprefix("--allowed-hosts=").split(",")
+
+
+def test_only_the_services_own_names_are_allowed_hosts() -> None:
+    svc = "ka-kubealign-mlflow"
+    names = [svc, f"{svc}.kubeflow", f"{svc}.kubeflow.svc", f"{svc}.kubeflow.svc.cluster.local"]
+    expected = [h for name in names for h in (name, f"{name}:5000")] + ["localhost:*", "127.0.0.1:*"]
+    assert _allowed_hosts({}) == expected
+    assert _allowed_hosts({"mlflow": {"allowedHosts": ["mlflow.example.com"]}}) == [*expected, "mlflow.example.com"]
+    assert _allowed_hosts({"mlflow": {"allowedHosts": ["*", "x"]}}) == ["*"]
+    assert f"{svc}.kubeflow.svc.cluster.local:5001" in _allowed_hosts({"mlflow": {"port": 5001}})
+
+
+def test_the_network_policy_is_on_and_names_the_pipelines_namespace() -> None:
+    def sources(values: dict) -> list:
+        [policy] = [d for d in render(values) if d["kind"] == "NetworkPolicy"]
+        return policy["spec"]["ingress"][0]["from"]
+
+    by_name = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}}}
+    assert sources({}) == [{"podSelector": {}}, by_name]  # kubeflow is the release's own namespace
+    team = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}
+    assert sources({"rbac": {"namespace": "team-a"}}) == [{"podSelector": {}}, team, by_name]
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]

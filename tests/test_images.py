@@ -253,6 +253,22 @@ def test_the_cpu_image_carries_the_mlflow_servers_production_store_clients() -> 
     import boto3  # noqa: F401  # what MLflow's S3 artifact repository imports
 
 
+def test_the_cpu_image_carries_mlflows_basic_auth_app() -> None:
+    """The chart's server runs `mlflow server --app-name basic-auth` (authentication on by default), whose
+    CSRF protection imports Flask-WTF: kubealign requires mlflow's auth extra, the lock pins it."""
+    import importlib.metadata
+
+    requires = [req.replace(" ", "") for req in importlib.metadata.requires("kubealign") or []]
+    assert any(req.startswith("mlflow[auth]") and "extra==" not in req for req in requires), requires
+    locked = lock()
+    for name in ("flask-wtf", "wtforms"):
+        assert name in locked, name
+    from mlflow.server import _find_app
+
+    assert _find_app("basic-auth")  # the entry point the server's --app-name resolves
+    import flask_wtf.csrf  # noqa: F401  # what the auth app's create_app imports
+
+
 def test_the_train_image_takes_a_base_like_the_cpu_image_and_a_well_formed_arch_list() -> None:
     """`--base auto` takes the Python image the daemon has (a pullable base, as for the cpu image); a
     malformed --cuda-arch-list, or one for the cpu image, is refused before anything is built."""

@@ -43,7 +43,11 @@ pytestmark = pytest.mark.faults
 
 BUCKET = "mlflow-artifacts"
 DB_SECRET, S3_SECRET = "mlflow-db", "minio"
-PRODUCTION = {  # README "Deploy on Kubernetes": the production values
+# README "Deploy on Kubernetes": the production values. Authentication off: the stores are what is tested here
+# (with the MLflow UI in a browser); the authenticated registry, its identities and a DAG run as the pipeline
+# identity are tests/test_registry_auth.py's, on the chart's default stores.
+PRODUCTION = {
+    "auth": {"enabled": False},
     "backendStore": {"type": "postgresql", "existingSecret": DB_SECRET},
     "artifactStore": {"type": "s3", "s3Uri": f"s3://{BUCKET}", "s3EndpointUrl": "http://minio.example:9000",
                       "existingSecret": S3_SECRET},
@@ -143,6 +147,23 @@ def test_the_init_container_migrated_postgresql_and_reruns_as_a_no_op(production
     done = subprocess.run(psycopg2, env=production.migration_env, capture_output=True, text=True,
                           timeout=MIGRATION_LIMIT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_auth_tables_share_the_tracking_database(production: Production) -> None:
+    """The chart's default for a PostgreSQL registry with authentication on: the basic-auth app's users and
+    permissions in the tracking store's own database (mlflow.auth.databaseSecretKey empty). MLflow's auth
+    migrations keep their own version table, and neither set of tables touches the other's."""
+    from alembic.script import ScriptDirectory
+    from mlflow.server.auth.sqlalchemy_store import SqlAlchemyStore
+    from mlflow.store.db.utils import _get_alembic_config
+
+    head = ScriptDirectory.from_config(_get_alembic_config(production.pg.uri)).get_current_head()
+    SqlAlchemyStore().init_db(production.pg.uri)
+    tables = {row[0] for row in production.pg.query("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")}
+    assert {"users", "registered_model_permissions", "alembic_version_auth", "registered_model_aliases"} <= tables
+    assert production.pg.query("SELECT version_num FROM alembic_version") == [(head,)]
+    again = production.migrate()  # and the tracking migration still finds its schema current
+    assert again.returncode == 0, again.stderr[-3000:]
 
 
 def test_two_replicas_migrating_a_new_store_at_once_end_with_the_schema_current(production: Production) -> None:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from kubealign.errors import UserError, first_line
+from kubealign.errors import UserError, auth_hint, first_line
 
 CHALLENGER, CHAMPION, PREVIOUS = "challenger", "champion", "previous-champion"
 ALIASES = (CHALLENGER, CHAMPION, PREVIOUS)
@@ -44,7 +44,7 @@ def registry_errors(uri: str) -> Iterator[None]:
     try:
         yield
     except (MlflowException, requests.RequestException, OSError) as exc:
-        raise UserError(f"MLflow registry at {uri}: {first_line(exc)}") from None
+        raise UserError(f"MLflow registry at {uri}: {first_line(exc)}{auth_hint(exc)}") from None
 
 
 def error_code(exc: BaseException) -> str | None:

@@ -1,0 +1,247 @@
+"""The chart's registry with authentication on, for real (issue 37): who may move `champion`.
+
+The chart is rendered with its default values (authentication on, sqlite and artifacts on the PVC) for the
+release `kubealign` in `kubeflow`, and its pods' containers run here with exactly their command, args and
+environment: the init container writes the basic-auth ini, the MLflow server starts as the Deployment starts
+it, the identities Job creates the pipeline and reader identities. The Secrets are the chart's own generated
+ones (their random passwords decoded). Only what is host-specific changes: the PVC and the emptyDir become
+directories here, the server listens on 127.0.0.1 instead of 0.0.0.0, the Job reaches it there.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import helm_python as helm
+import pytest
+import yaml
+
+from kubealign.cluster.registry_auth import IDENTITIES
+from kubealign.config.cluster import KubernetesConfig
+from tests.faults import MlflowServer, free_port
+from tests.stores import container_env, expand, process_env
+from tests.test_chart import CHART
+from tests.test_faults_registry import CALL_LIMIT_S, KUBEALIGN, evaluation, one_line_error, promote_args
+
+pytestmark = pytest.mark.faults
+
+RELEASE, NAMESPACE = "kubealign", "kubeflow"
+DAG_LIMIT_S = 900
+
+
+def render(values: dict) -> list[dict]:
+    out = helm.Chart.load(CHART).render(values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+class ChartRegistry:
+    """The rendered pod (init container + server) and identities Job, run here under `root`."""
+
+    def __init__(self, root: Path):
+        self.root, self.port = root, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        docs = render({"mlflow": {"port": self.port}})
+        self.secrets = {
+            (d["metadata"]["name"], key): base64.b64decode(value).decode()
+            for d in docs
+            if d["kind"] == "Secret" and d["metadata"]["namespace"] == NAMESPACE
+            for key, value in d["data"].items()
+        }
+        pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+        job = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]
+        [self.init], [self.server_container], [self.job] = pod["initContainers"], pod["containers"], job["containers"]
+        self.service_host = f"{RELEASE}-mlflow.{NAMESPACE}.svc.cluster.local:{self.port}"
+
+    def local(self, text: str) -> str:
+        """A path of the pod (the PVC at /data, the auth emptyDir at /auth) as a directory here."""
+        for mount in ("/data", "/auth"):
+            text = text.replace(f"{mount}/", f"{self.root}{mount}/")
+        return text
+
+    def argv(self, container: dict) -> list[str]:
+        """The container's command line, Kubernetes' $(VAR) expansion done, this environment's executable."""
+        argv = [
+            self.local(arg) for arg in expand(container["command"] + container.get("args", []), self.env(container))
+        ]
+        return [str(Path(sys.executable).with_name(argv[0])), *argv[1:]]
+
+    def env(self, container: dict) -> dict[str, str]:
+        return {k: self.local(v) for k, v in container_env(container, self.secrets, {}).items()}
+
+    def start(self) -> ChartRegistry:
+        (self.root / "data").mkdir(parents=True)
+        (self.root / "auth").mkdir()
+        env = self.env(self.init)
+        done = subprocess.run(self.argv(self.init), env=process_env(env), capture_output=True, text=True,
+                              timeout=CALL_LIMIT_S)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        env = self.env(self.server_container)
+        argv = self.argv(self.server_container)
+        assert "--host=0.0.0.0" in argv, argv  # the pod listens on every address; here only loopback
+        argv[argv.index("--host=0.0.0.0")] = "--host=127.0.0.1"
+        self.server = MlflowServer(self.root, command=argv, env=process_env(env), port=self.port).start()
+        return self
+
+    def identities_job(self) -> subprocess.CompletedProcess:
+        env = self.env(self.job)
+        argv = [arg.replace(f"http://{self.service_host}", self.url) for arg in self.argv(self.job)]
+        assert f"--tracking-uri={self.url}" in argv, argv
+        return subprocess.run(argv, env=process_env(env), capture_output=True, text=True, timeout=CALL_LIMIT_S)
+
+    def identity(self, secret: str) -> dict[str, str]:
+        """The MLflow client variables of an identity, from its Secret."""
+        keys = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
+        return {key: self.secrets[(secret, key)] for key in keys}
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory):
+    reg = ChartRegistry(tmp_path_factory.mktemp("auth")).start()
+    yield reg
+    reg.server.kill()
+
+
+def kubealign(registry: ChartRegistry, identity: dict[str, str], *args: object) -> subprocess.CompletedProcess:
+    env = {**process_env({}), "MLFLOW_TRACKING_URI": registry.url, "OMP_NUM_THREADS": "1", **identity}
+    return subprocess.run([str(KUBEALIGN), *map(str, args)], env=env, capture_output=True, text=True,
+                          timeout=CALL_LIMIT_S)  # fmt: skip
+
+
+def status(url: str, host: str | None = None, auth: tuple[str, str] | None = None) -> int:
+    request = urllib.request.Request(f"{url}/api/2.0/mlflow/registered-models/search?max_results=1")
+    if host:
+        request.add_header("Host", host)
+    if auth:
+        request.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def admin_aliases(registry: ChartRegistry, name: str) -> dict[str, str]:
+    from mlflow.tracking import MlflowClient
+
+    admin = registry.identity(f"{RELEASE}-mlflow-admin")
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in admin.items():
+            mp.setenv(key, value)
+        return {a: str(v) for a, v in MlflowClient(registry.url).get_registered_model(name).aliases.items()}
+
+
+def test_the_pipeline_identity_is_the_one_the_pipeline_reads() -> None:
+    """The chart's pipeline Secret is named what kubernetes.mlflow_secret names by default, in the pipeline's
+    namespace, with the keys a task pod's environment gets (cluster.secrets)."""
+    from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS
+
+    docs = render({"rbac": {"namespace": "team-a"}})
+    default = KubernetesConfig().mlflow_secret
+    copies = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == default]
+    assert sorted(d["metadata"]["namespace"] for d in copies) == ["kubeflow", "team-a"]
+    assert copies[0]["data"] == copies[1]["data"]  # one identity, one password
+    assert set(copies[0]["data"]) == set(MLFLOW_SECRET_KEYS)
+
+
+def test_the_identities_job_creates_both_and_a_rerun_sets_their_passwords(registry: ChartRegistry) -> None:
+    variables = {entry["name"] for entry in registry.job["env"]}
+    assert {var for _, *pair in IDENTITIES for var in pair} <= variables  # what the Job sets is what it reads
+    first = registry.identities_job()
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "pipeline identity 'kubealign-pipeline' created" in first.stdout
+    assert "reader identity 'reader' created" in first.stdout
+    again = registry.identities_job()  # every helm upgrade runs it again
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count("exists: password set from its Secret") == 2
+
+
+def test_only_the_pipeline_identity_moves_champion(registry: ChartRegistry, tmp_path: Path) -> None:
+    if status(registry.url, auth=tuple(registry.identity(f"{RELEASE}-mlflow").values())) == 401:
+        assert registry.identities_job().returncode == 0  # run alone: the Job has not run yet
+    name, good = "auth-promote", evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0)
+    pipeline = registry.identity(f"{RELEASE}-mlflow")
+    reader = registry.identity(f"{RELEASE}-mlflow-reader")
+
+    nobody = kubealign(registry, {}, *promote_args(name, good, tmp_path / "p0"))
+    line = one_line_error(nobody)
+    assert "401" in line and "MLFLOW_TRACKING_USERNAME" in line, line
+    wrong = kubealign(registry, {**reader, "MLFLOW_TRACKING_PASSWORD": "not-it"}, "rollback", "--set",
+                      f"promote.registered_model={name}")  # fmt: skip
+    assert "401" in one_line_error(wrong)
+
+    for step, evaluated in enumerate([good, evaluation(tmp_path, "better", win=0.8, gain=0.4, reward=1.5)], 1):
+        done = kubealign(registry, pipeline, *promote_args(name, evaluated, tmp_path / f"p{step}"))
+        assert done.returncode == 0, done.stderr[-3000:]
+    moved = {"champion": "2", "challenger": "2", "previous-champion": "1"}
+    assert admin_aliases(registry, name) == moved
+
+    # the reader reads everything and moves nothing: its promote of a better model and its rollback are
+    # refused, each in one line
+    best = evaluation(tmp_path, "best", win=0.9, gain=0.5, reward=2.0)
+    refused = kubealign(registry, reader, *promote_args(name, best, tmp_path / "p3"))
+    line = one_line_error(refused)
+    assert "403" in line and "may not change" in line, line
+    back = kubealign(registry, reader, "rollback", "--set", f"promote.registered_model={name}")
+    assert "403" in one_line_error(back)
+    assert admin_aliases(registry, name) == moved
+    assert not (tmp_path / "p3" / "result.json").exists()
+
+
+def test_host_headers_other_than_the_services_are_refused(registry: ChartRegistry) -> None:
+    """--allowed-hosts (DNS rebinding): the Service's names pass to authentication, a foreign name is 403."""
+    assert status(registry.url, host=registry.service_host) == 401  # let through, then asked who it is
+    assert status(registry.url, host=f"{RELEASE}-mlflow:{registry.port}") == 401
+    assert status(registry.url, host="attacker.example:80") == 403
+    assert status(registry.url) == 401
+
+
+# the shortened DAG: ~80 s alone on 2 cores
+def test_the_shortened_dag_runs_as_the_pipeline_identity(registry: ChartRegistry, tmp_path: Path) -> None:
+    from tests.test_kfp_local import STAGES, overrides
+
+    if status(registry.url, auth=tuple(registry.identity(f"{RELEASE}-mlflow").values())) == 401:
+        assert registry.identities_job().returncode == 0
+    name, out = "auth-dag", tmp_path / "run"
+    env = {**process_env({}), "MLFLOW_TRACKING_URI": registry.url, **registry.identity(f"{RELEASE}-mlflow")}
+    command = [sys.executable, "-m", "kubealign.cli", "run", *overrides(), "--set", f"promote.registered_model={name}",
+               "--output", str(out)]  # fmt: skip
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DAG_LIMIT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    index = json.loads((out / "run.json").read_text(encoding="utf-8"))
+    assert index["succeeded"] and list(index["stages"]) == STAGES
+    assert admin_aliases(registry, name) == {"champion": "1", "challenger": "1"}
+
+
+def test_the_ini_reads_back_the_uri_with_its_escapes(tmp_path: Path) -> None:
+    """configparser interpolates `%`: a URI-escaped password (p%40ss = p@ss) must read back unchanged."""
+    import configparser
+
+    from kubealign.cluster.registry_auth import write_config
+
+    uri = "postgresql://mlflow:p%40ss%25w@db:5432/mlflow"
+    write_config(tmp_path / "auth" / "basic_auth.ini", {"MLFLOW_AUTH_DATABASE_URI": uri})
+    parser = configparser.ConfigParser()
+    parser.read(tmp_path / "auth" / "basic_auth.ini")
+    assert parser["mlflow"]["database_uri"] == uri
+    assert parser["mlflow"]["default_permission"] == "READ"
+    assert [p.name for p in (tmp_path / "auth").iterdir()] == ["basic_auth.ini"]  # no tmp file left
+
+
+def test_missing_settings_are_one_line_each(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MLFLOW_AUTH_DATABASE_URI", raising=False)
+    done = cli("registry", "auth-config", "--output", str(tmp_path / "a.ini"))
+    assert done.code == 2 and "MLFLOW_AUTH_DATABASE_URI is not set" in done.err
+    assert not (tmp_path / "a.ini").exists()
+    monkeypatch.setenv("KUBEALIGN_PIPELINE_USERNAME", "pipe")
+    monkeypatch.delenv("KUBEALIGN_PIPELINE_PASSWORD", raising=False)
+    done = cli("registry", "identities", "--tracking-uri", "http://127.0.0.1:1", "--wait", "0")
+    assert done.code == 2 and "KUBEALIGN_PIPELINE_PASSWORD is not set" in done.err
+    monkeypatch.setenv("KUBEALIGN_PIPELINE_PASSWORD", "pw")
+    done = cli("registry", "identities", "--tracking-uri", f"http://127.0.0.1:{free_port()}", "--wait", "0")
+    assert done.code == 2 and "is not up after 0 s" in done.err
