@@ -51,6 +51,9 @@ case "$1 ${2:-}" in
     ;;
   "kubealign ")
     $pip install --no-index --no-deps "$context"/own/kubealign-*.whl
+    # Nothing in the venv writable but by root: a build step's umask left DeepSpeed's prebuilt op
+    # world-writable (images/train/check.py refuses any such file).
+    chmod -R go-w "$venv"
     # every installed distribution's requirements met (the versions against the lock: tests/test_containers.py)
     $pip check
     ;;

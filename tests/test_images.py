@@ -283,3 +283,20 @@ def test_the_train_image_takes_a_base_like_the_cpu_image_and_a_well_formed_arch_
     for flavour, archs in (("train", "sm_90"), ("train", "9.0,8.0"), ("cpu", "9.0")):
         with pytest.raises(UserError, match="--cuda-arch-list"):
             build.build(None, flavour, cuda_arch_list=archs)
+
+
+def test_the_in_image_check_refuses_files_others_may_write(tmp_path: Path) -> None:
+    check = _check_module()
+    ops = tmp_path / "lib" / "deepspeed" / "ops"
+    ops.mkdir(parents=True)
+    for name, mode in (("fused_adam_op.so", 0o644), ("cpu_adam_op.so", 0o755)):
+        (ops / name).write_bytes(b"\x7fELF")
+        (ops / name).chmod(mode)
+    (tmp_path / "lib" / "link").symlink_to(ops / "cpu_adam_op.so")  # a link's own mode says nothing
+    assert check.writable_by_others(str(tmp_path)) == []
+    (ops / "transformer_inference_op.so").write_bytes(b"\x7fELF")
+    (ops / "transformer_inference_op.so").chmod(0o646)  # other-writable
+    ops.chmod(0o775)  # group-writable directory: a file in it can be swapped
+    [problem] = check.writable_by_others(str(tmp_path))
+    assert problem.startswith(f"2 writable by group/others under {tmp_path} (first: {ops}, ")
+    assert "transformer_inference_op.so" in problem

@@ -99,6 +99,20 @@ def deepspeed_report(expected: dict) -> tuple[dict, list[str]]:
     return report, problems
 
 
+def writable_by_others(root: str) -> list[str]:
+    """Files and directories under root that a group or another user may write (a prebuilt op that a
+    compromised process of another uid could replace): "N writable by group/others under ROOT (first: ...)"."""
+    found = []
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(top, name)
+            if not os.path.islink(path) and os.lstat(path).st_mode & 0o022:
+                found.append(path)
+    if not found:
+        return []
+    return [f"{len(found)} writable by group/others under {root} (first: {', '.join(sorted(found)[:3])})"]
+
+
 def main() -> int:
     expected = json.loads(sys.argv[1])
     report: dict = {"uid": os.getuid(), "python": sys.version.split()[0]}
@@ -112,6 +126,7 @@ def main() -> int:
         except Exception as exc:
             report[key], found = None, [f"{key}: {type(exc).__name__}: {exc}"]
         problems += found
+    problems += writable_by_others(sys.prefix)
     report["problems"] = problems
     print(json.dumps(report))
     return 1 if problems else 0
