@@ -158,6 +158,30 @@ def _registry(args: argparse.Namespace) -> None:
         print(f"registry: {line}")
 
 
+def _serve(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.serving import manifest_for, write_manifest
+    from kubealign.tracking import check_uri, resolve_uri
+
+    config = load_config(args.config, args.overrides)
+    check_uri(args.tracking_uri, "--tracking-uri")
+    uri = args.tracking_uri or resolve_uri(config)
+    if not uri:
+        raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
+    cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
+    name = args.model or config.promote.registered_model
+    namespace = args.namespace or cfg.namespace or "default"
+    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
+    write_manifest(body, args.manifest)
+    meta = body["metadata"]
+    print(
+        f"serve: {name}@{cfg.alias} = version {meta['annotations']['kubealign.io/model-version']}; "
+        f"InferenceService {namespace}/{meta['name']} written to {args.manifest}"
+    )
+    print(f"  storageUri {body['spec']['predictor']['model']['storageUri']}")
+    print(f"  apply: kubectl apply -f {args.manifest}")
+
+
 def _run(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.pipelines import local
@@ -299,6 +323,7 @@ COMMANDS = {
     "summary": _summary,
     "tiny-model": _tiny_model,
     "registry": _registry,
+    "serve": _serve,
     "config": _config,
 }
 

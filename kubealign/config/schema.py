@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from kubealign.config.base import DType, Section
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
+from kubealign.config.serve import ServeConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
 
 # the sections' classes live by concept in base, train, ppo and cluster; importable from here as before
@@ -256,6 +257,7 @@ class KubealignConfig(Section):
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
+    serve: ServeConfig = Field(default_factory=ServeConfig)
     # The directory of the YAML file this config came from (None: a preset, JSON, or built in code):
     # relative reward-function files are resolved against it. Not a field: not dumped, not hashed.
     _base_dir: str | None = PrivateAttr(default=None)

@@ -1,0 +1,46 @@
+"""The `serve` section: the registry's alias as a KServe InferenceService (issue 38)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kubealign.config.base import Section
+
+DNS_LABEL = r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$"
+
+
+class ServeConfig(Section):
+    """What serves the model an alias names. Read by `kubealign serve --manifest` and, with `enabled`, by the
+    DAG's `serve` task after promote (it applies the InferenceService when promote moved the alias)."""
+
+    enabled: bool = Field(False, description="Add the `serve` task after promote (needs KServe in the cluster).")
+    alias: str = Field("champion", min_length=1, description="The registry alias that is served.")
+    name: str | None = Field(
+        None, pattern=DNS_LABEL, description="InferenceService name; None = the registered model's name, made DNS-safe."
+    )
+    namespace: str | None = Field(
+        None, pattern=DNS_LABEL, description="Namespace of the InferenceService; None = the pipeline pod's own."
+    )
+    runtime: Literal["huggingface", "vllm"] = Field(
+        "huggingface",
+        description="KServe runtime: huggingface (kserve-huggingfaceserver: vLLM on GPU, transformers otherwise) "
+        "or vllm (kserve-vllmserver, vLLM's OpenAI server).",
+    )
+    gpus: int = Field(1, ge=0, description="GPUs of the predictor (kubernetes.accelerator_type); 0 = CPU.")
+    cpu: str = Field("4", min_length=1, description="CPU request and limit of the predictor (Kubernetes quantity).")
+    memory: str = Field("16Gi", min_length=1, description="Memory request and limit of the predictor.")
+    max_model_len: int | None = Field(None, ge=16, description="vLLM's --max-model-len; None = the model's own.")
+    artifacts_destination: str | None = Field(
+        None,
+        pattern=r"^(s3|gs|pvc)://\S+$",
+        description="The MLflow server's --artifacts-destination (s3://BUCKET[/PATH] or pvc://CLAIM/PATH): where "
+        "an `mlflow-artifacts:` URI's files are, which KServe's storage initializer can read. Needed with a server "
+        "that serves artifacts (the chart's).",
+    )
+    service_account: str | None = Field(
+        None, pattern=DNS_LABEL, description="Predictor's ServiceAccount (KServe reads S3 credentials from it)."
+    )
+    public: bool = Field(False, description="Expose outside the cluster; False = cluster-local only.")
+    ready_timeout_s: float = Field(1800, gt=0, description="How long the serve task waits for Ready.")

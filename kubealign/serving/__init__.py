@@ -1,0 +1,46 @@
+"""Serving a registry alias (issue 38): where its bytes are (location), the KServe InferenceService
+(manifest, pure), putting it in the cluster and waiting for Ready (deploy)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kubealign.config.serve import ServeConfig
+
+
+def manifest_for(
+    cfg: ServeConfig,
+    tracking_uri: str,
+    registered_model: str,
+    namespace: str,
+    accelerator: str = "nvidia.com/gpu",
+) -> dict[str, Any]:
+    """The InferenceService for `cfg.alias` of `registered_model` in the registry at tracking_uri: the alias
+    resolved to its version, the version's HF directory listed and checked, its URI made one KServe reads."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.aliases import registry_errors
+    from kubealign.serving import location, manifest
+
+    with registry_errors(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        served = location.resolve(client, registered_model, cfg.alias, tracking_uri)
+        location.check_listing(served, tracking_uri)
+    storage = location.storage_uri(served.model_dir_uri, cfg.artifacts_destination)
+    return manifest.inference_service(served, storage, cfg, namespace, accelerator)
+
+
+def write_manifest(body: dict[str, Any], path: Path) -> None:
+    """The manifest as YAML, whole or not at all."""
+    import yaml
+
+    from kubealign.errors import UserError
+
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(yaml.safe_dump(body, sort_keys=False), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        raise UserError(f"--manifest {path}: {exc.strerror}") from None

@@ -1,0 +1,94 @@
+"""The InferenceService (serving.kserve.io/v1beta1, KServe v0.20) that serves a registry alias. Pure.
+
+The predictor names a model format and the runtime KServe ships for it (kserve-huggingfaceserver for
+`huggingface`, kserve-vllmserver for `vLLM`; ../shared/k8s-schemas/kserve-v0.20.0), the storage URI of the
+registered HF directory (kubealign.serving.location) and the resources from `serve`. Cluster-local unless
+`serve.public`: KServe's `networking.kserve.io/visibility: cluster-local` label. Labels and annotations name
+the registered model, version, alias and the pipeline run, so `kubectl get isvc -l kubealign.io/alias=champion`
+finds it and a person sees what answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from typing import Any
+
+from kubealign.config.serve import ServeConfig
+from kubealign.serving.location import Served
+
+API_VERSION, KIND = "serving.kserve.io/v1beta1", "InferenceService"
+PLURAL, GROUP, VERSION = "inferenceservices", "serving.kserve.io", "v1beta1"
+RUNTIMES = {"huggingface": ("huggingface", "kserve-huggingfaceserver"), "vllm": ("vLLM", "kserve-vllmserver")}
+PREFIX = "kubealign.io"
+
+
+def dns_name(name: str) -> str:
+    """A registered model's name as a DNS-1035 label (KServe derives hostnames from it): lower case, other
+    characters as '-', starting with a letter, at most 45 characters (KServe appends -predictor-... to make
+    its Services) with a hash of the original name when anything was changed or cut."""
+    label = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if not label or not label[0].isalpha():
+        label = f"m-{label}".rstrip("-")
+    if label == name and len(label) <= 45:
+        return label
+    digest = hashlib.sha256(name.encode()).hexdigest()[:8]
+    return f"{label[:36].rstrip('-')}-{digest}"
+
+
+def label_value(text: str) -> str:
+    """A label value (63 characters of [A-Za-z0-9-_.], alphanumeric at both ends); annotations keep the text."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+
+
+def inference_service(
+    served: Served, storage_uri: str, cfg: ServeConfig, namespace: str, accelerator: str = "nvidia.com/gpu"
+) -> dict[str, Any]:
+    fmt, runtime = RUNTIMES[cfg.runtime]
+    amounts = {"cpu": cfg.cpu, "memory": cfg.memory, **({accelerator: str(cfg.gpus)} if cfg.gpus else {})}
+    model: dict[str, Any] = {
+        "modelFormat": {"name": fmt},
+        "runtime": runtime,
+        "storageUri": storage_uri,
+        "resources": {"requests": dict(amounts), "limits": dict(amounts)},
+    }
+    if cfg.max_model_len:
+        model["args"] = [f"--max-model-len={cfg.max_model_len}"]
+    predictor: dict[str, Any] = {"model": model}
+    if cfg.service_account:
+        predictor["serviceAccountName"] = cfg.service_account
+    labels = {
+        "app.kubernetes.io/managed-by": "kubealign",
+        f"{PREFIX}/registered-model": label_value(served.name),
+        f"{PREFIX}/model-version": label_value(served.version),
+        f"{PREFIX}/alias": label_value(served.alias),
+    }
+    if not cfg.public:
+        labels["networking.kserve.io/visibility"] = "cluster-local"
+    annotations = {
+        f"{PREFIX}/registered-model": served.name,
+        f"{PREFIX}/model-version": served.version,
+        f"{PREFIX}/alias": served.alias,
+        f"{PREFIX}/model-uri": f"models:/{served.name}/{served.version}",
+        f"{PREFIX}/registry-run": served.run_id,
+        f"{PREFIX}/storage-uri": storage_uri,
+    }
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {
+            "name": cfg.name or dns_name(served.name),
+            "namespace": namespace,
+            "labels": labels,
+            "annotations": annotations,
+        },
+        "spec": {"predictor": predictor},
+    }
+
+
+def with_pipeline_run(manifest: dict[str, Any], run_id: str | None) -> dict[str, Any]:
+    """The manifest annotated with the KFP run that deployed it (the serve task knows it; the CLI does not)."""
+    if run_id:
+        manifest["metadata"]["annotations"][f"{PREFIX}/pipeline-run"] = run_id
+    return manifest

@@ -1,0 +1,213 @@
+"""Serving the champion (issue 38): the InferenceService a registry alias becomes, and putting it in a cluster.
+
+The registry is a real `mlflow server` serving its artifacts (as the chart's does) with a version that
+`kubealign promote` registered; the cluster is tests/kube_standin.py, the real `kubernetes` client against a
+stand-in API on 127.0.0.1 that checks what it stores against KServe v0.20.0's CRD schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kubealign.config.serve import ServeConfig
+from kubealign.errors import UserError
+from kubealign.serving import deploy
+from kubealign.serving.location import Served, missing_files, storage_uri
+from kubealign.serving.manifest import dns_name, inference_service
+from tests.faults import MlflowServer
+from tests.k8s_schemas import errors
+from tests.kube_standin import StandInKube
+from tests.test_faults_registry import evaluation, kubealign, one_line_error, promote
+
+pytestmark = pytest.mark.faults
+
+NAME, DESTINATION = "serve-actor", "pvc://kubealign-mlflow/artifacts"
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory):
+    """A server serving its artifacts under ROOT/artifacts, with version 1 of NAME as champion."""
+    root = tmp_path_factory.mktemp("serve")
+    server = MlflowServer(root).start()
+    done, _ = promote(server.url, NAME, evaluation(root, "e0", win=0.7, gain=0.3, reward=1.0), root / "p0")
+    assert done.returncode == 0, done.stderr[-3000:]
+    yield server
+    server.kill()
+
+
+def manifest(registry: MlflowServer, tmp_path: Path, *sets: str, alias: str | None = None) -> dict:
+    args = ["serve", "--tracking-uri", registry.url, "--set", f"promote.registered_model={NAME}", "--namespace",
+            "team-a", "--manifest", tmp_path / "isvc.yaml", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    done, _ = kubealign(registry.url, *args, *(["--alias", alias] if alias else []))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return yaml.safe_load((tmp_path / "isvc.yaml").read_text(encoding="utf-8"))
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_the_manifest_serves_the_registered_bytes(registry: MlflowServer, tmp_path: Path) -> None:
+    from kubealign.models import loading
+
+    body = manifest(registry, tmp_path, f"serve.artifacts_destination={DESTINATION}")
+    assert errors(body) == []
+    model = body["spec"]["predictor"]["model"]
+    assert model["modelFormat"] == {"name": "huggingface"} and model["runtime"] == "kserve-huggingfaceserver"
+    assert model["resources"]["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"}
+    # the storage URI is the registered HF directory below the server's artifacts destination: the same path
+    # below this server's --artifacts-destination holds exactly the promoted model's files
+    uri = model["storageUri"]
+    assert uri.startswith(f"{DESTINATION}/")
+    on_disk = registry.root / "artifacts" / uri.removeprefix(f"{DESTINATION}/")
+    promoted = Path(loading.resolve("tiny-opt"))  # what promote_args registers (the evaluated candidate)
+    assert list(promoted.glob("*.safetensors"))
+    for weights in promoted.glob("*.safetensors"):
+        assert sha256(on_disk / weights.name) == sha256(weights)
+    assert (on_disk / "config.json").read_bytes() == (promoted / "config.json").read_bytes()
+    meta = body["metadata"]
+    assert meta["name"] == NAME and meta["namespace"] == "team-a"
+    assert meta["labels"]["networking.kserve.io/visibility"] == "cluster-local"
+    assert meta["labels"]["kubealign.io/alias"] == "champion" and meta["labels"]["kubealign.io/model-version"] == "1"
+    assert meta["annotations"]["kubealign.io/model-uri"] == f"models:/{NAME}/1"
+
+
+def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
+    sets = [f"serve.artifacts_destination={DESTINATION}", "serve.runtime=vllm", "serve.gpus=0", "serve.public=true",
+            "serve.max_model_len=512", "serve.name=chat", "serve.service_account=s3-reader"]  # fmt: skip
+    body = manifest(registry, tmp_path, *sets)
+    assert errors(body) == []
+    predictor = body["spec"]["predictor"]
+    assert predictor["serviceAccountName"] == "s3-reader"
+    model = predictor["model"]
+    assert model["modelFormat"] == {"name": "vLLM"} and model["runtime"] == "kserve-vllmserver"
+    assert model["args"] == ["--max-model-len=512"]
+    assert "nvidia.com/gpu" not in model["resources"]["requests"]
+    assert "networking.kserve.io/visibility" not in body["metadata"]["labels"]
+    assert body["metadata"]["name"] == "chat"
+
+
+def test_what_cannot_be_served_is_one_line(registry: MlflowServer, tmp_path: Path) -> None:
+    base = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "x.yaml"]
+    done, _ = kubealign(registry.url, *base, "--model", NAME, "--alias", "nope")
+    assert f"registered model '{NAME}' has no alias 'nope'" in one_line_error(done)
+    done, _ = kubealign(registry.url, *base, "--model", "no-such-model")
+    assert "has no alias 'champion'" in one_line_error(done)
+    done, _ = kubealign(registry.url, *base, "--model", NAME)  # a server serving artifacts, no destination
+    assert "serve.artifacts_destination" in one_line_error(done)
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_a_registered_directory_without_a_tokenizer_is_refused(registry: MlflowServer, tmp_path: Path) -> None:
+    """Last in this module: it deletes the tokenizer of the registered version on the server's disk."""
+    model_dir = next((registry.root / "artifacts").rglob("model/artifacts/*/config.json")).parent
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"):
+        (model_dir / name).unlink(missing_ok=True)
+    args = ["serve", "--tracking-uri", registry.url, "--model", NAME, "--set",
+            f"serve.artifacts_destination={DESTINATION}", "--manifest", tmp_path / "x.yaml"]  # fmt: skip
+    done, _ = kubealign(registry.url, *args)
+    line = one_line_error(done)
+    assert "is not a servable model directory: a tokenizer" in line and "version 1" in line, line
+
+
+def test_names_become_dns_labels() -> None:
+    assert dns_name("kubealign-actor") == "kubealign-actor"
+    digest = hashlib.sha256(b"My_Model.v2").hexdigest()[:8]
+    assert dns_name("My_Model.v2") == f"my-model-v2-{digest}"
+    assert dns_name("7b-chat").startswith("m-7b-chat-")
+    long = dns_name("a" * 60)
+    assert len(long) <= 45 and long != dns_name("a" * 61)
+
+
+def test_storage_uris() -> None:
+    s3 = "s3://bucket/mlflow"
+    assert (
+        storage_uri("mlflow-artifacts:/3/abc/artifacts/model/artifacts/d", s3)
+        == f"{s3}/3/abc/artifacts/model/artifacts/d"
+    )
+    assert storage_uri("mlflow-artifacts://mlflow:5000/3/abc/x", s3 + "/") == f"{s3}/3/abc/x"
+    assert storage_uri("s3://elsewhere/x", None) == "s3://elsewhere/x"
+    with pytest.raises(UserError, match="KServe cannot read"):
+        storage_uri("file:///tmp/mlartifacts/1/x", s3)
+    assert missing_files(["config.json", "model.safetensors", "tokenizer.json"]) == []
+    assert missing_files(["config.json", "tokenizer_config.json"]) == ["weights (*.safetensors)"]
+
+
+def body(storage: str = "s3://b/1/model") -> dict:
+    served = Served(NAME, "3", "champion", "run1", "mlflow-artifacts:/1/run1/artifacts/model/artifacts/actor")
+    return inference_service(served, storage, ServeConfig(), "team-a")
+
+
+@pytest.fixture
+def kube():
+    standin = StandInKube(ready_after=2)
+    yield standin
+    standin.stop()
+
+
+def test_apply_creates_then_changes_nothing_then_updates(kube: StandInKube) -> None:
+    api = kube.client()
+    assert deploy.apply(api, body()) == "created"
+    ready = deploy.wait_ready(api, NAME, "team-a", timeout_s=60, poll_s=0)
+    assert ready["status"]["conditions"][0]["status"] == "True"
+    assert deploy.apply(api, body()) == "unchanged"  # a rerun of the task
+    assert kube.calls("PATCH") == [] and len(kube.calls("POST")) == 1
+    assert deploy.apply(api, body("s3://b/2/model")) == "updated"
+    [(_, _, patch)] = kube.calls("PATCH")
+    assert patch["metadata"]["resourceVersion"] == ready["metadata"]["resourceVersion"]
+    stored = kube.objects[("team-a", NAME)]
+    assert stored["spec"]["predictor"]["model"]["storageUri"] == "s3://b/2/model"
+    assert stored["metadata"]["generation"] == 2
+    # Ready of generation 1 does not count for generation 2: two more polls until the controller saw it
+    gets = len(kube.calls("GET"))
+    deploy.wait_ready(api, NAME, "team-a", timeout_s=60, poll_s=0)
+    assert len(kube.calls("GET")) - gets == 3
+
+
+def test_a_manifest_the_crd_refuses_is_one_line(kube: StandInKube) -> None:
+    broken = body()
+    broken["spec"]["predictor"]["model"]["storageURI"] = broken["spec"]["predictor"]["model"].pop("storageUri")
+    with pytest.raises(UserError, match=r"creating InferenceService team-a/serve-actor: HTTP 422"):
+        deploy.apply(kube.client(), broken)
+
+
+def test_forbidden_and_conflict_are_one_line_each(kube: StandInKube) -> None:
+    api = kube.client()
+    kube.fail[("POST", 1)] = 403
+    with pytest.raises(UserError, match=r"creating InferenceService team-a/serve-actor: HTTP 403 .*Role"):
+        deploy.apply(api, body())
+    assert deploy.apply(api, body()) == "created"
+    kube.fail[("PATCH", 1)] = 409
+    with pytest.raises(UserError, match=r"updating InferenceService team-a/serve-actor: HTTP 409 .*rerun"):
+        deploy.apply(api, body("s3://b/2/model"))
+
+
+def test_a_stale_resource_version_is_a_conflict(kube: StandInKube) -> None:
+    api = kube.client()
+    deploy.apply(api, body())
+    real_get = api.get_namespaced_custom_object
+
+    def get_then_someone_writes(*args, **kwargs):
+        seen = real_get(*args, **kwargs)
+        kube.objects[("team-a", NAME)]["metadata"]["resourceVersion"] = "999"  # another writer, in between
+        return seen
+
+    api.get_namespaced_custom_object = get_then_someone_writes
+    with pytest.raises(UserError, match="HTTP 409"):
+        deploy.apply(api, body("s3://b/2/model"))
+
+
+def test_not_ready_in_time_is_one_line_with_the_reason() -> None:
+    standin = StandInKube(ready_after=None, not_ready_message="RevisionMissing: 0/1 pods ready")
+    try:
+        api = standin.client()
+        deploy.apply(api, body())
+        ticks = iter(range(100))
+        with pytest.raises(UserError, match=r"not Ready after 5 s \(serve.ready_timeout_s\): RevisionMissing"):
+            deploy.wait_ready(api, NAME, "team-a", timeout_s=5, poll_s=0, clock=lambda: next(ticks))
+    finally:
+        standin.stop()
