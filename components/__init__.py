@@ -16,7 +16,8 @@ from kubealign.components.stages import (
     promote,
     promote_ranked,
     reward,
+    serve,
     sft,
 )
 
-__all__ = ["compare", "data_split", "dpo", "evaluate", "ppo", "promote", "promote_ranked", "reward", "sft"]
+__all__ = ["compare", "data_split", "dpo", "evaluate", "ppo", "promote", "promote_ranked", "reward", "serve", "sft"]

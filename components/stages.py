@@ -145,6 +145,18 @@ def promote(
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def serve(config_json: str, promotion: Input[Artifact], serving: Output[Artifact], metrics: Output[Metrics]) -> str:
+    """serve: the InferenceService of serve.alias (champion) when promote moved it, applied and Ready.
+
+    Returns its URL, or "" when nothing was applied."""
+    from kubealign import tasks
+
+    result = tasks.serve(config_json, [], promotion.path, serving.path)
+    tasks.to_kfp(result, metrics, serving)
+    return result.get("url") or ""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def compare(
     config_json: str,
     routes: str,

@@ -285,6 +285,13 @@ def promote(
     return stage.run(load(config_json, overrides), Path(evaluation), Path(model_dir), Path(output), ranked)
 
 
+def serve(config_json: str, overrides: list[str], promotion: str, output: str) -> dict[str, Any]:
+    """promotion: promote's output; the InferenceService of serve.alias, when promote moved it."""
+    from kubealign.stages import serve as stage
+
+    return stage.run(load(config_json, overrides), Path(promotion), Path(output))
+
+
 def compare(
     config_json: str, overrides: list[str], routes: list[str], evaluations: dict[str, str | None], output: str
 ) -> dict[str, Any]:

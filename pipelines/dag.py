@@ -52,6 +52,7 @@ from kubealign.models import hub
 from kubealign.rewards import definitions
 from kubealign.shape import ROUTES, route_task
 from kubealign.shape import scorer as scorer_task
+from kubealign.stages import serve as serve_stage
 from kubealign.tracking import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
@@ -251,6 +252,16 @@ class Tasks:
         )
         return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False, scoring=True)
 
+    def serve(self, promote: dsl.PipelineTask, config_json: Any) -> dsl.PipelineTask:
+        """After promote (serve.enabled): the alias as a KServe InferenceService in the pod's own namespace."""
+        task = stages.serve(config_json=config_json, promotion=promote.outputs["promotion"])
+        self.place(task, "serve (KServe InferenceService)", 0, training=False)
+        kubernetes.use_field_path_as_env(task, serve_stage.NAMESPACE_ENV, "metadata.namespace")
+        kubernetes.use_field_path_as_env(task, tasks.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
+        # the cluster is outside KFP's view, like the registry: a cached serve would not apply anything
+        task.set_caching_options(False)
+        return task
+
     def promote(self, task: dsl.PipelineTask, label: str) -> dsl.PipelineTask:
         self.place(task, label, 0, training=False)
         # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
@@ -285,6 +296,8 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
         builder.promote(promote, "promote (MLflow registry)")
+        if builder.config.serve.enabled:
+            builder.serve(promote, config_json)
         done = {
             "data_split": dataset,
             "sft": sft,

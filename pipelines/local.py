@@ -47,7 +47,7 @@ CANDIDATE = "candidate"  # the DAG output holding the route's model (dag.Outputs
 
 def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
     """The tasks a run of `config`'s DAG executes, in DAG order (kubealign.shape.tasks_for_routes)."""
-    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model)
+    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model, config.serve.enabled)
 
 
 @contextlib.contextmanager
@@ -283,7 +283,7 @@ def _stage_dirs(
     several = len(config.routes()) > 1
     stages = {}
     for stage in route:
-        if several:
+        if several or stage == shape.SERVE:  # serve is no pipeline output: its task's
             artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
         else:
             key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")

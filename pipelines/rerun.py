@@ -41,6 +41,8 @@ def _run_stage(
         return tasks.ppo(config_json, overrides, d["data-split"], d["sft"], scorer, str(out), functions)
     if stage == "evaluate":
         return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], scorer, str(out), functions)
+    if stage == "serve":
+        return tasks.serve(config_json, [], d["promote"], str(out))
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
@@ -85,7 +87,7 @@ def rerun(
         return rerun_route(stage, run, index, config, output)
     if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
         stage = "ppo"
-    route = stages_for(config.route(), config.rewards.uses_model)
+    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled)
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]

@@ -255,3 +255,24 @@ def test_every_task_carries_the_compile_time_pins(tmp_path: Path) -> None:
             assert env["KUBEALIGN_REWARD_FUNCTIONS_SHA256"] == hashlib.sha256(default.encode()).hexdigest()
             scoring.add(name)
     assert scoring == {"exec-grpo", "exec-evaluate-grpo", "exec-evaluate-dpo"}
+
+
+def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
+    spec, platform = compiled(tmp_path, ["serve.enabled=true"])
+    tasks = spec.root.dag.tasks
+    assert {a.task_output_artifact.producer_task for a in tasks["serve"].inputs.artifacts.values()} == {"promote"}
+    assert not tasks["serve"].caching_options.enable_cache  # the cluster is outside KFP's view
+    fields = {f.name: f.field_path for f in platform["exec-serve"].field_path_as_env}
+    assert fields == {
+        "KUBEALIGN_POD_NAMESPACE": "metadata.namespace",  # where the InferenceService goes
+        "KUBEALIGN_RUN_ID": "metadata.labels['pipeline/runid']",  # annotated on it
+    }
+    assert [s.secret_name for s in platform["exec-serve"].secret_as_env][0] == "kubealign-mlflow"  # the registry
+    spec, _ = compiled(tmp_path, [])
+    assert "serve" not in spec.root.dag.tasks
+
+
+def test_serve_takes_one_route(cli, tmp_path: Path) -> None:
+    done = cli("compile", "--set", "serve.enabled=true", "--set", "pipeline.algorithms=[ppo,dpo]", "-o",
+               str(tmp_path / "p.yaml"))  # fmt: skip
+    assert done.code == 2 and "serve.enabled takes one route" in done.err

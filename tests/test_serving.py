@@ -103,15 +103,23 @@ def test_what_cannot_be_served_is_one_line(registry: MlflowServer, tmp_path: Pat
 
 
 def test_a_registered_directory_without_a_tokenizer_is_refused(registry: MlflowServer, tmp_path: Path) -> None:
-    """Last in this module: it deletes the tokenizer of the registered version on the server's disk."""
+    """The tokenizer of the registered version moved away on the server's disk (and back afterwards)."""
     model_dir = next((registry.root / "artifacts").rglob("model/artifacts/*/config.json")).parent
-    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model"):
-        (model_dir / name).unlink(missing_ok=True)
-    args = ["serve", "--tracking-uri", registry.url, "--model", NAME, "--set",
-            f"serve.artifacts_destination={DESTINATION}", "--manifest", tmp_path / "x.yaml"]  # fmt: skip
-    done, _ = kubealign(registry.url, *args)
-    line = one_line_error(done)
-    assert "is not a servable model directory: a tokenizer" in line and "version 1" in line, line
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    moved = [p for p in model_dir.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "special"))]
+    assert moved
+    for path in moved:
+        path.rename(aside / path.name)
+    try:
+        args = ["serve", "--tracking-uri", registry.url, "--model", NAME, "--set",
+                f"serve.artifacts_destination={DESTINATION}", "--manifest", tmp_path / "x.yaml"]  # fmt: skip
+        done, _ = kubealign(registry.url, *args)
+        line = one_line_error(done)
+        assert "is not a servable model directory: a tokenizer" in line and "version 1" in line, line
+    finally:
+        for path in moved:
+            (aside / path.name).rename(path)
 
 
 def test_names_become_dns_labels() -> None:
@@ -211,3 +219,73 @@ def test_not_ready_in_time_is_one_line_with_the_reason() -> None:
             deploy.wait_ready(api, NAME, "team-a", timeout_s=5, poll_s=0, clock=lambda: next(ticks))
     finally:
         standin.stop()
+
+
+def kubeconfig(path: Path, url: str) -> Path:
+    """A kubeconfig whose cluster is the stand-in: what `kubectl` or a developer's machine would have."""
+    doc = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+        "clusters": [{"name": "standin", "cluster": {"server": url}}],
+        "users": [{"name": "pipeline", "user": {"token": "t"}}],
+        "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "pipeline"}}],
+    }  # fmt: skip
+    path.write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return path
+
+
+SERVE_TASK = """
+import json, sys
+from kubealign import tasks
+print("RESULT " + json.dumps(tasks.serve(sys.argv[1], [], sys.argv[2], sys.argv[3])))
+"""
+
+
+def test_the_serve_task_applies_what_promote_moved(registry: MlflowServer, kube: StandInKube, tmp_path: Path) -> None:
+    """The task as the DAG runs it (its own process, the cluster from the environment: here a kubeconfig),
+    on the promote output that made version 1 champion."""
+    import json
+    import subprocess
+    import sys
+
+    from kubealign.config import config_to_json, load_config
+    from tests.stores import process_env
+
+    config = load_config(None, [f"promote.registered_model={NAME}", f"serve.artifacts_destination={DESTINATION}",
+                                "serve.ready_timeout_s=60"])  # fmt: skip
+    env = process_env({"MLFLOW_TRACKING_URI": registry.url, "KUBECONFIG": str(kubeconfig(tmp_path / "kc", kube.url)),
+                       "KUBEALIGN_POD_NAMESPACE": "team-a", "KUBEALIGN_RUN_ID": "run-42"})  # fmt: skip
+    out = tmp_path / "serving"
+    argv = [sys.executable, "-c", SERVE_TASK, config_to_json(config), str(registry.root / "p0"), str(out)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert result["applied"] and result["action"] == "created" and result["version"] == "1"
+    assert result["url"] == f"http://{NAME}.team-a.svc.cluster.local"
+    [(_, path, created)] = kube.calls("POST")
+    assert path == "/apis/serving.kserve.io/v1beta1/namespaces/team-a/inferenceservices"
+    assert created["metadata"]["annotations"]["kubealign.io/pipeline-run"] == "run-42"
+    assert created["spec"]["predictor"]["model"]["storageUri"].startswith(f"{DESTINATION}/")
+    assert yaml.safe_load((out / "inferenceservice.yaml").read_text(encoding="utf-8")) == created
+    assert "Ready at" in done.stdout
+
+
+def test_nothing_is_applied_when_promote_did_not_move_the_alias(kube: StandInKube, tmp_path: Path) -> None:
+    import json
+
+    from kubealign.config import load_config
+    from kubealign.stages import serve as stage
+    from kubealign.summary import _headline
+
+    promotion = tmp_path / "promote"
+    promotion.mkdir()
+    same = {"challenger": 2, "champion": 1, "previous-champion": None}
+    result = {"stage": "promote", "registered_model": NAME, "aliases": same,
+              "aliases_before": {**same, "challenger": 1}}  # fmt: skip
+    (promotion / "result.json").write_text(json.dumps(result), encoding="utf-8")
+    done = stage.run(load_config(None, []), promotion, tmp_path / "serving", custom=kube.client())
+    assert done["applied"] is False and "did not move champion (version 1)" in done["why"]
+    assert kube.requests == []  # not even a read: the cluster is left alone
+    assert "did not move champion" in _headline("serve", done)
+    # an alias promote does not manage (a person's `staging`) is applied: promote cannot tell whether it moved
+    assert stage.moved(result, "staging") == (True, None)
+    assert stage.moved({**result, "aliases_before": {**same, "champion": None}}, "champion") == (True, 1)

@@ -296,6 +296,11 @@ class KubealignConfig(Section):
                 f"pipeline.algorithm {self.pipeline.algorithm} and pipeline.algorithms both set: keep one "
                 "(algorithm is the one-route spelling of algorithms)"
             )
+        if self.serve.enabled and len(self.routes()) > 1:
+            raise ValueError(
+                "serve.enabled takes one route: with several pipeline.algorithms, serve the champion with "
+                "`kubealign serve --manifest` after the run"
+            )
         grouped = [r for r in self.routes() if r in ("grpo", "rloo")]
         if grouped and self.ppo.samples_per_prompt == 1:
             raise ValueError(f"pipeline.algorithm {grouped[0]} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1")
