@@ -140,7 +140,7 @@ def test_storage_uris() -> None:
     assert storage_uri("mlflow-artifacts://mlflow:5000/3/abc/x", s3 + "/") == f"{s3}/3/abc/x"
     assert storage_uri("s3://elsewhere/x", None) == "s3://elsewhere/x"
     with pytest.raises(UserError, match="KServe cannot read"):
-        storage_uri("file:///tmp/mlartifacts/1/x", s3)
+        storage_uri("file:///srv/mlartifacts/1/x", s3)
     assert missing_files(["config.json", "model.safetensors", "tokenizer.json"]) == []
     assert missing_files(["config.json", "tokenizer_config.json"]) == ["weights (*.safetensors)"]
 
