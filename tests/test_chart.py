@@ -284,3 +284,14 @@ def test_the_network_policy_is_on_and_names_the_pipelines_namespace() -> None:
     team = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}
     assert sources({"rbac": {"namespace": "team-a"}}) == [{"podSelector": {}}, team, by_name]
     assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+def test_the_pipeline_may_manage_inference_services_only_as_the_serve_task_needs() -> None:
+    def rules(values: dict) -> list[dict]:
+        return next(d for d in render(values) if d["kind"] == "Role")["rules"]
+
+    from kubealign.serving.manifest import GROUP, PLURAL
+
+    [rule] = [r for r in rules({}) if r["apiGroups"] == [GROUP]]
+    assert rule == {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "create", "patch"]}  # no delete
+    assert not [r for r in rules({"rbac": {"inferenceServices": False}}) if r["apiGroups"] == [GROUP]]
