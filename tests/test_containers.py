@@ -221,6 +221,14 @@ def test_image_runs_as_its_non_root_user(cpu_image, docker_client) -> None:
 
 
 @pytest.mark.container
+def test_nothing_in_the_images_venv_is_writable_but_by_root(cpu_image, docker_client) -> None:
+    """install.sh's chmod (issue 37: a prebuilt op was world-writable): not one file or directory of the
+    venv that group or others may write, links aside."""
+    assert _in_image(docker_client, "find", "/opt/kubealign", "!", "-type", "l", "-perm", "/022") == ""
+    assert _in_image(docker_client, "stat", "-c", "%U", "/opt/kubealign/bin/kubealign") == "root"
+
+
+@pytest.mark.container
 def test_versions_in_the_image_are_the_locked_ones(cpu_image, docker_client) -> None:
     # not pip freeze: it lists a wheel installed from a path as `name @ file://...`, with no version
     listing = "import importlib.metadata as m; print('\\n'.join(f\"{d.name}=={d.version}\" for d in m.distributions()))"
