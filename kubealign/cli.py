@@ -170,6 +170,11 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
     cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
     name = args.model or config.promote.registered_model
+    if args.manifest is None:
+        from kubealign.serving import local
+
+        local.serve(cfg, uri, name, args.port)
+        return
     namespace = args.namespace or cfg.namespace or "default"
     body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
     write_manifest(body, args.manifest)

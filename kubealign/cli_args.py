@@ -305,15 +305,19 @@ def _add_tool_commands(sub: Any) -> None:
 
     serve = sub.add_parser(
         "serve",
-        help="the KServe InferenceService that serves a registry alias (--manifest FILE writes it)",
-        description="Resolve ALIAS of the registered model to its version, check that version's Hugging Face "
-        "directory in the registry (config, safetensors, tokenizer) and write the InferenceService "
-        "(serving.kserve.io/v1beta1) whose storageUri is that directory in the artifact store "
-        "(serve.artifacts_destination for a server that serves its artifacts). Settings: the serve section.",
+        help="serve a registry alias here with vLLM's OpenAI server, or write its KServe InferenceService",
+        description="Resolve ALIAS of the registered model to its version and check that version's Hugging Face "
+        "directory (config, safetensors, tokenizer). Without --manifest: serve it on 127.0.0.1:PORT with vLLM's "
+        "OpenAI-compatible server (the runtime KServe runs; its venv is created on first use). With --manifest: "
+        "write the InferenceService (serving.kserve.io/v1beta1) whose storageUri is that directory in the artifact "
+        "store (serve.artifacts_destination for a server that serves its artifacts). Settings: the serve section.",
     )
     _add_config_options(serve)
     serve.add_argument("--tracking-uri", metavar="URI", help="the registry (default: $MLFLOW_TRACKING_URI)")
     serve.add_argument("--model", metavar="NAME", help="registered model (default: promote.registered_model)")
     serve.add_argument("--alias", metavar="ALIAS", help="the alias served (default: serve.alias, champion)")
     serve.add_argument("--namespace", metavar="NS", help="namespace of the InferenceService (default: serve.namespace)")
-    serve.add_argument("--manifest", required=True, type=Path, metavar="FILE", help="write the InferenceService here")
+    serve.add_argument(
+        "--manifest", type=Path, metavar="FILE", help="write the InferenceService here instead of serving here"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000), without --manifest")

@@ -289,3 +289,75 @@ def test_nothing_is_applied_when_promote_did_not_move_the_alias(kube: StandInKub
     # an alias promote does not manage (a person's `staging`) is applied: promote cannot tell whether it moved
     assert stage.moved(result, "staging") == (True, None)
     assert stage.moved({**result, "aliases_before": {**same, "champion": None}}, "champion") == (True, 1)
+
+
+PROMPTS = [
+    "\n\nHuman: hello there\n\nAssistant:",
+    "\n\nHuman: What is 2+2?\n\nAssistant: 4.\n\nHuman: And 3+3?\n\nAssistant:",
+    "\n\nSystem: be brief\n\nHuman: hi\n\nAssistant:",
+]
+
+
+@pytest.mark.parametrize("arch", ["opt", "llama"])
+def test_the_plain_chat_template_renders_what_training_encoded(arch: str, tmp_path: Path) -> None:
+    """Messages through the served template equal the plain prompt as training encoded it (encode_prompt),
+    token for token: the template is tokenize.plain_to_messages reversed, with the tokenizer's BOS."""
+    from transformers import AutoTokenizer
+
+    from kubealign.data.tokenize import encode_prompt, plain_to_messages
+    from kubealign.models import loading
+    from kubealign.serving.local import chat_template
+
+    model = tmp_path / "model"
+    model.symlink_to(loading.resolve(f"tiny-{arch}"))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    template = chat_template(model)
+    assert template is not None  # the tiny tokenizers have none: training used the plain format
+    tokenizer.chat_template = template.read_text(encoding="utf-8")
+    for prompt in PROMPTS:
+        text = tokenizer.apply_chat_template(plain_to_messages(prompt), tokenize=False, add_generation_prompt=True)
+        served = tokenizer(text, add_special_tokens=False)["input_ids"]  # vLLM's chat path adds none
+        assert served == encode_prompt(AutoTokenizer.from_pretrained(model), prompt), (arch, prompt)
+
+
+def test_serving_here_refuses_in_one_line(registry: MlflowServer, tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done, _ = kubealign(registry.url, "serve", "--model", NAME, "--port", port)
+        assert f"--port {port}: 127.0.0.1:{port} is in use" in one_line_error(done)
+    done, _ = kubealign(registry.url, "serve", "--model", NAME, "--alias", "gone", "--port", port)
+    assert "has no alias 'gone'" in one_line_error(done)
+
+
+def test_a_broken_weights_file_is_refused_before_serving(tmp_path: Path) -> None:
+    import shutil
+
+    from kubealign.models import loading
+    from kubealign.serving.local import check_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(loading.resolve("tiny-opt"), model)
+    check_dir(model)  # whole: no error
+    (model / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    with pytest.raises(UserError, match=r"model.safetensors: not a readable safetensors file"):
+        check_dir(model)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=r"is not a servable model directory: weights \(\*.safetensors\)"):
+        check_dir(model)
+
+
+def test_the_plain_template_carries_the_bos_a_tokenizer_adds() -> None:
+    import jinja2
+
+    from kubealign.data.tokenize import plain_to_messages
+    from kubealign.serving.local import plain_template
+
+    for bos, start in (("<s>", "<s>"), (None, "")):
+        template = jinja2.Environment().from_string(plain_template(bos))
+        for prompt in PROMPTS:
+            rendered = template.render(messages=plain_to_messages(prompt), add_generation_prompt=True, bos_token="<s>")
+            assert rendered == start + prompt

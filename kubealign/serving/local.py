@@ -1,0 +1,200 @@
+"""`kubealign serve`: a registry alias served here by the runtime KServe runs, vLLM's OpenAI-compatible server.
+
+The alias resolves to its version and that version's HF directory is downloaded into the cache (once per
+version) and checked whole: the files, every safetensors header, the tokenizer. vLLM's server then runs on
+127.0.0.1 from its own venv (vllm_env) with the directory as --model: /v1/models, /v1/completions,
+/v1/chat/completions, /metrics. Chat: the tokenizer's own template when it has one (training used it);
+otherwise a template that renders the plain dialogue format training used ("\\n\\nHuman: ...\\n\\nAssistant:",
+kubealign.data.tokenize), with the BOS the tokenizer adds to plain text. fp32 on CPU by default: vLLM's
+greedy tokens then equal transformers' generate of the same directory. vLLM's own output goes to a log
+file; one line says when it is ready. SIGINT / SIGTERM stop the server and end with exit code 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kubealign.config.serve import ServeConfig
+from kubealign.errors import UserError, first_line
+from kubealign.serving.location import Served, missing_files
+
+ROLES = {"user": "Human", "assistant": "Assistant", "system": "System"}
+
+
+def plain_template(bos: str | None) -> str:
+    """A Jinja chat template that renders messages as training's plain format (tokenize.plain_to_messages
+    reversed), with the BOS the tokenizer would add to that text."""
+    start = "{{ bos_token }}" if bos else ""
+    names = "{'user': 'Human', 'assistant': 'Assistant', 'system': 'System'}"
+    return (
+        f"{start}{{% set names = {names} %}}"
+        "{% for m in messages %}{{ '\\n\\n' + names[m['role']] + ': ' + m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
+    )
+
+
+def check_dir(path: Path) -> None:
+    """The HF directory whole: its files, each safetensors header readable, its tokenizer loadable."""
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    names = [p.name for p in path.iterdir()]
+    missing = missing_files(names)
+    if missing:
+        raise UserError(f"serve: {path} is not a servable model directory: {', '.join(missing)}")
+    for weights in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt") as handle:
+                handle.keys()
+        except Exception as exc:  # safetensors raises its own error types for a bad header
+            raise UserError(f"serve: {weights}: not a readable safetensors file ({first_line(exc)})") from None
+    try:
+        AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise UserError(f"serve: {path}: the tokenizer does not load ({first_line(exc)})") from None
+
+
+def download(served: Served, tracking_uri: str) -> Path:
+    """The version's HF directory in the cache (downloaded once: a complete copy has a marker file)."""
+    import mlflow.artifacts
+
+    from kubealign.models.tiny import cache_root
+
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # quiet: one line says what is served
+    target = cache_root() / "served" / served.name / served.version
+    if (target / ".complete").exists():
+        return target / "model"
+    tmp = target.with_name(f"{served.version}.tmp-{os.getpid()}")
+    tmp.mkdir(parents=True)
+    local = mlflow.artifacts.download_artifacts(
+        artifact_uri=served.model_dir_uri, dst_path=str(tmp), tracking_uri=tracking_uri
+    )
+    Path(local).rename(tmp / "model")
+    (tmp / ".complete").write_text(served.model_dir_uri, encoding="utf-8")
+    if target.exists():
+        import shutil
+
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target / "model"
+
+
+def port_free(port: int) -> None:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            raise UserError(f"--port {port}: 127.0.0.1:{port} is in use ({exc.strerror})") from None
+
+
+def command(python: Path, model_dir: Path, name: str, port: int, cfg: ServeConfig, template: Path | None) -> list:
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
+    argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.local_dtype]
+    if cfg.max_model_len:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if template is not None:
+        argv += ["--chat-template", str(template)]
+    return argv
+
+
+def models(port: int) -> list[dict[str, Any]] | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
+            return json.loads(reply.read())["data"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def run_server(argv: list[str], env: dict[str, str], log: Path, port: int, start_timeout_s: float) -> subprocess.Popen:
+    """Start vLLM's server (its own process group, output to `log`) and wait until /v1/models answers."""
+    with log.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
+        )
+    deadline = time.monotonic() + start_timeout_s
+    while models(port) is None:
+        if proc.poll() is not None:
+            tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:]
+            raise UserError(f"serve: vLLM's server exited with code {proc.returncode}: {' '.join(tail)} (log: {log})")
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise UserError(f"serve: vLLM's server did not answer in {start_timeout_s:.0f} s (log: {log})")
+        time.sleep(1)
+    return proc
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (its engine and workers), SIGKILL after 30 s."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+def chat_template(model_dir: Path) -> Path | None:
+    """None when the tokenizer has its own chat template; else the plain-format one, written beside the dir."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if getattr(tokenizer, "chat_template", None):
+        return None
+    adds_bos = tokenizer.bos_token_id is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
+    path = model_dir.parent / "plain-chat-template.jinja"
+    path.write_text(plain_template(tokenizer.bos_token if adds_bos else None), encoding="utf-8")
+    return path
+
+
+def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int) -> None:
+    """Serve `cfg.alias` of `name` on 127.0.0.1:port until SIGINT or SIGTERM."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.aliases import registry_errors
+    from kubealign.serving import location, vllm_env
+
+    port_free(port)
+    with registry_errors(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        served = location.resolve(client, name, cfg.alias, tracking_uri)
+        model_dir = download(served, tracking_uri)
+    check_dir(model_dir)
+    template = chat_template(model_dir)
+    argv = command(vllm_env.python(), model_dir, name, port, cfg, template)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
+    log = model_dir.parent / "vllm.log"
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    proc = None
+    started = time.monotonic()
+    try:
+        proc = run_server(argv, env, log, port, cfg.start_timeout_s)
+        ready = f"ready in {time.monotonic() - started:.0f} s; Ctrl-C stops it (vLLM's log: {log})"
+        where = f"{name}@{cfg.alias} (version {served.version}) at http://127.0.0.1:{port}/v1"
+        print(f"serve: {where}, {ready}", flush=True)
+        while proc.poll() is None:
+            time.sleep(0.5)
+        raise UserError(f"serve: vLLM's server exited with code {proc.returncode} (log: {log})")
+    except (KeyboardInterrupt, _Terminated):
+        print("serve: stopped", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if proc is not None:
+            stop(proc)
