@@ -138,6 +138,9 @@ def test_storage_uris() -> None:
         == f"{s3}/3/abc/artifacts/model/artifacts/d"
     )
     assert storage_uri("mlflow-artifacts://mlflow:5000/3/abc/x", s3 + "/") == f"{s3}/3/abc/x"
+    # one slash between destination and path, whichever side brings it
+    assert storage_uri("mlflow-artifacts:/3/abc/x", s3 + "/") == f"{s3}/3/abc/x"
+    assert storage_uri("mlflow-artifacts://mlflow:5000/3/abc/x", s3) == f"{s3}/3/abc/x"
     assert storage_uri("s3://elsewhere/x", None) == "s3://elsewhere/x"
     with pytest.raises(UserError, match="KServe cannot read"):
         storage_uri("file:///srv/mlartifacts/1/x", s3)
