@@ -68,7 +68,6 @@ def download(served: Served, tracking_uri: str) -> Path:
 
     from kubealign.models.tiny import cache_root
 
-    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # quiet: one line says what is served
     target = cache_root() / "served" / served.name / served.version
     if (target / ".complete").exists():
         return target / "model"
@@ -172,6 +171,7 @@ def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int) -> None:
     from kubealign.serving import location, vllm_env
 
     port_free(port)
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # quiet: one line says what is served
     with registry_errors(tracking_uri):
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         served = location.resolve(client, name, cfg.alias, tracking_uri)
