@@ -1,6 +1,6 @@
 """The container images kubealign's KFP components and TrainJobs run in: the one place they are named.
 
-Both are built from images/ (see README "Deploy on Kubernetes") and tagged with the package version, so
+All three are built from images/ (see README "Deploy on Kubernetes") and tagged with the package version, so
 a compiled pipeline always points at the image that carries the same kubealign code. A registry mirror
 is one environment variable away (KUBEALIGN_IMAGE_REGISTRY), or override a single image per config
 (kubernetes.train_image / kubernetes.cpu_image).
@@ -42,6 +42,11 @@ def train_image() -> str:
 def cpu_image() -> str:
     """Slim CPU image: CPU torch + kubealign (data-split, evaluate, promote; CPU-only clusters)."""
     return f"{_registry()}/kubealign-cpu:{__version__}"
+
+
+def serve_image() -> str:
+    """vLLM's OpenAI server on CPU (images/serve): the vllm runtime's image for a predictor without GPUs."""
+    return f"{_registry()}/kubealign-serve:{__version__}"
 
 
 TRAIN_IMAGE = train_image()

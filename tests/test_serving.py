@@ -13,9 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kubealign import images
 from kubealign.config.serve import ServeConfig
 from kubealign.errors import UserError
 from kubealign.serving import deploy
+from kubealign.serving.chat import plain_template
 from kubealign.serving.location import Served, missing_files, storage_uri
 from kubealign.serving.manifest import dns_name, inference_service
 from tests.faults import MlflowServer
@@ -85,10 +87,25 @@ def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
     assert predictor["serviceAccountName"] == "s3-reader"
     model = predictor["model"]
     assert model["modelFormat"] == {"name": "vLLM"} and model["runtime"] == "kserve-vllmserver"
-    assert model["args"] == ["--max-model-len=512"]
+    # vLLM's CPU build from images/serve, in fp32 with its KV cache sized, and the chat template training's plain
+    # format needs: the tiny OPT tokenizer has none, and adds no BOS to plain text
+    assert model["image"] == images.serve_image()
+    template = plain_template(None)
+    assert model["args"] == ["--max-model-len=512", "--dtype=float32", f"--chat-template={template}"]
+    assert model["env"] == [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}]
     assert "nvidia.com/gpu" not in model["resources"]["requests"]
     assert "networking.kserve.io/visibility" not in body["metadata"]["labels"]
     assert body["metadata"]["name"] == "chat"
+    # on GPUs the runtime's own (CUDA) image and dtype; the template still, which the tokenizer lacks
+    body = manifest(registry, tmp_path, *sets[:2], "serve.gpus=2", "serve.kv_cache_gib=4")
+    model = body["spec"]["predictor"]["model"]
+    assert "image" not in model and "env" not in model and model["args"] == [f"--chat-template={template}"]
+    assert model["resources"]["limits"]["nvidia.com/gpu"] == "2" and errors(body) == []
+    body = manifest(registry, tmp_path, *sets[:3], "serve.image=runtime", "serve.cpu_dtype=bfloat16")
+    model = body["spec"]["predictor"]["model"]
+    assert "image" not in model and model["args"][0] == "--dtype=bfloat16"
+    body = manifest(registry, tmp_path, *sets[:3], "serve.image=registry.example/vllm-cpu:1")
+    assert body["spec"]["predictor"]["model"]["image"] == "registry.example/vllm-cpu:1"
 
 
 def test_what_cannot_be_served_is_one_line(registry: MlflowServer, tmp_path: Path) -> None:
@@ -357,7 +374,6 @@ def test_the_plain_template_carries_the_bos_a_tokenizer_adds() -> None:
     import jinja2
 
     from kubealign.data.tokenize import plain_to_messages
-    from kubealign.serving.local import plain_template
 
     for bos, start in (("<s>", "<s>"), (None, "")):
         template = jinja2.Environment().from_string(plain_template(bos))

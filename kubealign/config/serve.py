@@ -44,8 +44,18 @@ class ServeConfig(Section):
     )
     public: bool = Field(False, description="Expose outside the cluster; False = cluster-local only.")
     ready_timeout_s: float = Field(1800, gt=0, description="How long the serve task waits for Ready.")
-    local_dtype: Literal["float32", "bfloat16", "auto"] = Field(
-        "float32", description="`kubealign serve` (here, vLLM on CPU): fp32 makes greedy output equal transformers'."
+    image: str = Field(
+        "auto",
+        min_length=1,
+        description="The predictor's image: auto = kubealign's serve image (images/serve: vLLM's CPU build) for the "
+        "vllm runtime without GPUs, the runtime's own otherwise; runtime = always the runtime's; else an image.",
     )
-    kv_cache_gib: int = Field(1, ge=1, description="`kubealign serve`: vLLM's CPU KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    cpu_dtype: Literal["float32", "bfloat16", "auto"] = Field(
+        "float32",
+        description="vLLM's dtype on CPU (`kubealign serve`, and a vllm predictor without GPUs): fp32 makes greedy "
+        "output equal transformers'.",
+    )
+    kv_cache_gib: int = Field(
+        1, ge=1, description="vLLM's CPU KV cache in GiB (VLLM_CPU_KVCACHE_SPACE), here and in a CPU vllm predictor."
+    )
     start_timeout_s: float = Field(900, gt=0, description="`kubealign serve`: how long vLLM may take to answer.")

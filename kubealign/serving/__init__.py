@@ -26,9 +26,35 @@ def manifest_for(
     with registry_errors(tracking_uri):
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         served = location.resolve(client, registered_model, cfg.alias, tracking_uri)
-        location.check_listing(served, tracking_uri)
+        names = location.check_listing(served, tracking_uri)
+        template = _chat_template(served, names, tracking_uri) if cfg.runtime == "vllm" else None
     storage = location.storage_uri(served.model_dir_uri, cfg.artifacts_destination)
-    return manifest.inference_service(served, storage, cfg, namespace, accelerator)
+    return manifest.inference_service(served, storage, cfg, namespace, accelerator, template)
+
+
+def _chat_template(served: Any, names: list[str], tracking_uri: str) -> str | None:
+    """The template vLLM's chat route needs for this version (kubealign.serving.chat), from its tokenizer's
+    files alone (the weights are not downloaded)."""
+    import posixpath
+    import tempfile
+
+    import mlflow.artifacts
+    from transformers import AutoTokenizer
+
+    from kubealign.errors import UserError, first_line
+    from kubealign.serving.chat import template_for
+
+    with tempfile.TemporaryDirectory(prefix="kubealign-tokenizer-") as tmp:
+        for name in names:
+            if not name.endswith((".safetensors", ".bin", ".pt")):
+                uri = posixpath.join(served.model_dir_uri, name)
+                mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=tmp, tracking_uri=tracking_uri)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(tmp)
+        except Exception as exc:  # transformers raises many kinds for a broken tokenizer
+            where = f"{served.name} version {served.version}"
+            raise UserError(f"serve: {where}: its tokenizer does not load ({first_line(exc)})") from None
+    return template_for(tokenizer)
 
 
 def write_manifest(body: dict[str, Any], path: Path) -> None:

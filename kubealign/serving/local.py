@@ -26,20 +26,6 @@ from kubealign.config.serve import ServeConfig
 from kubealign.errors import UserError, first_line
 from kubealign.serving.location import Served, missing_files
 
-ROLES = {"user": "Human", "assistant": "Assistant", "system": "System"}
-
-
-def plain_template(bos: str | None) -> str:
-    """A Jinja chat template that renders messages as training's plain format (tokenize.plain_to_messages
-    reversed), with the BOS the tokenizer would add to that text."""
-    start = "{{ bos_token }}" if bos else ""
-    names = "{'user': 'Human', 'assistant': 'Assistant', 'system': 'System'}"
-    return (
-        f"{start}{{% set names = {names} %}}"
-        "{% for m in messages %}{{ '\\n\\n' + names[m['role']] + ': ' + m['content'] }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '\\n\\nAssistant:' }}{% endif %}"
-    )
-
 
 def check_dir(path: Path) -> None:
     """The HF directory whole: its files, each safetensors header readable, its tokenizer loadable."""
@@ -96,7 +82,7 @@ def port_free(port: int) -> None:
 
 def command(python: Path, model_dir: Path, name: str, port: int, cfg: ServeConfig, template: Path | None) -> list:
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.local_dtype]
+    argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.cpu_dtype]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if template is not None:
@@ -154,12 +140,13 @@ def chat_template(model_dir: Path) -> Path | None:
     """None when the tokenizer has its own chat template; else the plain-format one, written beside the dir."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    if getattr(tokenizer, "chat_template", None):
+    from kubealign.serving.chat import template_for
+
+    template = template_for(AutoTokenizer.from_pretrained(model_dir))
+    if template is None:
         return None
-    adds_bos = tokenizer.bos_token_id is not None and tokenizer("x")["input_ids"][:1] == [tokenizer.bos_token_id]
     path = model_dir.parent / "plain-chat-template.jinja"
-    path.write_text(plain_template(tokenizer.bos_token if adds_bos else None), encoding="utf-8")
+    path.write_text(template, encoding="utf-8")
     return path
 
 

@@ -100,8 +100,9 @@ def _mlmodel(source: str, tracking_uri: str) -> dict:
             return yaml.safe_load(handle) or {}
 
 
-def check_listing(served: Served, tracking_uri: str) -> None:
-    """The directory's files, listed in the registry (no download): one line naming what is missing."""
+def check_listing(served: Served, tracking_uri: str) -> list[str]:
+    """The directory's files, listed in the registry (no download): their names, or one line naming what is
+    missing."""
     import mlflow.artifacts
 
     listed = mlflow.artifacts.list_artifacts(artifact_uri=served.model_dir_uri, tracking_uri=tracking_uri)
@@ -113,3 +114,4 @@ def check_listing(served: Served, tracking_uri: str) -> None:
             f"serve: {served.name} version {served.version} ({served.model_dir_uri}) is not a servable model "
             f"directory: {', '.join(missing)}"
         )
+    return names

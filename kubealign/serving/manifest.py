@@ -14,6 +14,7 @@ import hashlib
 import re
 from typing import Any
 
+from kubealign import images
 from kubealign.config.serve import ServeConfig
 from kubealign.serving.location import Served
 
@@ -42,9 +43,23 @@ def label_value(text: str) -> str:
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
 
 
+def image(cfg: ServeConfig) -> str | None:
+    """The predictor's image; None keeps the runtime's. KServe's own CPU rewrite of the vLLM runtime's image
+    (vllm/vllm-openai -> vllm/vllm-openai-cpu) is not one the project builds and checks: auto names ours."""
+    if cfg.image == "auto":
+        return images.serve_image() if cfg.runtime == "vllm" and not cfg.gpus else None
+    return None if cfg.image == "runtime" else cfg.image
+
+
 def inference_service(
-    served: Served, storage_uri: str, cfg: ServeConfig, namespace: str, accelerator: str = "nvidia.com/gpu"
+    served: Served,
+    storage_uri: str,
+    cfg: ServeConfig,
+    namespace: str,
+    accelerator: str = "nvidia.com/gpu",
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
+    """chat_template: the template the vllm runtime is given (kubealign.serving.chat; None: the tokenizer's)."""
     fmt, runtime = RUNTIMES[cfg.runtime]
     amounts = {"cpu": cfg.cpu, "memory": cfg.memory, **({accelerator: str(cfg.gpus)} if cfg.gpus else {})}
     model: dict[str, Any] = {
@@ -53,8 +68,18 @@ def inference_service(
         "storageUri": storage_uri,
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
     }
-    if cfg.max_model_len:
-        model["args"] = [f"--max-model-len={cfg.max_model_len}"]
+    if image(cfg):
+        model["image"] = image(cfg)
+    args = [f"--max-model-len={cfg.max_model_len}"] if cfg.max_model_len else []
+    if cfg.runtime == "vllm":
+        # The runtime's command is vLLM's OpenAI server (runtime-kserve-vllmserver.yaml); these follow its args.
+        if not cfg.gpus:  # as `kubealign serve` runs it: served = evaluated in fp32
+            args.append(f"--dtype={cfg.cpu_dtype}")
+            model["env"] = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(cfg.kv_cache_gib)}]
+        if chat_template:
+            args.append(f"--chat-template={chat_template}")
+    if args:
+        model["args"] = args
     predictor: dict[str, Any] = {"model": model}
     if cfg.service_account:
         predictor["serviceAccountName"] = cfg.service_account
