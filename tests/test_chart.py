@@ -295,3 +295,51 @@ def test_the_pipeline_may_manage_inference_services_only_as_the_serve_task_needs
     [rule] = [r for r in rules({}) if r["apiGroups"] == [GROUP]]
     assert rule == {"apiGroups": [GROUP], "resources": [PLURAL], "verbs": ["get", "create", "patch"]}  # no delete
     assert not [r for r in rules({"rbac": {"inferenceServices": False}}) if r["apiGroups"] == [GROUP]]
+
+
+def test_the_chart_renders_an_inference_service_only_when_asked_and_as_the_serve_task_would() -> None:
+    """serving.enabled: the same predictor kubealign.serving.manifest writes for the same settings (a CPU vllm
+    predictor: kubealign's serve image, fp32, the KV cache), in the pipeline's namespace, valid for KServe."""
+    from kubealign.config.serve import ServeConfig
+    from kubealign.serving.location import Served
+    from kubealign.serving.manifest import inference_service
+
+    assert not [d for d in render({}) if d["kind"] == "InferenceService"]
+    uri = "s3://models/run-1/model/artifacts/abc"
+    values = {"enabled": True, "storageUri": uri, "runtime": "vllm", "gpus": 0, "cpu": "2", "memory": "8Gi",
+              "kvCacheGib": 3, "registeredModel": "rlhf-actor", "modelVersion": "7", "serviceAccount": "s3-reader"}  # fmt: skip
+    [isvc] = [
+        d for d in render({"serving": values, "rbac": {"namespace": "team-a"}}) if d["kind"] == "InferenceService"
+    ]
+    assert trainer_errors(isvc) == []  # KServe v0.20.0's CRD, unknown fields refused
+    assert isvc["metadata"]["namespace"] == "team-a" and isvc["metadata"]["name"] == "kubealign-served"
+    labels = isvc["metadata"]["labels"]
+    assert labels["networking.kserve.io/visibility"] == "cluster-local"
+    assert labels["kubealign.io/registered-model"] == "rlhf-actor" and labels["kubealign.io/model-version"] == "7"
+    cfg = ServeConfig(runtime="vllm", gpus=0, cpu="2", memory="8Gi", kv_cache_gib=3, service_account="s3-reader")
+    expected = inference_service(Served("rlhf-actor", "7", "champion", "r", "m"), uri, cfg, "team-a")
+    assert isvc["spec"] == expected["spec"]
+    assert isvc["spec"]["predictor"]["model"]["image"] == "ghcr.io/kubealign/kubealign-serve:0.1.0"
+    # on GPUs, huggingface: the runtime's own image, the GPUs in the resources, public when asked, extra args
+    gpu = {"enabled": True, "storageUri": uri, "gpus": 2, "args": ["--max-model-len=2048"], "public": True}
+    [isvc] = [d for d in render({"serving": gpu}) if d["kind"] == "InferenceService"]
+    model = isvc["spec"]["predictor"]["model"]
+    assert trainer_errors(isvc) == [] and "image" not in model and "env" not in model
+    assert model["runtime"] == "kserve-huggingfaceserver" and model["args"] == ["--max-model-len=2048"]
+    assert model["resources"]["limits"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "2"}
+    assert "networking.kserve.io/visibility" not in isvc["metadata"]["labels"]
+    assert isvc["metadata"]["namespace"] == "kubeflow"  # the release's, without rbac.namespace
+
+
+@pytest.mark.parametrize(
+    ("values", "named"),
+    [
+        ({"serving": {"enabled": True}}, "serving.storageUri"),
+        ({"serving": {"enabled": True, "storageUri": "mlflow-artifacts:/x"}}, "/serving/storageUri"),
+        ({"serving": {"runtime": "triton"}}, "/serving/runtime"),
+        ({"serving": {"args": ["max-model-len=5"]}}, "/serving/args"),
+    ],
+)
+def test_bad_serving_values_are_refused_naming_them(values: dict, named: str) -> None:
+    with pytest.raises(Exception, match=named):
+        helm.Chart.load(CHART).render(values, name="ka", namespace="kubeflow")

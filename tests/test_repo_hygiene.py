@@ -24,6 +24,7 @@ MACHINE_PATH = re.compile(r"(/tmp/[A-Za-z]|/root/|/work/|/home/[a-z])")
 MACHINE_PATH_ALLOWED = {
     "images/train/Dockerfile",
     "images/cpu/Dockerfile",
+    "images/serve/Dockerfile",
     "images/install.sh",
     "tests/test_images.py",
     "tests/test_repo_hygiene.py",

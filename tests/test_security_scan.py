@@ -74,7 +74,7 @@ def scanned(tmp_path_factory: pytest.TempPathFactory) -> Path:
         rendered = chart.render(values, name="ka", namespace="kubeflow", is_install=True)
         text = "\n---\n".join(doc for doc in rendered.values() if doc.strip())
         (root / "k8s" / f"{name}.yaml").write_text(text, encoding="utf-8")
-    for image in ("train", "cpu"):
+    for image in ("train", "cpu", "serve"):
         (root / "images" / image).mkdir(parents=True)
         shutil.copy(REPO / "images" / image / "Dockerfile", root / "images" / image / "Dockerfile")
     return root

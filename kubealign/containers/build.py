@@ -9,6 +9,8 @@
    The train image's wheelhouse swaps the lock's +cpu torch for PyPI's CUDA build and the CUDA
    libraries it requires, and adds CUDA's compiler for its build stage and DeepSpeed's sdist: the
    versions of images/train/cuda.txt and cuda-build.txt, every one pinned (checked here).
+   The serve image's is kubealign/serving/lock-serve.txt's wheels (vLLM's CPU build, no kubealign) and
+   Debian's libnuma1 (SERVE_DEBS, fetched with apt-get download), which vLLM's CPU ops link.
 3. The base: --base IMAGE, or `auto`: the Dockerfile's Python image if the daemon has it or can pull
    it, else a Debian bookworm made here with debootstrap (kubealign.containers.base). Both images.
 4. The train image is then checked inside (images/train/check.py): its torch a CUDA build, DeepSpeed's
@@ -38,12 +40,14 @@ from kubealign.containers import base
 from kubealign.containers.daemon import state_dir
 from kubealign.errors import UserError
 
-FLAVOURS = {"cpu": images.cpu_image, "train": images.train_image}
+FLAVOURS = {"cpu": images.cpu_image, "train": images.train_image, "serve": images.serve_image}
 SOURCE_DIRS = ("kubealign", "components", "pipelines", "configs")
 SOURCE_LABEL = "io.kubealign.source-sha256"
 # The train image's distributions beyond the lock (runtime) and its build stage's CUDA compiler.
 CUDA_PINS = ("cuda.txt", "cuda-build.txt")
 TRAIN_OPS = ("fused_adam", "transformer_inference", "cpu_adam")  # the Dockerfile's DS_BUILD_* ones
+SERVE_LOCK = ("kubealign", "serving", "lock-serve.txt")
+SERVE_DEBS = ("libnuma1=2.0.16-1",)  # Debian bookworm's; the bootstrapped base lacks it, vLLM's _C links it
 
 
 @dataclass(frozen=True)
@@ -92,17 +96,23 @@ def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
     keyed = [lock, repo / "pyproject.toml"] + (
         [repo / "images" / "train" / n for n in CUDA_PINS] if flavour == "train" else []
     )
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in keyed)).hexdigest()[:16]
+    salt = b""
+    if flavour == "serve":
+        keyed, salt = [repo.joinpath(*SERVE_LOCK)], " ".join(SERVE_DEBS).encode()
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in keyed) + salt).hexdigest()[:16]
     cached = state_dir() / f"wheelhouse-{flavour}-{key}"
     if (cached / ".complete").is_file():
         return cached
-    say(f"making the wheelhouse from {lock.relative_to(repo)} (once per lock)")
+    say(f"making the wheelhouse from {keyed[0].relative_to(repo)} (once per lock)")
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{cached.name}-", dir=cached.parent))
     try:
-        _pip(["wheel", "-q", "-c", str(lock), "--wheel-dir", str(tmp), str(repo)], "pip wheel (the wheelhouse)")
-        for own in tmp.glob("kubealign-*.whl"):
-            own.unlink()  # made fresh for every build
+        if flavour == "serve":
+            _serve_files(keyed[0], tmp)
+        else:
+            _pip(["wheel", "-q", "-c", str(lock), "--wheel-dir", str(tmp), str(repo)], "pip wheel (the wheelhouse)")
+            for own in tmp.glob("kubealign-*.whl"):
+                own.unlink()  # made fresh for every build
         if flavour == "train":
             _cuda_wheels(repo, lock, tmp)
             # compiled inside the CUDA build with its ops; the lock's version, as a source distribution
@@ -114,6 +124,19 @@ def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return cached
+
+
+def _serve_files(lock: Path, dest: Path) -> None:
+    """lock-serve.txt's wheels (binary only, --no-deps: the lock is the whole venv) and SERVE_DEBS into dest."""
+    _pip(["download", "-q", "--no-deps", "--only-binary", ":all:", "-r", str(lock), "-d", str(dest)], "pip download")
+    (dest / "debs").mkdir()
+    try:
+        proc = subprocess.run(["apt-get", "download", *SERVE_DEBS], cwd=dest / "debs", capture_output=True, text=True)
+    except FileNotFoundError:
+        raise UserError("the serve image needs Debian's apt-get to fetch libnuma1 (not found)") from None
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise UserError(f"apt-get download {' '.join(SERVE_DEBS)} failed: {last}")
 
 
 def pins(path: Path) -> dict[str, str]:
@@ -177,13 +200,19 @@ def requirements(wheels: Path) -> str:
 
 
 def stage_context(repo: Path, flavour: str, wheels: Path, dest: Path) -> Path:
-    """The build context: Dockerfile, install.sh, deps/ (the wheelhouse + requirements.txt), own/ (kubealign)."""
+    """The build context: Dockerfile, install.sh, deps/ (the wheelhouse + requirements.txt), own/ (kubealign);
+    the serve image's: deps/ (lock-serve.txt's wheels, the lock as requirements.txt) and debs/."""
     dest.mkdir(parents=True)
     shutil.copy2(repo / "images" / flavour / "Dockerfile", dest / "Dockerfile")
     shutil.copy2(repo / "images" / "install.sh", dest / "install.sh")
     if flavour == "train":
         for name in CUDA_PINS:
             shutil.copy2(repo / "images" / "train" / name, dest / name)
+    if flavour == "serve":  # vLLM alone: the lock is its requirements, libnuma1 beside, no kubealign wheel
+        _link_or_copy([p for p in wheels.iterdir() if p.name.endswith(".whl")], dest / "deps")
+        _link_or_copy((wheels / "debs").iterdir(), dest / "debs")
+        shutil.copy2(repo.joinpath(*SERVE_LOCK), dest / "deps" / "requirements.txt")
+        return dest
     _link_or_copy([p for p in wheels.iterdir() if p.name != ".complete"], dest / "deps")
     (dest / "deps" / "requirements.txt").write_text(requirements(wheels), encoding="utf-8")
     _pip(["wheel", "-q", "--no-deps", "--wheel-dir", str(dest / "own"), str(repo)], "pip wheel (kubealign)")
