@@ -170,6 +170,7 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
     cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
     name = args.model or config.promote.registered_model
+    percent = _canary_percent(args, cfg)
     if args.manifest is None:
         from kubealign.serving import local
 
@@ -177,6 +178,12 @@ def _serve(args: argparse.Namespace) -> None:
         return
     namespace = args.namespace or cfg.namespace or "default"
     body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
+    if args.canary:
+        from kubealign.serving.manifest import with_canary
+
+        canary_cfg = cfg.model_copy(update={"alias": args.canary})
+        canary = manifest_for(canary_cfg, uri, name, namespace, config.kubernetes.accelerator_type)
+        body = with_canary(body, canary, percent)
     write_manifest(body, args.manifest)
     meta = body["metadata"]
     print(
@@ -184,7 +191,24 @@ def _serve(args: argparse.Namespace) -> None:
         f"InferenceService {namespace}/{meta['name']} written to {args.manifest}"
     )
     print(f"  storageUri {body['spec']['predictor']['model']['storageUri']}")
+    if args.canary:
+        version = meta["annotations"]["kubealign.io/canary-model-version"]
+        print(f"  canary {name}@{args.canary} = version {version}, {percent} % of the traffic")
     print(f"  apply: kubectl apply -f {args.manifest}")
+
+
+def _canary_percent(args: argparse.Namespace, cfg: Any) -> int:
+    """--canary-percent (or serve.canary_percent), checked; --canary needs --manifest and another alias."""
+    if (args.canary or args.canary_percent is not None) and args.manifest is None:
+        raise UserError("--canary / --canary-percent: only with --manifest (here, one alias is served)")
+    if args.canary_percent is not None and not args.canary:
+        raise UserError("--canary-percent: give --canary ALIAS, the alias that gets that share")
+    if args.canary is not None and args.canary == cfg.alias:
+        raise UserError(f"--canary {args.canary}: that is the alias served (--alias); name another, e.g. challenger")
+    percent = cfg.canary_percent if args.canary_percent is None else args.canary_percent
+    if not 1 <= percent <= 99:
+        raise UserError(f"--canary-percent {percent}: a share from 1 to 99 (100 is promotion, 0 no canary)")
+    return percent
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -326,3 +326,14 @@ def _add_tool_commands(sub: Any) -> None:
         "--manifest", type=Path, metavar="FILE", help="write the InferenceService here instead of serving here"
     )
     serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000), without --manifest")
+    serve.add_argument(
+        "--canary",
+        metavar="ALIAS",
+        help="with --manifest: serve this alias (e.g. challenger) beside --alias as the InferenceService's canary",
+    )
+    serve.add_argument(
+        "--canary-percent",
+        type=int,
+        metavar="N",
+        help="the canary's share of the traffic, 1-99 %% (default: serve.canary_percent, 10)",
+    )

@@ -380,3 +380,58 @@ def test_the_plain_template_carries_the_bos_a_tokenizer_adds() -> None:
         for prompt in PROMPTS:
             rendered = template.render(messages=plain_to_messages(prompt), add_generation_prompt=True, bos_token="<s>")
             assert rendered == start + prompt
+
+
+def test_a_canary_alias_is_served_beside_the_champion(registry: MlflowServer, tmp_path: Path) -> None:
+    """A second version (another directory, a gate it fails) holds `challenger`: --canary makes it the
+    InferenceService's canary with its own storage URI and its share of the traffic; valid for KServe v0.20."""
+    from kubealign.models import loading
+    from tests.test_faults_registry import aliases
+
+    name = "canary-actor"
+    for i, (model, win) in enumerate((("tiny-opt", 0.7), ("tiny-llama", 0.2))):
+        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=win, gain=win - 0.5, reward=win),
+                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
+                "--set", f"promote.registered_model={name}"]  # fmt: skip
+        done, _ = kubealign(registry.url, *argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"}
+    sets = [f"promote.registered_model={name}", f"serve.artifacts_destination={DESTINATION}", "serve.gpus=0",
+            "serve.runtime=vllm"]  # fmt: skip
+    args = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "isvc.yaml", "--canary", "challenger",
+            "--canary-percent", "25", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    done, _ = kubealign(registry.url, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "canary canary-actor@challenger = version 2, 25 % of the traffic" in done.stdout
+    body = yaml.safe_load((tmp_path / "isvc.yaml").read_text(encoding="utf-8"))
+    assert errors(body) == []
+    stable, [canary] = body["spec"]["predictor"], body["spec"]["canary"]
+    assert canary["trafficPercent"] == 25 and "canaryTrafficPercent" not in stable
+    ours, theirs = stable["model"]["storageUri"], canary["predictor"]["model"]["storageUri"]
+    annotations = body["metadata"]["annotations"]
+    assert ours == annotations["kubealign.io/storage-uri"] and theirs == annotations["kubealign.io/canary-storage-uri"]
+    assert ours != theirs and theirs.startswith(f"{DESTINATION}/")
+    on_disk = registry.root / "artifacts" / theirs.removeprefix(f"{DESTINATION}/")
+    llama = Path(loading.resolve("tiny-llama"))
+    assert (on_disk / "config.json").read_bytes() == (llama / "config.json").read_bytes()  # version 2's files
+    assert annotations["kubealign.io/model-version"] == "1" and annotations["kubealign.io/canary-model-version"] == "2"
+    assert (
+        annotations["kubealign.io/canary-alias"] == "challenger"
+        and annotations["kubealign.io/canary-traffic-percent"] == "25"
+    )
+    assert body["metadata"]["labels"]["kubealign.io/canary-alias"] == "challenger"
+    # the canary's predictor is the one its alias alone would get (image, args, resources)
+    alone = manifest(registry, tmp_path, *sets, alias="challenger")
+    assert canary["predictor"]["model"].pop("name") == "kserve-container"  # the CRD requires the container's name
+    assert canary["predictor"] == alone["spec"]["predictor"]
+    # refused in one line, nothing written
+    for extra, said in ((["--canary", "champion"], "that is the alias served"),
+                        (["--canary", "challenger", "--canary-percent", "100"], "a share from 1 to 99"),
+                        (["--canary-percent", "5"], "give --canary ALIAS"),
+                        (["--canary", "nope"], "has no alias 'nope'")):  # fmt: skip
+        base = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "no.yaml"]
+        done, _ = kubealign(registry.url, *base, *extra, *[a for s in sets for a in ("--set", s)])
+        assert said in one_line_error(done), extra
+    assert not (tmp_path / "no.yaml").exists()
+    done, _ = kubealign(registry.url, "serve", "--tracking-uri", registry.url, "--canary", "challenger")
+    assert "only with --manifest" in one_line_error(done)

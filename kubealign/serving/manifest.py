@@ -10,6 +10,7 @@ finds it and a person sees what answers.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import re
 from typing import Any
@@ -117,3 +118,23 @@ def with_pipeline_run(manifest: dict[str, Any], run_id: str | None) -> dict[str,
     if run_id:
         manifest["metadata"]["annotations"][f"{PREFIX}/pipeline-run"] = run_id
     return manifest
+
+
+def with_canary(body: dict[str, Any], canary: dict[str, Any], percent: int) -> dict[str, Any]:
+    """`body` (the stable alias's InferenceService) with `canary`'s predictor (another alias's, as
+    inference_service makes it) taking `percent` of the traffic. KServe v0.20's `spec.canary`, a list of
+    predictors with their traffic shares; not `predictor.canaryTrafficPercent`, the older single-canary field
+    that only the Serverless (Knative) mode honours (../shared/k8s-schemas/kserve-v0.20.0/README.md).
+    Annotations name the canary's alias, version and files, as the stable predictor's are named."""
+    theirs = canary["metadata"]["annotations"]
+    predictor = copy.deepcopy(canary["spec"]["predictor"])
+    # v0.20's canary predictor takes a full Container as its model: it needs the name, the one KServe's runtimes
+    # give the container it merges the model into (runtime-kserve-*.yaml)
+    predictor["model"] = {"name": "kserve-container", **predictor["model"]}
+    body["spec"]["canary"] = [{"predictor": predictor, "trafficPercent": percent}]
+    ours = body["metadata"]["annotations"]
+    for key in ("alias", "model-version", "model-uri", "storage-uri"):
+        ours[f"{PREFIX}/canary-{key}"] = theirs[f"{PREFIX}/{key}"]
+    ours[f"{PREFIX}/canary-traffic-percent"] = str(percent)
+    body["metadata"]["labels"][f"{PREFIX}/canary-alias"] = theirs[f"{PREFIX}/alias"]
+    return body
