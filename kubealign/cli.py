@@ -170,7 +170,7 @@ def _serve(args: argparse.Namespace) -> None:
         raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
     cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
     name = args.model or config.promote.registered_model
-    percent = _canary_percent(args, cfg)
+    percent = _canary_percent(args, cfg, config.canary.percent)
     if args.manifest is None:
         from kubealign.serving import local
 
@@ -197,15 +197,15 @@ def _serve(args: argparse.Namespace) -> None:
     print(f"  apply: kubectl apply -f {args.manifest}")
 
 
-def _canary_percent(args: argparse.Namespace, cfg: Any) -> int:
-    """--canary-percent (or serve.canary_percent), checked; --canary needs --manifest and another alias."""
+def _canary_percent(args: argparse.Namespace, cfg: Any, default: int) -> int:
+    """--canary-percent (or canary.percent), checked; --canary needs --manifest and another alias."""
     if (args.canary or args.canary_percent is not None) and args.manifest is None:
         raise UserError("--canary / --canary-percent: only with --manifest (here, one alias is served)")
     if args.canary_percent is not None and not args.canary:
         raise UserError("--canary-percent: give --canary ALIAS, the alias that gets that share")
     if args.canary is not None and args.canary == cfg.alias:
         raise UserError(f"--canary {args.canary}: that is the alias served (--alias); name another, e.g. challenger")
-    percent = cfg.canary_percent if args.canary_percent is None else args.canary_percent
+    percent = default if args.canary_percent is None else args.canary_percent
     if not 1 <= percent <= 99:
         raise UserError(f"--canary-percent {percent}: a share from 1 to 99 (100 is promotion, 0 no canary)")
     return percent

@@ -335,5 +335,5 @@ def _add_tool_commands(sub: Any) -> None:
         "--canary-percent",
         type=int,
         metavar="N",
-        help="the canary's share of the traffic, 1-99 %% (default: serve.canary_percent, 10)",
+        help="the canary's share of the traffic, 1-99 %% (default: canary.percent, 10)",
     )

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from kubealign.config.base import DType, Section
+from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
@@ -258,6 +259,7 @@ class KubealignConfig(Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
+    canary: CanaryConfig = Field(default_factory=CanaryConfig)
     # The directory of the YAML file this config came from (None: a preset, JSON, or built in code):
     # relative reward-function files are resolved against it. Not a field: not dumped, not hashed.
     _base_dir: str | None = PrivateAttr(default=None)

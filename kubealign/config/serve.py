@@ -43,9 +43,6 @@ class ServeConfig(Section):
         None, pattern=DNS_LABEL, description="Predictor's ServiceAccount (KServe reads S3 credentials from it)."
     )
     public: bool = Field(False, description="Expose outside the cluster; False = cluster-local only.")
-    canary_percent: int = Field(
-        10, ge=1, le=99, description="Share of the traffic (%) a canary alias gets (kubealign serve --canary)."
-    )
     ready_timeout_s: float = Field(1800, gt=0, description="How long the serve task waits for Ready.")
     image: str = Field(
         "auto",

@@ -1,0 +1,214 @@
+"""The online judge's pieces (issue 39): its figures and decision by hand, and its requests against a
+completions server on 127.0.0.1 with faults injected in front of it (tests/faults.FaultProxy): HTTP 500s, a
+request that outlasts the timeout, garbage, a server that is not there. The server is a stand-in of vLLM's
+completions route (it answers the prompt reversed) and its /metrics histogram: what is tested is how answers
+and failures are counted, not a model."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from kubealign.config.canary import CanaryConfig
+from kubealign.config.schema import PromoteConfig
+from kubealign.serving.ask import ask, latency_histogram
+from kubealign.serving.judge import (
+    Answer,
+    answered_pairs,
+    decide,
+    histogram_quantile,
+    percentile,
+    serving_figures,
+    verdict_line,
+)
+from tests.faults import FaultProxy, free_port
+
+pytestmark = pytest.mark.faults
+
+METRICS = """# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="actor"} 9.5
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.1",model_name="actor"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.5",model_name="actor"} 4.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="1.0",model_name="actor"} 5.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="actor"} 6.0
+vllm:e2e_request_latency_seconds_bucket{engine="1",le="0.1",model_name="actor"} 1.0
+vllm:e2e_request_latency_seconds_bucket{engine="1",le="0.5",model_name="actor"} 2.0
+vllm:e2e_request_latency_seconds_bucket{engine="1",le="1.0",model_name="actor"} 3.0
+vllm:e2e_request_latency_seconds_bucket{engine="1",le="+Inf",model_name="actor"} 4.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.1",model_name="other"} 99.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="actor"} 10.0
+"""
+
+
+class Completions:
+    """Answers POST /v1/completions with the prompt reversed; "SLOW..." prompts after 3 s, "GARBAGE..." with a
+    body that is not JSON; GET /metrics with METRICS."""
+
+    def __init__(self) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def _send(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                self._send(200, METRICS.encode()) if self.path == "/metrics" else self._send(404, b"{}")
+
+            def do_POST(self) -> None:
+                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                prompt = request["prompt"]
+                if prompt.startswith("SLOW"):
+                    time.sleep(3)
+                if prompt.startswith("GARBAGE"):
+                    return self._send(200, b"<html>upstream gone</html>")
+                self._send(200, json.dumps({"choices": [{"text": prompt[::-1]}], "model": request["model"]}).encode())
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def server():
+    served = Completions()
+    yield served
+    served.stop()
+
+
+def every_other(status: int):
+    """A FaultProxy rule answering `status` to the 1st, 3rd, 5th ... completion request."""
+    seen = [0]
+    lock = threading.Lock()
+
+    def rule(method: str, path: str, body: bytes) -> int | None:
+        if method != "POST" or "/v1/completions" not in path:
+            return None
+        with lock:
+            seen[0] += 1
+            return status if seen[0] % 2 == 1 else None
+
+    return rule
+
+
+def test_percentile_is_the_nearest_rank() -> None:
+    values = [0.3, 0.1, 0.4, 0.2]
+    assert [percentile(values, q) for q in (25, 50, 75, 95, 100)] == [0.1, 0.2, 0.3, 0.4, 0.4]
+    assert percentile([7.0], 50) == 7.0 and math.isnan(percentile([], 50))
+
+
+def test_serving_figures_count_errors_by_kind_and_time_answers_only() -> None:
+    answers = [Answer(0, "a", 0.2), Answer(1, None, 9.0, "HTTP 500"), Answer(2, "b", 0.4),
+               Answer(3, None, 30.0, "timeout"), Answer(4, None, 0.1, "garbage: b'<html>'"), Answer(5, None, 0.0, "HTTP 500"),
+               Answer(6, "c", 0.1)]  # fmt: skip
+    figures = serving_figures(answers)
+    assert figures["requests"] == 7 and figures["errors"] == 4 and figures["error_rate"] == 4 / 7
+    assert figures["errors/HTTP 500"] == 2 and figures["errors/timeout"] == 1 and figures["errors/garbage"] == 1
+    assert figures["latency_p50_s"] == 0.2 and figures["latency_p95_s"] == 0.4  # 9 s and 30 s were errors
+    assert answered_pairs(answers, [Answer(0, "x", 1), Answer(2, None, 1, "timeout"), Answer(6, "y", 1),
+                                    Answer(1, "z", 1)]) == [0, 6]  # fmt: skip
+
+
+def test_histogram_quantile_interpolates_as_prometheus_does() -> None:
+    buckets = [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (math.inf, 10.0)]
+    assert histogram_quantile(buckets, 0.5) == pytest.approx(0.1 + 0.4 * (5 - 2) / (6 - 2))  # rank 5 of 10
+    assert histogram_quantile(buckets, 0.1) == pytest.approx(0.1 * 1 / 2)  # the first bucket starts at 0
+    assert histogram_quantile(buckets, 0.8) == pytest.approx(1.0)  # rank 8 ends the third bucket
+    assert histogram_quantile(buckets, 0.95) == 1.0  # in +Inf: the highest finite bound
+    assert math.isnan(histogram_quantile([], 0.5)) and math.isnan(histogram_quantile([(1.0, 0.0)], 0.5))
+
+
+def test_the_latency_histogram_is_read_from_vllms_metrics_for_the_served_model() -> None:
+    # two engines' series of `actor` summed; `other` and the _sum / _count lines left out
+    assert latency_histogram(METRICS, "actor") == [(0.1, 2.0), (0.5, 6.0), (1.0, 8.0), (math.inf, 10.0)]
+    assert latency_histogram(METRICS, "nobody") == [] and latency_histogram("", "actor") == []
+
+
+def online(win: float, gain: float) -> dict[str, float]:
+    return {"win_rate": win, "win_rate_lower_bound": win - 0.1, "reward_gain": gain, "kl_to_baseline": math.nan,
+            "candidate_reward_mean": 1.0}  # fmt: skip
+
+
+def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
+    promote, cfg = PromoteConfig(), CanaryConfig(min_answers=8, max_error_rate=0.1, max_latency_p95_s=2.0)
+    quiet = {"error_rate": 0.0, "latency_p95_s": 0.5}
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, cfg)
+    assert ok and all(line.startswith("pass: ") for line in lines), lines
+    ok, lines = decide(online(0.7, 0.3), 7, quiet, promote, cfg)  # one pair short: never promoted
+    assert not ok and lines[0] == "FAIL: 7 prompts answered by both >= canary.min_answers 8"
+    assert lines[-1] == "FAIL: the gate: not applied on too few answers"
+    ok, lines = decide(online(0.7, 0.3), 8, {"error_rate": 0.125, "latency_p95_s": 0.5}, promote, cfg)
+    assert not ok and "FAIL: canary error_rate 0.125 <= 0.1" in lines
+    ok, lines = decide(online(0.7, 0.3), 8, {"error_rate": 0.1, "latency_p95_s": 2.5}, promote, cfg)
+    assert (
+        not ok
+        and "FAIL: canary latency_p95 2.500 s <= 2.0 s" in lines
+        and "pass: canary error_rate 0.100 <= 0.1" in lines
+    )
+    ok, lines = decide(online(0.4, -0.1), 8, quiet, promote, cfg)  # the gate's own rule on the online numbers
+    assert not ok and "FAIL: win_rate 0.400 >= 0.5" in lines and "FAIL: reward_gain -0.100 >= 0.0" in lines
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, PromoteConfig(max_kl=0.5), cfg)  # KL is not measured online
+    assert ok and lines[-1].startswith("unchecked: promote.max_kl 0.5")
+    assert verdict_line(False, lines[:1] + ["FAIL: canary error_rate 0.5 <= 0.05"], "challenger", "7") == (
+        "judge: challenger (version 7) rolled back: canary error_rate 0.5 <= 0.05"
+    )
+    assert verdict_line(True, lines, "challenger", "7").endswith("holds online: promoted to champion")
+
+
+def test_every_kind_of_failed_request_is_counted_in_prompt_order(server: Completions) -> None:
+    cfg = CanaryConfig(request_timeout_s=1.0, concurrency=3)
+    proxy = FaultProxy(server.url).start()
+    proxy.rules.append(every_other(500))
+    try:
+        prompts = ["ab", "cd", "ef", "gh", "SLOW 1", "GARBAGE 1"]
+        answers = ask(proxy.url, "actor", prompts, cfg)
+    finally:
+        proxy.stop()
+    assert [a.prompt for a in answers] == list(range(6))
+    by_kind = [a.error or a.text for a in answers]
+    # the proxy fails 3 of the 6 requests (whichever came 1st, 3rd, 5th); the others get their own answer
+    assert sum(a.error == "HTTP 500" for a in answers) == 3
+    expected = {0: "ba", 1: "dc", 2: "fe", 3: "hg", 4: "timeout", 5: "garbage: b'<html>upstream gone</html>'"}
+    assert all(kind in ("HTTP 500", expected[i]) for i, kind in enumerate(by_kind)), by_kind
+    direct = ask(server.url, "actor", prompts, cfg)
+    assert [a.error or a.text for a in direct] == [expected[i] for i in range(6)]
+    assert direct[4].latency_s >= 1.0 and all(a.latency_s < 1.0 for a in direct[:4])
+    nobody = ask(f"http://127.0.0.1:{free_port()}", "actor", prompts[:2], cfg)
+    assert [a.error for a in nobody] == ["refused", "refused"]
+
+
+def test_a_canary_failing_half_its_requests_is_rolled_back_in_one_line(server: Completions) -> None:
+    cfg = CanaryConfig(min_answers=4, max_error_rate=0.05, concurrency=2)
+    proxy = FaultProxy(server.url).start()
+    proxy.rules.append(every_other(500))
+    try:
+        prompts = [f"prompt {i}" for i in range(8)]
+        champion, canary = ask(server.url, "actor", prompts, cfg), ask(proxy.url, "actor", prompts, cfg)
+    finally:
+        proxy.stop()
+    figures = serving_figures(canary)
+    assert figures["error_rate"] == 0.5 and figures["errors/HTTP 500"] == 4
+    pairs = answered_pairs(champion, canary)
+    assert len(pairs) == 4  # the canary's answered half, all of which the champion answered
+    ok, lines = decide(online(0.7, 0.3), len(pairs), figures, PromoteConfig(), cfg)
+    assert not ok
+    assert (
+        verdict_line(ok, lines, "challenger", "2")
+        == "judge: challenger (version 2) rolled back: canary error_rate 0.500 <= 0.05"
+    )
