@@ -76,6 +76,39 @@ def test_gate_aliases_idempotency_and_rollback_on_sqlite(cli, tmp_path: Path):
         del os.environ["MLFLOW_TRACKING_URI"]
 
 
+def test_in_canary_mode_a_passing_candidate_becomes_challenger_only(cli, tmp_path: Path):
+    """promote.mode=canary: the first version (no champion to be judged against) becomes champion; later, a
+    candidate that passes the gate becomes challenger beside the champion, one that fails moves no alias."""
+    evals, root, canary = tmp_path / "evals", tmp_path / "runs", ("--set", "promote.mode=canary")
+    evals.mkdir()
+    first = promote(cli, evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0), root / "p1", *canary)
+    assert first.code == 0 and aliases(root / "p1") == {"challenger": None, "champion": 1, "previous-champion": None}
+    worse = promote(cli, evaluation(evals, "worse", win=0.3, gain=0.3, reward=1.1), root / "p2", *canary)
+    assert worse.code == 0 and aliases(root / "p2") == {"challenger": None, "champion": 1, "previous-champion": None}
+    better = promote(cli, evaluation(evals, "better", win=0.8, gain=0.4, reward=1.2), root / "p3", *canary)
+    assert better.code == 0 and aliases(root / "p3") == {"challenger": 3, "champion": 1, "previous-champion": None}
+    assert json.loads((root / "p3" / "result.json").read_text())["mode"] == "canary"
+    # the same candidate in direct mode, as before: champion, the old one kept
+    direct = promote(cli, evaluation(evals, "direct", win=0.8, gain=0.4, reward=1.3), root / "p4")
+    assert direct.code == 0 and aliases(root / "p4") == {"challenger": 4, "champion": 4, "previous-champion": 1}
+
+
+def test_the_alias_plan_of_each_mode() -> None:
+    from kubealign.stages.promote import alias_plan
+
+    assert alias_plan("direct", True, True, "3", "1") == [("challenger", "3"), ("previous-champion", "1"),
+                                                          ("champion", "3")]  # fmt: skip
+    assert alias_plan("direct", True, False, "3", "1") == [("challenger", "3")]
+    assert alias_plan("direct", True, True, "1", "1") == [("challenger", "1")]  # already champion
+    assert alias_plan("direct", True, True, "1", None) == [("challenger", "1"), ("champion", "1")]
+    assert alias_plan("canary", True, True, "3", "1") == [("challenger", "3")]
+    assert alias_plan("canary", True, False, "3", "1") == []
+    assert alias_plan("canary", True, True, "1", "1") == []
+    assert alias_plan("canary", True, True, "1", None) == [("champion", "1")]
+    assert alias_plan("canary", True, False, "1", None) == []
+    assert alias_plan("direct", False, True, "3", "1") == alias_plan("canary", False, True, "3", "1") == []
+
+
 def test_not_an_evaluation_is_a_clean_error(cli, tmp_path: Path):
     bogus = tmp_path / "sft"
     bogus.mkdir()

@@ -435,3 +435,35 @@ def test_a_canary_alias_is_served_beside_the_champion(registry: MlflowServer, tm
     assert not (tmp_path / "no.yaml").exists()
     done, _ = kubealign(registry.url, "serve", "--tracking-uri", registry.url, "--canary", "challenger")
     assert "only with --manifest" in one_line_error(done)
+
+
+def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
+    registry: MlflowServer, kube: StandInKube, tmp_path: Path
+) -> None:
+    from kubealign.config import load_config
+    from kubealign.models import loading
+    from kubealign.stages import serve as stage
+
+    name = "canary-task-actor"
+    sets = [f"promote.registered_model={name}", "promote.mode=canary"]
+    for i, (model, reward) in enumerate((("tiny-opt", 1.0), ("tiny-llama", 1.2))):
+        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=0.8, gain=0.4, reward=reward),
+                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
+                *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+        done, _ = kubealign(registry.url, *argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+    config = load_config(None, [*sets, f"serve.artifacts_destination={DESTINATION}", "serve.namespace=team-a",
+                                "serve.ready_timeout_s=60", "canary.percent=20", f"tracking.uri={registry.url}"])  # fmt: skip
+    done = stage.run(config, tmp_path / "p1", tmp_path / "serving", custom=kube.client())
+    assert done["applied"] and done["version"] == "1"  # champion stays what is served to most
+    assert done["canary"] == {"alias": "challenger", "version": "2", "percent": 20}
+    [(_, _, created)] = kube.calls("POST")
+    assert errors(created) == [] and created["spec"]["canary"][0]["trafficPercent"] == 20
+    assert (
+        created["spec"]["canary"][0]["predictor"]["model"]["storageUri"]
+        != created["spec"]["predictor"]["model"]["storageUri"]
+    )
+    # the same promote output in direct mode: champion did not move, nothing is applied
+    direct = load_config(None, [sets[0], f"serve.artifacts_destination={DESTINATION}", "serve.namespace=team-a",
+                                f"tracking.uri={registry.url}"])  # fmt: skip
+    assert stage.run(direct, tmp_path / "p1", tmp_path / "serving2", custom=kube.client())["applied"] is False

@@ -165,6 +165,12 @@ class PromoteConfig(Section):
         "in place of the win-rate checks.",
     )
     min_metric: float | None = Field(None, description="Threshold of `metric` when it is not win_rate; None = none.")
+    mode: Literal["direct", "canary"] = Field(
+        "direct",
+        description="direct: a candidate that passes the gate becomes champion. canary: it becomes challenger only, "
+        "to be served beside the champion and judged online (issue 39); champion stays (a first version, with no "
+        "champion to be judged against, becomes champion directly).",
+    )
 
     @model_validator(mode="after")
     def _check_metric(self) -> PromoteConfig:

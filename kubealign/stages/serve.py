@@ -1,9 +1,11 @@
 """After promote, the DAG's optional `serve` task: the alias promote moved becomes what KServe serves.
 
 Reads promote's result: when `serve.alias` (champion) points where it pointed before promote, nothing in the
-cluster changes and the task says so. Otherwise the InferenceService of the alias (kubealign.serving) is
-created or updated in the pipeline pod's namespace (or serve.namespace) and the task waits until it is
-Ready for that spec (serve.ready_timeout_s). OUTPUT holds result.json and the applied manifest.
+cluster changes and the task says so; with promote.mode canary, a `challenger` promote moved is served beside
+it instead, as the InferenceService's canary with canary.percent of the traffic. Otherwise the
+InferenceService of the alias (kubealign.serving) is created or updated in the pipeline pod's namespace (or
+serve.namespace) and the task waits until it is Ready for that spec (serve.ready_timeout_s). OUTPUT holds
+result.json and the applied manifest.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from kubealign.cluster.trainjob import POD_ENV
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
+from kubealign.promotion.aliases import CHALLENGER
 
 STAGE = "serve"
 NAMESPACE_ENV = POD_ENV["namespace"]  # the downward API's metadata.namespace (pipelines/dag.py)
@@ -36,7 +39,7 @@ def moved(promotion: dict[str, Any], alias: str) -> tuple[bool, Any]:
 def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """`custom`: a kubernetes CustomObjectsApi (default: the cluster this pod runs in)."""
     from kubealign.serving import deploy, manifest_for
-    from kubealign.serving.manifest import with_pipeline_run
+    from kubealign.serving.manifest import with_canary, with_pipeline_run
     from kubealign.tracking import resolve_uri
 
     cfg = config.serve
@@ -45,8 +48,10 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
     if promotion.get("stage") != "promote":
         raise UserError(f"--promotion {promotion_dir}: result.json is from stage {promotion.get('stage')!r}")
     changed, version = moved(promotion, cfg.alias)
+    # promote.mode canary: a challenger promote made is served beside the alias, as its canary
+    canary = config.promote.mode == "canary" and not changed and moved(promotion, CHALLENGER)[0]
     name = promotion.get("registered_model") or config.promote.registered_model
-    if not changed:
+    if not changed and not canary:
         why = f"promote did not move {cfg.alias} (version {version}): the served model stays as it is"
         print(f"serve: {why}", flush=True)
         with atomic_dir(output) as tmp:
@@ -58,6 +63,10 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
     if not uri:
         raise UserError("serve: no registry (MLFLOW_TRACKING_URI, tracking.uri) to read the alias from")
     body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
+    if canary:
+        theirs = cfg.model_copy(update={"alias": CHALLENGER})
+        challenger = manifest_for(theirs, uri, name, namespace, config.kubernetes.accelerator_type)
+        body = with_canary(body, challenger, config.canary.percent)
     body = with_pipeline_run(body, os.environ.get(RUN_ENV))
     if custom is None:
         from kubealign.cluster.trainjob import connect
@@ -65,7 +74,8 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         custom, _ = connect()
     where = f"InferenceService {namespace}/{body['metadata']['name']}"
     action = deploy.apply(custom, body)
-    print(f"serve: {where} {action} ({name}@{cfg.alias}); waiting for Ready", flush=True)
+    served = f"{name}@{cfg.alias}" + (f", canary @{CHALLENGER} at {config.canary.percent} %" if canary else "")
+    print(f"serve: {where} {action} ({served}); waiting for Ready", flush=True)
     isvc = deploy.wait_ready(custom, body["metadata"]["name"], namespace, cfg.ready_timeout_s)
     url = (isvc.get("status") or {}).get("url")
     print(f"serve: {where} Ready at {url}", flush=True)
@@ -75,4 +85,7 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         details = {"registered_model": name, "applied": True, "action": action, "url": url}
         details.update(version=annotations["kubealign.io/model-version"], inference_service=where)
         details["storage_uri"] = annotations["kubealign.io/storage-uri"]
+        if canary:
+            version = annotations["kubealign.io/canary-model-version"]
+            details["canary"] = {"alias": CHALLENGER, "version": version, "percent": config.canary.percent}
         return write_result(tmp, STAGE, {"applied": 1.0}, {"manifest": "inferenceservice.yaml"}, **details)
