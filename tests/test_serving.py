@@ -49,6 +49,15 @@ def manifest(registry: MlflowServer, tmp_path: Path, *sets: str, alias: str | No
     return yaml.safe_load((tmp_path / "isvc.yaml").read_text(encoding="utf-8"))
 
 
+def manifest_here(registry: MlflowServer, tmp_path: Path, *sets: str) -> dict:
+    """manifest() in this process (the CLI's main): the same command without a process start."""
+    args = ["serve", "--tracking-uri", registry.url, "--set", f"promote.registered_model={NAME}", "--namespace",
+            "team-a", "--manifest", tmp_path / "here.yaml", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    code, err = in_process(*args)
+    assert code == 0, err
+    return yaml.safe_load((tmp_path / "here.yaml").read_text(encoding="utf-8"))
+
+
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -97,14 +106,14 @@ def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
     assert "networking.kserve.io/visibility" not in body["metadata"]["labels"]
     assert body["metadata"]["name"] == "chat"
     # on GPUs the runtime's own (CUDA) image and dtype; the template still, which the tokenizer lacks
-    body = manifest(registry, tmp_path, *sets[:2], "serve.gpus=2", "serve.kv_cache_gib=4")
+    body = manifest_here(registry, tmp_path, *sets[:2], "serve.gpus=2", "serve.kv_cache_gib=4")
     model = body["spec"]["predictor"]["model"]
     assert "image" not in model and "env" not in model and model["args"] == [f"--chat-template={template}"]
     assert model["resources"]["limits"]["nvidia.com/gpu"] == "2" and errors(body) == []
-    body = manifest(registry, tmp_path, *sets[:3], "serve.image=runtime", "serve.cpu_dtype=bfloat16")
+    body = manifest_here(registry, tmp_path, *sets[:3], "serve.image=runtime", "serve.cpu_dtype=bfloat16")
     model = body["spec"]["predictor"]["model"]
     assert "image" not in model and model["args"][0] == "--dtype=bfloat16"
-    body = manifest(registry, tmp_path, *sets[:3], "serve.image=registry.example/vllm-cpu:1")
+    body = manifest_here(registry, tmp_path, *sets[:3], "serve.image=registry.example/vllm-cpu:1")
     assert body["spec"]["predictor"]["model"]["image"] == "registry.example/vllm-cpu:1"
 
 
@@ -382,21 +391,47 @@ def test_the_plain_template_carries_the_bos_a_tokenizer_adds() -> None:
             assert rendered == start + prompt
 
 
-def test_a_canary_alias_is_served_beside_the_champion(registry: MlflowServer, tmp_path: Path) -> None:
-    """A second version (another directory, a gate it fails) holds `challenger`: --canary makes it the
-    InferenceService's canary with its own storage URI and its share of the traffic; valid for KServe v0.20."""
+CANARY_NAME = "canary-actor"
+
+
+@pytest.fixture(scope="module")
+def canary_registry(registry: MlflowServer, tmp_path_factory: pytest.TempPathFactory) -> tuple[MlflowServer, Path]:
+    """CANARY_NAME promoted twice with promote.mode canary: version 1 (tiny-opt) champion, then version 2 (another
+    directory, tiny-llama, a better evaluation) challenger only; (the server, the second promote's output)."""
     from kubealign.models import loading
     from tests.test_faults_registry import aliases
 
-    name = "canary-actor"
-    for i, (model, win) in enumerate((("tiny-opt", 0.7), ("tiny-llama", 0.2))):
-        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=win, gain=win - 0.5, reward=win),
-                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
-                "--set", f"promote.registered_model={name}"]  # fmt: skip
+    root = tmp_path_factory.mktemp("canary")
+    for i, (model, reward) in enumerate((("tiny-opt", 1.0), ("tiny-llama", 1.2))):
+        argv = ["promote", "--evaluation", evaluation(root, f"e{i}", win=0.8, gain=0.4, reward=reward),
+                "--model-dir", loading.resolve(model), "--output", root / f"p{i}",
+                "--set", f"promote.registered_model={CANARY_NAME}", "--set", "promote.mode=canary"]  # fmt: skip
         done, _ = kubealign(registry.url, *argv)
         assert done.returncode == 0, done.stderr[-3000:]
-    assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"}
-    sets = [f"promote.registered_model={name}", f"serve.artifacts_destination={DESTINATION}", "serve.gpus=0",
+    assert aliases(registry.url, CANARY_NAME) == {"champion": "1", "challenger": "2"}
+    return registry, root / "p1"
+
+
+def in_process(*argv: object) -> tuple[int, str]:
+    """`kubealign ARGV` in this process (for refusals before any registry call): (exit code, stderr)."""
+    import contextlib
+    import io
+
+    from kubealign.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, err.getvalue()
+
+
+def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path: Path) -> None:
+    """Version 2 (another directory) holds `challenger`: --canary makes it the InferenceService's canary with
+    its own storage URI and its share of the traffic; valid for KServe v0.20."""
+    from kubealign.models import loading
+
+    registry, _ = canary_registry
+    sets = [f"promote.registered_model={CANARY_NAME}", f"serve.artifacts_destination={DESTINATION}", "serve.gpus=0",
             "serve.runtime=vllm"]  # fmt: skip
     args = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "isvc.yaml", "--canary", "challenger",
             "--canary-percent", "25", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
@@ -415,55 +450,50 @@ def test_a_canary_alias_is_served_beside_the_champion(registry: MlflowServer, tm
     llama = Path(loading.resolve("tiny-llama"))
     assert (on_disk / "config.json").read_bytes() == (llama / "config.json").read_bytes()  # version 2's files
     assert annotations["kubealign.io/model-version"] == "1" and annotations["kubealign.io/canary-model-version"] == "2"
-    assert (
-        annotations["kubealign.io/canary-alias"] == "challenger"
-        and annotations["kubealign.io/canary-traffic-percent"] == "25"
-    )
+    assert annotations["kubealign.io/canary-alias"] == "challenger"
+    assert annotations["kubealign.io/canary-traffic-percent"] == "25"
     assert body["metadata"]["labels"]["kubealign.io/canary-alias"] == "challenger"
     # the canary's predictor is the one its alias alone would get (image, args, resources)
     alone = manifest(registry, tmp_path, *sets, alias="challenger")
     assert canary["predictor"]["model"].pop("name") == "kserve-container"  # the CRD requires the container's name
     assert canary["predictor"] == alone["spec"]["predictor"]
     # refused in one line, nothing written
+    done, _ = kubealign(registry.url, *args[:6], "nope", *args[7:])
+    assert "has no alias 'nope'" in one_line_error(done)
+    base = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "no.yaml"]
     for extra, said in ((["--canary", "champion"], "that is the alias served"),
                         (["--canary", "challenger", "--canary-percent", "100"], "a share from 1 to 99"),
-                        (["--canary-percent", "5"], "give --canary ALIAS"),
-                        (["--canary", "nope"], "has no alias 'nope'")):  # fmt: skip
-        base = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "no.yaml"]
-        done, _ = kubealign(registry.url, *base, *extra, *[a for s in sets for a in ("--set", s)])
-        assert said in one_line_error(done), extra
+                        (["--canary-percent", "5"], "give --canary ALIAS")):  # fmt: skip
+        code, err = in_process(*base, *extra)
+        assert code == 2 and said in err and err.count("\n") == 1, extra
+    code, err = in_process("serve", "--tracking-uri", registry.url, "--canary", "challenger")
+    assert code == 2 and "only with --manifest" in err
     assert not (tmp_path / "no.yaml").exists()
-    done, _ = kubealign(registry.url, "serve", "--tracking-uri", registry.url, "--canary", "challenger")
-    assert "only with --manifest" in one_line_error(done)
 
 
 def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
-    registry: MlflowServer, kube: StandInKube, tmp_path: Path
+    canary_registry, kube: StandInKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kubealign.config import load_config
-    from kubealign.models import loading
     from kubealign.stages import serve as stage
 
-    name = "canary-task-actor"
-    sets = [f"promote.registered_model={name}", "promote.mode=canary"]
-    for i, (model, reward) in enumerate((("tiny-opt", 1.0), ("tiny-llama", 1.2))):
-        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=0.8, gain=0.4, reward=reward),
-                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
-                *[a for s in sets for a in ("--set", s)]]  # fmt: skip
-        done, _ = kubealign(registry.url, *argv)
-        assert done.returncode == 0, done.stderr[-3000:]
-    config = load_config(None, [*sets, f"serve.artifacts_destination={DESTINATION}", "serve.namespace=team-a",
-                                "serve.ready_timeout_s=60", "canary.percent=20", f"tracking.uri={registry.url}"])  # fmt: skip
-    done = stage.run(config, tmp_path / "p1", tmp_path / "serving", custom=kube.client())
+    import functools
+
+    fast = functools.partial(deploy.wait_ready, poll_s=0)  # the stand-in is Ready at the second poll
+    monkeypatch.setattr(deploy, "wait_ready", fast)
+
+    registry, promotion = canary_registry
+    sets = [f"promote.registered_model={CANARY_NAME}", f"serve.artifacts_destination={DESTINATION}",
+            "serve.namespace=team-a", f"tracking.uri={registry.url}"]  # fmt: skip
+    config = load_config(None, [*sets, "promote.mode=canary", "serve.ready_timeout_s=60", "canary.percent=20"])
+    done = stage.run(config, promotion, tmp_path / "serving", custom=kube.client())
     assert done["applied"] and done["version"] == "1"  # champion stays what is served to most
     assert done["canary"] == {"alias": "challenger", "version": "2", "percent": 20}
     [(_, _, created)] = kube.calls("POST")
     assert errors(created) == [] and created["spec"]["canary"][0]["trafficPercent"] == 20
-    assert (
-        created["spec"]["canary"][0]["predictor"]["model"]["storageUri"]
-        != created["spec"]["predictor"]["model"]["storageUri"]
-    )
+    canary = created["spec"]["canary"][0]["predictor"]["model"]
+    assert canary["storageUri"] != created["spec"]["predictor"]["model"]["storageUri"]
     # the same promote output in direct mode: champion did not move, nothing is applied
-    direct = load_config(None, [sets[0], f"serve.artifacts_destination={DESTINATION}", "serve.namespace=team-a",
-                                f"tracking.uri={registry.url}"])  # fmt: skip
-    assert stage.run(direct, tmp_path / "p1", tmp_path / "serving2", custom=kube.client())["applied"] is False
+    assert (
+        stage.run(load_config(None, sets), promotion, tmp_path / "serving2", custom=kube.client())["applied"] is False
+    )
