@@ -474,10 +474,10 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
 def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
     canary_registry, kube: StandInKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import functools
+
     from kubealign.config import load_config
     from kubealign.stages import serve as stage
-
-    import functools
 
     fast = functools.partial(deploy.wait_ready, poll_s=0)  # the stand-in is Ready at the second poll
     monkeypatch.setattr(deploy, "wait_ready", fast)
