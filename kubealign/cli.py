@@ -125,6 +125,17 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(f"  length drift {m['length_drift']:.2f}, samples: {Path(result['output']) / 'samples.html'}")
 
 
+def _judge(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.stages import judge
+
+    config = load_config(args.config, args.overrides)
+    result = judge.run(
+        config, args.prompts, args.tokenizer, args.reward, args.champion, args.canary, args.output, args.served_name
+    )
+    print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
+
+
 def _promote(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import promote
@@ -343,6 +354,7 @@ COMMANDS = {
     "evaluate": _evaluate,
     "promote": _promote,
     "rollback": _rollback,
+    "judge": _judge,
     "run": _run,
     "images": _images,
     "compile": _compile,

@@ -134,7 +134,7 @@ def _add_training_commands(sub: Any) -> None:
 
 
 def _add_judging_commands(sub: Any) -> None:
-    """evaluate, promote, rollback."""
+    """evaluate, promote, rollback, judge."""
     evaluate = sub.add_parser(
         "evaluate",
         help="stage 4: compare the PPO candidate with the SFT baseline on held-out prompts",
@@ -164,6 +164,29 @@ def _add_judging_commands(sub: Any) -> None:
     promote.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory (result.json)")
     rollback = sub.add_parser("rollback", help="move the champion alias back to previous-champion")
     _add_config_options(rollback)
+
+    judge = sub.add_parser(
+        "judge",
+        help="judge a canary online: the same held-out prompts to the champion's and the canary's servers",
+        description="Send the first canary.prompts phase-3 prompts to both OpenAI-compatible servers (greedy), "
+        "count every failed request, score the answers both gave as evaluate scores samples and compare them, the "
+        "champion as the baseline; decide by canary.min_answers, canary.max_error_rate, canary.max_latency_p95_s "
+        "and the promote gate on the online numbers. Writes result.json, answers.json, judge.md.",
+    )
+    _add_config_options(judge)
+    judge.add_argument("--champion", required=True, metavar="URL", help="the champion's server (http://host:port)")
+    judge.add_argument("--canary", required=True, metavar="URL", help="the canary's server")
+    judge.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output")
+    judge.add_argument(
+        "--tokenizer", required=True, type=Path, metavar="DIR", help="the policy's tokenizer (a model dir)"
+    )
+    judge.add_argument(
+        "--reward", type=Path, metavar="RM_DIR", help="reward model dir (none with rewards.model_weight 0)"
+    )
+    judge.add_argument(
+        "--served-name", metavar="NAME", help="model name on both servers (default: promote.registered_model)"
+    )
+    judge.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
 
 
 def _add_pipeline_commands(sub: Any) -> None:

@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -47,10 +48,10 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="actor"} 10.0
 
 
 class Completions:
-    """Answers POST /v1/completions with the prompt reversed; "SLOW..." prompts after 3 s, "GARBAGE..." with a
-    body that is not JSON; GET /metrics with METRICS."""
+    """Answers POST /v1/completions with answer(prompt) (default: the prompt reversed); "SLOW..." prompts after
+    3 s, "GARBAGE..." with a body that is not JSON; GET /metrics with METRICS."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer=lambda prompt: prompt[::-1]) -> None:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
@@ -73,7 +74,8 @@ class Completions:
                     time.sleep(3)
                 if prompt.startswith("GARBAGE"):
                     return self._send(200, b"<html>upstream gone</html>")
-                self._send(200, json.dumps({"choices": [{"text": prompt[::-1]}], "model": request["model"]}).encode())
+                choice = {"text": answer(prompt), "finish_reason": "stop"}
+                self._send(200, json.dumps({"choices": [choice], "model": request["model"]}).encode())
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -212,3 +214,80 @@ def test_a_canary_failing_half_its_requests_is_rolled_back_in_one_line(server: C
         verdict_line(ok, lines, "challenger", "2")
         == "judge: challenger (version 2) rolled back: canary error_rate 0.500 <= 0.05"
     )
+
+
+COURTESY = """
+def courteous(prompts, completions, **columns):
+    return [1.0 if c.startswith(" Certainly") else 0.0 for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def split(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kubealign.cli import main
+
+    out = tmp_path_factory.mktemp("judge") / "split"
+    assert main(["data-split", "--output", str(out), "--set", "tracking.enabled=false"]) == 0
+    return out
+
+
+def judge_config(tmp_path: Path, **canary: object) -> Path:
+    """A config whose reward is the function above alone (no reward model), with these canary settings."""
+    import yaml
+
+    (tmp_path / "fns.py").write_text(COURTESY, encoding="utf-8")
+    doc = {"rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:courteous"}]},
+           "canary": {"prompts": 6, "min_answers": 4, **canary}, "tracking": {"enabled": False}}  # fmt: skip
+    (tmp_path / "judge.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    return tmp_path / "judge.yaml"
+
+
+def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherwise(split: Path, tmp_path: Path, cli):
+    """The champion answers curtly, the canary courteously: the reward function prefers every canary answer,
+    the online win-rate is 1 over the 6 prompts and the canary is promoted. Swapped, it loses every prompt and is
+    rolled back by the gate's own rule; through a proxy failing half its requests, by its error rate."""
+    from kubealign.models import loading
+
+    curt, courteous = Completions(lambda p: " No."), Completions(lambda p: " Certainly! Here it is.")
+    tokenizer = loading.resolve("tiny-opt")
+    try:
+        config = judge_config(tmp_path)
+        base = ["judge", "--config", str(config), "--prompts", split, "--tokenizer", tokenizer]
+        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "good")
+        assert done.code == 0, done.err
+        result = json.loads((tmp_path / "good" / "result.json").read_text())
+        m = result["metrics"]
+        assert result["promoted"] and m["prompts"] == 6 and m["win_rate"] == 1.0 and m["reward_gain"] == 1.0
+        assert m["baseline_reward_mean"] == 0.0 and m["candidate_reward_mean"] == 1.0
+        assert m["fn/courteous/candidate"] == 1.0 and m["champion/requests"] == m["canary/requests"] == 6
+        assert m["canary/error_rate"] == 0.0 and m["canary/latency_p95_s"] > 0
+        assert "judge: challenger (version ?) holds online: promoted to champion" in done.out
+        answers = json.loads((tmp_path / "good" / "answers.json").read_text())
+        assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
+        assert "| win_rate | 1 |" in (tmp_path / "good" / "judge.md").read_text()
+
+        done = cli(*base, "--champion", courteous.url, "--canary", curt.url, "--output", tmp_path / "bad")
+        result = json.loads((tmp_path / "bad" / "result.json").read_text())
+        assert done.code == 0 and not result["promoted"] and result["metrics"]["win_rate"] == 0.0
+        assert result["verdict"] == "judge: challenger (version ?) rolled back: win_rate 0.000 >= 0.5"
+
+        proxy = FaultProxy(courteous.url).start()
+        proxy.rules.append(every_other(500))
+        try:
+            done = cli(*base, "--champion", curt.url, "--canary", proxy.url, "--output", tmp_path / "flaky",
+                       "--set", "canary.min_answers=3")  # fmt: skip
+        finally:
+            proxy.stop()
+        result = json.loads((tmp_path / "flaky" / "result.json").read_text())
+        assert not result["promoted"] and result["metrics"]["canary/errors/HTTP 500"] == 3
+        assert result["verdict"].endswith("rolled back: canary error_rate 0.500 <= 0.05")
+        assert result["metrics"]["win_rate"] == 1.0  # what it did answer was better: the errors decide
+        # a canary that never answers: nothing to score, never promoted, the first reason is the count
+        done = cli(*base, "--champion", curt.url, "--canary", f"http://127.0.0.1:{free_port()}", "--output",
+                   tmp_path / "down")  # fmt: skip
+        result = json.loads((tmp_path / "down" / "result.json").read_text())
+        assert result["verdict"].endswith("rolled back: 0 prompts answered by both >= canary.min_answers 4")
+        assert result["metrics"]["canary/errors/refused"] == 6
+    finally:
+        curt.stop()
+        courteous.stop()

@@ -50,12 +50,13 @@ def _one(base_url: str, model: str, index: int, prompt: str, cfg: CanaryConfig) 
         return Answer(index, None, time.monotonic() - started, f"broken: {type(exc).__name__}")
     latency = time.monotonic() - started
     try:
-        text = json.loads(body)["choices"][0]["text"]
+        choice = json.loads(body)["choices"][0]
+        text = choice["text"]
     except (ValueError, KeyError, IndexError, TypeError):
         return Answer(index, None, latency, f"garbage: {body[:60]!r}")
     if not isinstance(text, str):
         return Answer(index, None, latency, f"garbage: text is {type(text).__name__}")
-    return Answer(index, text, latency)
+    return Answer(index, text, latency, finished=choice.get("finish_reason") != "length")
 
 
 def latency_histogram(metrics_text: str, model: str) -> list[tuple[float, float]]:

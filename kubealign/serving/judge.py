@@ -29,6 +29,7 @@ class Answer:
     text: str | None
     latency_s: float
     error: str | None = None
+    finished: bool = True  # the model ended its answer (finish_reason stop), not max_tokens
 
     @property
     def ok(self) -> bool:

@@ -1,0 +1,148 @@
+"""The online judge (issue 39): the champion and the canary answer the same held-out prompts over HTTP, and
+the canary is judged by what it answered.
+
+The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to both OpenAI-compatible
+completions routes (kubealign.serving.ask: greedy, canary.max_new_tokens); every failed request is counted by
+kind. The prompts both answered are scored by evaluate's scorer (the reward model and / or the reward
+functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
+the EOS appended when the model ended it), and compared with evaluate's statistics, the champion in the
+baseline's place (kubealign.comparison.compare). The decision is kubealign.serving.judge.decide's. Output
+(atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
+and judge.md. Acting on the verdict (aliases, the InferenceService) is not this stage's yet.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kubealign.comparison import compare, function_means_by_model
+from kubealign.config import KubealignConfig
+from kubealign.data import phases
+from kubealign.data.tokenize import cut_left, encode_prompt
+from kubealign.errors import UserError
+from kubealign.models import loading
+from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
+from kubealign.rewards import definitions
+from kubealign.rewards.functions import FunctionRunner
+from kubealign.rewards.scorer import Scorer
+from kubealign.rl.experience import response_masks
+from kubealign.serving import ask, judge
+from kubealign.stages.evaluate import score
+
+STAGE = "judge"
+
+
+def answer_row(prompt_ids: list[int], text: str, finished: bool, tokenizer: Any) -> dict[str, Any]:
+    """A scored-sample row as evaluate.sample makes one: prompt + answer tokens (+ EOS when the model ended
+    the answer), the attention and response masks, the response tokens."""
+    answer = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if finished else [])
+    ids = torch.tensor([prompt_ids + answer])
+    start = torch.tensor([len(prompt_ids)])
+    attention, response = response_masks(ids, torch.ones(1, len(prompt_ids)), start, tokenizer.eos_token_id)
+    return {"ids": ids[0], "attention": attention[0], "response": response[0], "tokens": answer}
+
+
+def figures_table(
+    metrics: dict[str, float], served: dict[str, dict[str, float]], lines: list[str], verdict: str
+) -> str:
+    """judge.md: the verdict, each check, the online comparison and both models' serving figures."""
+    out = [f"# {verdict}", "", *[f"- {line}" for line in lines], "", "| online | value |", "|---|---|"]
+    shown = (
+        "prompts",
+        "win_rate",
+        "win_rate_lower_bound",
+        "reward_gain",
+        "baseline_reward_mean",
+        "candidate_reward_mean",
+    )
+    for key in shown:
+        if key in metrics:
+            out.append(f"| {key.replace('baseline', 'champion').replace('candidate', 'canary')} | {metrics[key]:.4g} |")
+    out += ["", "| serving | champion | canary |", "|---|---|---|"]
+    for key in ("requests", "errors", "error_rate", "latency_p50_s", "latency_p95_s", "latency_p99_s"):
+        out.append(f"| {key} | {served['champion'][key]:.4g} | {served['canary'][key]:.4g} |")
+    return "\n".join(out) + "\n"
+
+
+def scored(
+    config: KubealignConfig,
+    specs: list[definitions.FunctionSpec],
+    tokenizer_dir: Path,
+    reward: Path | None,
+    data: phases.Rows,
+    answers: dict[str, list[judge.Answer]],
+    pairs: list[int],
+) -> dict[str, list[dict[str, Any]]]:
+    """Each model's rows of the prompts both answered, scored as evaluate scores its samples."""
+    from kubealign.models.value_head import load_reward_model
+
+    r = config.rewards
+    tokenizer = loading.load_tokenizer(str(tokenizer_dir))
+    cap, bos = config.ppo.max_prompt_len, tokenizer.bos_token_id
+    prompt_ids = {i: cut_left(encode_prompt(tokenizer, data.prompts[i]), cap, bos) for i in pairs}
+    runner = FunctionRunner(specs, r.timeout_s, r.memory_limit_mb, r.worker_env) if specs else None
+    rows: dict[str, list[dict[str, Any]]] = {}
+    with runner or nullcontext():
+        model = None
+        if r.uses_model:
+            model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
+        scorer = Scorer(model, r.model_weight if specs else 1.0, runner, tokenizer)
+        for who, got in answers.items():
+            rows[who] = [answer_row(prompt_ids[i], got[i].text or "", got[i].finished, tokenizer) for i in pairs]
+            score(scorer, rows[who], config.evaluate.batch_size, data.take(pairs))
+    return rows
+
+
+def run(
+    config: KubealignConfig,
+    prompts: Path,
+    tokenizer_dir: Path,
+    reward: Path | None,
+    champion_url: str,
+    canary_url: str,
+    output: Path,
+    served_name: str | None = None,
+    canary_version: str = "?",
+) -> dict[str, Any]:
+    """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
+    serve` names it); tokenizer_dir: the policy's tokenizer (both versions share it)."""
+    cfg, r = config.canary, config.rewards
+    check_output_path(output, STAGE)
+    if r.uses_model and reward is None:
+        raise UserError("judge: rewards use the reward model (rewards.model_weight > 0): give --reward-model DIR")
+    specs = definitions.resolve(r, config.base_dir)
+    split = phases.load(prompts, "phase3_prompts")
+    data = phases.prompt_rows(split["eval"] if len(split["eval"]) else split["train"])
+    data = data.take(list(range(min(cfg.prompts, len(data.prompts)))))
+    name = served_name or config.promote.registered_model
+    started = time.perf_counter()
+    urls = {"champion": champion_url, "canary": canary_url}
+    answers = {who: ask.ask(url, name, data.prompts, cfg) for who, url in urls.items()}
+    served = {who: judge.serving_figures(got) for who, got in answers.items()}
+    pairs = judge.answered_pairs(answers["champion"], answers["canary"])
+    metrics: dict[str, float] = {}
+    if pairs:
+        rows = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
+        metrics = compare(rows["champion"], rows["canary"], config.evaluate.seed)
+        metrics.update(function_means_by_model(rows["champion"], rows["canary"]))
+    promoted, lines = judge.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
+    verdict = judge.verdict_line(promoted, lines, "challenger", canary_version)
+    for who, figures in served.items():
+        metrics.update({f"{who}/{key}": value for key, value in figures.items()})
+    metrics["promoted"], metrics["wall_time_s"] = float(promoted), time.perf_counter() - started
+    table = [
+        {"prompt": prompt, **{who: vars(got[i]) for who, got in answers.items()}}
+        for i, prompt in enumerate(data.prompts)
+    ]
+    outputs = {"answers": "answers.json", "report": "judge.md"}
+    with atomic_dir(output) as tmp:
+        write_json(tmp / "answers.json", table)
+        (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
+        result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, checks=lines, verdict=verdict)
+    print(verdict, flush=True)
+    return {**result, "output": str(output)}
