@@ -127,13 +127,26 @@ def _evaluate(args: argparse.Namespace) -> None:
 
 def _judge(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
+    from kubealign.serving import act
     from kubealign.stages import judge
 
+    if args.namespace and not args.act:
+        raise UserError("--namespace: only with --act (the served model changes only when the verdict is acted on)")
     config = load_config(args.config, args.overrides)
-    result = judge.run(
-        config, args.prompts, args.tokenizer, args.reward, args.champion, args.canary, args.output, args.served_name
-    )
+    uri, version = act.judged_version(config) if args.act else (None, "?")
+    inputs = (args.prompts, args.tokenizer, args.reward, args.champion, args.canary, args.output, args.served_name)
+    result = judge.run(config, *inputs, version)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
+    if not args.act:
+        return
+
+    after = act.in_registry(config, uri, result["promoted"], version)
+    print(f"  registry: {', '.join(f'{a} = {v}' for a, v in after.items())}")
+    if args.namespace:
+        from kubealign.cluster.trainjob import connect
+
+        custom, _ = connect()
+        print(f"  serving: InferenceService {act.in_serving(config, uri, args.namespace, custom)}, Ready")
 
 
 def _promote(args: argparse.Namespace) -> None:

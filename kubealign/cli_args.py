@@ -187,6 +187,15 @@ def _add_judging_commands(sub: Any) -> None:
         "--served-name", metavar="NAME", help="model name on both servers (default: promote.registered_model)"
     )
     judge.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory")
+    judge.add_argument(
+        "--act",
+        action="store_true",
+        help="carry out the verdict in the registry ($MLFLOW_TRACKING_URI): challenger becomes champion, or is "
+        "cleared and tagged rejected",
+    )
+    judge.add_argument(
+        "--namespace", metavar="NS", help="with --act: also serve the champion alone there (the canary removed)"
+    )
 
 
 def _add_pipeline_commands(sub: Any) -> None:

@@ -497,3 +497,83 @@ def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
     assert (
         stage.run(load_config(None, sets), promotion, tmp_path / "serving2", custom=kube.client())["applied"] is False
     )
+
+
+def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_finishes_it(
+    registry: MlflowServer, kube: StandInKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rolled-back canary: challenger cleared and tagged, the canary removed from the service, champion and
+    its files unchanged. A promoted one whose service update fails halfway (a crash between the registry and
+    the cluster): the registry is decided, the rerun moves no alias and finishes the service."""
+    import functools
+
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.config import load_config
+    from kubealign.models import loading
+    from kubealign.serving import act
+    from kubealign.stages import serve as stage
+    from tests.test_faults_registry import aliases
+
+    monkeypatch.setattr(deploy, "wait_ready", functools.partial(deploy.wait_ready, poll_s=0))
+    name = "act-actor"
+    sets = [f"promote.registered_model={name}", "promote.mode=canary", f"serve.artifacts_destination={DESTINATION}",
+            "serve.namespace=team-a", f"tracking.uri={registry.url}"]  # fmt: skip
+    config = load_config(None, sets)
+
+    def promote_canary(i: int, model: str, reward: float) -> Path:
+        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=0.8, gain=0.4, reward=reward),
+                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
+                *[a for s in sets[:2] for a in ("--set", s)]]  # fmt: skip
+        done, _ = kubealign(registry.url, *argv)
+        assert done.returncode == 0, done.stderr[-3000:]
+        stage.run(config, tmp_path / f"p{i}", tmp_path / f"s{i}", custom=kube.client())  # served as the canary
+        return tmp_path / f"p{i}"
+
+    def served() -> dict:
+        return kube.objects[("team-a", name)]
+
+    promote_canary(0, "tiny-opt", 1.0)
+    promote_canary(1, "tiny-llama", 1.2)
+    assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
+    stable = served()["spec"]["predictor"]["model"]["storageUri"]
+    # rolled back
+    assert act.in_registry(config, registry.url, False, "2") == {"challenger": None, "champion": "1",
+                                                                  "previous-champion": None}  # fmt: skip
+    assert MlflowClient(registry.url).get_model_version(name, "2").tags[act.REJECTED_TAG] == "rejected"
+    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "updated"
+    assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == stable
+    assert errors(served()) == []
+    assert act.in_registry(config, registry.url, False, "2")["champion"] == "1"  # a rerun: nothing moves
+    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "unchanged"
+    # promoted, the service update failing once
+    promote_canary(2, "tiny-llama", 1.3)
+    assert aliases(registry.url, name) == {"champion": "1", "challenger": "3"} and "canary" in served()["spec"]
+    canary_files = served()["spec"]["canary"][0]["predictor"]["model"]["storageUri"]
+    kube.fail[("PATCH", len(kube.calls("PATCH")) + 1)] = 500
+    assert act.in_registry(config, registry.url, True, "3") == {"challenger": None, "champion": "3",
+                                                                 "previous-champion": "1"}  # fmt: skip
+    with pytest.raises(UserError, match=f"updating InferenceService team-a/{name}: HTTP 500"):
+        act.in_serving(config, registry.url, "team-a", kube.client())
+    assert "canary" in served()["spec"]  # the crash: decided in the registry, still split in the cluster
+    assert act.in_registry(config, registry.url, True, "3")["champion"] == "3"  # the rerun moves nothing
+    assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}
+    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "updated"
+    assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == canary_files
+    # a verdict about a version that is not challenger any more is refused
+    with pytest.raises(UserError, match="challenger is now version None, not the judged version 2: judge again"):
+        act.in_registry(config, registry.url, True, "2")
+
+
+def test_the_alias_plan_of_a_verdict() -> None:
+    from kubealign.serving.act import alias_plan
+
+    state = {"champion": "1", "challenger": "2"}
+    assert alias_plan(True, "2", state) == [("previous-champion", "1"), ("champion", "2"), ("challenger", None)]
+    assert alias_plan(False, "2", state) == [("challenger", None)]
+    assert alias_plan(True, "2", {"challenger": "2"}) == [("champion", "2"), ("challenger", None)]
+    assert alias_plan(True, "2", {"champion": "2", "previous-champion": "1"}) == []  # done before a crash
+    assert alias_plan(False, "2", {"champion": "1"}) == []
+    assert alias_plan(True, "2", {"champion": "1", "challenger": "3"}) is None  # another promotion since
+    assert alias_plan(False, "2", {"champion": "1", "challenger": "3"}) is None
+    assert alias_plan(True, "2", {"champion": "1"}) is None

@@ -27,6 +27,9 @@ HINTS = {
 }
 
 
+MANAGED = ("canary",)  # the optional spec fields kubealign writes: absent from a new spec means removed
+
+
 def _api_error(exc: Any, what: str) -> UserError:
     status = getattr(exc, "status", None)
     reason = getattr(exc, "reason", None) or type(exc).__name__
@@ -59,13 +62,15 @@ def apply(custom: Any, body: dict[str, Any]) -> str:
     )
     if same:
         return "unchanged"
+    # A merge patch keeps what it does not name: a canary the new spec no longer has is removed by a null.
+    spec = {**{key: None for key in MANAGED if key in (current.get("spec") or {})}, **body["spec"]}
     patch = {
         "metadata": {
             "labels": meta["labels"],
             "annotations": meta["annotations"],
             "resourceVersion": old.get("resourceVersion"),
         },
-        "spec": body["spec"],
+        "spec": spec,
     }
     try:
         custom.patch_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, patch)

@@ -1,0 +1,95 @@
+"""The online judge's verdict made true: first in the registry, then in what is served (issue 39).
+
+Registry, under promote's lease and alias journal (kubealign.promotion): a promoted canary's version becomes
+`champion` (the old one kept as `previous-champion`) and `challenger` is cleared; a rolled-back one loses
+`challenger` and is tagged `kubealign.online=rejected`. Serving, after that: the InferenceService is made
+again from the registry as it now is (the champion's files, no canary) and applied, and the task waits for
+Ready. A crash between the two leaves the registry decided and the service still splitting traffic; the
+rerun finds the registry already as the verdict wants it, moves nothing and finishes the service. A verdict
+on a version that is no longer `challenger` (another promotion since) is refused: judge again.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubealign.config import KubealignConfig
+from kubealign.errors import UserError
+from kubealign.promotion.aliases import (
+    CHALLENGER,
+    CHAMPION,
+    PREVIOUS,
+    REGISTRY_HTTP,
+    move_aliases,
+    read_state,
+    recover,
+    registry_errors,
+)
+
+REJECTED_TAG = "kubealign.online"
+
+
+def judged_version(config: KubealignConfig) -> tuple[str, str]:
+    """(the registry's URI, the version `challenger` names now): what a verdict will be about."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.tracking import resolve_uri
+
+    uri = resolve_uri(config)
+    if not uri:
+        raise UserError("judge --act: set MLFLOW_TRACKING_URI (or tracking.uri) to the registry to act in")
+    name = config.promote.registered_model
+    with registry_errors(uri):
+        version = read_state(MlflowClient(uri), name)[0].get(CHALLENGER)
+    if version is None:
+        raise UserError(f"judge --act: {name} has no {CHALLENGER} alias: nothing is being judged")
+    return uri, version
+
+
+def alias_plan(promoted: bool, version: str, aliases: dict[str, str]) -> list[tuple[str, str | None]] | None:
+    """The moves that make the verdict on `version` true; [] when the registry already says it (a rerun);
+    None when `version` is no longer what the verdict was about."""
+    champion, challenger = aliases.get(CHAMPION), aliases.get(CHALLENGER)
+    if challenger is None and (champion == version) == promoted:
+        return []
+    if challenger != version:
+        return None
+    if not promoted:
+        return [(CHALLENGER, None)]
+    return [*([(PREVIOUS, champion)] if champion is not None else []), (CHAMPION, version), (CHALLENGER, None)]
+
+
+def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str) -> dict[str, Any]:
+    """Move the aliases (or find them moved); the aliases after."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.lease import lease
+    from kubealign.tracking import http_settings
+
+    name = config.promote.registered_model
+    with http_settings(REGISTRY_HTTP), registry_errors(uri):
+        client = MlflowClient(uri)
+        with lease(client, uri, name):
+            aliases = recover(client, uri, name)
+            plan = alias_plan(promoted, version, aliases)
+            if plan is None:
+                now = aliases.get(CHALLENGER)
+                raise UserError(
+                    f"judge: {name} {CHALLENGER} is now version {now}, not the judged version {version}: judge again"
+                )
+            if not promoted:
+                client.set_model_version_tag(name, version, REJECTED_TAG, "rejected")
+            move_aliases(client, uri, name, aliases, plan)
+            after, _ = read_state(client, name)
+    return {alias: after.get(alias) for alias in (CHALLENGER, CHAMPION, PREVIOUS)}
+
+
+def in_serving(config: KubealignConfig, uri: str, namespace: str, custom: Any) -> str:
+    """The champion's InferenceService, no canary, applied; waits for Ready; "created" / "updated" / "unchanged"."""
+    from kubealign.serving import deploy, manifest_for
+
+    cfg = config.serve.model_copy(update={"alias": CHAMPION})
+    body = manifest_for(cfg, uri, config.promote.registered_model, namespace, config.kubernetes.accelerator_type)
+    action = deploy.apply(custom, body)
+    deploy.wait_ready(custom, body["metadata"]["name"], namespace, cfg.ready_timeout_s)
+    return action
