@@ -253,7 +253,9 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
     try:
         config = judge_config(tmp_path)
         base = ["judge", "--config", str(config), "--prompts", split, "--tokenizer", tokenizer]
-        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "good")
+        store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+        tracked = ["--set", "tracking.enabled=true", "--set", f"tracking.uri={store}"]
+        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "good", *tracked)
         assert done.code == 0, done.err
         result = json.loads((tmp_path / "good" / "result.json").read_text())
         m = result["metrics"]
@@ -265,6 +267,16 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         answers = json.loads((tmp_path / "good" / "answers.json").read_text())
         assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
         assert "| win_rate | 1 |" in (tmp_path / "good" / "judge.md").read_text()
+        assert (tmp_path / "good" / "judge.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(store)
+        [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert run.data.metrics["win_rate"] == 1.0 and run.data.metrics["canary/error_rate"] == 0.0
+        assert {a.path for a in client.list_artifacts(run.info.run_id, "judge")} >= {
+            "judge/judge.png",
+            "judge/judge.md",
+        }
 
         done = cli(*base, "--champion", courteous.url, "--canary", curt.url, "--output", tmp_path / "bad")
         result = json.loads((tmp_path / "bad" / "result.json").read_text())

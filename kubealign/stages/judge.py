@@ -7,8 +7,8 @@ kind. The prompts both answered are scored by evaluate's scorer (the reward mode
 functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
 the EOS appended when the model ended it), and compared with evaluate's statistics, the champion in the
 baseline's place (kubealign.comparison.compare). The decision is kubealign.serving.judge.decide's. Output
-(atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
-and judge.md. Acting on the verdict (aliases, the InferenceService) is not this stage's yet.
+(atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
+judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict: kubealign.serving.act.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.serving import ask, judge
 from kubealign.stages.evaluate import score
+from kubealign.tracking import stage_run
 
 STAGE = "judge"
 
@@ -98,6 +99,34 @@ def scored(
     return rows
 
 
+def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
+    """judge.png: each model's answered requests' latency as a cumulative share (errors marked on the right),
+    and, per prompt both answered, the canary's score against the champion's (above the diagonal: the canary
+    won it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for who, got in answers.items():
+        latencies = sorted(a.latency_s for a in got if a.ok)
+        errors = sum(not a.ok for a in got)
+        shares = [(i + 1) / len(got) for i in range(len(latencies))]
+        left.step(latencies, shares, where="post", label=f"{who} ({errors} of {len(got)} failed)")
+    left.set(xlabel="latency (s)", ylabel="share of requests answered", title="Latency", ylim=(0, 1.02))
+    left.legend()
+    if rows:
+        ours, theirs = [r["score"] for r in rows["canary"]], [r["score"] for r in rows["champion"]]
+        right.scatter(theirs, ours, alpha=0.6)
+        low, high = min(ours + theirs), max(ours + theirs)
+        right.plot([low, high], [low, high], color="grey", linewidth=1)
+    right.set(xlabel="champion's score", ylabel="canary's score", title="Score per prompt (above: canary wins)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def run(
     config: KubealignConfig,
     prompts: Path,
@@ -126,6 +155,7 @@ def run(
     served = {who: judge.serving_figures(got) for who, got in answers.items()}
     pairs = judge.answered_pairs(answers["champion"], answers["canary"])
     metrics: dict[str, float] = {}
+    rows = None
     if pairs:
         rows = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
         metrics = compare(rows["champion"], rows["canary"], config.evaluate.seed)
@@ -139,10 +169,15 @@ def run(
         {"prompt": prompt, **{who: vars(got[i]) for who, got in answers.items()}}
         for i, prompt in enumerate(data.prompts)
     ]
-    outputs = {"answers": "answers.json", "report": "judge.md"}
-    with atomic_dir(output) as tmp:
-        write_json(tmp / "answers.json", table)
-        (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
-        result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, checks=lines, verdict=verdict)
+    outputs = {"answers": "answers.json", "report": "judge.md", "plot": "judge.png"}
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
+        with atomic_dir(output) as tmp:
+            write_json(tmp / "answers.json", table)
+            (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
+            plot(tmp / "judge.png", answers, rows)
+            result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, checks=lines, verdict=verdict)
+        tracker.log_metrics(metrics)
+        for name in outputs.values():
+            tracker.log_artifact(output / name, STAGE)
     print(verdict, flush=True)
     return {**result, "output": str(output)}
