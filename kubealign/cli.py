@@ -163,8 +163,17 @@ def _rollback(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import promote
 
-    state = promote.rollback(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    state = promote.rollback(config)
     print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
+    if args.namespace:  # the served model follows the registry: the champion's InferenceService, no canary
+        from kubealign.cluster.trainjob import connect
+        from kubealign.serving import act
+        from kubealign.tracking import resolve_uri
+
+        custom, _ = connect()
+        action = act.in_serving(config, resolve_uri(config), args.namespace, custom)
+        print(f"rollback: InferenceService {args.namespace}: {action}, Ready")
 
 
 def _registry(args: argparse.Namespace) -> None:

@@ -164,6 +164,9 @@ def _add_judging_commands(sub: Any) -> None:
     promote.add_argument("--output", required=True, type=Path, metavar="DIR", help="output directory (result.json)")
     rollback = sub.add_parser("rollback", help="move the champion alias back to previous-champion")
     _add_config_options(rollback)
+    rollback.add_argument(
+        "--namespace", metavar="NS", help="also serve that champion there (its InferenceService applied, no canary)"
+    )
 
     judge = sub.add_parser(
         "judge",

@@ -563,6 +563,15 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     # a verdict about a version that is not challenger any more is refused
     with pytest.raises(UserError, match="challenger is now version None, not the judged version 2: judge again"):
         act.in_registry(config, registry.url, True, "2")
+    # `kubealign rollback --namespace`: the previous champion again, in the registry and in what is served
+    from kubealign.cluster import trainjob
+
+    monkeypatch.setattr(trainjob, "connect", lambda: (kube.client(), None))  # the cluster: the stand-in
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry.url)
+    code, err = in_process("rollback", *[a for s in sets for a in ("--set", s)], "--namespace", "team-a")
+    assert code == 0, err
+    assert aliases(registry.url, name) == {"champion": "1"}
+    assert served()["spec"]["predictor"]["model"]["storageUri"] == stable and "canary" not in served()["spec"]
 
 
 def test_the_alias_plan_of_a_verdict() -> None:
@@ -577,3 +586,16 @@ def test_the_alias_plan_of_a_verdict() -> None:
     assert alias_plan(True, "2", {"champion": "1", "challenger": "3"}) is None  # another promotion since
     assert alias_plan(False, "2", {"champion": "1", "challenger": "3"}) is None
     assert alias_plan(True, "2", {"champion": "1"}) is None
+
+
+def test_no_cluster_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kubernetes.config import kube_config
+
+    from kubealign.cluster.trainjob import connect
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(tmp_path / "no-kubeconfig"))
+    with pytest.raises(UserError, match="no Kubernetes cluster: not in a pod, and no usable kubeconfig"):
+        connect()
+    code, err = in_process("rollback", "--namespace", "team-a", "--set", "tracking.uri=http://127.0.0.1:9")
+    assert code == 2 and err.count("\n") == 1  # the registry is asked first: one line either way

@@ -26,6 +26,7 @@ from typing import Any
 
 from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.config.schema import KubernetesConfig
+from kubealign.errors import UserError
 
 GROUP = "trainer.kubeflow.org"
 VERSION = "v1alpha1"
@@ -272,5 +273,8 @@ def connect() -> tuple[Any, Any]:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as exc:
+            raise UserError(f"no Kubernetes cluster: not in a pod, and no usable kubeconfig ({exc})") from None
     return client.CustomObjectsApi(), client.CoreV1Api()

@@ -115,7 +115,7 @@ def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, lis
         shares = [(i + 1) / len(got) for i in range(len(latencies))]
         left.step(latencies, shares, where="post", label=f"{who} ({errors} of {len(got)} failed)")
     left.set(xlabel="latency (s)", ylabel="share of requests answered", title="Latency", ylim=(0, 1.02))
-    left.legend()
+    left.legend(loc="lower right")
     if rows:
         ours, theirs = [r["score"] for r in rows["canary"]], [r["score"] for r in rows["champion"]]
         right.scatter(theirs, ours, alpha=0.6)
