@@ -72,9 +72,9 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Path
     return uri, models
 
 
-def start(uri: str, name: str, port: int) -> tuple[subprocess.Popen, str]:
+def start(uri: str, name: str, port: int, alias: str = "champion") -> tuple[subprocess.Popen, str]:
     """`kubealign serve` until its ready line; (process, what it printed)."""
-    argv = [str(KUBEALIGN), "serve", "--tracking-uri", uri, "--model", name, "--port", str(port)]
+    argv = [str(KUBEALIGN), "serve", "--tracking-uri", uri, "--model", name, "--port", str(port), "--alias", alias]
     proc = subprocess.Popen(argv, env=process_env({}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     printed, deadline = "", time.monotonic() + READY_LIMIT_S
     while f"serve: {name}@" not in printed:  # the ready line (the venv's first build prints two before it)
@@ -126,3 +126,66 @@ def test_the_served_model_answers_as_transformers_generates(store, name: str) ->
     assert proc.returncode == 0 and rest.strip().endswith("serve: stopped"), rest[-2000:]
     with pytest.raises(OSError):  # nothing left listening: the server's process group went with it
         urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5)
+
+
+SHORTER = """
+def shorter(prompts, completions, **columns):
+    return [-float(len(c)) for c in completions]
+"""
+
+
+def test_the_judge_reads_real_servers_as_transformers_generates(store, tmp_path: Path) -> None:
+    """Version 2 of opt-actor (the LLaMA model, promoted in canary mode: challenger) and the champion, each
+    served by `kubealign serve` (vLLM), judged on 6 held-out prompts by a reward function (shorter is better):
+    the judge's online win-rate and reward means equal those of transformers' greedy answers of the same two
+    directories scored by the same function, and its verdict follows the gate."""
+    import yaml
+    from transformers import AutoTokenizer
+
+    from kubealign.data import phases
+    from kubealign.data.tokenize import encode_prompt
+
+    uri, models = store
+    argv = [str(KUBEALIGN), "promote", "--evaluation", str(evaluation(tmp_path, "llama", 0.8, 0.4, 1.2)),
+            "--model-dir", str(models["llama-actor"]), "--output", str(tmp_path / "p"),
+            "--set", "promote.registered_model=opt-actor", "--set", "promote.mode=canary"]  # fmt: skip
+    done = subprocess.run(argv, env=process_env({"MLFLOW_TRACKING_URI": uri}), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    split = tmp_path / "split"
+    done = subprocess.run([str(KUBEALIGN), "data-split", "--output", str(split), "--set", "tracking.enabled=false"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (tmp_path / "fns.py").write_text(SHORTER, encoding="utf-8")
+    doc = {"rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:shorter"}]}, "tracking": {"enabled": False},
+           "canary": {"prompts": 6, "min_answers": 6, "max_new_tokens": NEW_TOKENS}}  # fmt: skip
+    (tmp_path / "judge.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+    ports = free_port(), free_port()
+    servers = [start(uri, "opt-actor", ports[0])[0], start(uri, "opt-actor", ports[1], alias="challenger")[0]]
+    try:
+        argv = [str(KUBEALIGN), "judge", "--config", str(tmp_path / "judge.yaml"), "--prompts", str(split),
+                "--tokenizer", str(models["opt-actor"]), "--champion", f"http://127.0.0.1:{ports[0]}",
+                "--canary", f"http://127.0.0.1:{ports[1]}", "--served-name", "opt-actor", "--output", str(tmp_path / "j")]  # fmt: skip
+        done = subprocess.run(argv, env=process_env({}), capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+    finally:
+        for proc in servers:
+            os.kill(proc.pid, signal.SIGTERM)
+            proc.communicate(timeout=120)
+    result = json.loads((tmp_path / "j" / "result.json").read_text(encoding="utf-8"))
+    tokenizer = AutoTokenizer.from_pretrained(models["opt-actor"])
+    prompts = phases.prompt_rows(phases.load(split, "phase3_prompts")["eval"]).prompts[:6]
+    scores = {}
+    for who, model in (("champion", models["opt-actor"]), ("canary", models["llama-actor"])):
+        texts = [
+            tokenizer.decode(greedy(model, encode_prompt(tokenizer, p)), skip_special_tokens=True) for p in prompts
+        ]
+        scores[who] = [-float(len(t)) for t in texts]
+    wins = sum(c > b + 1e-6 for b, c in zip(scores["champion"], scores["canary"], strict=True)) / 6
+    m = result["metrics"]
+    assert m["prompts"] == 6 and m["canary/errors"] == 0 and m["champion/errors"] == 0
+    assert m["win_rate"] == pytest.approx(wins)
+    assert m["baseline_reward_mean"] == pytest.approx(sum(scores["champion"]) / 6)
+    assert m["candidate_reward_mean"] == pytest.approx(sum(scores["canary"]) / 6)
+    assert result["promoted"] == result["verdict"].endswith("promoted to champion")
+    print(f"\njudge on real servers: {result['verdict']}")
