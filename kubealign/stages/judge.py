@@ -5,7 +5,8 @@ The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to bot
 completions routes (kubealign.serving.ask: greedy, canary.max_new_tokens); every failed request is counted by
 kind. The prompts both answered are scored by evaluate's scorer (the reward model and / or the reward
 functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
-the EOS appended when the model ended it), and compared with evaluate's statistics, the champion in the
+the EOS appended when the model ended it; an unfinished UTF-8 character at the end of a cut answer is not in
+the text vLLM returns, so it is not scored), and compared with evaluate's statistics, the champion in the
 baseline's place (kubealign.comparison.compare). The decision is kubealign.serving.judge.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
 judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict: kubealign.serving.act.
