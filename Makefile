@@ -57,8 +57,9 @@ test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm and not serve_image"
 
-# `kubealign serve` with vLLM's CPU server, as a person runs it: its venv (kubealign/serving/lock-serve.txt) is
-# built on first use in the cache (about 2.5 minutes here), then each server start takes 40-100 s on 2 cores.
+# `kubealign serve` with vLLM's CPU server, as a person runs it, and the online judge against two of them: the venv
+# (kubealign/serving/lock-serve.txt) is built on first use in the cache (about 2.5 minutes here), then each server
+# start takes 40-100 s on 2 cores.
 test-serve: $(STAMP)
 	$(BIN)/pytest -m vllm tests/test_serve_vllm.py
 
