@@ -263,6 +263,7 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         assert m["baseline_reward_mean"] == 0.0 and m["candidate_reward_mean"] == 1.0
         assert m["fn/courteous/candidate"] == 1.0 and m["champion/requests"] == m["canary/requests"] == 6
         assert m["canary/error_rate"] == 0.0 and m["canary/latency_p95_s"] > 0
+        assert "canary/server_latency_p50_s" not in m  # the stand-in's /metrics has no series for kubealign-actor
         assert "judge: challenger (version ?) holds online: promoted to champion" in done.out
         answers = json.loads((tmp_path / "good" / "answers.json").read_text())
         assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
@@ -281,6 +282,12 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         done = cli(*base, "--champion", courteous.url, "--canary", curt.url, "--output", tmp_path / "bad")
         result = json.loads((tmp_path / "bad" / "result.json").read_text())
         assert done.code == 0 and not result["promoted"] and result["metrics"]["win_rate"] == 0.0
+        # served as `actor`: each server's own latency from its /metrics histogram (METRICS: p50 0.4 s, p95 in +Inf)
+        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "named",
+                   "--served-name", "actor")  # fmt: skip
+        m = json.loads((tmp_path / "named" / "result.json").read_text())["metrics"]
+        assert m["canary/server_latency_p50_s"] == pytest.approx(0.4) and m["champion/server_latency_p95_s"] == 1.0
+        assert "| server_latency_p50_s | 0.4 | 0.4 |" in (tmp_path / "named" / "judge.md").read_text()
         assert result["verdict"] == "judge: challenger (version ?) rolled back: win_rate 0.000 >= 0.5"
 
         proxy = FaultProxy(courteous.url).start()

@@ -184,6 +184,9 @@ def test_the_judge_reads_real_servers_as_transformers_generates(store, tmp_path:
     wins = sum(c > b + 1e-6 for b, c in zip(scores["champion"], scores["canary"], strict=True)) / 6
     m = result["metrics"]
     assert m["prompts"] == 6 and m["canary/errors"] == 0 and m["champion/errors"] == 0
+    # each server's own request latency, from vLLM's /metrics histogram: within its bucket bounds, p50 <= p95
+    for who in ("champion", "canary"):
+        assert 0 < m[f"{who}/server_latency_p50_s"] <= m[f"{who}/server_latency_p95_s"] < 600
     assert m["win_rate"] == pytest.approx(wins)
     assert m["baseline_reward_mean"] == pytest.approx(sum(scores["champion"]) / 6)
     assert m["candidate_reward_mean"] == pytest.approx(sum(scores["canary"]) / 6)

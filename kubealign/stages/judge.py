@@ -3,8 +3,9 @@ the canary is judged by what it answered.
 
 The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to both OpenAI-compatible
 completions routes (kubealign.serving.ask: greedy, canary.max_new_tokens); every failed request is counted by
-kind. The prompts both answered are scored by evaluate's scorer (the reward model and / or the reward
-functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
+kind; each server's own latency percentiles come from its /metrics (vLLM's request-latency histogram; NaN
+where a server has none, left out). The prompts both answered are scored by evaluate's scorer (the reward model and / or
+the reward functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
 the EOS appended when the model ended it; an unfinished UTF-8 character at the end of a cut answer is not in
 the text vLLM returns, so it is not scored), and compared with evaluate's statistics, the champion in the
 baseline's place (kubealign.comparison.compare). The decision is kubealign.serving.judge.decide's. Output
@@ -14,6 +15,7 @@ judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict:
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -66,8 +68,10 @@ def figures_table(
         if key in metrics:
             out.append(f"| {key.replace('baseline', 'champion').replace('candidate', 'canary')} | {metrics[key]:.4g} |")
     out += ["", "| serving | champion | canary |", "|---|---|---|"]
-    for key in ("requests", "errors", "error_rate", "latency_p50_s", "latency_p95_s", "latency_p99_s"):
-        out.append(f"| {key} | {served['champion'][key]:.4g} | {served['canary'][key]:.4g} |")
+    shown = ("requests", "errors", "error_rate", "latency_p50_s", "latency_p95_s", "latency_p99_s")
+    for key in (*shown, "server_latency_p50_s", "server_latency_p95_s"):
+        ours, theirs = (served[who].get(key, math.nan) for who in ("champion", "canary"))
+        out.append(f"| {key} | {ours:.4g} | {theirs:.4g} |")
     return "\n".join(out) + "\n"
 
 
@@ -154,6 +158,10 @@ def run(
     urls = {"champion": champion_url, "canary": canary_url}
     answers = {who: ask.ask(url, name, data.prompts, cfg) for who, url in urls.items()}
     served = {who: judge.serving_figures(got) for who, got in answers.items()}
+    for who, url in urls.items():  # the server's own view: its request-latency histogram (vLLM's /metrics)
+        buckets = ask.latency_histogram(ask.scrape(url), name)
+        for q in (50, 95) if buckets else ():
+            served[who][f"server_latency_p{q}_s"] = judge.histogram_quantile(buckets, q / 100)
     pairs = judge.answered_pairs(answers["champion"], answers["canary"])
     metrics: dict[str, float] = {}
     rows = None
