@@ -210,13 +210,8 @@ def _serve(args: argparse.Namespace) -> None:
         local.serve(cfg, uri, name, args.port)
         return
     namespace = args.namespace or cfg.namespace or "default"
-    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
-    if args.canary:
-        from kubealign.serving.manifest import with_canary
-
-        canary_cfg = cfg.model_copy(update={"alias": args.canary})
-        canary = manifest_for(canary_cfg, uri, name, namespace, config.kubernetes.accelerator_type)
-        body = with_canary(body, canary, percent)
+    canary = (args.canary, percent) if args.canary else None
+    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, canary)
     write_manifest(body, args.manifest)
     meta = body["metadata"]
     print(

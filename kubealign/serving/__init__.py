@@ -15,9 +15,11 @@ def manifest_for(
     registered_model: str,
     namespace: str,
     accelerator: str = "nvidia.com/gpu",
+    canary: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """The InferenceService for `cfg.alias` of `registered_model` in the registry at tracking_uri: the alias
-    resolved to its version, the version's HF directory listed and checked, its URI made one KServe reads."""
+    resolved to its version, the version's HF directory listed and checked, its URI made one KServe reads.
+    canary: (another alias, its traffic share in %), served beside it as the canary (manifest.with_canary)."""
     from mlflow.tracking import MlflowClient
 
     from kubealign.promotion.aliases import registry_errors
@@ -29,7 +31,14 @@ def manifest_for(
         names = location.check_listing(served, tracking_uri)
         template = _chat_template(served, names, tracking_uri) if cfg.runtime == "vllm" else None
     storage = location.storage_uri(served.model_dir_uri, cfg.artifacts_destination)
-    return manifest.inference_service(served, storage, cfg, namespace, accelerator, template)
+    body = manifest.inference_service(served, storage, cfg, namespace, accelerator, template)
+    if canary is None:
+        return body
+    alias, percent = canary
+    theirs = manifest_for(
+        cfg.model_copy(update={"alias": alias}), tracking_uri, registered_model, namespace, accelerator
+    )
+    return manifest.with_canary(body, theirs, percent)
 
 
 def _chat_template(served: Any, names: list[str], tracking_uri: str) -> str | None:

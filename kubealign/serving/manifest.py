@@ -69,8 +69,9 @@ def inference_service(
         "storageUri": storage_uri,
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
     }
-    if image(cfg):
-        model["image"] = image(cfg)
+    chosen = image(cfg)
+    if chosen:
+        model["image"] = chosen
     args = [f"--max-model-len={cfg.max_model_len}"] if cfg.max_model_len else []
     if cfg.runtime == "vllm":
         # The runtime's command is vLLM's OpenAI server (runtime-kserve-vllmserver.yaml); these follow its args.

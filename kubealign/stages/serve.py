@@ -39,7 +39,7 @@ def moved(promotion: dict[str, Any], alias: str) -> tuple[bool, Any]:
 def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """`custom`: a kubernetes CustomObjectsApi (default: the cluster this pod runs in)."""
     from kubealign.serving import deploy, manifest_for
-    from kubealign.serving.manifest import with_canary, with_pipeline_run
+    from kubealign.serving.manifest import with_pipeline_run
     from kubealign.tracking import resolve_uri
 
     cfg = config.serve
@@ -62,11 +62,8 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
     uri = resolve_uri(config)
     if not uri:
         raise UserError("serve: no registry (MLFLOW_TRACKING_URI, tracking.uri) to read the alias from")
-    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type)
-    if canary:
-        theirs = cfg.model_copy(update={"alias": CHALLENGER})
-        challenger = manifest_for(theirs, uri, name, namespace, config.kubernetes.accelerator_type)
-        body = with_canary(body, challenger, config.canary.percent)
+    beside = (CHALLENGER, config.canary.percent) if canary else None
+    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, beside)
     body = with_pipeline_run(body, os.environ.get(RUN_ENV))
     if custom is None:
         from kubealign.cluster.trainjob import connect
