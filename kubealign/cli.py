@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.cli_args import build_parser
+from kubealign.cli_serving import judge_command, rollback_command, serve_command
 from kubealign.errors import Stopped, UserError
 from kubealign.ranks import is_main
 
@@ -125,30 +126,6 @@ def _evaluate(args: argparse.Namespace) -> None:
     print(f"  length drift {m['length_drift']:.2f}, samples: {Path(result['output']) / 'samples.html'}")
 
 
-def _judge(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.serving import act
-    from kubealign.stages import judge
-
-    if args.namespace and not args.act:
-        raise UserError("--namespace: only with --act (the served model changes only when the verdict is acted on)")
-    config = load_config(args.config, args.overrides)
-    uri, version = act.judged_version(config) if args.act else (None, "?")
-    inputs = (args.prompts, args.tokenizer, args.reward, args.champion, args.canary, args.output, args.served_name)
-    result = judge.run(config, *inputs, version)
-    print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
-    if not args.act:
-        return
-
-    after = act.in_registry(config, uri, result["promoted"], version)
-    print(f"  registry: {', '.join(f'{a} = {v}' for a, v in after.items())}")
-    if args.namespace:
-        from kubealign.cluster.trainjob import connect
-
-        custom, _ = connect()
-        print(f"  serving: InferenceService {act.in_serving(config, uri, args.namespace, custom)}, Ready")
-
-
 def _promote(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import promote
@@ -157,23 +134,6 @@ def _promote(args: argparse.Namespace) -> None:
     print(f"promote: {result['registered_model']} version {result['version']}; aliases {result['aliases']}")
     for line in result["gate"]:
         print(f"  {line}")
-
-
-def _rollback(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.stages import promote
-
-    config = load_config(args.config, args.overrides)
-    state = promote.rollback(config)
-    print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
-    if args.namespace:  # the served model follows the registry: the champion's InferenceService, no canary
-        from kubealign.cluster.trainjob import connect
-        from kubealign.serving import act
-        from kubealign.tracking import resolve_uri
-
-        custom, _ = connect()
-        action = act.in_serving(config, resolve_uri(config), args.namespace, custom)
-        print(f"rollback: InferenceService {args.namespace}: {action}, Ready")
 
 
 def _registry(args: argparse.Namespace) -> None:
@@ -189,54 +149,6 @@ def _registry(args: argparse.Namespace) -> None:
     registry_auth.wait_until_up(args.tracking_uri, args.wait)
     for line in registry_auth.ensure(args.tracking_uri, wanted):
         print(f"registry: {line}")
-
-
-def _serve(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.serving import manifest_for, write_manifest
-    from kubealign.tracking import check_uri, resolve_uri
-
-    config = load_config(args.config, args.overrides)
-    check_uri(args.tracking_uri, "--tracking-uri")
-    uri = args.tracking_uri or resolve_uri(config)
-    if not uri:
-        raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
-    cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
-    name = args.model or config.promote.registered_model
-    percent = _canary_percent(args, cfg, config.canary.percent)
-    if args.manifest is None:
-        from kubealign.serving import local
-
-        local.serve(cfg, uri, name, args.port)
-        return
-    namespace = args.namespace or cfg.namespace or "default"
-    canary = (args.canary, percent) if args.canary else None
-    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, canary)
-    write_manifest(body, args.manifest)
-    meta = body["metadata"]
-    print(
-        f"serve: {name}@{cfg.alias} = version {meta['annotations']['kubealign.io/model-version']}; "
-        f"InferenceService {namespace}/{meta['name']} written to {args.manifest}"
-    )
-    print(f"  storageUri {body['spec']['predictor']['model']['storageUri']}")
-    if args.canary:
-        version = meta["annotations"]["kubealign.io/canary-model-version"]
-        print(f"  canary {name}@{args.canary} = version {version}, {percent} % of the traffic")
-    print(f"  apply: kubectl apply -f {args.manifest}")
-
-
-def _canary_percent(args: argparse.Namespace, cfg: Any, default: int) -> int:
-    """--canary-percent (or canary.percent), checked; --canary needs --manifest and another alias."""
-    if (args.canary or args.canary_percent is not None) and args.manifest is None:
-        raise UserError("--canary / --canary-percent: only with --manifest (here, one alias is served)")
-    if args.canary_percent is not None and not args.canary:
-        raise UserError("--canary-percent: give --canary ALIAS, the alias that gets that share")
-    if args.canary is not None and args.canary == cfg.alias:
-        raise UserError(f"--canary {args.canary}: that is the alias served (--alias); name another, e.g. challenger")
-    percent = default if args.canary_percent is None else args.canary_percent
-    if not 1 <= percent <= 99:
-        raise UserError(f"--canary-percent {percent}: a share from 1 to 99 (100 is promotion, 0 no canary)")
-    return percent
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -370,8 +282,8 @@ COMMANDS = {
     "ppo": _ppo,
     "evaluate": _evaluate,
     "promote": _promote,
-    "rollback": _rollback,
-    "judge": _judge,
+    "rollback": rollback_command,
+    "judge": judge_command,
     "run": _run,
     "images": _images,
     "compile": _compile,
@@ -381,7 +293,7 @@ COMMANDS = {
     "summary": _summary,
     "tiny-model": _tiny_model,
     "registry": _registry,
-    "serve": _serve,
+    "serve": serve_command,
     "config": _config,
 }
 

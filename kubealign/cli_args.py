@@ -177,8 +177,14 @@ def _add_judging_commands(sub: Any) -> None:
         "and the promote gate on the online numbers. Writes result.json, answers.json, judge.md.",
     )
     _add_config_options(judge)
-    judge.add_argument("--champion", required=True, metavar="URL", help="the champion's server (http://host:port)")
-    judge.add_argument("--canary", required=True, metavar="URL", help="the canary's server")
+    judge.add_argument("--champion", metavar="URL", help="the champion's server (http://host:port)")
+    judge.add_argument("--canary", metavar="URL", help="the canary's server")
+    judge.add_argument(
+        "--front",
+        metavar="URL",
+        help="instead of --champion/--canary: the front of `kubealign serve --canary` (both servers behind it); "
+        "with --act the verdict is served there too",
+    )
     judge.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output")
     judge.add_argument(
         "--tokenizer", required=True, type=Path, metavar="DIR", help="the policy's tokenizer (a model dir)"
@@ -364,7 +370,8 @@ def _add_tool_commands(sub: Any) -> None:
     serve.add_argument(
         "--canary",
         metavar="ALIAS",
-        help="with --manifest: serve this alias (e.g. challenger) beside --alias as the InferenceService's canary",
+        help="serve this alias (e.g. challenger) beside --alias with its share of the traffic: here, both servers "
+        "behind a front on --port; with --manifest, as the InferenceService's canary",
     )
     serve.add_argument(
         "--canary-percent",

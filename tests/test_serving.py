@@ -466,8 +466,6 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
                         (["--canary-percent", "5"], "give --canary ALIAS")):  # fmt: skip
         code, err = in_process(*base, *extra)
         assert code == 2 and said in err and err.count("\n") == 1, extra
-    code, err = in_process("serve", "--tracking-uri", registry.url, "--canary", "challenger")
-    assert code == 2 and "only with --manifest" in err
     assert not (tmp_path / "no.yaml").exists()
 
 
@@ -556,10 +554,13 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     with pytest.raises(UserError, match=f"updating InferenceService team-a/{name}: HTTP 500"):
         act.in_serving(config, registry.url, "team-a", kube.client())
     assert "canary" in served()["spec"]  # the crash: decided in the registry, still split in the cluster
+    assert act.served_canary(kube.client(), "team-a", name) == "3"  # what the rerun judges (challenger cleared)
     assert act.in_registry(config, registry.url, True, "3")["champion"] == "3"  # the rerun moves nothing
     assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}
     assert act.in_serving(config, registry.url, "team-a", kube.client()) == "updated"
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == canary_files
+    assert act.served_canary(kube.client(), "team-a", name) is None
+    assert act.served_canary(kube.client(), "team-b", name) is None  # no such service
     # a verdict about a version that is not challenger any more is refused
     with pytest.raises(UserError, match="challenger is now version None, not the judged version 2: judge again"):
         act.in_registry(config, registry.url, True, "2")

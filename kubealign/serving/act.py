@@ -6,7 +6,9 @@ Registry, under promote's lease and alias journal (kubealign.promotion): a promo
 again from the registry as it now is (the champion's files, no canary) and applied, and the task waits for
 Ready. A crash between the two leaves the registry decided and the service still splitting traffic; the
 rerun finds the registry already as the verdict wants it, moves nothing and finishes the service. A verdict
-on a version that is no longer `challenger` (another promotion since) is refused: judge again.
+on a version that is no longer `challenger` (another promotion since) is refused: judge again. Here (the
+local split of `kubealign serve --canary`, kubealign.serving.split) serving follows the registry the same way:
+the champion's version is made the front's whole service and `kubealign serve` stops the other server.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from kubealign.config import KubealignConfig
-from kubealign.errors import UserError
+from kubealign.errors import UserError, first_line
 from kubealign.promotion.aliases import (
     CHALLENGER,
     CHAMPION,
@@ -29,8 +31,9 @@ from kubealign.promotion.aliases import (
 REJECTED_TAG = "kubealign.online"
 
 
-def judged_version(config: KubealignConfig) -> tuple[str, str]:
-    """(the registry's URI, the version `challenger` names now): what a verdict will be about."""
+def judged_version(config: KubealignConfig, required: bool = True) -> tuple[str, str | None]:
+    """(the registry's URI, the version `challenger` names now): what a verdict will be about. None (when not
+    `required`) where no version holds it."""
     from mlflow.tracking import MlflowClient
 
     from kubealign.tracking import resolve_uri
@@ -41,7 +44,7 @@ def judged_version(config: KubealignConfig) -> tuple[str, str]:
     name = config.promote.registered_model
     with registry_errors(uri):
         version = read_state(MlflowClient(uri), name)[0].get(CHALLENGER)
-    if version is None:
+    if version is None and required:
         raise UserError(f"judge --act: {name} has no {CHALLENGER} alias: nothing is being judged")
     return uri, version
 
@@ -93,3 +96,33 @@ def in_serving(config: KubealignConfig, uri: str, namespace: str, custom: Any) -
     action = deploy.apply(custom, body)
     deploy.wait_ready(custom, body["metadata"]["name"], namespace, cfg.ready_timeout_s)
     return action
+
+
+def in_local(config: KubealignConfig, uri: str, front: str) -> str:
+    """The registry's champion made the local front's whole service: "updated" / "unchanged"."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.serving import split
+
+    name = config.promote.registered_model
+    with registry_errors(uri):
+        champion = read_state(MlflowClient(uri), name)[0].get(CHAMPION)
+    if champion is None:
+        raise UserError(f"judge --act: {name} has no {CHAMPION} alias: nothing to serve alone")
+    return split.serve_only(front, champion)
+
+
+def served_canary(custom: Any, namespace: str, name: str) -> str | None:
+    """The version the InferenceService of `name` serves as its canary now (None: no canary, or no service):
+    what a rerun judges once its first run cleared `challenger` and crashed before the service changed."""
+    from kubealign.serving.manifest import GROUP, PLURAL, VERSION, dns_name
+
+    try:
+        isvc = custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, dns_name(name))
+    except Exception as exc:
+        if getattr(exc, "status", None) == 404:
+            return None
+        raise UserError(f"reading InferenceService {namespace}/{dns_name(name)}: {first_line(exc)}") from None
+    if not (isvc.get("spec") or {}).get("canary"):
+        return None
+    return (isvc.get("metadata", {}).get("annotations") or {}).get("kubealign.io/canary-model-version")

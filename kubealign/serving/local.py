@@ -98,12 +98,16 @@ def models(port: int) -> list[dict[str, Any]] | None:
         return None
 
 
-def run_server(argv: list[str], env: dict[str, str], log: Path, port: int, start_timeout_s: float) -> subprocess.Popen:
-    """Start vLLM's server (its own process group, output to `log`) and wait until /v1/models answers."""
+def launch(argv: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """Start vLLM's server in its own process group (its engine and workers), its output to `log`."""
     with log.open("ab") as out:
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=log.parent
         )
+
+
+def wait_answering(proc: subprocess.Popen, log: Path, port: int, start_timeout_s: float) -> None:
+    """Until /v1/models answers on the port; an exit or the timeout is one line naming the log."""
     deadline = time.monotonic() + start_timeout_s
     while models(port) is None:
         if proc.poll() is not None:
@@ -113,7 +117,6 @@ def run_server(argv: list[str], env: dict[str, str], log: Path, port: int, start
             stop(proc)
             raise UserError(f"serve: vLLM's server did not answer in {start_timeout_s:.0f} s (log: {log})")
         time.sleep(1)
-    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -150,38 +153,95 @@ def chat_template(model_dir: Path) -> Path | None:
     return path
 
 
-def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int) -> None:
-    """Serve `cfg.alias` of `name` on 127.0.0.1:port until SIGINT or SIGTERM."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def resolved(cfg: ServeConfig, tracking_uri: str, name: str, aliases: list[str]) -> list[tuple[Served, Path]]:
+    """Each alias's version and its checked HF directory in the cache."""
     from mlflow.tracking import MlflowClient
 
     from kubealign.promotion.aliases import registry_errors
-    from kubealign.serving import location, vllm_env
+    from kubealign.serving import location
+
+    with registry_errors(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+        found = [location.resolve(client, name, alias, tracking_uri) for alias in aliases]
+        if len(found) == 2 and found[0].version == found[1].version:
+            raise UserError(
+                f"--canary {aliases[1]}: it is version {found[0].version}, as {aliases[0]} is: nothing to split"
+            )
+        dirs = [download(served, tracking_uri) for served in found]
+    for model_dir in dirs:
+        check_dir(model_dir)
+    return list(zip(found, dirs, strict=True))
+
+
+def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tuple[str, int] | None = None) -> None:
+    """Serve `cfg.alias` of `name` on 127.0.0.1:port until SIGINT or SIGTERM; with canary (alias, percent),
+    both aliases' servers on free ports behind the traffic split (kubealign.serving.split) on the port."""
+    from kubealign.serving import split, vllm_env
 
     port_free(port)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # quiet: one line says what is served
-    with registry_errors(tracking_uri):
-        client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-        served = location.resolve(client, name, cfg.alias, tracking_uri)
-        model_dir = download(served, tracking_uri)
-    check_dir(model_dir)
-    template = chat_template(model_dir)
-    argv = command(vllm_env.python(), model_dir, name, port, cfg, template)
+    models_ = resolved(cfg, tracking_uri, name, [cfg.alias, *([canary[0]] if canary else [])])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
-    log = model_dir.parent / "vllm.log"
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
-    proc = None
+    procs: dict[str, subprocess.Popen] = {}
+    front = None
     started = time.monotonic()
     try:
-        proc = run_server(argv, env, log, port, cfg.start_timeout_s)
-        ready = f"ready in {time.monotonic() - started:.0f} s; Ctrl-C stops it (vLLM's log: {log})"
-        where = f"{name}@{cfg.alias} (version {served.version}) at http://127.0.0.1:{port}/v1"
-        print(f"serve: {where}, {ready}", flush=True)
-        while proc.poll() is None:
-            time.sleep(0.5)
-        raise UserError(f"serve: vLLM's server exited with code {proc.returncode} (log: {log})")
+        ports = [port] if canary is None else [free_port() for _ in models_]
+        backends = [
+            split.Backend(s.alias, s.version, f"http://127.0.0.1:{p}") for (s, _), p in zip(models_, ports, strict=True)
+        ]
+        for (served, model_dir), own in zip(models_, ports, strict=True):  # both start at once, then each is waited for
+            argv = command(vllm_env.python(), model_dir, name, own, cfg, chat_template(model_dir))
+            procs[served.version] = launch(argv, env, model_dir.parent / "vllm.log")
+        for (served, model_dir), own in zip(models_, ports, strict=True):
+            wait_answering(procs[served.version], model_dir.parent / "vllm.log", own, cfg.start_timeout_s)
+        route = split.Route(backends[0], backends[1], canary[1]) if canary else None
+        front = split.start(port, route) if route else None
+        print(ready_line(name, backends, port, route, time.monotonic() - started), flush=True)
+        watch(procs, route)
     except (KeyboardInterrupt, _Terminated):
         print("serve: stopped", flush=True)
     finally:
         signal.signal(signal.SIGTERM, previous)
-        if proc is not None:
+        if front is not None:
+            front.stop()
+        for proc in procs.values():
             stop(proc)
+
+
+def ready_line(name: str, backends: list, port: int, route: Any, took_s: float) -> str:
+    where = f"http://127.0.0.1:{port}/v1"
+    done = f"ready in {took_s:.0f} s; Ctrl-C stops it (vLLM's log beside each model in the cache)"
+    if route is None:
+        return f"serve: {name}@{backends[0].alias} (version {backends[0].version}) at {where}, {done}"
+    stable, canary = backends
+    return (
+        f"serve: {name}@{stable.alias} (version {stable.version}) {100 - route.percent} % and @{canary.alias} "
+        f"(version {canary.version}) {route.percent} % of the requests at {where}, {done}\n"
+        f"  each alone: {stable.alias} {stable.url}, {canary.alias} {canary.url}; "
+        f"judge it: kubealign judge --front http://127.0.0.1:{port} ..."
+    )
+
+
+def watch(procs: dict[str, subprocess.Popen], route: Any) -> None:
+    """Until a server exits (one line); a server the route no longer uses is stopped."""
+    while True:
+        for version, proc in procs.items():
+            if proc.poll() is not None:
+                raise UserError(f"serve: vLLM's server of version {version} exited with code {proc.returncode}")
+        if route is not None and route.changed.is_set():
+            route.changed.clear()
+            kept = {backend.version for backend in route.served()}
+            for version in [v for v in procs if v not in kept]:
+                stop(procs.pop(version))
+                print(
+                    f"serve: version {', '.join(kept)} alone now; the server of version {version} stopped", flush=True
+                )
+        time.sleep(0.5)
