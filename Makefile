@@ -57,11 +57,12 @@ test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm and not serve_image"
 
-# `kubealign serve` with vLLM's CPU server, as a person runs it, and the online judge against two of them: the venv
+# `kubealign serve` with vLLM's CPU server, as a person runs it, the online judge against two of them, and the
+# canary online (`kubealign serve --canary`, a sabotaged challenger rolled back, a good one promoted): the venv
 # (kubealign/serving/lock-serve.txt) is built on first use in the cache (about 2.5 minutes here), then each server
 # start takes 40-100 s on 2 cores.
 test-serve: $(STAMP)
-	$(BIN)/pytest -m vllm tests/test_serve_vllm.py
+	$(BIN)/pytest -m vllm tests/test_serve_vllm.py tests/test_canary_vllm.py
 
 # The ranges without the lock: a fresh venv with the newest releases pyproject.toml allows, then the stage
 # tests (every stage through its CLI, the preflight, the routes through kfp.local). Not part of `make test`;

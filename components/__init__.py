@@ -12,6 +12,7 @@ from kubealign.components.stages import (
     data_split,
     dpo,
     evaluate,
+    judge,
     ppo,
     promote,
     promote_ranked,
@@ -20,4 +21,16 @@ from kubealign.components.stages import (
     sft,
 )
 
-__all__ = ["compare", "data_split", "dpo", "evaluate", "ppo", "promote", "promote_ranked", "reward", "serve", "sft"]
+__all__ = [
+    "compare",
+    "data_split",
+    "dpo",
+    "evaluate",
+    "judge",
+    "ppo",
+    "promote",
+    "promote_ranked",
+    "reward",
+    "serve",
+    "sft",
+]

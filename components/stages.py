@@ -157,6 +157,30 @@ def serve(config_json: str, promotion: Input[Artifact], serving: Output[Artifact
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def judge(
+    config_json: str,
+    prompts: Input[Dataset],
+    tokenizer: Input[Model],
+    reward_model: Input[Model],
+    serving: Input[Artifact],
+    judgement: Output[Artifact],
+    metrics: Output[Metrics],
+    report: Output[Markdown],
+) -> str:
+    """judge: the canary serve put beside the champion, judged online by each predictor's own address (the
+    same held-out prompts to both), and the verdict carried out (canary.act): the registry's aliases, then
+    the InferenceService. tokenizer: the SFT model; reward_model is not read when reward functions alone score.
+
+    Returns the verdict line, or "" when serve applied no canary."""
+    from kubealign import tasks
+
+    result = tasks.judge(config_json, [], prompts.path, tokenizer.path, reward_model.path, serving.path, judgement.path)
+    tasks.to_kfp(result, metrics, judgement)
+    tasks.judge_report(judgement.path, report.path)
+    return result.get("verdict") or ""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def compare(
     config_json: str,
     routes: str,

@@ -14,8 +14,19 @@ RL_ROUTES = ("ppo", "grpo", "rloo")
 SHARED = ("data-split", "sft", "reward")  # upstream of every route (reward: only with a reward model)
 # one route's tasks in DAG order; "ppo" stands for the route's training task (route_task)
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
-SUMMARY_STAGES = ("data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote", "serve")  # all a run may hold
+SUMMARY_STAGES = (
+    "data-split",
+    "sft",
+    "reward",
+    "ppo",
+    "dpo",
+    "evaluate",
+    "promote",
+    "serve",
+    "judge",
+)  # all a run may hold
 SERVE = "serve"  # after promote, with serve.enabled (one route): the alias as a KServe InferenceService
+JUDGE = "judge"  # after serve, with promote.mode canary too: the canary judged online, the verdict carried out
 # stage -> the stages whose outputs it reads. "candidate": the route's training task (ppo or dpo);
 # "scorer": the reward model, or with reward functions alone the SFT model (the critic's start; not read
 # by evaluate then).
@@ -28,10 +39,18 @@ UPSTREAM = {
     "evaluate": ("data-split", "sft", "scorer", "candidate"),
     "promote": ("evaluate", "candidate"),
     "serve": ("promote",),
+    "judge": ("data-split", "sft", "scorer", "serve"),
 }
 # The KFP output each task's directory is in: shared tasks by name; a several-route run's route tasks are
 # named after their route (grpo, evaluate-grpo, promote-grpo) and found by prefix.
-OUTPUT_KEYS = {"data-split": "dataset", "sft": "model", "reward": "model", "compare": "comparison", "serve": "serving"}
+OUTPUT_KEYS = {
+    "data-split": "dataset",
+    "sft": "model",
+    "reward": "model",
+    "compare": "comparison",
+    "serve": "serving",
+    "judge": "judgement",
+}
 ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
 
 
@@ -45,18 +64,21 @@ def scorer(reward_model: bool) -> str:
     return "reward" if reward_model else "sft"
 
 
-def stages_for(route: str, reward_model: bool = True, serve: bool = False) -> tuple[str, ...]:
+def stages_for(route: str, reward_model: bool = True, serve: bool = False, judge: bool = False) -> tuple[str, ...]:
     """The tasks a one-route run executes, in DAG order (no reward task when reward functions alone score;
-    serve last with serve.enabled)."""
+    serve after promote with serve.enabled, judge after serve with promote.mode canary as well)."""
     kept = (s for s in STAGES if reward_model or s != "reward")
-    return (*(route_task(route) if stage == "ppo" else stage for stage in kept), *((SERVE,) if serve else ()))
+    served = (SERVE, *((JUDGE,) if judge else ())) if serve else ()
+    return (*(route_task(route) if stage == "ppo" else stage for stage in kept), *served)
 
 
-def tasks_for_routes(routes: list[str] | tuple[str, ...], reward_model: bool, serve: bool = False) -> tuple[str, ...]:
+def tasks_for_routes(
+    routes: list[str] | tuple[str, ...], reward_model: bool, serve: bool = False, judge: bool = False
+) -> tuple[str, ...]:
     """The tasks a run executes, in DAG order: stages_for one route; with several, the shared tasks, each
     route's training and evaluation, the comparison, each route's promotion."""
     if len(routes) == 1:
-        return stages_for(routes[0], reward_model, serve)
+        return stages_for(routes[0], reward_model, serve, judge)
     shared = tuple(s for s in SHARED if reward_model or s != "reward")
     trained = tuple(task for route in routes for task in (route, f"evaluate-{route}"))
     return (*shared, *trained, "compare", *(f"promote-{route}" for route in routes))

@@ -51,6 +51,8 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         if not r.get("applied"):
             return r.get("why", "nothing applied")
         return f"{r.get('inference_service')} {r.get('action')}: version {r.get('version')}, Ready at {r.get('url')}"
+    if stage == "judge":  # the verdict line, or why there was nothing to judge
+        return r.get("why") or r.get("verdict", "")
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
     return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}"

@@ -292,6 +292,28 @@ def serve(config_json: str, overrides: list[str], promotion: str, output: str) -
     return stage.run(load(config_json, overrides), Path(promotion), Path(output))
 
 
+def judge(
+    config_json: str, overrides: list[str], prompts: str, tokenizer: str, reward: str, serving: str, output: str
+) -> dict[str, Any]:
+    """serving: the serve task's output; its canary judged online, the verdict carried out (canary.act).
+    reward: the reward model (not read when the reward functions alone score)."""
+    from kubealign.stages import judge_task as stage
+
+    config = load(config_json, overrides)
+    scorer = Path(reward) if config.rewards.uses_model else None
+    return stage.run(config, Path(prompts), Path(tokenizer), scorer, Path(serving), Path(output))
+
+
+def judge_report(judgement_dir: str, markdown_path: str) -> None:
+    """judge.md as the KFP Markdown artifact (the reason there was nothing to judge, when there was not)."""
+    from kubealign.outputs import read_result
+
+    source = Path(judgement_dir) / "judge.md"
+    text = source.read_text(encoding="utf-8") if source.is_file() else f"# {read_result(Path(judgement_dir))['why']}\n"
+    Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(markdown_path).write_text(text, encoding="utf-8")
+
+
 def compare(
     config_json: str, overrides: list[str], routes: list[str], evaluations: dict[str, str | None], output: str
 ) -> dict[str, Any]:

@@ -262,6 +262,19 @@ class Tasks:
         task.set_caching_options(False)
         return task
 
+    def judge(
+        self, serve: dsl.PipelineTask, p: dict[str, Any], dataset: Any, sft: Any, scorer: Any
+    ) -> dsl.PipelineTask:
+        """After serve (promote.mode canary): the canary judged online by its pods, the verdict carried out."""
+        serving = serve.outputs["serving"]
+        task = stages.judge(
+            config_json=p["config_json"], prompts=dataset, tokenizer=sft, reward_model=scorer, serving=serving
+        )
+        self.place(task, "judge (the canary online)", 0, training=False, scoring=True)
+        # the served models and the registry are outside KFP's view: a cached verdict would judge nothing
+        task.set_caching_options(False)
+        return task
+
     def promote(self, task: dsl.PipelineTask, label: str) -> dsl.PipelineTask:
         self.place(task, label, 0, training=False)
         # The registry is outside KFP's view: re-registering is idempotent, but a cached promote would
@@ -297,7 +310,9 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
         )
         builder.promote(promote, "promote (MLflow registry)")
         if builder.config.serve.enabled:
-            builder.serve(promote, config_json)
+            serve = builder.serve(promote, config_json)
+            if builder.config.promote.mode == "canary":
+                builder.judge(serve, p, dataset, sft, scorer)
         done = {
             "data_split": dataset,
             "sft": sft,

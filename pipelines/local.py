@@ -47,7 +47,8 @@ CANDIDATE = "candidate"  # the DAG output holding the route's model (dag.Outputs
 
 def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
     """The tasks a run of `config`'s DAG executes, in DAG order (kubealign.shape.tasks_for_routes)."""
-    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model, config.serve.enabled)
+    judge = config.promote.mode == "canary"
+    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model, config.serve.enabled, judge)
 
 
 @contextlib.contextmanager
@@ -283,7 +284,7 @@ def _stage_dirs(
     several = len(config.routes()) > 1
     stages = {}
     for stage in route:
-        if several or stage == shape.SERVE:  # serve is no pipeline output: its task's
+        if several or stage in (shape.SERVE, shape.JUDGE):  # serve and judge are no pipeline outputs: their tasks'
             artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
         else:
             key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")

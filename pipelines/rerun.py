@@ -43,6 +43,8 @@ def _run_stage(
         return tasks.evaluate(config_json, [], d["data-split"], d["sft"], d[candidate], scorer, str(out), functions)
     if stage == "serve":
         return tasks.serve(config_json, [], d["promote"], str(out))
+    if stage == "judge":
+        return tasks.judge(config_json, [], d["data-split"], d["sft"], scorer, d["serve"], str(out))
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
@@ -87,7 +89,7 @@ def rerun(
         return rerun_route(stage, run, index, config, output)
     if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
         stage = "ppo"
-    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled)
+    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled, config.promote.mode == "canary")
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]

@@ -7,6 +7,10 @@ KServe v0.20.0 CRD schema (a violation is a 422, as a strict API server with tha
 refuses a patch whose resourceVersion is stale (409). `fail` injects an answer: {(method, call number): status}.
 `ready_after` GETs after a generation appears, the controller "reconciles" it: status.observedGeneration and
 a Ready condition (True, or `not_ready_message` forever when ready_after is None).
+
+Pods (GET /api/v1/namespaces/NS/pods?labelSelector=a=b,c=d): one Running, Ready pod per predictor of each
+InferenceService there (the stable one and each canary), carrying the predictor's `labels` as KServe copies
+them, at 127.0.0.1 with its model container's port from `ports` (role label value -> port).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Any
 from tests.k8s_schemas import errors
 
 PATH = re.compile(r"^/apis/serving\.kserve\.io/v1beta1/namespaces/([^/]+)/inferenceservices(?:/([^/?]+))?")
+PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods\?(.*)$")
 
 
 def merge(target: Any, patch: Any) -> Any:
@@ -41,6 +46,7 @@ class StandInKube:
         self.objects: dict[tuple[str, str], dict] = {}
         self.requests: list[tuple[str, str, Any]] = []  # (method, path, body)
         self.fail: dict[tuple[str, int], int] = {}
+        self.ports: dict[str, int] = {}
         self.ready_after, self.not_ready_message = ready_after, not_ready_message
         self._gets: dict[tuple[str, str], int] = {}
         self._version = 100
@@ -58,6 +64,36 @@ class StandInKube:
         config.host = self.url
         return client.CustomObjectsApi(client.ApiClient(config))
 
+    def core(self) -> Any:
+        """The real kubernetes CoreV1Api, pointed here (pods only)."""
+        from kubernetes import client
+
+        config = client.Configuration()
+        config.host = self.url
+        return client.CoreV1Api(client.ApiClient(config))
+
+    def pods(self, namespace: str, query: str) -> dict:
+        import urllib.parse
+
+        selector = urllib.parse.parse_qs(query).get("labelSelector", [""])[0]
+        wanted = dict(term.split("=", 1) for term in selector.split(",") if term)
+        items = []
+        for (ns, name), isvc in sorted(self.objects.items()):
+            spec = isvc.get("spec", {})
+            predictors = [spec.get("predictor", {}), *[c["predictor"] for c in spec.get("canary", [])]]
+            for i, predictor in enumerate(predictors):
+                labels = predictor.get("labels") or {}
+                if ns != namespace or any(labels.get(k) != v for k, v in wanted.items()):
+                    continue
+                port = self.ports.get(labels.get("kubealign.io/predictor", ""), 8080)
+                items.append({
+                    "metadata": {"name": f"{name}-{i}", "namespace": ns, "labels": labels},
+                    "spec": {"containers": [{"name": "kserve-container", "ports": [{"containerPort": port}]}]},
+                    "status": {"phase": "Running", "podIP": "127.0.0.1",
+                               "conditions": [{"type": "Ready", "status": "True"}]},
+                })  # fmt: skip
+        return {"kind": "PodList", "apiVersion": "v1", "items": items}
+
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
@@ -66,6 +102,10 @@ class StandInKube:
         return [r for r in self.requests if r[0] == method]
 
     def _answer(self, method: str, path: str, body: Any) -> tuple[int, dict]:
+        pods = PODS.match(path)
+        if pods and method == "GET":
+            with self._lock:
+                return 200, self.pods(*pods.groups())
         match = PATH.match(path)
         if not match:
             return 404, _status(404, "NotFound", f"no route {path}")

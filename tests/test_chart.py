@@ -316,7 +316,8 @@ def test_the_chart_renders_an_inference_service_only_when_asked_and_as_the_serve
     labels = isvc["metadata"]["labels"]
     assert labels["networking.kserve.io/visibility"] == "cluster-local"
     assert labels["kubealign.io/registered-model"] == "rlhf-actor" and labels["kubealign.io/model-version"] == "7"
-    cfg = ServeConfig(runtime="vllm", gpus=0, cpu="2", memory="8Gi", kv_cache_gib=3, service_account="s3-reader")
+    cfg = ServeConfig(runtime="vllm", gpus=0, cpu="2", memory="8Gi", kv_cache_gib=3, service_account="s3-reader",
+                      name="kubealign-served")  # fmt: skip
     expected = inference_service(Served("rlhf-actor", "7", "champion", "r", "m"), uri, cfg, "team-a")
     assert isvc["spec"] == expected["spec"]
     assert isvc["spec"]["predictor"]["model"]["image"] == "ghcr.io/kubealign/kubealign-serve:0.1.0"

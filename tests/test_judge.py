@@ -65,6 +65,8 @@ class Completions:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                if self.path == "/v1/models":  # as KServe's vllm runtime names it: after the InferenceService
+                    return self._send(200, json.dumps({"data": [{"id": "isvc-name"}]}).encode())
                 self._send(200, METRICS.encode()) if self.path == "/metrics" else self._send(404, b"{}")
 
             def do_POST(self) -> None:
@@ -79,7 +81,8 @@ class Completions:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.port = self.server.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def stop(self) -> None:

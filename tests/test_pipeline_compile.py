@@ -268,8 +268,15 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
         "KUBEALIGN_RUN_ID": "metadata.labels['pipeline/runid']",  # annotated on it
     }
     assert [s.secret_name for s in platform["exec-serve"].secret_as_env][0] == "kubealign-mlflow"  # the registry
+    assert "judge" not in tasks  # promote.mode direct: no canary to judge
+    spec, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary"])
+    judge = spec.root.dag.tasks["judge"]
+    producers = {k: a.task_output_artifact.producer_task for k, a in judge.inputs.artifacts.items()}
+    assert producers == {"prompts": "data-split", "tokenizer": "sft", "reward_model": "reward", "serving": "serve"}
+    assert not judge.caching_options.enable_cache  # the served models and the registry: outside KFP's view
+    assert [s.secret_name for s in platform["exec-judge"].secret_as_env][0] == "kubealign-mlflow"  # acts there
     spec, _ = compiled(tmp_path, [])
-    assert "serve" not in spec.root.dag.tasks
+    assert "serve" not in spec.root.dag.tasks and "judge" not in spec.root.dag.tasks
 
 
 def test_serve_takes_one_route(cli, tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from tests.faults import MlflowServer
 from tests.k8s_schemas import errors
 from tests.kube_standin import StandInKube
 from tests.test_faults_registry import evaluation, kubealign, one_line_error, promote
+from tests.test_judge import split as split_dir  # noqa: F401 (the data-split fixture)
 
 pytestmark = pytest.mark.faults
 
@@ -456,6 +457,12 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
     # the canary's predictor is the one its alias alone would get (image, args, resources)
     alone = manifest(registry, tmp_path, *sets, alias="challenger")
     assert canary["predictor"]["model"].pop("name") == "kserve-container"  # the CRD requires the container's name
+    # each predictor's pods say which they are (kubealign.serving.endpoints: the judge asks each alone)
+    assert body["spec"]["predictor"]["labels"] == {"kubealign.io/inference-service": CANARY_NAME,
+                                                   "kubealign.io/predictor": "stable", "kubealign.io/model-version": "1"}  # fmt: skip
+    assert canary["predictor"]["labels"] == {**alone["spec"]["predictor"]["labels"], "kubealign.io/predictor": "canary"}
+    assert alone["spec"]["predictor"]["labels"]["kubealign.io/model-version"] == "2"
+    canary["predictor"]["labels"]["kubealign.io/predictor"] = "stable"
     assert canary["predictor"] == alone["spec"]["predictor"]
     # refused in one line, nothing written
     done, _ = kubealign(registry.url, *args[:6], "nope", *args[7:])
@@ -498,11 +505,16 @@ def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
 
 
 def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_finishes_it(
-    registry: MlflowServer, kube: StandInKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    registry: MlflowServer,
+    kube: StandInKube,
+    split_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A rolled-back canary: challenger cleared and tagged, the canary removed from the service, champion and
-    its files unchanged. A promoted one whose service update fails halfway (a crash between the registry and
-    the cluster): the registry is decided, the rerun moves no alias and finishes the service."""
+    """A canary that answers worse, judged by the pipeline's judge task through each predictor's pods: rolled
+    back, challenger cleared and tagged, the canary removed from the service, champion and its files
+    unchanged. A promoted one whose service update fails halfway (a crash between the registry and the
+    cluster): the registry is decided, the rerun moves no alias and finishes the service."""
     import functools
 
     from mlflow.tracking import MlflowClient
@@ -510,8 +522,10 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     from kubealign.config import load_config
     from kubealign.models import loading
     from kubealign.serving import act
+    from kubealign.stages import judge_task
     from kubealign.stages import serve as stage
     from tests.test_faults_registry import aliases
+    from tests.test_judge import Completions, judge_config
 
     monkeypatch.setattr(deploy, "wait_ready", functools.partial(deploy.wait_ready, poll_s=0))
     name = "act-actor"
@@ -532,14 +546,25 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
         return kube.objects[("team-a", name)]
 
     promote_canary(0, "tiny-opt", 1.0)
+    courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No.")
+    kube.ports = {"stable": courteous.port, "canary": curt.port}  # the pods of each predictor: these servers
+    judged = load_config(judge_config(tmp_path), [*sets, "tracking.enabled=true", "canary.min_answers=3"])
+    judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None,
+                              apis=(kube.client(), kube.core()))  # fmt: skip
+    assert judge(tmp_path / "s0", tmp_path / "j0")["why"] == "serve applied no canary: nothing to judge"
     promote_canary(1, "tiny-llama", 1.2)
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
     stable = served()["spec"]["predictor"]["model"]["storageUri"]
-    # rolled back
-    assert act.in_registry(config, registry.url, False, "2") == {"challenger": None, "champion": "1",
-                                                                  "previous-champion": None}  # fmt: skip
+    # the judge task: the canary's pods answer curtly, the champion's courteously: rolled back
+    try:
+        result = judge(tmp_path / "s1", tmp_path / "j1")
+    finally:
+        courteous.stop()
+        curt.stop()
+    assert not result["promoted"] and result["metrics"]["win_rate"] == 0.0 and result["metrics"]["prompts"] == 6
+    assert result["acted"] == {"registry": {"challenger": None, "champion": "1", "previous-champion": None},
+                               "inference_service": f"team-a/{name}", "action": "updated"}  # fmt: skip
     assert MlflowClient(registry.url).get_model_version(name, "2").tags[act.REJECTED_TAG] == "rejected"
-    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "updated"
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == stable
     assert errors(served()) == []
     assert act.in_registry(config, registry.url, False, "2")["champion"] == "1"  # a rerun: nothing moves

@@ -28,3 +28,8 @@ class CanaryConfig(Section):
     request_timeout_s: float = Field(60, gt=0, description="A request not answered in this time is an error.")
     concurrency: int = Field(4, ge=1, description="Requests in flight to each model at once.")
     max_new_tokens: int = Field(64, ge=1, description="max_tokens of each completion (temperature 0).")
+    act: bool = Field(
+        True,
+        description="The pipeline's judge task carries its verdict out (registry, then the InferenceService); "
+        "false: it only reports.",
+    )

@@ -80,3 +80,15 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> str:
             return reply.read().decode("utf-8", "replace")
     except (OSError, http.client.HTTPException):
         return ""
+
+
+def served_model(base_url: str, timeout_s: float = 30.0) -> str:
+    """The model name a server answers to (the first of BASE_URL/v1/models): KServe's runtimes name it after
+    the InferenceService, not after the registered model. One line when the server does not say."""
+    from kubealign.errors import UserError
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s) as reply:
+            return str(json.loads(reply.read())["data"][0]["id"])
+    except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"judge: {base_url}/v1/models does not name a served model ({exc})") from None

@@ -17,6 +17,7 @@ from typing import Any
 
 from kubealign import images
 from kubealign.config.serve import ServeConfig
+from kubealign.serving.endpoints import CANARY, ROLE_LABEL, STABLE, predictor_labels
 from kubealign.serving.location import Served
 
 API_VERSION, KIND = "serving.kserve.io/v1beta1", "InferenceService"
@@ -82,7 +83,9 @@ def inference_service(
             args.append(f"--chat-template={chat_template}")
     if args:
         model["args"] = args
-    predictor: dict[str, Any] = {"model": model}
+    name = cfg.name or dns_name(served.name)
+    # on the predictor's pods, for the judge to ask this model alone (kubealign.serving.endpoints)
+    predictor: dict[str, Any] = {"labels": predictor_labels(name, STABLE, label_value(served.version)), "model": model}
     if cfg.service_account:
         predictor["serviceAccountName"] = cfg.service_account
     labels = {
@@ -105,7 +108,7 @@ def inference_service(
         "apiVersion": API_VERSION,
         "kind": KIND,
         "metadata": {
-            "name": cfg.name or dns_name(served.name),
+            "name": name,
             "namespace": namespace,
             "labels": labels,
             "annotations": annotations,
@@ -132,6 +135,7 @@ def with_canary(body: dict[str, Any], canary: dict[str, Any], percent: int) -> d
     # v0.20's canary predictor takes a full Container as its model: it needs the name, the one KServe's runtimes
     # give the container it merges the model into (runtime-kserve-*.yaml)
     predictor["model"] = {"name": "kserve-container", **predictor["model"]}
+    predictor["labels"][ROLE_LABEL] = CANARY
     body["spec"]["canary"] = [{"predictor": predictor, "trafficPercent": percent}]
     ours = body["metadata"]["annotations"]
     for key in ("alias", "model-version", "model-uri", "storage-uri"):

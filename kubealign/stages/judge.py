@@ -140,11 +140,12 @@ def run(
     champion_url: str,
     canary_url: str,
     output: Path,
-    served_name: str | None = None,
+    served_name: str | dict[str, str] | None = None,
     canary_version: str = "?",
 ) -> dict[str, Any]:
     """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
-    serve` names it); tokenizer_dir: the policy's tokenizer (both versions share it)."""
+    serve` names it), or each one's ({"champion": ..., "canary": ...}); tokenizer_dir: the policy's tokenizer
+    (both versions share it)."""
     cfg, r = config.canary, config.rewards
     check_output_path(output, STAGE)
     if r.uses_model and reward is None:
@@ -153,13 +154,14 @@ def run(
     split = phases.load(prompts, "phase3_prompts")
     data = phases.prompt_rows(split["eval"] if len(split["eval"]) else split["train"])
     data = data.take(list(range(min(cfg.prompts, len(data.prompts)))))
-    name = served_name or config.promote.registered_model
-    started = time.perf_counter()
     urls = {"champion": champion_url, "canary": canary_url}
-    answers = {who: ask.ask(url, name, data.prompts, cfg) for who, url in urls.items()}
+    one = served_name if isinstance(served_name, str) else config.promote.registered_model
+    names = served_name if isinstance(served_name, dict) else dict.fromkeys(urls, one)
+    started = time.perf_counter()
+    answers = {who: ask.ask(url, names[who], data.prompts, cfg) for who, url in urls.items()}
     served = {who: judge.serving_figures(got) for who, got in answers.items()}
     for who, url in urls.items():  # the server's own view: its request-latency histogram (vLLM's /metrics)
-        buckets = ask.latency_histogram(ask.scrape(url), name)
+        buckets = ask.latency_histogram(ask.scrape(url), names[who])
         for q in (50, 95) if buckets else ():
             served[who][f"server_latency_p{q}_s"] = judge.histogram_quantile(buckets, q / 100)
     pairs = judge.answered_pairs(answers["champion"], answers["canary"])
