@@ -181,3 +181,40 @@ def test_judge_urls_are_given_one_way(cli, tmp_path: Path) -> None:
     assert done.code == 2 and "give --front URL (kubealign serve --canary) or both --champion" in done.err
     done = cli(*base, "--front", "http://127.0.0.1:3", "--act", "--namespace", "team-a")
     assert done.code == 2 and "--namespace: the cluster's service, --front: the local one; give one" in done.err
+
+
+def pod(name: str, version: str, ready: bool = True, ip: str | None = "10.0.0.1", port: int | None = 9000) -> dict:
+    ports = [{"containerPort": port}] if port else []
+    return {
+        "metadata": {"name": name, "labels": {"kubealign.io/model-version": version}},
+        "spec": {"containers": [{"name": "queue-proxy", "ports": [{"containerPort": 1}]},
+                                {"name": "kserve-container", "ports": ports}]},
+        "status": {"phase": "Running", **({"podIP": ip} if ip else {}),
+                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }  # fmt: skip
+
+
+def test_a_predictor_is_a_ready_pod_of_its_version_at_its_model_containers_port() -> None:
+    from kubealign.serving.endpoints import pick
+
+    old = pod("a-old", "1", ip="10.0.0.9")  # during a rollout the old version's pods still run
+    assert pick([old, pod("b", "2", ready=False), pod("c", "2", ip=None)], "2") is None
+    assert pick([old, pod("z", "2", ip="10.0.0.3"), pod("d", "2", ip="10.0.0.2")], "2") == "http://10.0.0.2:9000"
+    assert pick([old, pod("d", "2", port=None)], "2") == "http://10.0.0.1:8080"  # the runtimes' port
+    pending = pod("e", "2")
+    pending["status"]["phase"] = "Pending"
+    assert pick([pending], "2") is None and pick([old], "1") == "http://10.0.0.9:9000"
+
+
+def test_no_ready_pod_of_a_predictor_is_one_line() -> None:
+    from kubealign.serving.endpoints import predictor_url
+    from tests.kube_standin import StandInKube
+
+    kube = StandInKube()
+    try:
+        with pytest.raises(
+            UserError, match="^judge: no Ready pod of team-a/actor's canary predictor serves version 3$"
+        ):
+            predictor_url(kube.core(), "team-a", "actor", "canary", "3")
+    finally:
+        kube.stop()

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kubealign.training.distributed import RENDEZVOUS_ENV
 from tests.conftest import NO_TRACKING
 from tests.faults import free_port
 from tests.stores import process_env
@@ -37,9 +38,10 @@ PROMPTS = 16
 
 
 def kubealign(uri: str, *args: object, timeout: float = 900) -> str:
-    """`kubealign ARGS` as its own process against the registry at uri; its stdout (a failure shows stderr)."""
-    done = subprocess.run([str(KUBEALIGN), *map(str, args)], env=process_env({"MLFLOW_TRACKING_URI": uri}),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    """`kubealign ARGS` as its own process against the registry at uri; its stdout (a failure shows stderr).
+    Without this process's rendezvous (the fixture trained in-process: its process group holds MASTER_PORT)."""
+    env = {k: v for k, v in process_env({"MLFLOW_TRACKING_URI": uri}).items() if k not in RENDEZVOUS_ENV}
+    done = subprocess.run([str(KUBEALIGN), *map(str, args)], env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     return done.stdout
 
@@ -58,8 +60,8 @@ class Serving:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [str(KUBEALIGN), "serve", "--tracking-uri", uri, "--model", NAME, "--port", str(self.port),
                 "--canary", "challenger", "--canary-percent", "50"]  # fmt: skip
-        self.proc = subprocess.Popen(argv, env=process_env({}), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True)  # fmt: skip
+        env = {k: v for k, v in process_env({}).items() if k not in RENDEZVOUS_ENV}
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.printed = ""
         self.wait_for("judge it: kubealign judge --front", READY_LIMIT_S)
 
