@@ -61,17 +61,22 @@ class Serving:
         argv = [str(KUBEALIGN), "serve", "--tracking-uri", uri, "--model", NAME, "--port", str(self.port),
                 "--canary", "challenger", "--canary-percent", "50"]  # fmt: skip
         env = {k: v for k, v in process_env({}).items() if k not in RENDEZVOUS_ENV}
-        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.printed = ""
-        self.wait_for("judge it: kubealign judge --front", READY_LIMIT_S)
+        try:
+            self.wait_for("judge it: kubealign judge --front", READY_LIMIT_S)
+        except BaseException:  # never leave two vLLM servers behind
+            self.stop()
+            raise
 
     def wait_for(self, text: str, limit_s: float) -> None:
         deadline = time.monotonic() + limit_s
         while text not in self.printed:
             assert self.proc.poll() is None, self.printed[-3000:]
             assert time.monotonic() < deadline, self.printed[-3000:]
+            # os.read, not readline: a text file's buffer may hold lines that select no longer sees
             if select.select([self.proc.stdout], [], [], 5)[0]:
-                self.printed += self.proc.stdout.readline()
+                self.printed += os.read(self.proc.stdout.fileno(), 65536).decode(errors="replace")
 
     def who_answers(self, n: int) -> list[str]:
         """The x-kubealign-served label of n completions through the front."""
@@ -86,7 +91,7 @@ class Serving:
 
     def stop(self) -> None:
         os.kill(self.proc.pid, signal.SIGTERM)
-        self.printed += self.proc.communicate(timeout=120)[0]
+        self.printed += self.proc.communicate(timeout=120)[0].decode(errors="replace")
 
 
 def test_a_sabotaged_challenger_is_rolled_back_online_and_a_good_one_promoted_and_served_alone(
