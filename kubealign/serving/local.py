@@ -204,8 +204,9 @@ def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tup
             wait_answering(procs[served.version], model_dir.parent / "vllm.log", own, cfg.start_timeout_s)
         route = split.Route(backends[0], backends[1], canary[1]) if canary else None
         front = split.start(port, route) if route else None
-        print(ready_line(name, backends, port, route, time.monotonic() - started), flush=True)
-        watch(procs, route)
+        logs = {served.version: model_dir.parent / "vllm.log" for served, model_dir in models_}
+        print(ready_line(name, backends, port, route, time.monotonic() - started, logs), flush=True)
+        watch(procs, route, logs)
     except (KeyboardInterrupt, _Terminated):
         print("serve: stopped", flush=True)
     finally:
@@ -216,9 +217,9 @@ def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tup
             stop(proc)
 
 
-def ready_line(name: str, backends: list, port: int, route: Any, took_s: float) -> str:
+def ready_line(name: str, backends: list, port: int, route: Any, took_s: float, logs: dict[str, Path]) -> str:
     where = f"http://127.0.0.1:{port}/v1"
-    done = f"ready in {took_s:.0f} s; Ctrl-C stops it (vLLM's log beside each model in the cache)"
+    done = f"ready in {took_s:.0f} s; Ctrl-C stops it (vLLM's log: {', '.join(map(str, logs.values()))})"
     if route is None:
         return f"serve: {name}@{backends[0].alias} (version {backends[0].version}) at {where}, {done}"
     stable, canary = backends
@@ -230,12 +231,13 @@ def ready_line(name: str, backends: list, port: int, route: Any, took_s: float) 
     )
 
 
-def watch(procs: dict[str, subprocess.Popen], route: Any) -> None:
+def watch(procs: dict[str, subprocess.Popen], route: Any, logs: dict[str, Path]) -> None:
     """Until a server exits (one line); a server the route no longer uses is stopped."""
     while True:
         for version, proc in procs.items():
             if proc.poll() is not None:
-                raise UserError(f"serve: vLLM's server of version {version} exited with code {proc.returncode}")
+                where = f"(log: {logs[version]})"
+                raise UserError(f"serve: vLLM's server of version {version} exited with code {proc.returncode} {where}")
         if route is not None and route.changed.is_set():
             route.changed.clear()
             kept = {backend.version for backend in route.served()}
