@@ -399,9 +399,9 @@ def test_the_dag_without_a_reward_model_and_an_edited_function_reruns_only_ppo_a
     settings = {
         "pipeline": {"algorithm": "grpo"},
         "rewards": {"model_weight": 0, "functions": [{"path": "check.py:short"}]},
-        "sft": {"num_train_epochs": 2},
-        "ppo": {"num_iterations": 2, "generation_batch_size": 4},
-        "evaluate": {"max_prompts": 8},
+        "sft": {"num_train_epochs": 1},  # what is run again and what is cached matters here, not quality
+        "ppo": {"num_iterations": 1, "generation_batch_size": 4},
+        "evaluate": {"max_prompts": 4},
         "promote": {"metric": "fn/short/candidate", "min_reward_gain": -100},
     }
     config.write_text(yaml.safe_dump(settings), encoding="utf-8")
