@@ -67,6 +67,8 @@ def test_the_front_splits_the_traffic_and_serves_one_version_when_told() -> None
         assert not route.changed.is_set() and route.canary is not None
         assert split.serve_only(url, "2") == "updated" and route.changed.is_set()
         assert split.serve_only(url, "2") == "unchanged"
+        with pytest.raises(UserError, match=r"HTTP 409: version 1 is not served here \(served: challenger@2\)"):
+            split.serve_only(url, "1")  # its server is gone: it cannot be made the service again
         assert {completion(url)[1] for _ in range(12)} == {"challenger@2"}
         assert split.read_route(url)["canary"] is None and route.served() == [route.stable]
         canary.stop()  # its server gone: the front answers 502 naming it
