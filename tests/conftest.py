@@ -21,6 +21,21 @@ HH_FILE = SHARED_DATA / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 NO_TRACKING = "tracking.enabled=false"
 
 
+@pytest.fixture(autouse=True)
+def _deepspeed_logs_to_an_open_stream():
+    """DeepSpeed's logger binds a StreamHandler to sys.stdout when deepspeed is first imported. Imported first
+    inside a test that captures output (capsys), that stream is closed after the test, and every later
+    DeepSpeed log line becomes a "--- Logging error ---" traceback on stderr (breaking one-line-error
+    checks): point it at the process's own stdout, which pytest's fd capture keeps open."""
+    import logging
+    import sys
+
+    logger = logging.Logger.manager.loggerDict.get("DeepSpeed")
+    for handler in getattr(logger, "handlers", []):
+        if isinstance(handler, logging.StreamHandler) and getattr(handler.stream, "closed", False):
+            handler.stream = sys.__stdout__  # not setStream: it flushes the closed stream first
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_environment(tmp_path_factory: pytest.TempPathFactory):
     """Keep tests off the user's caches and any MLflow server configured in the environment."""
