@@ -40,6 +40,11 @@ class TrainConfig(Section):
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward.")
     fp32_loss: bool = Field(True, description="Compute the loss from fp32-upcast logits under bf16/fp16.")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per device per micro-step.")
+    batching: Literal["grouped", "padded"] = Field(
+        "grouped",
+        description="grouped: micro-batches of similar lengths (little padding; kubealign.data.batching); "
+        "padded: plain shuffled batches, each padded to its longest.",
+    )
     gradient_accumulation_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     learning_rate: float = Field(1e-3, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -61,6 +61,11 @@ def collate(pairs: list[dict[str, Any]], pad_id: int) -> dict[str, torch.Tensor]
     return batch
 
 
+def pair_length(pair: dict[str, Any]) -> int:
+    """What a pair pads to: its longer sequence (chosen and rejected are in one batch, collate)."""
+    return max(len(pair["chosen"]["input_ids"]), len(pair["rejected"]["input_ids"]))
+
+
 def response_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> SequenceLogprobs:
     """Summed log-probs of each row's response tokens; the logits of columns that are prompt in every row
     are never computed (rl.experience.forward_logits)."""
@@ -132,7 +137,9 @@ class ReferenceTable:
 
         found: list[tuple[int, float, float]] = []
         with self.view(engine) as reference:
-            shards = loop.shard_batches(self.examples, self.batch_size, dist.get_rank(), dist.get_world_size())
+            shards = loop.shard_batches(
+                self.examples, self.batch_size, dist.get_rank(), dist.get_world_size(), pair_length
+            )
             for pairs, weight in shards:
                 batch = collate(pairs, self.pad)
                 total, n = response_logprobs(reference, batch).total.cpu(), len(pairs)
@@ -157,7 +164,7 @@ def evaluate(engine: Any, view: Callable[[Any], Any], pairs: list[Any], pad: int
 
     engine.eval()
     sums: dict[str, float] = {}
-    for chunk, weight in loop.shard_batches(pairs, cfg.micro_batch_size, dist.get_rank(), dist.get_world_size()):
+    for chunk, weight in loop.shard_batches(pairs, cfg.micro_batch_size, dist.get_rank(), dist.get_world_size(), pair_length):
         batch = collate(chunk, pad)
         seq, logits, first = _forward(engine, batch)
         with view(engine) as reference:
@@ -235,7 +242,7 @@ def build_reference(cfg: DPOConfig, world: int) -> Any:
     return engines.frozen(model, cfg.zero_stage, cfg.dtype, cfg.offload, 2 * cfg.micro_batch_size, world)
 
 
-def train_loss(cfg: DPOConfig, table: ReferenceTable):
+def train_loss(cfg: DPOConfig, table: ReferenceTable, scale: int = 1):
     """The loop's (engine, batch) -> Loss: DPO against the reference table, plus RPO's chosen NLL when
     rpo_alpha > 0, with the implicit-reward metrics of the micro-batch (the loop logs a step's last ones)."""
 
@@ -247,10 +254,18 @@ def train_loss(cfg: DPOConfig, table: ReferenceTable):
         # only the step's last micro-batch's are logged: computing them reads values back (a GPU sync)
         boundary = engine.is_gradient_accumulation_boundary()
         metrics = {k: v for k, v in reward_metrics(out, pc, pr).items() if k != "loss"} if boundary else {}
-        value = out.loss + cfg.rpo_alpha * chosen_nll(first_half(seq)) if cfg.rpo_alpha else out.loss
+        value = out.loss + cfg.rpo_alpha * rpo_term(first_half(seq), batch, scale) if cfg.rpo_alpha else out.loss
         return loop.Loss(value, metrics)
 
     return loss
+
+
+def rpo_term(chosen: SequenceLogprobs, batch: dict[str, torch.Tensor], scale: int) -> torch.Tensor:
+    """RPO's chosen NLL as the micro-batch's share of its optimizer step's token mean (lm.step_loss: the
+    step's chosen tokens on every rank are batch["step_units"]; `scale` = accumulation steps x ranks)."""
+    if "step_units" not in batch:
+        return chosen_nll(chosen)
+    return -chosen.total.sum() / batch["step_units"].to(chosen.total).clamp(min=1) * scale
 
 
 def run(
@@ -298,12 +313,14 @@ def run(
             train=train,
             evals=evals,
             collate=lambda b: collate(b, pad),
-            loss=train_loss(cfg, table),
+            loss=train_loss(cfg, table, cfg.gradient_accumulation_steps * world),
             evaluate=lambda engine: evaluate(engine, view, evals, pad, cfg),
             model_cls=AutoModelForCausalLM,
             task_type="CAUSAL_LM",
             result={"loss_type": cfg.loss_type, "train_pairs": len(train), "eval_pairs": len(evals)},
             finished=finished,
+            length=pair_length,
+            units=(lambda pair: lm.loss_tokens(pair["chosen"])) if cfg.rpo_alpha else None,
         )
 
     load = lambda: check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)  # noqa: E731

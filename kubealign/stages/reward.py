@@ -42,6 +42,11 @@ def collate(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, 
     return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(mask)}
 
 
+def pair_length(pair: tuple[list[int], list[int]]) -> int:
+    """What a pair pads to: its longer response's sequence (both are in one batch, collate)."""
+    return max(len(pair[0]), len(pair[1]))
+
+
 def pair_scores(model: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     device = distributed.device()
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -59,7 +64,7 @@ def evaluate(engine: Any, pairs: list[Any], pad_id: int, batch_size: int) -> tup
     chosen_all: list[float] = []
     rejected_all: list[float] = []
     with torch.no_grad():
-        for batch, weight in loop.shard_batches(pairs, batch_size, dist.get_rank(), dist.get_world_size()):
+        for batch, weight in loop.shard_batches(pairs, batch_size, dist.get_rank(), dist.get_world_size(), pair_length):
             chosen, rejected = pair_scores(engine, collate(batch, pad_id))
             if weight:
                 chosen_all += chosen.float().tolist()
@@ -126,6 +131,7 @@ def run(
             model_cls=AutoModelForSequenceClassification,
             task_type="SEQ_CLS",
             result={"train_pairs": len(train), "eval_pairs": len(evals)},
+            length=pair_length,
         )
 
     load = lambda: phases.load(data, "phase2_reward", need_rejected=True)  # noqa: E731

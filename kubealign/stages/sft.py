@@ -19,9 +19,13 @@ from kubealign.data import phases
 from kubealign.models import loading
 from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
-from kubealign.training.lm import batch_loss, collate, tokenize
+from kubealign.training.lm import batch_loss, collate, loss_tokens, step_loss, tokenize
 
 STAGE = "sft"
+
+
+def sequence_length(example: dict[str, list[int]]) -> int:
+    return len(example["input_ids"])
 
 
 def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -> dict[str, float]:
@@ -31,7 +35,7 @@ def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -
     engine.eval()
     nll, tokens = 0.0, 0.0
     with torch.no_grad():
-        for batch, weight in loop.shard_batches(examples, batch_size, dist.get_rank(), dist.get_world_size()):
+        for batch, weight in loop.shard_batches(examples, batch_size, dist.get_rank(), dist.get_world_size(), sequence_length):
             out = batch_loss(engine, collate(batch, pad_id), fp32=True)
             nll += weight * float(out.nll_sum)
             tokens += weight * float(out.tokens)
@@ -63,16 +67,19 @@ def run(
             )
             model = apply_lora(model, cfg.lora, "CAUSAL_LM")
         pad = tokenizer.pad_token_id
+        scale = cfg.gradient_accumulation_steps * world
         return stage.Built(
             model=model,
             train=train,
             evals=evals,
             collate=lambda b: collate(b, pad),
-            loss=lambda engine, batch: batch_loss(engine, batch, cfg.fp32_loss).loss,
+            loss=lambda engine, batch: step_loss(batch_loss(engine, batch, cfg.fp32_loss), batch, scale),
             evaluate=lambda engine: perplexity(engine, evals, pad, cfg.micro_batch_size),
             model_cls=AutoModelForCausalLM,
             task_type="CAUSAL_LM",
             result={"train_rows": len(train), "eval_rows": len(evals)},
+            length=sequence_length,
+            units=loss_tokens,
         )
 
     load = lambda: phases.load(data, "phase1_sft")  # noqa: E731

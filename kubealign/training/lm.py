@@ -49,3 +49,20 @@ def batch_loss(model: Any, batch: dict[str, torch.Tensor], fp32: bool) -> TokenL
         use_cache=False,
     ).logits
     return lm_loss(logits, batch["input_ids"], batch["loss_mask"], fp32)
+
+
+def loss_tokens(example: dict[str, list[int]]) -> int:
+    """The tokens an example's loss counts: its loss-mask positions after the first (lm_loss's targets)."""
+    return sum(example["loss_mask"][1:])
+
+
+def step_loss(out: TokenLoss, batch: dict[str, torch.Tensor], scale: int) -> torch.Tensor:
+    """The micro-batch's share of its optimizer step's token-mean loss: summed NLL over the step's loss
+    tokens (batch["step_units"], all ranks and micro-batches), times `scale` = accumulation steps x ranks,
+    which DeepSpeed divides back out (1 / accumulation per micro-batch, the mean over ranks of gradients).
+    So the step's gradient is that of the mean NLL over all its tokens, whatever the grouping; a mean per
+    micro-batch instead would weigh a token of a short batch more than one of a long batch. Without
+    step_units (no plan): the micro-batch's own mean."""
+    if "step_units" not in batch:
+        return out.loss
+    return out.nll_sum / batch["step_units"].to(out.nll_sum).clamp(min=1) * scale

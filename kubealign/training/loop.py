@@ -2,9 +2,9 @@
 engine, periodic evaluation, checkpoints with an exact resume, metrics to MLflow, a progress bar.
 
 Resume is exact: a checkpoint holds the engine (weights, optimizer, scheduler), the step, the epoch,
-the micro-batch position inside the epoch and every RNG state, and the data order is a function of
-(seed, epoch) through DistributedSampler, so a resumed run sees the same batches in the same order
-with the same dropout masks as an uninterrupted one.
+the micro-batch position inside the epoch and every RNG state, and the batches are a function of
+(seed, epoch, lengths) through kubealign.data.batching, so a resumed run sees the same batches in the same
+order with the same dropout masks as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import resource
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from kubealign.config.schema import TrainConfig
+from kubealign.data import batching
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.training import checkpoints, distributed, preemption
@@ -75,6 +76,9 @@ class Task:
     resume: bool = False
     history: list[dict[str, float]] = field(default_factory=list)
     files: dict[str, Any] = field(default_factory=dict)  # the last evaluation's (Evaluation.files)
+    length: Callable[[Any], int] | None = None  # an example's padded length: what cfg.batching groups by
+    units: Callable[[Any], int] | None = None  # an example's share of a token-mean loss (batches get step_units)
+    padding_share: float = 0.0  # of the token slots trained on (set by the loop)
 
 
 def evaluated(task: Task, engine: Any) -> dict[str, float]:
@@ -92,29 +96,49 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def shard_batches(examples: list[Any], batch_size: int, rank: int, world: int) -> list[tuple[list[Any], float]]:
-    """This rank's share of evaluation batches, as (batch, weight). Every rank gets the same number of
-    batches, because ZeRO-3 gathers parameters collectively in each forward: missing batches are filled
-    with a copy of the last one at weight 0."""
-    batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)] or [[]]
+def shard_batches(
+    examples: list[Any], batch_size: int, rank: int, world: int, length: Callable[[Any], int] | None = None
+) -> list[tuple[list[Any], float]]:
+    """This rank's share of evaluation batches, as (batch, weight). With `length`, the examples are batched
+    longest first, so each batch pads little (an evaluation's sums do not depend on the order). Every rank
+    gets the same number of batches, because ZeRO-3 gathers parameters collectively in each forward:
+    missing batches are filled with a copy of the last one at weight 0."""
+    if length is not None:
+        order = batching.sorted_batches([length(e) for e in examples], batch_size)
+        batches = [[examples[i] for i in batch] for batch in order] or [[]]
+    else:
+        batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)] or [[]]
     weighted = [(b, 1.0) for b in batches]
     while len(weighted) % world:
         weighted.append((batches[-1], 0.0))
     return [(b, w) for b, w in weighted[rank::world] if b]
 
 
-def make_loader(task: Task, rank: int, world: int) -> Any:
-    from torch.utils.data import DataLoader, DistributedSampler
+def example_lengths(task: Task) -> list[int]:
+    """Each training example's padded length as the task measures it (all equal when it does not)."""
+    return [task.length(e) for e in task.train] if task.length is not None else [1] * len(task.train)
 
-    sampler = DistributedSampler(
-        task.train, num_replicas=world, rank=rank, shuffle=True, seed=task.cfg.seed, drop_last=True
+
+def plan(task: Task, lengths: list[int], world: int, epoch: int) -> batching.Plan:
+    cfg = task.cfg
+    return batching.epoch_plan(
+        lengths, cfg.micro_batch_size, world, cfg.gradient_accumulation_steps, cfg.seed, epoch, cfg.batching
     )
-    # Its own generator: a DataLoader otherwise draws a seed from the global RNG for every new iterator,
-    # which would shift the dropout masks of a resumed run against an uninterrupted one.
-    generator = torch.Generator().manual_seed(task.cfg.seed)
-    return DataLoader(
-        task.train, batch_size=task.cfg.micro_batch_size, sampler=sampler, collate_fn=task.collate, generator=generator
-    )
+
+
+def micro_batches(task: Task, lengths: list[int], rank: int, world: int, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+    """The epoch's collated micro-batches of this rank, in training order (kubealign.data.batching). With
+    task.units, each carries `step_units`: the sum of units over its optimizer step's examples on all ranks,
+    what a token-mean loss divides by so that the step's loss does not depend on how it was grouped."""
+    batches = plan(task, lengths, world, epoch)
+    totals = None
+    if task.units is not None:
+        totals = batching.step_units(batches, [task.units(e) for e in task.train], task.cfg.gradient_accumulation_steps)
+    for i, ranks in enumerate(batches):
+        batch = task.collate([task.train[j] for j in ranks[rank]])
+        if totals is not None:
+            batch["step_units"] = torch.tensor(float(totals[i // task.cfg.gradient_accumulation_steps]))
+        yield batch
 
 
 def _restore(engine: Any, task: Task) -> dict[str, Any]:
@@ -200,7 +224,7 @@ def stop_if_diverged(task: Task, step: int, after: dict[str, float], lr: float) 
 def _train(
     task: Task,
     engine: Any,
-    loader: Any,
+    ranks: tuple[int, int],
     tracker: Any,
     bar: Any,
     stop: preemption.StopRequest,
@@ -212,11 +236,12 @@ def _train(
     step boundary a stop the ranks agree on (a SIGTERM or SIGINT: preemption) saves a checkpoint, unless
     the step just saved one, and raises Stopped."""
     cfg = task.cfg
-    step, epoch, tokens = position["step"], position["epoch"], 0
+    rank, world = ranks
+    lengths = example_lengths(task)
+    step, epoch, tokens, slots = position["step"], position["epoch"], 0, 0
     step_loss = None
     while step < total_steps:
-        loader.sampler.set_epoch(epoch)
-        for micro, batch in enumerate(loader):
+        for micro, batch in enumerate(micro_batches(task, lengths, rank, world, epoch)):
             if epoch == position["epoch"] and micro < position["micro"]:
                 continue  # already trained on before the checkpoint
             boundary = engine.is_gradient_accumulation_boundary()
@@ -226,15 +251,17 @@ def _train(
             step_loss = loss.detach() if step_loss is None else step_loss + loss.detach()
             if boundary:
                 stop_if_nonfinite(task, step + 1, step_loss, engine.get_lr()[0])
-                step_loss = None
             engine.backward(loss)
             engine.step()
             tokens += int(batch["attention_mask"].sum())
+            slots += batch["attention_mask"].numel()
             if not boundary:
                 continue
+            # DeepSpeed scales each micro-batch's loss by 1 / accumulation: the step's loss is their mean
+            step_mean, step_loss = step_loss / cfg.gradient_accumulation_steps, None
             step += 1
             bar.update()
-            record = {"train_loss": loss.item(), "lr": engine.get_lr()[0]}
+            record = {"train_loss": step_mean.item(), "lr": engine.get_lr()[0]}
             tracker.log_metrics({**record, **{f"train_{k}": v for k, v in metrics.items()}}, step=step)
             if cfg.eval_every_steps and step % cfg.eval_every_steps == 0 and step < total_steps:
                 tracker.log_metrics({f"eval_{k}": v for k, v in evaluated(task, engine).items()}, step=step)
@@ -256,6 +283,7 @@ def _train(
             epoch += 1
             continue
         break
+    task.padding_share = 1.0 - tokens / slots if slots else 0.0
     return step, tokens
 
 
@@ -263,16 +291,16 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
     """Train `model` as `task` says; returns (engine, summary metrics)."""
     rank, world = distributed.init()
     cfg = task.cfg
-    if len(task.train) < cfg.micro_batch_size * world:
+    per_step = cfg.micro_batch_size * world * cfg.gradient_accumulation_steps
+    if len(task.train) < per_step:
         raise UserError(
-            f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) is more than the "
-            f"{len(task.train)} training rows"
+            f"{task.name}.micro_batch_size: {cfg.micro_batch_size} x {world} rank(s) x "
+            f"{cfg.gradient_accumulation_steps} accumulation step(s) is more than the {len(task.train)} training rows"
         )
     config = getattr(model, "config", None)  # a sequence past the position table: an IndexError mid-training
     if hasattr(config, "to_dict"):
         loading.check_fits(f"{task.name}.max_seq_len", cfg.max_seq_len, "model", f"{task.name}.model", config.to_dict())
-    loader = make_loader(task, rank, world)
-    steps_per_epoch = max(len(loader) // cfg.gradient_accumulation_steps, 1)
+    steps_per_epoch = len(task.train) // per_step  # batching.epoch_plan: whole steps only
     total_steps = max(math.ceil(cfg.num_train_epochs * steps_per_epoch), 1)
     config = engines.ds_config(cfg, world, torch.cuda.is_available())
     engine = engines.create(model, cfg, config, total_steps)
@@ -286,7 +314,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
     )
     with preemption.StopRequest() as stop:
         try:
-            step, tokens = _train(task, engine, loader, tracker, bar, stop, position, before, total_steps)
+            step, tokens = _train(task, engine, (rank, world), tracker, bar, stop, position, before, total_steps)
         finally:
             bar.close()  # the stop's line comes after the bar's
     elapsed = time.perf_counter() - started
@@ -300,6 +328,7 @@ def run(task: Task, model: torch.nn.Module, tracker: Any) -> tuple[Any, dict[str
         "steps": step,
         "train_tokens": total_tokens,
         "tokens_per_s": total_tokens / max(total_time / world, 1e-9),
+        "padding_share": task.padding_share,
         "train_time_s": elapsed,
         "peak_memory_mb": peak_memory_mb(),
         "world_size": world,

@@ -39,6 +39,8 @@ class Built:
     result: dict[str, Any] = field(default_factory=dict)  # stage-specific result.json entries
     # engine -> result entries known only after training (checked then), e.g. dpo's reference hashes
     finished: Callable[[Any], dict[str, Any]] | None = None
+    length: Callable[[Any], int] | None = None  # an example's padded length (loop.Task.length)
+    units: Callable[[Any], int] | None = None  # an example's share of a token-mean loss (loop.Task.units)
 
 
 def run(
@@ -74,6 +76,8 @@ def run(
             evaluate=built.evaluate,
             checkpoint_dir=checkpoint_dir,
             resume=resume,
+            length=built.length,
+            units=built.units,
         )
         engine, summary = loop.run(task, built.model, tracker)
         after = built.finished(engine) if built.finished is not None else {}
