@@ -44,6 +44,11 @@ class PPOConfig(Section):
     hybrid_engine: HybridEngineConfig = Field(default_factory=HybridEngineConfig, description="Actor HE.")
     generation_batch_size: int = Field(8, ge=1, description="Prompts per device per rollout.")
     micro_batch_size: int = Field(8, ge=1, description="Samples per device per PPO micro-step.")
+    batching: Literal["grouped", "padded"] = Field(
+        "grouped",
+        description="grouped: each rollout batch's prompts of similar lengths (less left padding in generation "
+        "and every pass after it; kubealign.data.batching); padded: plain shuffled prompt batches.",
+    )
     samples_per_prompt: int | None = Field(
         None,
         ge=1,

@@ -164,7 +164,9 @@ def evaluate(engine: Any, view: Callable[[Any], Any], pairs: list[Any], pad: int
 
     engine.eval()
     sums: dict[str, float] = {}
-    for chunk, weight in loop.shard_batches(pairs, cfg.micro_batch_size, dist.get_rank(), dist.get_world_size(), pair_length):
+    for chunk, weight in loop.shard_batches(
+        pairs, cfg.micro_batch_size, dist.get_rank(), dist.get_world_size(), pair_length
+    ):
         batch = collate(chunk, pad)
         seq, logits, first = _forward(engine, batch)
         with view(engine) as reference:

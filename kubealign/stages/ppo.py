@@ -23,7 +23,7 @@ import torch
 
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import PPOConfig
-from kubealign.data import phases
+from kubealign.data import batching, phases
 from kubealign.data.phases import Rows
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
@@ -51,19 +51,18 @@ def encode_prompts(rows: Any, tokenizer: Any, max_len: int) -> list[list[int]]:
     return [cut_left(encode_prompt(tokenizer, p), max_len, bos) for p in dict.fromkeys(rows["prompt"])]
 
 
-def prompt_order(n: int, step: int, cfg: PPOConfig, rank: int, world: int) -> list[int]:
-    """Indices of the prompts of iteration `step` for this rank: a seeded permutation per epoch."""
-    per_step = cfg.generation_batch_size * world
-    per_epoch = n // per_step
+def prompt_order(lengths: list[int], step: int, cfg: PPOConfig, rank: int, world: int) -> list[int]:
+    """Indices of the prompts of iteration `step` for this rank: the step's batch of a seeded plan per epoch
+    (kubealign.data.batching). With ppo.batching grouped, prompts of similar length share a rollout batch:
+    less left padding in generation and in every pass over the rollouts after it."""
+    per_epoch = len(lengths) // (cfg.generation_batch_size * world)
     epoch, j = divmod(step, per_epoch)
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed + epoch)).tolist()
-    start = j * per_step + rank * cfg.generation_batch_size
-    return order[start : start + cfg.generation_batch_size]
+    return batching.epoch_plan(lengths, cfg.generation_batch_size, world, 1, cfg.seed, epoch, cfg.batching)[j][rank]
 
 
-def prompt_batch(prompts: list[list[int]], step: int, cfg: PPOConfig, rank: int, world: int, pad: int):
-    """Left-padded prompts of iteration `step` for this rank (prompt_order's)."""
-    ids, mask = pad_batch([prompts[i] for i in prompt_order(len(prompts), step, cfg, rank, world)], pad, "left")
+def prompt_batch(prompts: list[list[int]], order: list[int], pad: int):
+    """The prompts at `order` (prompt_order's), left-padded, on the device."""
+    ids, mask = pad_batch([prompts[i] for i in order], pad, "left")
     device = distributed.device()
     return torch.tensor(ids, device=device), torch.tensor(mask, device=device)
 
@@ -167,6 +166,7 @@ def train(
             f"ppo.generation_batch_size: {cfg.generation_batch_size} x {world} rank(s) is more than the "
             f"{len(prompts)} phase-3 training prompts"
         )
+    lengths = [len(p) for p in prompts]
     kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     ema = EMA(cfg.ema_coef) if cfg.ema_coef else None
     state = load_checkpoint(models, checkpoints, kl, ema, cfg.algorithm) if resume else {"iteration": 0}
@@ -183,8 +183,9 @@ def train(
     with preemption.StopRequest() as stop:
         try:
             for step in range(start + 1, cfg.num_iterations + 1):
-                ids, mask = prompt_batch(prompts, step - 1, cfg, rank, world, models.tokenizer.pad_token_id)
-                batch_rows = rows.take(prompt_order(len(prompts), step - 1, cfg, rank, world)) if rows else None
+                order = prompt_order(lengths, step - 1, cfg, rank, world)
+                ids, mask = prompt_batch(prompts, order, models.tokenizer.pad_token_id)
+                batch_rows = rows.take(order) if rows else None
                 try:
                     metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
                 except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved

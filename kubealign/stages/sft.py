@@ -35,7 +35,9 @@ def perplexity(engine: Any, examples: list[Any], pad_id: int, batch_size: int) -
     engine.eval()
     nll, tokens = 0.0, 0.0
     with torch.no_grad():
-        for batch, weight in loop.shard_batches(examples, batch_size, dist.get_rank(), dist.get_world_size(), sequence_length):
+        for batch, weight in loop.shard_batches(
+            examples, batch_size, dist.get_rank(), dist.get_world_size(), sequence_length
+        ):
             out = batch_loss(engine, collate(batch, pad_id), fp32=True)
             nll += weight * float(out.nll_sum)
             tokens += weight * float(out.tokens)

@@ -126,7 +126,9 @@ def plan(task: Task, lengths: list[int], world: int, epoch: int) -> batching.Pla
     )
 
 
-def micro_batches(task: Task, lengths: list[int], rank: int, world: int, epoch: int) -> Iterator[dict[str, torch.Tensor]]:
+def micro_batches(
+    task: Task, lengths: list[int], rank: int, world: int, epoch: int
+) -> Iterator[dict[str, torch.Tensor]]:
     """The epoch's collated micro-batches of this rank, in training order (kubealign.data.batching). With
     task.units, each carries `step_units`: the sum of units over its optimizer step's examples on all ranks,
     what a token-mean loss divides by so that the step's loss does not depend on how it was grouped."""
