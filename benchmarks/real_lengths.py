@@ -23,6 +23,7 @@ in other (longest-first) batches: ln 2 = 0.693147 in every batch unless batching
   python benchmarks/real_lengths.py --quick     # 2 rounds of 1 step per mode and stage (under 10 min, 2 cores)
   python benchmarks/real_lengths.py             # 4 rounds of 2 steps
   python benchmarks/real_lengths.py --build-model   # only build build/models/opt-125m-hh (the preset's model)
+  python benchmarks/real_lengths.py --quick --shape opt-1.3b   # on a GPU (bf16): docs/gpu.md, last and optional
 
 The figures go to results/real-lengths-<label>.json; the last line printed is their JSON summary.
 """
@@ -48,10 +49,14 @@ from train_throughput import machine  # noqa: E402
 
 HH = REPO.parent / "shared" / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
 PRESET = REPO / "configs" / "hh-real-lengths.yaml"
-MODEL_DIR = REPO / "build" / "models" / "opt-125m-hh"
+MODELS = REPO / "build" / "models"
 VOCAB = 16384
-OPT_125M = {"hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-            "word_embed_proj_dim": 768, "vocab_size": 50272, "max_position_embeddings": 2048}  # fmt: skip
+SHAPES = {  # facebook/opt-* config dimensions; the vocabulary is OPT's (the BPE uses its first 16,384 ids)
+    "opt-125m": {"hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
+                 "word_embed_proj_dim": 768},
+    "opt-1.3b": {"hidden_size": 2048, "ffn_dim": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
+                 "word_embed_proj_dim": 2048},
+}  # fmt: skip
 
 
 def hh_dialogues() -> list[dict[str, str]]:
@@ -59,14 +64,16 @@ def hh_dialogues() -> list[dict[str, str]]:
         return [json.loads(line) for line in handle]
 
 
-def build_model(directory: Path = MODEL_DIR) -> Path:
-    """The preset's model: OPT-125M's shape, random weights (seed 0), the HH-trained BPE. Built once."""
+def build_model(shape: str = "opt-125m") -> Path:
+    """build/models/SHAPE-hh: that OPT shape, random weights (seed 0), the HH-trained BPE. Built once;
+    opt-125m-hh is the preset's model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, OPTConfig, PreTrainedTokenizerFast
 
     from kubealign.models.tiny import SPECIAL_TOKENS
     from kubealign.outputs import atomic_dir
 
+    directory = MODELS / f"{shape}-hh"
     if (directory / "config.json").exists():
         return directory
     bpe = Tokenizer(models.BPE())
@@ -78,11 +85,10 @@ def build_model(directory: Path = MODEL_DIR) -> Path:
     )  # fmt: skip
     bpe.train_from_iterator((d[k] for d in hh_dialogues() for k in ("chosen", "rejected")), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **SPECIAL_TOKENS)
-    tokenizer.model_max_length = OPT_125M["max_position_embeddings"]
-    config = OPTConfig(
-        **OPT_125M, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, dropout=0.1,
-    )  # fmt: skip
+    tokenizer.model_max_length = 2048
+    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
+           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    config = OPTConfig(**SHAPES[shape], vocab_size=50272, max_position_embeddings=2048, dropout=0.1, **ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
@@ -403,12 +409,16 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", default=["sft", "reward", "dpo", "ppo"])
     parser.add_argument("--steps", type=int, help="optimizer steps per mode per round (default 2; --quick 1)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 4; --quick 2)")
-    parser.add_argument("--build-model", action="store_true", help="only build the preset's model and exit")
+    parser.add_argument("--build-model", action="store_true", help="only build the model and exit")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="opt-125m", help="the model's OPT shape")
+    parser.add_argument("--hh", type=Path, default=HH, help="the HH-RLHF file (default: ../shared/data/hh-rlhf's)")
     parser.add_argument("--label", help="results file suffix (default: cpu-2core or quick-cpu)")
     args = parser.parse_args()
-    if not HH.exists():
-        raise SystemExit(f"{HH}: absent (../shared/data beside the repo)")
-    model_dir = build_model()
+    if not args.hh.exists():
+        raise SystemExit(f"{args.hh}: absent (../shared/data beside the repo, or --hh FILE)")
+    global HH
+    HH = args.hh
+    model_dir = build_model(args.shape)
     if args.build_model:
         print(model_dir)
         return
@@ -417,7 +427,10 @@ def main() -> None:
     from kubealign.training import distributed
 
     distributed.init()  # one rank, as a stage run alone (DeepSpeed needs the process group)
-    config = load_config(PRESET, [])
+    # on CUDA the stages train in bf16 (the GPU presets' precision); on CPU in the preset's fp32
+    config = load_config(
+        PRESET, [f"{s}.dtype=bf16" for s in ("sft", "reward", "dpo")] if torch.cuda.is_available() else []
+    )
     PPO_BATCH[0] = config.ppo.generation_batch_size
     tokenizer = loading.load_tokenizer(str(model_dir))
     steps = args.steps or (1 if args.quick else 2)
@@ -435,9 +448,10 @@ def main() -> None:
         "dpo_initial_loss_per_batch": losses,
         "wall_s": time.perf_counter() - started,
     }
-    label = args.label or ("quick-cpu" if args.quick else "cpu")
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    label = args.label or f"{args.shape}-{'quick-' if args.quick else ''}{device}"
     record = {"result": summary, "machine": machine(), "command": " ".join(["python", *sys.argv]),
-              "model": "OPT-125M shape, random weights, HH-trained BPE (16384)", "data": str(HH.name)}  # fmt: skip
+              "model": f"{args.shape} shape, random weights, HH-trained BPE (16384)", "data": str(HH.name)}  # fmt: skip
     (HERE / "results" / f"real-lengths-{label}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(summary))
 

@@ -233,3 +233,54 @@ class EngineLike(torch.nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return True
+
+
+def test_ppo_rollout_batches_group_prompts_by_length():
+    from kubealign.config.schema import PPOConfig
+    from kubealign.stages.ppo import prompt_order
+
+    lengths = ZIGZAG * 2  # 16 prompts, each length twice
+    padded = PPOConfig(generation_batch_size=2, seed=3, batching="padded")
+    for step in range(8):  # two epochs of 4 steps of 2 ranks x 2 prompts
+        epoch, j = divmod(step, 4)
+        order = torch.randperm(16, generator=torch.Generator().manual_seed(3 + epoch)).tolist()
+        for rank in (0, 1):  # the plain seeded permutation, cut per step and rank, as the stage always drew it
+            assert prompt_order(lengths, step, padded, rank, 2) == order[j * 4 + rank * 2 : j * 4 + rank * 2 + 2]
+    grouped = padded.model_copy(update={"batching": "grouped"})
+    seen = []
+    for step in range(4):
+        for rank in (0, 1):
+            batch = prompt_order(lengths, step, grouped, rank, 2)
+            assert lengths[batch[0]] == lengths[batch[1]]  # sorted together: equal lengths share a rollout batch
+            seen += batch
+    assert sorted(seen) == list(range(16))
+    # a global batch of 4 is the window's longest 4 first: (100, 100, 99, 99) -> rank 0 the 100s
+    firsts = {tuple(lengths[i] for i in prompt_order(lengths, s, grouped, 0, 2)) for s in range(4)}
+    assert firsts == {(100, 100), (98, 98), (4, 4), (2, 2)}
+
+
+def test_the_loop_hands_each_micro_batch_its_steps_token_count(tmp_path):
+    from kubealign.config.train import SFTConfig
+    from kubealign.training import lm, loop
+
+    sizes = (3, 9, 4, 12, 6, 2, 7, 5)  # loss tokens: n - 1 each (the first token is never a target), 40 in all
+    examples = [{"input_ids": [5] * n, "loss_mask": [0] + [1] * (n - 1)} for n in sizes]
+    cfg = SFTConfig(micro_batch_size=2, gradient_accumulation_steps=2, batching="grouped", seed=1)
+    task = loop.Task(
+        name="sft", cfg=cfg, train=examples, collate=lambda b: lm.collate(b, 0), loss=None, evaluate=None,
+        checkpoint_dir=tmp_path, length=lambda e: len(e["input_ids"]), units=lm.loss_tokens,
+    )  # fmt: skip
+    lengths = loop.example_lengths(task)
+    batches = list(loop.micro_batches(task, lengths, 0, 1, epoch=0))
+    assert len(batches) == 4  # two steps of two micro-batches
+    for k in (0, 2):  # each micro-batch carries the loss tokens of its whole step, its partner's included
+        total = sum(int(b["loss_mask"][:, 1:].sum()) for b in batches[k : k + 2])
+        assert float(batches[k]["step_units"]) == float(batches[k + 1]["step_units"]) == total
+    assert float(batches[0]["step_units"]) + float(batches[2]["step_units"]) == 40
+    # two ranks: one step of 2 ranks x 2 micro-batches x 2; each rank's batches count the other rank's too
+    for rank in (0, 1):
+        mine = list(loop.micro_batches(task, lengths, rank, 2, epoch=0))
+        assert len(mine) == 2 and all(float(b["step_units"]) == 40 for b in mine)
+    ranks = [list(loop.micro_batches(task, lengths, r, 2, epoch=0)) for r in (0, 1)]
+    rows = sorted(int(b["attention_mask"][i].sum()) for part in ranks for b in part for i in range(2))
+    assert rows == sorted(sizes)  # every example once over the ranks

@@ -10,7 +10,7 @@ its megabatches of 50). "padded" is the plain shuffled order.
 
 Packing several sequences into one row instead would remove the last padding too, but needs an attention
 kernel that stops at sequence boundaries: on CPU, SDPA has none, and a block-diagonal mask costs attention
-over the whole packed row (docs/performance.md has the measurement), so grouping is what runs here.
+over the whole packed row (docs/padding-free.md has the measurement), so grouping is what runs here.
 
 A plan is a list of global micro-batches in training order, each a list of `world` per-rank index lists of
 `micro` examples. Examples that do not fill a whole optimizer step at the end of an epoch are left out of
