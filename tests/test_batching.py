@@ -70,6 +70,23 @@ def test_sorting_stays_inside_a_window(monkeypatch: pytest.MonkeyPatch):
     assert expected != {frozenset({7, 6}), frozenset({5, 4}), frozenset({3, 2}), frozenset({1, 0})}  # not global
 
 
+def test_grouped_micro_batches_come_in_shuffled_order():
+    lengths = list(range(1, 81))  # one window: sorted, it would start with the longest micro-batch
+    plan = batching.epoch_plan(lengths, 2, 1, 1, seed=4, epoch=0, mode="grouped")
+    tops = [max(lengths[i] for i in b[0]) for b in plan]
+    assert sorted(tops, reverse=True) == list(range(80, 0, -2))  # the micro-batches are the sorted pairs ...
+    assert tops != sorted(tops, reverse=True) and tops != sorted(tops)  # ... in a shuffled order
+
+
+def test_a_pair_pads_to_its_longer_sequence():
+    from kubealign.stages import dpo, reward
+
+    assert reward.pair_length(([1, 2], [1, 2, 3, 4, 5])) == 5 and reward.pair_length(([1, 2, 3], [1])) == 3
+    pair = {"chosen": {"input_ids": [1, 2]}, "rejected": {"input_ids": [1, 2, 3, 4]}}
+    assert dpo.pair_length(pair) == 4
+    assert dpo.pair_length({"chosen": pair["rejected"], "rejected": pair["chosen"]}) == 4
+
+
 def test_step_units_sum_a_whole_step_over_ranks():
     plan = [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]]]
     units = [1, 2, 4, 8, 16, 32, 64, 128]
