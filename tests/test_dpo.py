@@ -327,7 +327,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Pa
     resumed = kubealign_subprocess("dpo", *common, "--resume", "--output", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "straight"), result_of(tmp_path / "resumed")
-    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 11  # 68 steps an epoch x 0.15, rounded up
+    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 11  # 67 steps an epoch x 0.15, rounded up
     assert a["history"][4:] == b["history"]  # losses and implicit-reward metrics of every later step
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["after_loss"] == b["metrics"]["after_loss"]
