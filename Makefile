@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-containers test-serve test-latest images image-train image-serve lint format lock lock-tools lock-serve clean
+.PHONY: demo test test-containers test-serve test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,18 @@ test-latest:
 	$(LATEST)/bin/python -c "import torch, transformers, deepspeed; print('newest allowed:', 'torch', torch.__version__, 'transformers', transformers.__version__, 'deepspeed', deepspeed.__version__)"
 	$(LATEST)/bin/pytest -m "not gpu and not slow and not train_image" $(LATEST_TESTS)
 
+# kubealign against TRL at real lengths (benchmarks/trl_compare.py, docs/padding-free.md): TRL gets a venv of its
+# own, the lock plus requirements/trl.txt (about 2 minutes to build here), so the project's lock stays TRL-free.
+# Not part of `make test`; --quick takes about 12 minutes on 2 cores.
+TRL_VENV := .venv-trl
+$(TRL_VENV)/.installed: pyproject.toml $(LOCK) requirements/trl.txt
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/pip install --disable-pip-version-check -q -c $(LOCK) -e . -r requirements/trl.txt
+	touch $@
+bench-trl: $(TRL_VENV)/.installed
+	$(TRL_VENV)/bin/python benchmarks/real_lengths.py --build-model
+	$(TRL_VENV)/bin/python benchmarks/trl_compare.py --quick
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -117,7 +129,7 @@ lock-tools:
 	mv $(TOOLS_LOCK).new $(TOOLS_LOCK) && rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(TOOLS) runs build *.egg-info
+	rm -rf $(VENV) $(TOOLS) $(TRL_VENV) runs build *.egg-info
 
 # Mutation testing of the PPO math and masking code ([tool.mutmut] in pyproject.toml). mutmut runs the
 # tests in its own process against a mutated copy of the package, so it must import everything the

@@ -235,8 +235,12 @@ def load_model(stage: Stage, model_dir: Path) -> Any:
 
     if stage.name == "reward":
         return load_reward_model(str(model_dir), False, 1, "fp32", None)
-    model = loading.load_causal_lm(str(model_dir))
-    for module in model.modules():  # no dropout: both modes must train the same function
+    return no_dropout(loading.load_causal_lm(str(model_dir)))
+
+
+def no_dropout(model: Any) -> Any:
+    """Dropout off: every side must train the same function."""
+    for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
     return model
@@ -404,6 +408,7 @@ def measure(stage: Stage, model_dir: Path, rounds: int, steps: int) -> dict[str,
 
 
 def main() -> None:
+    global HH
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step per mode and stage")
     parser.add_argument("--stages", nargs="+", default=["sft", "reward", "dpo", "ppo"])
@@ -416,7 +421,6 @@ def main() -> None:
     args = parser.parse_args()
     if not args.hh.exists():
         raise SystemExit(f"{args.hh}: absent (../shared/data beside the repo, or --hh FILE)")
-    global HH
     HH = args.hh
     model_dir = build_model(args.shape)
     if args.build_model:

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,28 @@ def test_no_tracked_file_names_a_path_of_the_build_machine():
             if MACHINE_PATH.search(line) or str(ROOT) in line:
                 found.append(f"{path}:{number}: {line.strip()[:100]}")
     assert found == []
+
+
+def compile_errors(paths: list[str]) -> list[str]:
+    """Each path whose Python does not compile (a SyntaxError that only compiling finds, such as a `global`
+    after the name's first use, which neither ruff nor ast.parse reports), as 'path:line: message'."""
+    found = []
+    for path in paths:
+        try:
+            compile((ROOT / path).read_text(encoding="utf-8"), path, "exec")
+        except SyntaxError as error:
+            found.append(f"{path}:{error.lineno}: {error.msg}")
+    return found
+
+
+def test_every_tracked_python_file_compiles():
+    # benchmarks/ and scripts are not imported by any test: a file there that does not compile is only
+    # found by the person who runs it (benchmarks/real_lengths.py once did not)
+    assert compile_errors([p for p in tracked() if p.endswith(".py")]) == []
+
+
+def test_the_compile_check_catches_a_late_global(tmp_path, monkeypatch):
+    bad = tmp_path / "late.py"
+    bad.write_text("X = 1\n\n\ndef main():\n    print(X)\n    global X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert compile_errors(["late.py"]) == ["late.py:6: name 'X' is used prior to global declaration"]
