@@ -1,4 +1,7 @@
-"""kubealign against TRL at real lengths: SFT, reward and DPO on HH-RLHF, an OPT-125M-shaped model.
+"""kubealign against TRL at real lengths: SFT, reward, DPO and GRPO on HH-RLHF, an OPT-125M-shaped model.
+
+GRPO (whole iterations: generation, experience, update) is benchmarks/trl_grpo.py, run from here with
+`--stages grpo` (its docstring says how); what follows is about the three token-linear stages.
 
 Both sides get the same model (build/models/opt-125m-hh, random weights, dropout off), the same tokens
 (kubealign's encoding of every usable HH pair at 512 tokens, handed to TRL pre-tokenized), the same micro-batch
@@ -9,12 +12,15 @@ which each side batches its own way. Rounds interleave the sides (the order reve
 in the machine's load falls on all. The sides:
 
 - kubealign: the stage's own collate and loss on a DeepSpeed engine, `batching: grouped` (its default).
-- trl: TRL's trainer with Hugging Face's length-grouped sampler (train_sampling_strategy="group_by_length",
-  a length column given), the best setting that is exact on this device.
-- trl-random: TRL as it comes (random batches, padded to their longest): what most runs use.
+- trl: TRL's trainer at its best on this device: Hugging Face's length-grouped sampler
+  (train_sampling_strategy="group_by_length", a length column given) and activation checkpointing off (as
+  kubealign's preset has it; TRL turns it on by default to save memory, at the cost of a second forward).
+- trl-default: TRL as it comes (random batches padded to their longest, activation checkpointing on: TRL's
+  configs default to it): what a run that sets neither gets.
 - trl-padding-free (sft only): TRL's padding_free=True (sequences flattened into one row, position ids
-  restarting). It needs attention that follows the position ids (flash-attention's varlen kernels); with
-  this model's SDPA attention it is not exact, and `exact` says so: it is timed, never the "best" TRL.
+  restarting), checkpointing off. It needs attention that follows the position ids (flash-attention's
+  varlen kernels); with this model's SDPA attention it is not exact, and `exact` says so: it is timed, never
+  the "best" TRL.
 
 Reported per stage and side: real (non-padding) tokens per second over the timed steps (from the trainer's
 start of training, its optimizer and model already built, to the end of the last step), the share of token
@@ -29,7 +35,8 @@ the timed steps are the policy's forward and backward on chosen + rejected.
 
   make bench-trl                                        # the venv with TRL (.venv-trl), then --quick
   .venv-trl/bin/python benchmarks/trl_compare.py --quick  # 2 rounds of 1 step
-  .venv-trl/bin/python benchmarks/trl_compare.py          # 3 rounds of 2 steps
+  .venv-trl/bin/python benchmarks/trl_compare.py          # 3 rounds of 2 steps (sft, reward, dpo)
+  .venv-trl/bin/python benchmarks/trl_compare.py --stages grpo --rounds 2 --label opt-125m-grpo-cpu
 
 The figures go to results/trl-compare-<label>.json; the last line printed is their JSON summary.
 """
@@ -37,11 +44,14 @@ The figures go to results/trl-compare-<label>.json; the last line printed is the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +61,11 @@ from transformers import PrinterCallback
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import real_lengths as rl  # noqa: E402
+import trl_grpo  # noqa: E402
 from train_throughput import machine  # noqa: E402
 
-SIDES = {"sft": ["kubealign", "trl", "trl-random", "trl-padding-free"], "reward": ["kubealign", "trl", "trl-random"],
-         "dpo": ["kubealign", "trl", "trl-random"]}  # fmt: skip
+SIDES = {"sft": ["kubealign", "trl", "trl-default", "trl-padding-free"], "reward": ["kubealign", "trl", "trl-default"],
+         "dpo": ["kubealign", "trl", "trl-default"], "grpo": ["kubealign", "trl"]}  # fmt: skip
 
 
 class Counter:
@@ -145,6 +156,9 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
         save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(), max_grad_norm=cfg.gradient_clipping, dataloader_num_workers=0,
         train_sampling_strategy="group_by_length" if side == "trl" else "random",
+        # TRL's configs turn activation checkpointing on (a forward recomputed in every backward, to save
+        # memory); the preset has it off and 24 GiB hold the model: off, except where TRL runs as it comes
+        gradient_checkpointing=side == "trl-default",
     )  # fmt: skip
     from kubealign.models import loading
 
@@ -184,8 +198,21 @@ def _dpo_class() -> type:
 _PretokenizedDPO: Any = None
 
 
+@contextlib.contextmanager
+def alone() -> Iterator[None]:
+    """TRL as in a process of its own: without the rendezvous variables of kubealign's one-rank group (set by
+    distributed.init for the DeepSpeed engines), which would make accelerate wrap TRL's model in DDP."""
+    from kubealign.training.distributed import RENDEZVOUS_ENV
+
+    saved = {k: os.environ.pop(k) for k in RENDEZVOUS_ENV if k in os.environ}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
 def run_trl(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: int, steps: int) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, alone():
         trainer = trl_trainer(stage, side, model_dir, data, seed, steps, out)
         counter = Counter(trainer.model)
         trainer.remove_callback(PrinterCallback)  # quiet: the losses are kept by the counter
@@ -222,7 +249,7 @@ def same_loss(stage: rl.Stage, model_dir: Path, data: Any, side: str = "trl") ->
     if stage.name == "reward":
         return {}
     indices = rl.batches_of(stage, "grouped", 100)[0]
-    with tempfile.TemporaryDirectory() as out, torch.no_grad():
+    with tempfile.TemporaryDirectory() as out, torch.no_grad(), alone():
         trainer = trl_trainer(stage, side, model_dir, data, 100, 1, out)
         model = trainer.model.eval()
         ours = float(stage.loss(rl._Boundary(model), collate(stage, indices)))
@@ -285,7 +312,13 @@ def main() -> None:
     global _PretokenizedDPO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step per side and stage")
-    parser.add_argument("--stages", nargs="+", default=list(SIDES), choices=list(SIDES))
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        default=["sft", "reward", "dpo"],
+        choices=list(SIDES),
+        help="default: sft reward dpo (grpo: whole PPO-stage iterations, run on its own)",
+    )
     parser.add_argument("--steps", type=int, help="optimizer steps per side per round (default 2; --quick 1)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 2)")
     parser.add_argument("--label", help="results file suffix (default: opt-125m-cpu or opt-125m-quick-cpu)")
@@ -314,7 +347,10 @@ def main() -> None:
     started = time.perf_counter()
     results = {}
     for name in args.stages:
-        results[name] = measure(found[name], model_dir, rounds, steps, SIDES[name])
+        if name == "grpo":  # whole iterations of the ppo stage: trl_grpo.py
+            results[name] = trl_grpo.measure(model_dir, config, tokenizer, rounds, steps)
+        else:
+            results[name] = measure(found[name], model_dir, rounds, steps, SIDES[name])
         print(f"{name}: {results[name]['speedup']:.2f}x {results[name]['best_trl']}", file=sys.stderr)
     summary = {"stages": results, "wall_s": time.perf_counter() - started, "trl": trl.__version__}
     label = args.label or f"opt-125m-{'quick-' if args.quick else ''}{'gpu' if torch.cuda.is_available() else 'cpu'}"
