@@ -234,15 +234,16 @@ def load_model(stage: Stage, model_dir: Path) -> Any:
     from kubealign.stages.reward import load_reward_model
 
     if stage.name == "reward":
-        return load_reward_model(str(model_dir), False, 1, "fp32", None)
+        return no_dropout(load_reward_model(str(model_dir), False, 1, "fp32", None))
     return no_dropout(loading.load_causal_lm(str(model_dir)))
 
 
 def no_dropout(model: Any) -> Any:
-    """Dropout off: every side must train the same function."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    """Dropout off: every side must train the same function. OPT's dropout is functional (float attributes,
+    not nn.Dropout modules): kubealign's PPO helper turns off both kinds."""
+    from kubealign.rl.rollout import disable_dropout
+
+    disable_dropout(model)
     return model
 
 

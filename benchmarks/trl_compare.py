@@ -12,9 +12,12 @@ which each side batches its own way. Rounds interleave the sides (the order reve
 in the machine's load falls on all. The sides:
 
 - kubealign: the stage's own collate and loss on a DeepSpeed engine, `batching: grouped` (its default).
-- trl: TRL's trainer at its best on this device: Hugging Face's length-grouped sampler
-  (train_sampling_strategy="group_by_length", a length column given) and activation checkpointing off (as
-  kubealign's preset has it; TRL turns it on by default to save memory, at the cost of a second forward).
+- trl: TRL's trainer at its best on this device: length-grouped batches, here kubealign's very micro-batches
+  in order (a sequential sampler over them), and activation checkpointing off (as kubealign's preset has it;
+  TRL turns it on by default to save memory, at the cost of a second forward). Hugging Face's own
+  `train_sampling_strategy="group_by_length"` groups the same way over a whole epoch (windows of 50 batches
+  sorted by length) but not over the few examples a round trains (it falls back to windows of one batch
+  below 200 examples at a batch of 8), so the batches are handed over instead.
 - trl-default: TRL as it comes (random batches padded to their longest, activation checkpointing on: TRL's
   configs default to it): what a run that sets neither gets.
 - trl-padding-free (sft only): TRL's padding_free=True (sequences flattened into one row, position ids
@@ -112,21 +115,8 @@ def trl_callback(counter: Counter) -> Any:
     return Marks()
 
 
-def keep_length(cls: type) -> type:
-    """The trainer, keeping the `length` column that HF's length-grouped sampler reads (trainers drop the
-    columns their collator does not name before the sampler sees them)."""
-
-    class Kept(cls):
-        def _set_signature_columns_if_needed(self):
-            super()._set_signature_columns_if_needed()
-            if "length" not in self._signature_columns:
-                self._signature_columns = [*self._signature_columns, "length"]
-
-    return Kept
-
-
 def trl_dataset(stage: rl.Stage) -> Any:
-    """The stage's pool as TRL's trainers take it pre-tokenized, with each example's length."""
+    """The stage's pool as TRL's trainers take it pre-tokenized."""
     from datasets import Dataset
 
     if stage.name == "sft":
@@ -139,8 +129,6 @@ def trl_dataset(stage: rl.Stage) -> Any:
             chosen, rejected = pair["chosen"]["input_ids"], pair["rejected"]["input_ids"]
             cut = pair["chosen"]["loss_mask"].index(1)
             rows.append({"prompt_ids": chosen[:cut], "chosen_ids": chosen[cut:], "rejected_ids": rejected[cut:]})
-    for row, example in zip(rows, stage.examples, strict=True):
-        row["length"] = stage.length(example)
     return Dataset.from_list(rows)
 
 
@@ -155,7 +143,7 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
         learning_rate=cfg.learning_rate, max_steps=steps, seed=seed, data_seed=seed, report_to="none",
         save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
         bf16=torch.cuda.is_available(), max_grad_norm=cfg.gradient_clipping, dataloader_num_workers=0,
-        train_sampling_strategy="group_by_length" if side == "trl" else "random",
+        train_sampling_strategy="random" if side == "trl-default" else "sequential",
         # TRL's configs turn activation checkpointing on (a forward recomputed in every backward, to save
         # memory); the preset has it off and 24 GiB hold the model: off, except where TRL runs as it comes
         gradient_checkpointing=side == "trl-default",
@@ -168,15 +156,15 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
         model.config.pad_token_id = tokenizer.pad_token_id
         rl.no_dropout(model)
         args = trl.RewardConfig(**common, max_length=cfg.max_seq_len)
-        return keep_length(trl.RewardTrainer)(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        return trl.RewardTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     model = rl.load_model(stage, model_dir)
     if stage.name == "sft":
         free = side == "trl-padding-free"
         args = trl.SFTConfig(**common, padding_free=free, max_length=None if free else cfg.max_seq_len,
                              completion_only_loss=True)  # fmt: skip
-        return keep_length(trl.SFTTrainer)(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+        return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     args = trl.DPOConfig(**common, beta=cfg.beta, max_length=cfg.max_seq_len, precompute_ref_log_probs=True)
-    return keep_length(_PretokenizedDPO)(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    return _PretokenizedDPO(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
 def _dpo_class() -> type:
@@ -266,8 +254,9 @@ def measure(stage: rl.Stage, model_dir: Path, rounds: int, steps: int, sides: li
     runs: dict[str, list[dict[str, Any]]] = {side: [] for side in sides}
     for r in range(rounds):
         seed = 100 + r
-        # every side trains the same examples: those of kubealign's first `steps` micro-batches this round
-        chosen = sorted(i for b in rl.batches_of(stage, "grouped", seed)[:steps] for i in b)
+        # every side trains the same examples: those of kubealign's first `steps` micro-batches this round, in
+        # their order (TRL's grouped sides read them sequentially; trl-default draws random batches of them)
+        chosen = [i for b in rl.batches_of(stage, "grouped", seed)[:steps] for i in b]
         for side in sides if r % 2 == 0 else sides[::-1]:
             found = (run_kubealign(stage, model_dir, seed, steps) if side == "kubealign"
                      else run_trl(stage, side, model_dir, data.select(chosen), seed, steps))  # fmt: skip
