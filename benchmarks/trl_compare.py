@@ -16,8 +16,9 @@ in the machine's load falls on all. The sides:
   in order (a sequential sampler over them), and activation checkpointing off (as kubealign's preset has it;
   TRL turns it on by default to save memory, at the cost of a second forward). Hugging Face's own
   `train_sampling_strategy="group_by_length"` groups the same way over a whole epoch (windows of 50 batches
-  sorted by length) but not over the few examples a round trains (it falls back to windows of one batch
-  below 200 examples at a batch of 8), so the batches are handed over instead.
+  sorted by length) but not over the few examples a round trains (its windows are min(n // (4 x batch), 50)
+  batches, at least one: one batch, so random batches, below 64 examples at a batch of 8), so the batches are
+  handed over instead.
 - trl-default: TRL as it comes (random batches padded to their longest, activation checkpointing on: TRL's
   configs default to it): what a run that sets neither gets.
 - trl-padding-free (sft only): TRL's padding_free=True (sequences flattened into one row, position ids
