@@ -165,7 +165,7 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
                              completion_only_loss=True)  # fmt: skip
         return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     args = trl.DPOConfig(**common, beta=cfg.beta, max_length=cfg.max_seq_len, precompute_ref_log_probs=True)
-    return _PretokenizedDPO(model=model, args=args, train_dataset=data, processing_class=tokenizer)
+    return _dpo_class()(model=model, args=args, train_dataset=data, processing_class=tokenizer)
 
 
 def _dpo_class() -> type:
@@ -182,9 +182,6 @@ def _dpo_class() -> type:
             return dataset.add_column("ref_chosen_logps", zeros).add_column("ref_rejected_logps", zeros)
 
     return PretokenizedDPO
-
-
-_PretokenizedDPO: Any = None
 
 
 @contextlib.contextmanager
@@ -299,7 +296,6 @@ def quiet() -> None:
 
 
 def main() -> None:
-    global _PretokenizedDPO
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 rounds of 1 step per side and stage")
     parser.add_argument(
@@ -322,7 +318,6 @@ def main() -> None:
     if not rl.HH.exists():
         print(f"trl_compare.py: {rl.HH}: absent (../shared/data beside the repo)", file=sys.stderr)
         raise SystemExit(2)
-    _PretokenizedDPO = _dpo_class()
     quiet()
     model_dir = rl.build_model()
     from kubealign.config import load_config

@@ -22,19 +22,19 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import real_lengths as rl
 
 PROMPTS, GROUP = 4, 2  # prompts per iteration x responses per prompt
+KL = 0.1  # the KL coefficient of both sides (kubealign's ppo.kl_coef, TRL's beta): both run the reference
 REWARD = Path(__file__).resolve().parent / "grpo_reward.py"
 
 
 def settings(config: Any) -> dict[str, Any]:
     return {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": config.ppo.max_new_tokens,
-            "max_prompt_len": config.ppo.max_prompt_len, "kl_coef": 0.1,
+            "max_prompt_len": config.ppo.max_prompt_len, "kl_coef": KL,
             "learning_rate": config.ppo.actor_learning_rate}  # fmt: skip
 
 
@@ -62,7 +62,7 @@ def run_kubealign(work: Path, model_dir: Path, seed: int, iterations: int) -> di
     out = work / f"kubealign-{seed}"
     sets = {"ppo.algorithm": "grpo", "ppo.samples_per_prompt": GROUP, "ppo.generation_batch_size": PROMPTS,
             "ppo.micro_batch_size": PROMPTS * GROUP, "ppo.num_iterations": iterations, "ppo.seed": seed,
-            "ppo.kl_coef": 0.1, "ppo.sample_every_iterations": 0, "rewards.model_weight": 0,
+            "ppo.kl_coef": KL, "ppo.sample_every_iterations": 0, "rewards.model_weight": 0,
             "rewards.functions": json.dumps([{"path": f"{REWARD}:brevity"}]), "tracking.enabled": "false"}  # fmt: skip
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
     kubealign("ppo", "--config", str(rl.PRESET), *args, "--prompts", str(split(work)), "--actor", str(model_dir),
@@ -87,19 +87,17 @@ def trl_prompts(work: Path, tokenizer: Any, max_prompt_len: int) -> list[str]:
 def run_trl(prompts: list[str], model_dir: Path, seed: int, iterations: int, config: Any) -> dict[str, Any]:
     import trl
     from datasets import Dataset
+    from grpo_reward import brevity  # beside this file, on the path as real_lengths is
     from trl_compare import Counter, alone, trl_callback
 
     from kubealign.models import loading
-
-    sys.path.insert(0, str(REWARD.parent))
-    from grpo_reward import brevity
 
     tokenizer = loading.load_tokenizer(str(model_dir))
     model = rl.no_dropout(loading.load_causal_lm(str(model_dir)))
     with tempfile.TemporaryDirectory() as out, alone():
         args = trl.GRPOConfig(
             output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-            max_completion_length=config.ppo.max_new_tokens, temperature=1.0, beta=0.1,
+            max_completion_length=config.ppo.max_new_tokens, temperature=1.0, beta=KL,
             learning_rate=config.ppo.actor_learning_rate, max_grad_norm=config.ppo.gradient_clipping,
             max_steps=iterations, seed=seed, data_seed=seed, logging_steps=1, report_to="none", save_strategy="no",
             disable_tqdm=True, use_cpu=True, gradient_checkpointing=False,  # as trl_compare's "trl" side
@@ -108,11 +106,9 @@ def run_trl(prompts: list[str], model_dir: Path, seed: int, iterations: int, con
                                   train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
         counter = Counter(trainer.model)
         trainer.add_callback(trl_callback(counter))
-        started = time.perf_counter()
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
     return {"seconds": counter.marks[-1][0] - counter.marks[0][0], "responses": PROMPTS * GROUP * iterations,
-            "wall_s": time.perf_counter() - started,
             "response_length": [round(h.get("completions/mean_length", 0), 1) for h in logs],
             "reward": [round(h["reward"], 4) for h in logs]}  # fmt: skip
 
