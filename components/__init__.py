@@ -19,6 +19,7 @@ from kubealign.components.stages import (
     reward,
     serve,
     sft,
+    wait,
 )
 
 __all__ = [
@@ -33,4 +34,5 @@ __all__ = [
     "reward",
     "serve",
     "sft",
+    "wait",
 ]

@@ -74,24 +74,35 @@ def ppo(
     critic: Input[Model],
     model: Output[Model],
     metrics: Output[Metrics],
+    settings: str = "{}",
 ):
     """ppo: PPO, GRPO or RLOO (`algorithm`) with the DeepSpeed Hybrid Engine; torchrun on a multi-GPU pod, a
     TrainJob on several nodes. `critic` is the reward model (critic start and reward), or with reward functions
     alone the SFT model (ppo's critic start); GRPO and RLOO use no critic. reward_functions: the functions'
-    specs with their source (embedded at compile time; part of this task's cache key)."""
+    specs with their source (embedded at compile time; part of this task's cache key). settings: a
+    candidate's own ppo settings, a JSON object of dotted keys ({"ppo.kl_coef": 0.05}; part of its cache key)."""
     from kubealign import tasks
 
     overrides = [f"ppo.algorithm={algorithm}", f"ppo.num_iterations={num_iterations}"]
+    overrides += tasks.setting_overrides(settings)
     result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path, reward_functions)
     tasks.to_kfp(result, metrics, model)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
-def dpo(config_json: str, data: Input[Dataset], actor: Input[Model], model: Output[Model], metrics: Output[Metrics]):
-    """dpo: Direct Preference Optimization of the SFT model (actor) on the phase-2 pairs, against its frozen copy."""
+def dpo(
+    config_json: str,
+    data: Input[Dataset],
+    actor: Input[Model],
+    model: Output[Model],
+    metrics: Output[Metrics],
+    settings: str = "{}",
+):
+    """dpo: Direct Preference Optimization of the SFT model (actor) on the phase-2 pairs, against its frozen copy.
+    settings: a candidate's own dpo settings, a JSON object of dotted keys ({"dpo.beta": 0.05})."""
     from kubealign import tasks
 
-    result = tasks.train("dpo", config_json, [], data.path, actor.path, model.path)
+    result = tasks.train("dpo", config_json, tasks.setting_overrides(settings), data.path, actor.path, model.path)
     tasks.to_kfp(result, metrics, model)
 
 
@@ -183,24 +194,44 @@ def judge(
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def compare(
     config_json: str,
-    routes: str,
+    candidates: str,
     comparison: Output[Artifact],
     metrics: Output[Metrics],
     leaderboard: Output[Markdown],
     report: Output[HTML],
-    ppo_evaluation: Input[Artifact] = None,
-    grpo_evaluation: Input[Artifact] = None,
-    rloo_evaluation: Input[Artifact] = None,
-    dpo_evaluation: Input[Artifact] = None,
+    evaluation_1: Input[Artifact] = None,
+    evaluation_2: Input[Artifact] = None,
+    evaluation_3: Input[Artifact] = None,
+    evaluation_4: Input[Artifact] = None,
+    evaluation_5: Input[Artifact] = None,
+    evaluation_6: Input[Artifact] = None,
+    evaluation_7: Input[Artifact] = None,
+    evaluation_8: Input[Artifact] = None,
+    evaluation_9: Input[Artifact] = None,
+    evaluation_10: Input[Artifact] = None,
+    evaluation_11: Input[Artifact] = None,
+    evaluation_12: Input[Artifact] = None,
+    evaluation_13: Input[Artifact] = None,
+    evaluation_14: Input[Artifact] = None,
+    evaluation_15: Input[Artifact] = None,
+    evaluation_16: Input[Artifact] = None,
 ):
-    """compare: rank the routes of one run (pipeline.algorithms) by their evaluations; a leaderboard for the
-    UI (Markdown table, HTML page with plots). routes: the routes the DAG trains, comma-separated. The DAG runs
-    this task even when a route failed (ignore_upstream_failure): that route's evaluation is then absent."""
+    """compare: rank the candidates of one run by their evaluations and draw their reward-KL frontier; a
+    leaderboard (Markdown) and the frontier page (HTML) for the UI. candidates: JSON list of {name, algorithm,
+    set}; evaluation_N is the N-th candidate's (kubealign.candidates.MAX_CANDIDATES of them; the DAG declares
+    only its candidates'). The DAG runs this task even when a candidate failed (ignore_upstream_failure): that
+    candidate's evaluation is then absent."""
+    import json
+
     from kubealign import tasks
 
-    given = {"ppo": ppo_evaluation, "grpo": grpo_evaluation, "rloo": rloo_evaluation, "dpo": dpo_evaluation}
-    evaluations = {route: None if artifact is None else artifact.path for route, artifact in given.items()}
-    result = tasks.compare(config_json, [], routes.split(","), evaluations, comparison.path)
+    given = dict(locals())
+    listed = json.loads(candidates)
+    evaluations = {}
+    for number, candidate in enumerate(listed, start=1):
+        artifact = given.get(f"evaluation_{number}")
+        evaluations[candidate["name"]] = None if artifact is None else artifact.path
+    result = tasks.compare(config_json, [], listed, evaluations, comparison.path)
     tasks.to_kfp(result, metrics, comparison)
     tasks.write_leaderboard(comparison.path, leaderboard.path, report.path)
 
@@ -208,18 +239,27 @@ def compare(
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def promote_ranked(
     config_json: str,
+    candidate_name: str,
     comparison: Input[Artifact],
     evaluation: Input[Artifact],
     candidate: Input[Model],
     promotion: Output[Artifact],
     metrics: Output[Metrics],
 ) -> str:
-    """promote, one route of several: register the candidate tagged with its route and rank; only the
-    comparison's leader can move the aliases, through the same gate as a one-route run.
+    """promote, one candidate of several: register it tagged with its name, route, settings and rank; only
+    the comparison's leader can move the aliases, through the same gate as a one-route run.
 
-    Returns the aliases the new version holds ("" for a route that is not the leader)."""
+    Returns the aliases the new version holds ("" for a candidate that is not the leader)."""
     from kubealign import tasks
 
-    result = tasks.promote(config_json, [], evaluation.path, candidate.path, promotion.path, comparison.path)
+    result = tasks.promote(
+        config_json, [], evaluation.path, candidate.path, promotion.path, comparison.path, candidate_name
+    )
     tasks.to_kfp(result, metrics, promotion)
     return tasks.held_aliases(result)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def wait():
+    """wait: a slot for the next candidate (pipeline.parallelism); it runs once an earlier candidate's branch
+    has ended, whether that succeeded or failed, and does nothing."""

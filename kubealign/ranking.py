@@ -13,7 +13,8 @@ REWARD, KL = "candidate_reward_mean", "kl_to_baseline"
 
 
 class Standing(NamedTuple):
-    """One finished route's place: rank 1 is the leader; `why` says what put it behind the leader."""
+    """One finished candidate's place (`route`: its name): rank 1 is the leader unless over the KL budget;
+    `why` says what put it behind the leader, or that it is over the budget."""
 
     route: str
     rank: int
@@ -28,30 +29,45 @@ def measure_of(metric: str) -> str:
     return "win_rate_lower_bound" if metric == "win_rate" else metric
 
 
-def rank(evaluations: Mapping[str, Mapping[str, float]], metric: str, order: Sequence[str]) -> list[Standing]:
-    """The finished routes (route -> evaluate metrics) ranked by the rule above; `order` is
-    pipeline.algorithms, the last tie-break. A missing KL counts as the largest."""
+def within(kl: float, max_kl: float | None) -> bool:
+    """Whether a candidate's KL to the SFT model keeps pipeline.max_kl (None: no budget; a missing KL,
+    counted as infinite, keeps none)."""
+    return max_kl is None or kl <= max_kl
+
+
+def rank(
+    evaluations: Mapping[str, Mapping[str, float]],
+    metric: str,
+    order: Sequence[str],
+    max_kl: float | None = None,
+) -> list[Standing]:
+    """The finished candidates (name -> evaluate metrics) ranked by the rule above; `order` is the order the
+    candidates were listed in, the last tie-break. A missing KL counts as the largest. With a KL budget
+    (pipeline.max_kl), the candidates over it come after every one within it, ranked among themselves by
+    the same rule: the leader is standings[0] only when within(its kl, max_kl)."""
     measure = measure_of(metric)
     for route, metrics in evaluations.items():
         for name in (measure, REWARD):
             if name not in metrics:
                 raise UserError(f"compare: the {route} evaluation has no {name} (promote.metric {metric})")
 
-    def key(route: str) -> tuple[float, float, float, int]:
+    def kl(route: str) -> float:
+        return evaluations[route].get(KL, math.inf)
+
+    def key(route: str) -> tuple[bool, float, float, float, int]:
         m = evaluations[route]
-        return (-m[measure], -m[REWARD], m.get(KL, math.inf), order.index(route))
+        return (not within(kl(route), max_kl), -m[measure], -m[REWARD], kl(route), order.index(route))
 
     ranked = sorted(evaluations, key=key)
     leader = ranked[0] if ranked else ""
+
+    def why(route: str) -> str:
+        if not within(kl(route), max_kl):
+            return f"{KL} {kl(route):.4g} > pipeline.max_kl {max_kl:.4g}"
+        return "" if route == leader else behind(evaluations[route], evaluations[leader], leader, measure)
+
     return [
-        Standing(
-            route,
-            place + 1,
-            evaluations[route][measure],
-            evaluations[route][REWARD],
-            evaluations[route].get(KL, math.inf),
-            "" if route == leader else behind(evaluations[route], evaluations[leader], leader, measure),
-        )
+        Standing(route, place + 1, evaluations[route][measure], evaluations[route][REWARD], kl(route), why(route))
         for place, route in enumerate(ranked)
     ]
 
@@ -66,4 +82,4 @@ def behind(ours: Mapping[str, float], theirs: Mapping[str, float], leader: str, 
             said = f"{name} {a:.4g} {relation} {leader}'s {b:.4g}"
             return f"tied on {', '.join(tied)}; {said}" if tied else said
         tied.append(name)
-    return f"tied with {leader} on {', '.join(tied)}; {leader} comes first in pipeline.algorithms"
+    return f"tied with {leader} on {', '.join(tied)}; {leader} is listed first"

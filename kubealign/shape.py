@@ -52,6 +52,11 @@ OUTPUT_KEYS = {
     "judge": "judgement",
 }
 ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
+# With pipeline.parallelism, the candidates past the first `parallelism` each wait for a slot: a no-op task
+# wait-NAME that runs once an earlier candidate's branch has ended (kubealign.pipelines.sweep).
+WAIT_PREFIX = "wait-"
+# names a candidate may not take: the DAG's own tasks (candidates.check_names also refuses the prefixes)
+RESERVED_TASKS = (*SHARED, "compare", SERVE, JUDGE, "evaluate", "promote", "wait")
 
 
 def route_task(route: str) -> str:
@@ -73,15 +78,26 @@ def stages_for(route: str, reward_model: bool = True, serve: bool = False, judge
 
 
 def tasks_for_routes(
-    routes: list[str] | tuple[str, ...], reward_model: bool, serve: bool = False, judge: bool = False
+    routes: list[str] | tuple[str, ...],
+    reward_model: bool,
+    serve: bool = False,
+    judge: bool = False,
+    parallelism: int = 0,
 ) -> tuple[str, ...]:
-    """The tasks a run executes, in DAG order: stages_for one route; with several, the shared tasks, each
-    route's training and evaluation, the comparison, each route's promotion."""
+    """The tasks a run executes, in DAG order: stages_for one route; with several candidates (`routes`: their
+    names, the routes' own names for pipeline.algorithms), the shared tasks, each candidate's wait (with
+    pipeline.parallelism, past the first `parallelism`), training and evaluation, the comparison, each
+    candidate's promotion."""
     if len(routes) == 1:
         return stages_for(routes[0], reward_model, serve, judge)
     shared = tuple(s for s in SHARED if reward_model or s != "reward")
-    trained = tuple(task for route in routes for task in (route, f"evaluate-{route}"))
-    return (*shared, *trained, "compare", *(f"promote-{route}" for route in routes))
+    waits = set(routes[parallelism:]) if parallelism else set()
+    trained = tuple(
+        task
+        for name in routes
+        for task in ((f"{WAIT_PREFIX}{name}",) if name in waits else ()) + (name, f"evaluate-{name}")
+    )
+    return (*shared, *trained, "compare", *(f"promote-{name}" for name in routes))
 
 
 def upstream(stage: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
@@ -108,8 +124,16 @@ def output_key(task: str) -> str:
     return next(key for prefix, key in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))
 
 
+def is_wait(task: str) -> bool:
+    """A candidate's wait for a slot (pipeline.parallelism): no output, nothing to index."""
+    return task.startswith(WAIT_PREFIX)
+
+
 def route_of(task: str) -> str | None:
-    """The route a task of a several-route run belongs to (None: a shared task or the comparison)."""
+    """The candidate (its name: the route's with pipeline.algorithms) a task of a several-candidate run belongs
+    to (None: a shared task or the comparison)."""
     if task in OUTPUT_KEYS:
         return None
+    if task.startswith(WAIT_PREFIX):
+        return task.removeprefix(WAIT_PREFIX)
     return next(task.removeprefix(prefix) for prefix, _ in reversed(ROUTE_TASK_KEYS) if task.startswith(prefix))

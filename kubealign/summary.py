@@ -98,9 +98,13 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
     if comparison is None:
         return [f"{'compare':<11}{'-':>8}  no comparison (see the failed task above)"]
     lines = [
-        f"{'compare':<11}{_seconds(comparison):>8}  {len(comparison['standings'])} route(s) ranked by "
+        f"{'compare':<11}{_seconds(comparison):>8}  {len(comparison['standings'])} candidate(s) ranked by "
         f"{comparison['measure']}, then candidate_reward_mean, then lower kl_to_baseline"
     ]
+    if comparison.get("leader", "") is None:  # a KL budget that no candidate kept: the one line why
+        lines.append(f"{'':<19}  {comparison['verdict']}")
+    leader, front = comparison.get("leader", ""), comparison.get("front", [])
+    width = max([9, *(len(s["route"]) + 1 for s in comparison["standings"])])
     for standing in comparison["standings"]:
         route = standing["route"]
         trained, evaluation = _result(dirs[route]), _result(dirs[f"evaluate-{route}"])
@@ -114,13 +118,15 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
         if promoted is not None:
             held = ",".join(sorted(a for a, v in promoted.get("aliases", {}).items() if v == promoted.get("version")))
             text += f"; version {promoted.get('version')}{' ' + held if held else ''}"
-            if standing["rank"] == 1 and not promoted.get("metrics", {}).get("gate_passed"):
+            if route == leader and not promoted.get("metrics", {}).get("gate_passed"):
                 text += " (gate refused)"
+        if route in front and len(comparison["standings"]) > 2:
+            text += "; on the frontier"
         if standing["why"]:
             text += f"; behind: {standing['why']}"
-        lines.append(f"{standing['rank']} {route:<9}{_seconds(trained, evaluation):>8}  {text}")
+        lines.append(f"{standing['rank']} {route:<{width}}{_seconds(trained, evaluation):>8}  {text}")
     for route, message in indexed.get("failed_routes", {}).items():
-        lines.append(f"- {route:<9}{'-':>8}  FAILED: {message}")
+        lines.append(f"- {route:<{width}}{'-':>8}  FAILED: {message}")
     return lines
 
 

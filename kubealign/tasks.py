@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -276,13 +277,28 @@ def evaluate(
 
 
 def promote(
-    config_json: str, overrides: list[str], evaluation: str, model_dir: str, output: str, comparison: str = ""
+    config_json: str,
+    overrides: list[str],
+    evaluation: str,
+    model_dir: str,
+    output: str,
+    comparison: str = "",
+    name: str = "",
 ) -> dict[str, Any]:
-    """comparison: the compare stage's output when several routes ran (only its leader moves aliases)."""
+    """comparison: the compare stage's output when several candidates ran (only its leader moves aliases);
+    name: the candidate's name there (default: its route's)."""
     from kubealign.stages import promote as stage
 
     ranked = Path(comparison) if comparison else None
-    return stage.run(load(config_json, overrides), Path(evaluation), Path(model_dir), Path(output), ranked)
+    config = load(config_json, overrides)
+    return stage.run(config, Path(evaluation), Path(model_dir), Path(output), ranked, name or None)
+
+
+def setting_overrides(settings_json: str) -> list[str]:
+    """A candidate's settings (the DAG's JSON object of dotted keys) as --set overrides."""
+    from kubealign.candidates import Candidate
+
+    return Candidate("", "", json.loads(settings_json or "{}")).overrides()
 
 
 def serve(config_json: str, overrides: list[str], promotion: str, output: str) -> dict[str, Any]:
@@ -315,20 +331,27 @@ def judge_report(judgement_dir: str, markdown_path: str) -> None:
 
 
 def compare(
-    config_json: str, overrides: list[str], routes: list[str], evaluations: dict[str, str | None], output: str
+    config_json: str,
+    overrides: list[str],
+    candidates: list[dict[str, Any]],
+    evaluations: dict[str, str | None],
+    output: str,
 ) -> dict[str, Any]:
-    """evaluations: route -> its evaluate output, None where the route failed."""
+    """candidates: [{name, algorithm, set}] (kubealign.candidates.Candidate.as_dict); evaluations: name -> its
+    evaluate output, None where the candidate failed."""
+    from kubealign.candidates import Candidate
     from kubealign.stages import compare as stage
 
-    paths = {route: None if path is None else Path(path) for route, path in evaluations.items()}
-    return stage.run(load(config_json, overrides), routes, paths, Path(output))
+    listed = [Candidate(c["name"], c["algorithm"], c.get("set") or {}) for c in candidates]
+    paths = {name: None if path is None else Path(path) for name, path in evaluations.items()}
+    return stage.run(load(config_json, overrides), listed, paths, Path(output))
 
 
 def write_leaderboard(comparison_dir: str, markdown_path: str, html_path: str) -> None:
     """The comparison's leaderboard as the KFP Markdown and HTML artifacts."""
     import shutil
 
-    for name, target in (("leaderboard.md", markdown_path), ("leaderboard.html", html_path)):
+    for name, target in (("leaderboard.md", markdown_path), ("frontier.html", html_path)):
         Path(target).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(Path(comparison_dir) / name, target)
 

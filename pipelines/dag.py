@@ -33,8 +33,8 @@ the promote task (it always registers a challenger; only a candidate that passes
 """
 
 # No `from __future__ import annotations` here: KFP reads the pipeline function's annotations as objects.
+import json
 from collections.abc import Callable
-from copy import deepcopy
 from typing import Any, NamedTuple
 
 from kfp import dsl, kubernetes
@@ -49,8 +49,9 @@ from kubealign.config.schema import KubernetesConfig, PipelineConfig
 from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
 from kubealign.models import hub
+from kubealign.pipelines import sweep
+from kubealign.pipelines.sweep import RoutesFunctionOutputs, RoutesOutputs
 from kubealign.rewards import definitions
-from kubealign.shape import ROUTES, route_task
 from kubealign.shape import scorer as scorer_task
 from kubealign.stages import serve as serve_stage
 from kubealign.tracking import check_uri
@@ -79,24 +80,6 @@ class FunctionOutputs(NamedTuple):
     candidate: Model
     evaluate: Artifact
     promote: Artifact
-
-
-class RoutesOutputs(NamedTuple):
-    """Outputs of a pipeline comparing several routes: the shared tasks' and the comparison's (each route's
-    candidate, evaluation and promotion are named in the comparison's result and in the task list)."""
-
-    data_split: Dataset
-    sft: Model
-    reward: Model
-    compare: Artifact
-
-
-class RoutesFunctionOutputs(NamedTuple):
-    """RoutesOutputs of a pipeline scored by reward functions alone: no reward task."""
-
-    data_split: Dataset
-    sft: Model
-    compare: Artifact
 
 
 def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool) -> None:
@@ -187,6 +170,7 @@ class Tasks:
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
+        self.settings: dict[str, str] = {}  # a one-candidate run's settings input (build)
 
     def place(
         self, task: dsl.PipelineTask, name: str, gpus: int, training: bool, scoring: bool = False
@@ -221,13 +205,25 @@ class Tasks:
             models["reward"] = self.place(reward, "reward model", self.k8s.reward_gpus, training=True).outputs["model"]
         return dataset, models["sft"], models[scorer_task(self.with_model)]
 
-    def dpo(self, component: Any, p: dict[str, Any], dataset: Any, sft: Any) -> dsl.PipelineTask:
-        task = component(config_json=p["config_json"], data=dataset, actor=sft)
-        return self.place(task, "DPO", self.k8s.sft_gpus, training=True)
+    def dpo(
+        self, component: Any, p: dict[str, Any], dataset: Any, sft: Any, label: str = "DPO", **settings: str
+    ) -> dsl.PipelineTask:
+        """settings: a candidate's (`settings=` its JSON), only in a several-candidate DAG."""
+        task = component(config_json=p["config_json"], data=dataset, actor=sft, **settings)
+        return self.place(task, label, self.k8s.sft_gpus, training=True)
 
     def rl(
-        self, component: Any, p: dict[str, Any], algorithm: Any, dataset: Any, sft: Any, scorer: Any, label: str
+        self,
+        component: Any,
+        p: dict[str, Any],
+        algorithm: Any,
+        dataset: Any,
+        sft: Any,
+        scorer: Any,
+        label: str,
+        **settings: str,
     ) -> dsl.PipelineTask:
+        """settings: a candidate's (`settings=` its JSON), only in a several-candidate DAG."""
         task = component(
             config_json=p["config_json"],
             algorithm=algorithm,
@@ -236,6 +232,7 @@ class Tasks:
             prompts=dataset,
             actor=sft,
             critic=scorer,
+            **settings,
         )
         return self.place(task, label, self.k8s.ppo_gpus, training=True, scoring=True)
 
@@ -299,10 +296,14 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
     ):
         p = dict(locals())
         dataset, sft, scorer = builder.upstream(p)
+        # a one-candidate run's settings go to the branch of its route's section only
+        dpo_settings = builder.settings if builder.config.route() == "dpo" else {}
+        rl_settings = {} if builder.config.route() == "dpo" else builder.settings
         with dsl.If(algorithm == "dpo", name="dpo route"):
-            dpo = builder.dpo(stages.dpo, p, dataset, sft)
+            dpo = builder.dpo(stages.dpo, p, dataset, sft, **dpo_settings)
         with dsl.Else(name="rl route"):
-            ppo = builder.rl(stages.ppo, p, algorithm, dataset, sft, scorer, "PPO / GRPO / RLOO (hybrid engine)")
+            label = "PPO / GRPO / RLOO (hybrid engine)"
+            ppo = builder.rl(stages.ppo, p, algorithm, dataset, sft, scorer, label, **rl_settings)
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
         evaluation = builder.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
         promote = stages.promote(
@@ -325,70 +326,23 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
     return kubealign_pipeline
 
 
-def _several_routes(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
-    """The pipeline of several routes: a branch per route from the shared builder, a comparison, a promotion each."""
-    routes = builder.config.routes()
-
-    def kubealign_routes_pipeline(
-        config_json: str = d["config_json"],
-        sft_model: str = d["sft_model"],
-        reward_model: str = d["reward_model"],
-        ppo_num_iterations: int = d["ppo_num_iterations"],
-        data_fingerprint: str = d["data_fingerprint"],
-        sft_model_fingerprint: str = d["sft_model_fingerprint"],
-        reward_model_fingerprint: str = d["reward_model_fingerprint"],
-        reward_functions: str = d["reward_functions"],
-    ):
-        p = dict(locals())
-        dataset, sft, scorer = builder.upstream(p)
-        candidates, evaluations = {}, {}
-        for name in routes:
-            if route_task(name) == "dpo":
-                task = builder.dpo(named(stages.dpo, name), p, dataset, sft)
-            else:
-                task = builder.rl(
-                    named(stages.ppo, name), p, name, dataset, sft, scorer, f"{name.upper()} (hybrid engine)"
-                )
-            candidates[name] = task.outputs["model"]
-            component = named(stages.evaluate, f"evaluate-{name}")
-            evaluation = builder.evaluate(component, p, dataset, sft, candidates[name], scorer)
-            evaluation.set_display_name(f"evaluate {name}")
-            evaluations[name] = evaluation.outputs["evaluation"]
-        # only the listed routes' inputs: kfp's ignore_upstream_failure() looks up every input of the
-        # component among the task's arguments, and an optional input left out is not there (KeyError)
-        absent = [f"{name}_evaluation" for name in ROUTES if name not in evaluations]
-        comparison = named(stages.compare, "compare", drop=absent)(
-            config_json=config_json,
-            routes=",".join(routes),
-            **{f"{name}_evaluation": evaluation for name, evaluation in evaluations.items()},
-        )
-        # A failed route must not sink the others: the comparison runs once every route has ended, and
-        # gets no evaluation from one that failed (its input's default, None).
-        comparison.ignore_upstream_failure()
-        builder.place(comparison, "compare routes", 0, training=False)
-        for name in routes:
-            promote = named(stages.promote_ranked, f"promote-{name}")(
-                config_json=config_json,
-                comparison=comparison.outputs["comparison"],
-                evaluation=evaluations[name],
-                candidate=candidates[name],
-            )
-            builder.promote(promote, f"promote {name} (MLflow registry)")
-        done = {"data_split": dataset, "sft": sft, "compare": comparison.outputs["comparison"]}
-        return RoutesOutputs(reward=scorer, **done) if builder.with_model else RoutesFunctionOutputs(**done)
-
-    return kubealign_routes_pipeline
-
-
 def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
     """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run).
-    One route (pipeline.algorithm, or a one-entry pipeline.algorithms): the route is the `algorithm`
-    parameter. Several: a branch per route."""
+    One route (pipeline.algorithm, or one entry of pipeline.algorithms or candidates): the route is the
+    `algorithm` parameter. Several: a branch per candidate (kubealign.pipelines.sweep)."""
     check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
+    several = config.several()
+    settings: dict[str, str] = {}
+    if not several and config.pipeline.candidates:
+        # one candidate: the one-route DAG of its route, its settings an input of its training task alone (as
+        # in a sweep), so the shared tasks keep the cache key of any run of the same config
+        only = config.candidates()[0]
+        config = config.for_candidate(only._replace(settings={}))
+        settings = {"settings": json.dumps(dict(only.settings), sort_keys=True)} if only.settings else {}
     defaults = pipeline_defaults(config)
     builder = Tasks(config, env, defaults["reward_functions"])
-    several = len(config.routes()) > 1
-    function = (_several_routes if several else _one_route)(builder, defaults)
+    builder.settings = settings
+    function = (sweep.several_candidates if several else _one_route)(builder, defaults)
     # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
     outputs = {(False, True): Outputs, (False, False): FunctionOutputs}
     outputs.update({(True, True): RoutesOutputs, (True, False): RoutesFunctionOutputs})
@@ -398,21 +352,5 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         name=PIPELINE_NAME,
         description="RLHF: data split, SFT, reward model and / or reward functions, PPO (DeepSpeed Hybrid Engine), "
         "evaluation, MLflow registry promotion."
-        + (f" Routes compared in one run: {', '.join(config.routes())}." if several else ""),
+        + (f" Candidates compared in one run: {', '.join(config.candidate_names())}." if several else ""),
     )(function)
-
-
-def named(component: Any, name: str, drop: list[str] | None = None) -> Any:
-    """A copy of `component` under another name: KFP names a task after its component, so each route's
-    tasks get the route's name (grpo, evaluate-grpo, promote-grpo) in the IR, the UI and kfp.local's logs.
-    The implementation (image, command, function) is the same, and so is the cache key. `drop`: optional
-    inputs the copy does not declare (the function's default applies: KFP passes a function only the
-    inputs its task has)."""
-    copy = deepcopy(component)
-    copy.component_spec.name = name
-    copy.name = name
-    for input_name in drop or []:
-        if not copy.component_spec.inputs[input_name].optional:
-            raise ValueError(f"{name}: input {input_name} is not optional")
-        del copy.component_spec.inputs[input_name]
-    return copy

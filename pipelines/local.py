@@ -48,7 +48,9 @@ CANDIDATE = "candidate"  # the DAG output holding the route's model (dag.Outputs
 def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
     """The tasks a run of `config`'s DAG executes, in DAG order (kubealign.shape.tasks_for_routes)."""
     judge = config.promote.mode == "canary"
-    return shape.tasks_for_routes(config.routes(), config.rewards.uses_model, config.serve.enabled, judge)
+    names = config.candidate_names() if config.several() else (config.route(),)
+    parallelism = config.pipeline.parallelism
+    return shape.tasks_for_routes(names, config.rewards.uses_model, config.serve.enabled, judge, parallelism)
 
 
 @contextlib.contextmanager
@@ -227,9 +229,11 @@ def _finish(
     """Write the run index, end the parent MLflow run; a failed task that fails the run raises PipelineFailed.
     With several routes, a route whose training or evaluation failed does not fail the run: the comparison
     ranks the others (a failed promotion still does: the registry is the run's point)."""
-    several = len(config.routes()) > 1
-    failed_routes = [r for r in config.routes() if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
-    ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes)
+    several = config.several()
+    names = config.candidate_names()
+    failed_routes = [r for r in names if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
+    # a wait task (pipeline.parallelism) has no output to index
+    ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes and not shape.is_wait(s))
     extra = {
         "config_json": config_to_json(config),
         "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
@@ -238,7 +242,8 @@ def _finish(
         "algorithm": config.route(),
     }
     if several:
-        extra["algorithms"] = list(config.routes())
+        extra["algorithms"] = list(names)
+        extra["candidates"] = [c.as_dict() for c in config.candidates()]
         extra["failed_routes"] = {name: failure_message(failed_in(tasks.records, name), logs) for name in failed_routes}
     index = write_index(output, stages, extra)
     parent = extra["mlflow"]["parent_run_id"]
@@ -281,9 +286,9 @@ def _stage_dirs(
     """Each finished task's output directory. Cached tasks point into the run that computed them: take the
     directories from the outputs (of each task, with several routes: a failed route leaves kfp.local's
     pipeline outputs empty)."""
-    several = len(config.routes()) > 1
+    several = config.several()
     stages = {}
-    for stage in route:
+    for stage in (s for s in route if not shape.is_wait(s)):
         if several or stage in (shape.SERVE, shape.JUDGE):  # serve and judge are no pipeline outputs: their tasks'
             artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
         else:

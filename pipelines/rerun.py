@@ -85,8 +85,10 @@ def rerun(
     if "config_json" not in index:
         raise UserError(f"{run / 'run.json'}: no config_json; was it written by `kubealign run`?")
     config = config_from_json(index["config_json"], overrides)
-    if len(config.routes()) > 1:
+    if config.several():
         return rerun_route(stage, run, index, config, output)
+    if config.pipeline.candidates:  # one candidate: a one-route run with its settings (as the DAG compiles it)
+        config = config.for_candidate(config.candidates()[0])
     if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
         stage = "ppo"
     route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled, config.promote.mode == "canary")
@@ -117,16 +119,17 @@ def rerun(
 
 
 def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:
-    """A several-route run: `route` trained and evaluated again, then the comparison and every ranked
-    route's promotion (ranks may change), on the shared tasks' and the other routes' outputs of RUN.
-    `route` "compare" reruns only the comparison and the promotions."""
+    """A several-candidate run: candidate `route` (its name) trained and evaluated again, then the comparison
+    and every ranked candidate's promotion (ranks may change), on the shared tasks' and the other candidates'
+    outputs of RUN. `route` "compare" reruns only the comparison and the promotions."""
     from kubealign.pipelines.local import tasks_for
 
-    routes = config.routes()
+    candidates = {c.name: c for c in config.candidates()}
+    routes = tuple(candidates)
     if route not in (*routes, "compare"):
         raise UserError(
-            f"rerun: {route!r} is not a route of this run; a run comparing {', '.join(routes)} reruns one of them "
-            "or compare (the shared stages: `kubealign run --cache` with the change)"
+            f"rerun: {route!r} is not a candidate of this run; a run comparing {', '.join(routes)} reruns one of "
+            "them or compare (the shared stages: `kubealign run --cache` with the change)"
         )
     retrained = [route, f"evaluate-{route}"] if route != "compare" else []
     needed = [t for t in tasks_for(config) if t in ("data-split", "sft", "reward") or t.startswith("evaluate-")]
@@ -143,19 +146,22 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
     try:
         with scoped_environ(env):
             if route != "compare":
-                _run_stage(route_task(route), config_json, dirs, output / route, route, functions)
+                ours = candidates[route]  # trained with its settings, evaluated with the run's shared config
+                trained_json = config_to_json(config.for_candidate(ours))
+                _run_stage(route_task(ours.route), trained_json, dirs, output / route, ours.route, functions)
                 dirs[route] = output / route
                 _run_stage(
                     "evaluate",
                     config_json,
-                    {**dirs, route_task(route): dirs[route]},
+                    {**dirs, route_task(ours.route): dirs[route]},
                     output / f"evaluate-{route}",
-                    route,
+                    ours.route,
                     functions,
                 )
                 dirs[f"evaluate-{route}"] = output / f"evaluate-{route}"
             evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in routes}
-            tasks.compare(config_json, [], list(routes), evaluations, str(output / "compare"))
+            listed = [c.as_dict() for c in candidates.values()]
+            tasks.compare(config_json, [], listed, evaluations, str(output / "compare"))
             dirs["compare"] = output / "compare"
             todo.append("compare")
             for name in (r for r in routes if f"evaluate-{r}" in dirs and r in dirs):
@@ -167,6 +173,7 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
                     str(dirs[name]),
                     str(target),
                     str(output / "compare"),
+                    name,
                 )
                 dirs[f"promote-{name}"] = target
                 todo.append(f"promote-{name}")

@@ -62,7 +62,7 @@ def test_a_complete_tie_goes_to_the_route_listed_first() -> None:
         assert [s.route for s in standings] == order
         assert standings[1].why == (
             f"tied with {order[0]} on win_rate_lower_bound, candidate_reward_mean, kl_to_baseline; "
-            f"{order[0]} comes first in pipeline.algorithms"
+            f"{order[0]} is listed first"
         )
 
 
@@ -90,19 +90,24 @@ def test_compare_stage_names_the_failed_route_and_fails_with_none_left(tmp_path:
         "rloo": None,  # its training failed: no evaluation
         "dpo": fake_evaluation(tmp_path / "d", evaluation(0.45, 0.2, 0.3)),
     }
-    result = compare.run(config, ["grpo", "rloo", "dpo"], evaluations, tmp_path / "out")
+    result = compare.run(config, config.candidates(), evaluations, tmp_path / "out")
     assert result["leader"] == "dpo" and result["failed"] == ["rloo"]
     assert [s["route"] for s in result["standings"]] == ["dpo", "grpo"]
     assert result["metrics"]["rank/dpo"] == 1.0 and result["metrics"]["rank/grpo"] == 2.0
     assert result["metrics"]["leaderboard/grpo"] == 0.40 and result["metrics"]["routes_failed"] == 1.0
     table = (tmp_path / "out" / "leaderboard.md").read_text(encoding="utf-8").splitlines()
-    assert table[4].startswith("| 1 | dpo | 0.500 [0.450, 0.700] | 0.2000 | 0.3000 | leader |")
-    assert table[5].startswith("| 2 | grpo |") and "win_rate_lower_bound 0.4 < dpo's 0.45" in table[5]
-    assert table[6].startswith("| – | rloo | failed")
-    page = (tmp_path / "out" / "leaderboard.html").read_text(encoding="utf-8")
-    assert "data:image/png;base64," in page and "Failed, not ranked: rloo" in page
+    # grpo (KL 0.1, reward 0.9) dominates dpo (0.3, 0.2): the leader by the bound is off the reward-KL front
+    assert table[4] == "| 1 | dpo | dpo | (its section's) | 0.500 [0.450, 0.700] | 0.2000 | 0.3000 |  | leader |"
+    assert result["front"] == ["grpo"]
+    assert table[5].startswith("| 2 | grpo | grpo |") and "win_rate_lower_bound 0.4 < dpo's 0.45" in table[5]
+    assert table[5].endswith("| 0.9000 | 0.1000 | on the front | win_rate_lower_bound 0.4 < dpo's 0.45 |")
+    assert table[6].startswith("| – | rloo | | | failed")
+    page = (tmp_path / "out" / "frontier.html").read_text(encoding="utf-8")
+    assert "data:image/png;base64," in page and "Failed, not ranked: rloo" in page and "leader: dpo" in page
+    assert (tmp_path / "out" / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    two = config.candidates()[:2]
     with pytest.raises(UserError, match=r"no candidate left: every route failed \(grpo, rloo\)"):
-        compare.run(config, ["grpo", "rloo"], {"grpo": None, "rloo": None}, tmp_path / "none")
+        compare.run(config, two, {"grpo": None, "rloo": None}, tmp_path / "none")
     assert not (tmp_path / "none").exists()
 
 
@@ -169,7 +174,7 @@ def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
     strategy = pipeline_spec_pb2.PipelineTaskSpec.TriggerPolicy.TriggerStrategy
     assert comparison.trigger_policy.strategy == strategy.ALL_UPSTREAM_TASKS_COMPLETED
     assert {k: v.task_output_artifact.producer_task for k, v in comparison.inputs.artifacts.items()} == {
-        f"{r}_evaluation": f"evaluate-{r}" for r in routes
+        f"evaluation_{n}": f"evaluate-{r}" for n, r in enumerate(routes, start=1)
     }
     assert "algorithm" not in spec.root.input_definitions.parameters  # the routes are compiled in
     assert set(spec.root.output_definitions.artifacts) == {"data_split", "sft", "reward", "compare"}
@@ -179,10 +184,11 @@ def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
 def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
     _, spec = spec_of(tmp_path, ["pipeline.algorithms=[rloo,dpo]"])
     comparison = spec.root.dag.tasks["compare"]
-    assert set(comparison.inputs.artifacts) == {"rloo_evaluation", "dpo_evaluation"}
+    assert set(comparison.inputs.artifacts) == {"evaluation_1", "evaluation_2"}
     declared = spec.components[comparison.component_ref.name].input_definitions.artifacts
-    assert set(declared) == {"rloo_evaluation", "dpo_evaluation"}
-    assert comparison.inputs.parameters["routes"].runtime_value.constant.string_value == "rloo,dpo"
+    assert set(declared) == {"evaluation_1", "evaluation_2"}
+    listed = json.loads(comparison.inputs.parameters["candidates"].runtime_value.constant.string_value)
+    assert listed == [{"name": "rloo", "algorithm": "rloo", "set": {}}, {"name": "dpo", "algorithm": "dpo", "set": {}}]
 
 
 def test_task_list_of_a_several_route_run() -> None:
@@ -254,7 +260,7 @@ def test_leaderboard_artifacts_and_only_the_leader_promoted(routes_run) -> None:
     # the KFP UI's artifacts: the compare task's Markdown and HTML outputs
     task_dir = Path(index["stages"]["compare"]["dir"]).parent
     markdown = (task_dir / "leaderboard").read_text(encoding="utf-8")
-    assert f"| 1 | {leader} |" in markdown and f"| 2 | {second} |" in markdown and "| – | dpo | failed" in markdown
+    assert f"| 1 | {leader} |" in markdown and f"| 2 | {second} |" in markdown and "| – | dpo | | | failed" in markdown
     assert "data:image/png;base64," in (task_dir / "report").read_text(encoding="utf-8")
     # the registry: both candidates registered, tagged; only the leader holds an alias
     client = MlflowClient(index["mlflow"]["tracking_uri"])

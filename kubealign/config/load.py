@@ -89,8 +89,11 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -> str:
     errors = exc.errors()
     err = errors[0]
-    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    message = err["msg"]
+    field = ".".join(str(p) for p in err["loc"])
+    message = str(err["msg"]).removeprefix("Value error, ")
+    if not field:  # a rule across sections: its message names the fields
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        return f"{label}: {message}{more}"
     if err["type"] == "extra_forbidden":
         message = "unknown field"
     from_set = any(field == key or field.startswith(key + ".") or key.startswith(field + ".") for key in overridden)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from kubealign.candidates import Candidate
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
@@ -283,14 +284,46 @@ class KubealignConfig(Section):
 
     def route(self) -> str:
         """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo); with
-        several pipeline.algorithms, the first."""
+        several pipeline.algorithms or candidates, the first's."""
+        if self.pipeline.candidates:
+            return self.pipeline.expanded()[0].route
         if self.pipeline.algorithms:
             return self.pipeline.algorithms[0]
         return self.pipeline.algorithm if self.pipeline.algorithm != "ppo" else self.ppo.algorithm
 
+    def candidates(self) -> tuple[Candidate, ...]:
+        """Every candidate the DAG trains: pipeline.candidates (sweeps expanded), else one per route of
+        pipeline.algorithms, else the one route() — the latter two named after their route, with no settings."""
+        if self.pipeline.candidates:
+            return tuple(self.pipeline.expanded())
+        return tuple(Candidate(route, route, {}) for route in (self.pipeline.algorithms or [self.route()]))
+
+    def candidate_names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.candidates())
+
     def routes(self) -> tuple[str, ...]:
-        """Every route the DAG trains: pipeline.algorithms, else the one route()."""
-        return tuple(self.pipeline.algorithms or ()) or (self.route(),)
+        """Every route the DAG trains (once each, in the candidates' order)."""
+        return tuple(dict.fromkeys(c.route for c in self.candidates()))
+
+    def several(self) -> bool:
+        """Whether the DAG compares candidates (a branch each, a compare task) or runs one route."""
+        return len(self.candidates()) > 1
+
+    def for_candidate(self, candidate: Candidate) -> KubealignConfig:
+        """This config as `candidate`'s one-route run: its settings applied, the route its own."""
+        data = self.model_dump(mode="json")
+        data["pipeline"] = {"algorithm": candidate.route}
+        if candidate.route != "dpo":
+            data["ppo"]["algorithm"] = candidate.route
+        for key, value in candidate.settings.items():
+            *path, leaf = key.split(".")
+            node = data
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        resolved = KubealignConfig.model_validate(data)
+        resolved._base_dir = self._base_dir
+        return resolved
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:
@@ -304,12 +337,31 @@ class KubealignConfig(Section):
                 f"pipeline.algorithm {self.pipeline.algorithm} and pipeline.algorithms both set: keep one "
                 "(algorithm is the one-route spelling of algorithms)"
             )
-        if self.serve.enabled and len(self.routes()) > 1:
+        if self.pipeline.candidates and (self.pipeline.algorithms or self.pipeline.algorithm != "ppo"):
             raise ValueError(
-                "serve.enabled takes one route: with several pipeline.algorithms, serve the champion with "
-                "`kubealign serve --manifest` after the run"
+                "pipeline.candidates and pipeline.algorithm(s) both set: keep candidates (each names its algorithm)"
             )
+        if self.serve.enabled and self.several():
+            raise ValueError(
+                "serve.enabled takes one route: with several pipeline.algorithms or candidates, serve the champion "
+                "with `kubealign serve --manifest` after the run"
+            )
+        if self.pipeline.candidates:
+            self._check_candidates()
+            return self
         grouped = [r for r in self.routes() if r in ("grpo", "rloo")]
         if grouped and self.ppo.samples_per_prompt == 1:
             raise ValueError(f"pipeline.algorithm {grouped[0]} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1")
         return self
+
+    def _check_candidates(self) -> None:
+        """Each candidate's settings validated as its own run's config would be (bounds, cross-field rules)."""
+        for candidate in self.candidates():
+            try:
+                self.for_candidate(candidate)
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                field = ".".join(str(p) for p in err["loc"])
+                where = f"field '{field}': " if field else ""
+                message = str(err["msg"]).removeprefix("Value error, ")
+                raise ValueError(f"pipeline.candidates: candidate {candidate.name}: {where}{message}") from None

@@ -47,10 +47,16 @@ STAGE = "promote"
 
 
 def run(
-    config: KubealignConfig, evaluation: Path, model_dir: Path, output: Path, comparison: Path | None = None
+    config: KubealignConfig,
+    evaluation: Path,
+    model_dir: Path,
+    output: Path,
+    comparison: Path | None = None,
+    name: str | None = None,
 ) -> dict[str, Any]:
-    """comparison: the compare stage's output when the run trained several routes; this candidate is then
-    registered tagged with its rank, and only the leader goes through the gate to the aliases."""
+    """comparison: the compare stage's output when the run trained several candidates; this one (`name`, by
+    default its route's) is then registered tagged with its name, settings and rank, and only the leader goes
+    through the gate to the aliases."""
     cfg = config.promote
     started = time.perf_counter()
     check_output_path(output, STAGE)
@@ -72,9 +78,10 @@ def run(
     tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
     tags["kubealign.data_sha256"] = data_hash(result)
     tags["kubealign.algorithm"] = candidate_algorithm(model_dir)
-    standing = ranked(comparison, tags["kubealign.algorithm"]) if comparison is not None else None
+    standing = ranked(comparison, name or tags["kubealign.algorithm"]) if comparison is not None else None
     if standing is not None:
-        tags.update({"kubealign.rank": str(standing["rank"]), "kubealign.leader": standing["leader"]})
+        tags.update({"kubealign.rank": str(standing["rank"]), "kubealign.leader": standing["leader"] or ""})
+        tags.update({"kubealign.candidate": standing["route"], "kubealign.settings": standing["settings"]})
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
     run_name = STAGE if standing is None else f"{STAGE}-{standing['route']}"
@@ -82,7 +89,7 @@ def run(
         with http_settings(REGISTRY_HTTP), stage_run(run_name, config, output.resolve().parent) as tracker:
             try:
                 with registry_errors(tracker.tracking_uri):
-                    leads = standing is None or standing["rank"] == 1
+                    leads = standing is None or standing["leader"] == standing["route"]
                     summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags, leads)
                     if standing is not None:
                         summary["rank"] = float(standing["rank"])
@@ -172,8 +179,9 @@ def alias_plan(mode: str, leads: bool, passed: bool, ours: str, champion: str | 
 
 
 def ranked(comparison: Path, route: str) -> dict[str, Any]:
-    """This route's place in the compare stage's result: rank, leader, and why it is not first; plus
-    every other route's, so that each promotion says which route won and why the others did not."""
+    """This candidate's place in the compare stage's result (`route`: its name): rank, leader (None when no
+    candidate kept pipeline.max_kl), why it is not first, its settings; plus every other candidate's place, so
+    that each promotion says which won and why the others did not."""
     result = read_result(comparison)
     if result.get("stage") != "compare":
         raise UserError(f"--comparison {comparison}: result.json is from stage {result.get('stage')!r}, not compare")
@@ -183,16 +191,22 @@ def ranked(comparison: Path, route: str) -> dict[str, Any]:
         raise UserError(
             f"--comparison {comparison}: the candidate's route {route} is not ranked there ({ranked_routes})"
         )
-    ours = standings[route]
-    others = {s["route"]: f"rank {s['rank']}: {s['why']}" for s in result["standings"] if s["rank"] != 1}
+    ours, leader = standings[route], result["leader"]
+    others = {s["route"]: f"rank {s['rank']}: {s['why']}" for s in result["standings"] if s["route"] != leader}
+    others.pop(route, None)
     others.update({failed: "failed: not ranked" for failed in result.get("failed", [])})
-    verdict = "the leader" if ours["rank"] == 1 else f"not the leader (rank {ours['rank']}): {ours['why']}"
+    if leader is None:
+        verdict = result["verdict"]
+    else:
+        verdict = "the leader" if leader == route else f"not the leader (rank {ours['rank']}): {ours['why']}"
+    listed = {c["name"]: c.get("set") or {} for c in result.get("candidates", [])}
     return {
         "route": route,
         "rank": ours["rank"],
-        "leader": result["leader"],
+        "leader": leader,
         "verdict": verdict,
         "others": others,
+        "settings": json.dumps(listed.get(route, {}), sort_keys=True),
     }
 
 
