@@ -325,6 +325,8 @@ def test_rerun_one_route_then_the_comparison_and_promotions(routes_run, tmp_path
 @pytest.mark.integration
 def test_with_no_route_left_the_run_fails_in_one_line(cli, tmp_path: Path) -> None:
     broken = ["ppo.actor_lora.r=4", "ppo.actor_lora.only_lora=true", "ppo.actor_lora.target_modules=[no_such_module]"]
+    # one candidate at a time: dpo waits for grpo's branch, which fails; the wait runs all the same
+    broken.append("pipeline.parallelism=1")
     args = run_args("grpo,dpo", tmp_path / "r")
     result = cli(*args[:1], *(a for item in broken for a in ("--set", item)), *args[1:])
     assert result.code == 2
@@ -336,4 +338,5 @@ def test_with_no_route_left_the_run_fails_in_one_line(cli, tmp_path: Path) -> No
     assert index["succeeded"] is False and set(index["failed_routes"]) == {"grpo", "dpo"}
     states = {line.split()[0]: line.split()[1] for line in result.out.splitlines()}
     assert states["grpo"] == states["dpo"] == states["compare"] == "FAILED"
+    assert states["wait-dpo"] in ("done", "cached")
     assert states["promote-grpo"] == states["promote-dpo"] == "skipped"

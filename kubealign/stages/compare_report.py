@@ -85,24 +85,25 @@ def page(table: str, png: bytes, failed: Sequence[str], verdict: str) -> str:
 
 
 def plot(records: Sequence[dict[str, Any]], leader: str | None, baseline: float, max_kl: float | None) -> bytes:
-    """PNG: left, each candidate's reward against its KL to the SFT model (the SFT model itself at KL 0),
-    the Pareto front as a line, the leader starred, the KL budget dashed; right, the win-rates over the SFT
-    model with their 95 % bootstrap intervals."""
+    """PNG: left, each candidate's reward against its KL to the SFT model (labelled by rank; the SFT model's
+    reward in the title), the Pareto front as a line, the leader starred, the KL budget dashed; right, the
+    win-rates over the SFT model with their 95 % bootstrap intervals, one bar per rank and name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
-    left.scatter([0.0], [baseline], marker="s", color="grey", s=50, label="SFT model (the baseline)")
     for route in dict.fromkeys(r["route"] for r in records):
         mine = [r for r in records if r["route"] == route and math.isfinite(r["kl_to_baseline"])]
         xs, ys = [r["kl_to_baseline"] for r in mine], [r["candidate_reward_mean"] for r in mine]
-        left.scatter(xs, ys, s=55, color=COLOURS.get(route), label=route)
+        left.scatter(xs, ys, s=55, color=COLOURS.get(route), label=route, zorder=3)
+    # points are labelled by rank (close candidates' names would overprint); the right panel names each rank
     for r in records:
         if math.isfinite(r["kl_to_baseline"]):
             point = (r["kl_to_baseline"], r["candidate_reward_mean"])
-            left.annotate(r["candidate"], point, textcoords="offset points", xytext=(6, 4), fontsize=8)
+            offset = (5, 4) if r["rank"] % 2 else (5, -11)
+            left.annotate(str(r["rank"]), point, textcoords="offset points", xytext=offset, fontsize=9)
     front = sorted((r["kl_to_baseline"], r["candidate_reward_mean"]) for r in records if r["on_front"])
     if front:
         left.plot(*zip(*front, strict=True), color="black", linewidth=1.2, label="Pareto front (reward up, KL down)")
@@ -112,17 +113,19 @@ def plot(records: Sequence[dict[str, Any]], leader: str | None, baseline: float,
         left.scatter(*point, marker="*", s=320, facecolors="none", edgecolors="gold", linewidths=2, label="leader")
     if max_kl is not None:
         left.axvline(max_kl, color="grey", linestyle="--", linewidth=1, label=f"pipeline.max_kl {max_kl:g}")
+    left.set_xlim(left=0)
     left.set(xlabel="KL to the SFT model (nats)", ylabel="reward (mean over held-out prompts)")
-    left.set_title("reward against KL")
+    left.set_title(f"reward against KL (the SFT model: reward {baseline:.3g} at KL 0)", fontsize=10)
     left.legend(fontsize=7, loc="best")
-    names = [r["candidate"] for r in records]
+    names = [f"{r['rank']}. {r['candidate']}" for r in records]
     rates = [r["win_rate"] for r in records]
     below = [max(r["win_rate"] - r["win_rate_lower_bound"], 0.0) for r in records]
     above = [max(r["win_rate_upper_bound"] - r["win_rate"], 0.0) for r in records]
     right.barh(names, rates, xerr=[below, above], capsize=4, color=[COLOURS.get(r["route"]) for r in records])
     right.axvline(0.5, color="grey", linestyle="--", linewidth=1)
     right.invert_yaxis()  # rank 1 on top
-    right.set(xlim=(0, 1), xlabel="win-rate over SFT", title="win-rate, 95 % bootstrap interval")
+    right.set(xlim=(0, 1), xlabel="win-rate over SFT")
+    right.set_title("win-rate, 95 % bootstrap interval", fontsize=10)
     right.tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     buffer = io.BytesIO()
