@@ -170,7 +170,10 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
         "no leader: no candidate within pipeline.max_kl 0.05 (the closest, dpo-beta-0p05, has kl_to_baseline "
         "0.08); nothing is promoted"
     )
-    assert result["front"] == ["dpo-beta-0p05", "dpo-beta-0p01"]  # 0p1 (KL 0.2, reward 0.2): 0p05 (0.08, 0.7) dominates it
+    assert result["front"] == [
+        "dpo-beta-0p05",
+        "dpo-beta-0p01",
+    ]  # 0p1 (KL 0.2, reward 0.2): 0p05 (0.08, 0.7) dominates it
     table = (tmp_path / "out" / "leaderboard.md").read_text(encoding="utf-8").splitlines()
     assert table[4].startswith("| 1 | dpo-beta-0p1 | dpo | dpo.beta=0.1 | ")
     assert table[4].endswith("|  | kl_to_baseline 0.2 > pipeline.max_kl 0.05 |")
@@ -351,3 +354,50 @@ def test_one_candidate_compiles_to_the_one_route_dag_with_its_settings_on_its_ta
     ppo_task = next(t.dag.tasks["ppo"] for t in branches.values() if "ppo" in t.dag.tasks)
     assert json.loads(dpo_task.inputs.parameters["settings"].runtime_value.constant.string_value) == {"dpo.beta": 0.3}
     assert "settings" not in ppo_task.inputs.parameters
+
+
+@pytest.mark.kfp
+@pytest.mark.integration
+def test_rerun_one_candidate_trains_it_with_its_settings(sweep_run, tmp_path: Path) -> None:
+    out, index, _ = sweep_run
+    target = tmp_path / "again"
+    assert main(["rerun", "dpo-beta-2p0", "--from", str(out), "--output", str(target)]) == 0
+    new = json.loads((target / "run.json").read_text(encoding="utf-8"))
+    assert new["rerun"] == [
+        "dpo-beta-2p0", "evaluate-dpo-beta-2p0", "compare", "promote-dpo-beta-0p05", "promote-dpo-beta-2p0"
+    ]  # fmt: skip
+    assert read(target / "compare")["evaluations"]["dpo-beta-0p05"] == index["stages"]["evaluate-dpo-beta-0p05"]["dir"]
+    client = MlflowClient(new["mlflow"]["tracking_uri"])
+    parent = new["mlflow"]["parent_run_id"]
+    runs = client.search_runs([client.get_run(parent).info.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
+    trained = {r.data.tags.get("kubealign.model_dir"): r.data.params.get("dpo.beta") for r in runs}
+    assert trained[str(target / "dpo-beta-2p0")] == "2.0"
+
+
+@pytest.mark.integration
+def test_over_the_budget_no_promotion_moves_an_alias(tmp_path: Path) -> None:
+    """A real (sqlite) registry: with no candidate within pipeline.max_kl, the first-ranked one is registered
+    like the others and moves no alias; with a budget the second keeps, that one (alone) moves them."""
+    from kubealign.models import loading
+    from kubealign.stages import promote
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    lenient = ["promote.min_win_rate=0", "promote.min_reward_gain=-100", "promote.max_kl=100"]
+    lenient.append("promote.min_win_rate_lower_bound=null")
+    candidates = load_config(None, [SIX]).candidates()[:2]
+    metrics = [evaluation(0.6, 0.9, 0.3), evaluation(0.4, 0.7, 0.08)]
+    evals = {}
+    for candidate, m in zip(candidates, metrics, strict=True):
+        m.update({"reward_gain": m["candidate_reward_mean"] + 1, "baseline_reward_mean": -1.0})
+        evals[candidate.name] = fake_evaluation(tmp_path / candidate.name, m)
+    model = Path(loading.resolve("tiny-opt"))
+    for budget, champion in ((0.05, None), (0.1, "dpo-beta-0p05")):
+        config = load_config(None, [SIX, f"pipeline.max_kl={budget}", f"tracking.uri={uri}", *lenient])
+        comparison = tmp_path / f"compare-{budget}"
+        compare.run(config, candidates, evals, comparison)
+        held = {}
+        for candidate in candidates:  # the first-ranked (dpo-beta-0p01, the better bound) goes first
+            out = tmp_path / f"promote-{budget}-{candidate.name}"
+            result = promote.run(config, evals[candidate.name], model, out, comparison, candidate.name)
+            held[candidate.name] = result["version"] in result["aliases"].values()  # champion or challenger
+        assert [name for name, holds in held.items() if holds] == ([champion] if champion else [])
