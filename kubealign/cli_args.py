@@ -259,9 +259,9 @@ def _add_pipeline_commands(sub: Any) -> None:
     rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
     rerun.add_argument(
         "stage",
-        choices=[*SHARED, *ROUTES, "evaluate", "promote", "compare"],
-        help="a stage; in a run comparing several routes, a route (its training, evaluation, then the comparison "
-        "and the promotions) or compare",
+        metavar="STAGE",
+        help=f"a stage ({', '.join([*SHARED, *ROUTES, 'evaluate', 'promote'])}); in a run comparing several "
+        "candidates, a candidate's name (its training, evaluation, then the comparison and the promotions) or compare",
     )
     rerun.add_argument(
         "--from", dest="run", required=True, type=Path, metavar="RUN_DIR", help="--output of an earlier `kubealign run`"
