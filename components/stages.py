@@ -199,6 +199,7 @@ def compare(
     metrics: Output[Metrics],
     leaderboard: Output[Markdown],
     report: Output[HTML],
+    max_kl: float = 0.0,
     evaluation_1: Input[Artifact] = None,
     evaluation_2: Input[Artifact] = None,
     evaluation_3: Input[Artifact] = None,
@@ -219,8 +220,8 @@ def compare(
     """compare: rank the candidates of one run by their evaluations and draw their reward-KL frontier; a
     leaderboard (Markdown) and the frontier page (HTML) for the UI. candidates: JSON list of {name, algorithm,
     set}; evaluation_N is the N-th candidate's (kubealign.candidates.MAX_CANDIDATES of them; the DAG declares
-    only its candidates'). The DAG runs this task even when a candidate failed (ignore_upstream_failure): that
-    candidate's evaluation is then absent."""
+    only its candidates'). max_kl: pipeline.max_kl, 0 = no KL budget. The DAG runs this task even when a
+    candidate failed (ignore_upstream_failure): that candidate's evaluation is then absent."""
     import json
 
     from kubealign import tasks
@@ -231,7 +232,7 @@ def compare(
     for number, candidate in enumerate(listed, start=1):
         artifact = given.get(f"evaluation_{number}")
         evaluations[candidate["name"]] = None if artifact is None else artifact.path
-    result = tasks.compare(config_json, [], listed, evaluations, comparison.path)
+    result = tasks.compare(config_json, [], listed, evaluations, comparison.path, max_kl)
     tasks.to_kfp(result, metrics, comparison)
     tasks.write_leaderboard(comparison.path, leaderboard.path, report.path)
 

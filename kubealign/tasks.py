@@ -336,15 +336,18 @@ def compare(
     candidates: list[dict[str, Any]],
     evaluations: dict[str, str | None],
     output: str,
+    max_kl: float = 0.0,
 ) -> dict[str, Any]:
     """candidates: [{name, algorithm, set}] (kubealign.candidates.Candidate.as_dict); evaluations: name -> its
-    evaluate output, None where the candidate failed."""
+    evaluate output, None where the candidate failed. max_kl: pipeline.max_kl, 0 = none (the DAG's
+    config_json has no pipeline section: that would put the budget in every task's cache key)."""
     from kubealign.candidates import Candidate
     from kubealign.stages import compare as stage
 
     listed = [Candidate(c["name"], c["algorithm"], c.get("set") or {}) for c in candidates]
     paths = {name: None if path is None else Path(path) for name, path in evaluations.items()}
-    return stage.run(load(config_json, overrides), listed, paths, Path(output))
+    budget = [f"pipeline.max_kl={max_kl!r}"] if max_kl else []
+    return stage.run(load(config_json, [*overrides, *budget]), listed, paths, Path(output))
 
 
 def write_leaderboard(comparison_dir: str, markdown_path: str, html_path: str) -> None:

@@ -80,6 +80,7 @@ def several_candidates(builder: Any, d: dict[str, Any]) -> Callable[..., Any]:
         comparison = named(stages.compare, "compare", drop=absent)(
             config_json=config_json,
             candidates=json.dumps([c.as_dict() for c in candidates]),
+            max_kl=builder.config.pipeline.max_kl or 0.0,
             **{f"evaluation_{n}": evaluations[c.name] for n, c in enumerate(candidates, start=1)},
         )
         # A failed candidate must not sink the others: the comparison runs once every branch has ended, and

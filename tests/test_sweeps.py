@@ -183,6 +183,15 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
         standing = ranked(tmp_path / "out", candidate.name)
         assert standing["leader"] is None and standing["verdict"] == result["verdict"]
         assert json.loads(standing["settings"]) == dict(candidate.settings)
+    # as the DAG's compare task gets it: config_json without a pipeline section, the budget as its own input
+    from kubealign import tasks
+    from kubealign.config import config_to_json
+
+    shared = config_to_json(load_config(None, ["tracking.enabled=false"]))
+    listed = [c.as_dict() for c in candidates]
+    paths = {name: str(path) for name, path in evaluations.items()}
+    assert tasks.compare(shared, [], listed, paths, str(tmp_path / "dag"), 0.05)["verdict"] == result["verdict"]
+    assert tasks.compare(shared, [], listed, paths, str(tmp_path / "none"), 0.0)["leader"] == "dpo-beta-0p1"
     # with a budget the best keeps, it leads
     roomy = load_config(None, ["tracking.enabled=false", SIX, "pipeline.max_kl=0.25"])
     kept = compare.run(roomy, candidates, evaluations, tmp_path / "roomy")
@@ -197,7 +206,7 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
 
 @pytest.mark.kfp
 def test_six_candidates_with_a_bounded_fan_out_compile_and_validate(tmp_path: Path) -> None:
-    _, spec = spec_of(tmp_path, [SIX, "pipeline.parallelism=2"])
+    _, spec = spec_of(tmp_path, [SIX, "pipeline.parallelism=2", "pipeline.max_kl=3.5"])
     tasks = spec.root.dag.tasks
     names = ["dpo-beta-0p01", "dpo-beta-0p05", "dpo-beta-0p1", "dpo-beta-0p3", "ppo", "grpo"]
     waits = {f"wait-{n}" for n in names[2:]}
@@ -230,6 +239,7 @@ def test_six_candidates_with_a_bounded_fan_out_compile_and_validate(tmp_path: Pa
     }
     listed = json.loads(comparison.inputs.parameters["candidates"].runtime_value.constant.string_value)
     assert [c["name"] for c in listed] == names and listed[0]["set"] == {"dpo.beta": 0.01}
+    assert comparison.inputs.parameters["max_kl"].runtime_value.constant.number_value == 3.5
     # no bound: no waits
     _, free = spec_of(tmp_path / "free", [SIX])
     assert not [t for t in free.root.dag.tasks if t.startswith("wait-")]
