@@ -162,7 +162,10 @@ def test_the_kl_budget_excludes_the_best_candidate() -> None:
 def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> None:
     config = load_config(None, ["tracking.enabled=false", SIX, "pipeline.max_kl=0.05"])
     candidates = config.candidates()[:3]
-    metrics = [evaluation(0.5, 0.9, 0.3), evaluation(0.4, 0.7, 0.08), evaluation(0.6, 0.2, 0.2)]
+    metrics = [
+        evaluation(b, r, kl, baseline_reward_mean=-1.0)
+        for b, r, kl in ((0.5, 0.9, 0.3), (0.4, 0.7, 0.08), (0.6, 0.2, 0.2))
+    ]
     evaluations = {c.name: fake_evaluation(tmp_path / c.name, m) for c, m in zip(candidates, metrics, strict=True)}
     result = compare.run(config, candidates, evaluations, tmp_path / "out")
     assert result["leader"] is None and result["metrics"]["over_kl_budget"] == 3.0
@@ -178,6 +181,16 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
     assert table[4].startswith("| 1 | dpo-beta-0p1 | dpo | dpo.beta=0.1 | ")
     assert table[4].endswith("|  | kl_to_baseline 0.2 > pipeline.max_kl 0.05 |")
     assert result["verdict"] in (tmp_path / "out" / "frontier.html").read_text(encoding="utf-8")
+    # the run's summary says why in one line, under the comparison's
+    from kubealign.summary import route_lines
+
+    dirs = {"compare": tmp_path / "out", **{f"evaluate-{name}": path for name, path in evaluations.items()}}
+    dirs.update({c.name: tmp_path / "untrained" for c in candidates})
+    lines = route_lines({"failed_routes": {}}, dirs)
+    assert lines[1] == f"{'':<19}  {result['verdict']}"
+    # the name column is as wide as the longest name and one more (dpo-beta-0p05: 13 + 1)
+    assert lines[2].startswith(f"1 {'dpo-beta-0p1':<14}{'-':>8}  win-rate 0.50 [0.60, 0.70], reward 0.200 (SFT -1.000)")
+    assert lines[2].endswith("; behind: kl_to_baseline 0.2 > pipeline.max_kl 0.05")
     # every promotion then says why in one line, and none leads
     for candidate in candidates:
         standing = ranked(tmp_path / "out", candidate.name)
