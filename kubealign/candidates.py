@@ -32,11 +32,15 @@ class Candidate(NamedTuple):
     settings: Mapping[str, Any]
 
     def overrides(self) -> list[str]:
-        """The settings as --set overrides (JSON values are YAML, which the override parser reads)."""
-        return [f"{key}={json.dumps(value)}" for key, value in self.settings.items()]
+        return as_overrides(self.settings)
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "algorithm": self.route, "set": dict(self.settings)}
+
+
+def as_overrides(settings: Mapping[str, Any]) -> list[str]:
+    """Settings as --set overrides (JSON values are YAML, which the override parser reads)."""
+    return [f"{key}={json.dumps(value)}" for key, value in settings.items()]
 
 
 def section_of(route: str) -> str:

@@ -296,9 +296,9 @@ def promote(
 
 def setting_overrides(settings_json: str) -> list[str]:
     """A candidate's settings (the DAG's JSON object of dotted keys) as --set overrides."""
-    from kubealign.candidates import Candidate
+    from kubealign.candidates import as_overrides
 
-    return Candidate("", "", json.loads(settings_json or "{}")).overrides()
+    return as_overrides(json.loads(settings_json or "{}"))
 
 
 def serve(config_json: str, overrides: list[str], promotion: str, output: str) -> dict[str, Any]:

@@ -160,7 +160,14 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
 class Tasks:
     """Makes the DAG's tasks and places them on the cluster (config.kubernetes, `env` on every task)."""
 
-    def __init__(self, config: KubealignConfig, env: dict[str, str] | None, functions_json: str):
+    def __init__(
+        self,
+        config: KubealignConfig,
+        env: dict[str, str] | None,
+        functions_json: str,
+        settings: dict[str, str] | None = None,
+    ):
+        """settings: a one-candidate run's `settings` input of its training task (build)."""
         self.config, self.k8s = config, config.kubernetes
         pins = tasks.pins(config, functions_json)  # what a run cannot edit
         # the functions' sha256 only on the tasks that read them (it changes with them, and kfp.local's cache
@@ -170,7 +177,7 @@ class Tasks:
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
-        self.settings: dict[str, str] = {}  # a one-candidate run's settings input (build)
+        self.settings = settings or {}
 
     def place(
         self, task: dsl.PipelineTask, name: str, gpus: int, training: bool, scoring: bool = False
@@ -340,8 +347,7 @@ def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callabl
         config = config.for_candidate(only._replace(settings={}))
         settings = {"settings": json.dumps(dict(only.settings), sort_keys=True)} if only.settings else {}
     defaults = pipeline_defaults(config)
-    builder = Tasks(config, env, defaults["reward_functions"])
-    builder.settings = settings
+    builder = Tasks(config, env, defaults["reward_functions"], settings)
     function = (sweep.several_candidates if several else _one_route)(builder, defaults)
     # KFP reads the outputs from the return annotation: with no reward task there is no `reward` output.
     outputs = {(False, True): Outputs, (False, False): FunctionOutputs}

@@ -13,17 +13,18 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kubealign import ranking
+from kubealign import ranking, tasks
 from kubealign.candidates import MAX_CANDIDATES, Candidate, check_keys, check_names, expand, slug
 from kubealign.cli import main
-from kubealign.config import load_config
+from kubealign.config import config_to_json, load_config
 from kubealign.config.schema import DPOConfig, PPOConfig
 from kubealign.errors import UserError
 from kubealign.frontier import pareto_front
+from kubealign.models import loading
 from kubealign.pipelines.local import tasks_for
-from kubealign.stages import compare
+from kubealign.stages import compare, promote
 from kubealign.stages.promote import ranked
-from kubealign.summary import summarize
+from kubealign.summary import route_lines, summarize
 from tests.test_kfp_local import SHORT as KFP_SHORT
 from tests.test_routes import evaluation, fake_evaluation, spec_of
 
@@ -182,8 +183,6 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
     assert table[4].endswith("|  | kl_to_baseline 0.2 > pipeline.max_kl 0.05 |")
     assert result["verdict"] in (tmp_path / "out" / "frontier.html").read_text(encoding="utf-8")
     # the run's summary says why in one line, under the comparison's
-    from kubealign.summary import route_lines
-
     dirs = {"compare": tmp_path / "out", **{f"evaluate-{name}": path for name, path in evaluations.items()}}
     dirs.update({c.name: tmp_path / "untrained" for c in candidates})
     lines = route_lines({"failed_routes": {}}, dirs)
@@ -197,9 +196,6 @@ def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> No
         assert standing["leader"] is None and standing["verdict"] == result["verdict"]
         assert json.loads(standing["settings"]) == dict(candidate.settings)
     # as the DAG's compare task gets it: config_json without a pipeline section, the budget as its own input
-    from kubealign import tasks
-    from kubealign.config import config_to_json
-
     shared = config_to_json(load_config(None, ["tracking.enabled=false"]))
     listed = [c.as_dict() for c in candidates]
     paths = {name: str(path) for name, path in evaluations.items()}
@@ -401,9 +397,6 @@ def test_rerun_one_candidate_trains_it_with_its_settings(sweep_run, tmp_path: Pa
 def test_over_the_budget_no_promotion_moves_an_alias(tmp_path: Path) -> None:
     """A real (sqlite) registry: with no candidate within pipeline.max_kl, the first-ranked one is registered
     like the others and moves no alias; with a budget the second keeps, that one (alone) moves them."""
-    from kubealign.models import loading
-    from kubealign.stages import promote
-
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     lenient = ["promote.min_win_rate=0", "promote.min_reward_gain=-100", "promote.max_kl=100"]
     lenient.append("promote.min_win_rate_lower_bound=null")
