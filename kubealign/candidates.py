@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 from kubealign.shape import RESERVED_TASKS, ROUTE_TASK_KEYS, ROUTES, WAIT_PREFIX
 
 MAX_CANDIDATES = 16  # the compare task declares this many evaluation inputs (a KFP component's inputs are fixed)
+TASK_PREFIXES = (*(prefix for prefix, _ in ROUTE_TASK_KEYS if prefix), WAIT_PREFIX)  # evaluate-, promote-, wait-
 NAME = re.compile(r"^[a-z]([a-z0-9-]{0,38}[a-z0-9])?$")  # <= 40 characters: promote-NAME stays a DNS label
 
 
@@ -90,9 +91,7 @@ def check_names(candidates: list[Candidate]) -> None:
                 f"candidate name {c.name!r}: use lowercase letters, digits and hyphens, starting with a letter, "
                 "at most 40 characters (it names the candidate's tasks and MLflow run)"
             )
-        prefixes = [prefix for prefix, _ in ROUTE_TASK_KEYS if prefix] + [WAIT_PREFIX]
-        prefixed = [prefix for prefix in prefixes if c.name.startswith(prefix)]
-        if c.name in RESERVED_TASKS or prefixed:
+        if c.name in RESERVED_TASKS or c.name.startswith(TASK_PREFIXES):
             raise ValueError(f"candidate name {c.name!r} is taken by the DAG's own tasks; choose another")
         if c.name in ROUTES and c.name != c.route:
             raise ValueError(f"candidate name {c.name!r} is another route's; a {c.route} candidate needs another")

@@ -129,24 +129,28 @@ def log_to_pipeline_run(
     client = getattr(tracker, "_client", None)
     if client is None:  # tracking off, or not rank 0
         return
+    from mlflow.entities import Metric, Param
+
     run_id = os.environ.get(PARENT_RUN_ENV) or tracker.run_id
     client.log_table(run_id, {k: [r[k] for r in records] for k in records[0]}, "leaderboard.json")
     client.log_artifact(run_id, str(picture))
-    for r in records:
-        client.log_metric(run_id, f"leaderboard/{r['candidate']}", r["measure"])
+    now = int(time.time() * 1000)
+    measures = [Metric(f"leaderboard/{r['candidate']}", r["measure"], now, 0) for r in records]
+    client.log_batch(run_id, metrics=measures)
     experiment_id = client.get_run(run_id).info.experiment_id
     for name, candidate in candidates.items():
         tags = {"mlflow.parentRunId": run_id, "kubealign.stage": "candidate", "kubealign.candidate": name}
         child = client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
         params = {"algorithm": candidate.route, **{key: str(value) for key, value in candidate.settings.items()}}
-        for key, value in params.items():
-            client.log_param(child, key, value)
+        figures: dict[str, float] = {}
         ranked = next((r for r in records if r["candidate"] == name), None)
         if ranked is not None:
             figures = {k: float(ranked[k]) for k in ("rank", "measure", "candidate_reward_mean", "kl_to_baseline")}
             figures.update({k: float(v) for k, v in metrics[name].items() if isinstance(v, int | float)})
             figures["on_front"] = float(ranked["on_front"])
-            for key, value in figures.items():
-                if math.isfinite(value):
-                    client.log_metric(child, key, value)
+        client.log_batch(  # one request per candidate: a run on a remote server is not a hot loop of calls
+            child,
+            metrics=[Metric(k, v, now, 0) for k, v in figures.items() if math.isfinite(v)],
+            params=[Param(k, v) for k, v in params.items()],
+        )
         client.set_terminated(child, "FINISHED" if ranked is not None else "FAILED")
