@@ -20,6 +20,7 @@ TMP=${TMPDIR:-/tmp}
 SITE=${SITE:-$TMP/kubealign-site}
 LEGACY_SITE=${LEGACY_SITE:-$TMP/kubealign-legacy}
 WORK=${WORK:-$TMP/kubealign-gpu-work}
+PKG=${PKG:-$TMP/kubealign-pkg}
 DEADLINE_S=${DEADLINE_S:-540}
 ls "$WHL"/*.whl >/dev/null 2>&1 || { echo "run.sh: no wheels in $WHL: run benchmarks/gpu/wheels.sh here first" >&2; exit 2; }
 mkdir -p "$OUT"
@@ -46,9 +47,21 @@ setup() {  # once per machine: the wheels, then DeepSpeed's prebuilt ops if they
     touch "$SITE/.installed"
 }
 
+package() {  # kubealign as pyproject.toml installs it, made of links into this checkout
+    # The checkout is not installed there (no network, no build backend of the lock's version): on PYTHONPATH
+    # alone, kubealign.configs, .components and .pipelines (top-level folders that pyproject.toml's
+    # package-dir maps under kubealign) would not exist, and every preset lookup fails (the first GPU run of
+    # `tests` did). Links, not copies: the tests and the harness read the files of this checkout.
+    rm -rf "$PKG" && mkdir -p "$PKG/kubealign"
+    local entry
+    for entry in "$PWD"/kubealign/*; do ln -s "$entry" "$PKG/kubealign/"; done
+    for entry in configs components pipelines; do ln -s "$PWD/$entry" "$PKG/kubealign/$entry"; done
+}
+
 main() {
     echo "run.sh $step $*: $(date -u +%FT%TZ), log $LOG"
-    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    package
+    export PYTHONPATH="$PKG:$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
     # DeepSpeed JIT-compiles an op that is not prebuilt once per machine; keep it out of the home directory.
     export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$TMP/kubealign-torch-extensions}
     setup
@@ -65,7 +78,10 @@ main() {
     local left=$((DEADLINE_S - SECONDS))
     echo "run.sh: setup took ${SECONDS} s; ${left} s left for the step"
     if [ "$step" = tests ]; then
-        timeout -k 10 "$left" python3 -m pytest -m gpu -p no:cacheprovider -q tests/test_gpu_ppo.py "$@" \
+        # -P and --import-mode=append: python -m and pytest would otherwise put the checkout first on sys.path,
+        # in front of $PKG (the checkout stays on PYTHONPATH, after it, for `tests`)
+        timeout -k 10 "$left" python3 -P -m pytest -m gpu -p no:cacheprovider --import-mode=append -q \
+            tests/test_gpu_ppo.py "$@" \
             --junitxml "$OUT/gpu-tests.xml"
         return
     fi
