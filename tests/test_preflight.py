@@ -47,6 +47,7 @@ KERNELS = (True, "")
             "engine",
             "would inject its inference kernels into OPTDecoderLayer under transformers 5.24.0, but DeepSpeed implements no inference kernels on cpu",
         ),
+        (HE, 3, "opt", 4, None, False, "5.23.0", [], NO_KERNELS, "he-plain", "without injection"),  # CPU: any ZeRO
         (HE, 3, "llama", 4, 4, False, "5.23.0", LLAMA, NO_KERNELS, "engine", "into LlamaDecoderLayer"),
         (HE, 0, "qwen2", 4, 4, False, "5.23.0", [], NO_KERNELS, "engine", "measured on CPU only for opt"),
         (
@@ -76,9 +77,14 @@ KERNELS = (True, "")
             [],
             KERNELS,
             "engine",
-            "injects no kernels into qwen2 under transformers 4.48.2 (nothing to inject)",
+            "injects no kernels into qwen2 under transformers 4.48.2 (nothing to inject; without injection measured on CUDA only for opt)",
         ),
-        (HE, 3, "opt", 32, None, True, "5.23.0", [], KERNELS, "engine", "nothing to inject"),
+        # CUDA, nothing injected: the hybrid engine without injection where it was measured on a GPU (OPT at
+        # ZeRO 2: docs/gpu.md), at ZeRO 0 to 2; ZeRO 3 (not measured there) keeps the plain engine
+        (HE, 3, "opt", 32, None, True, "5.23.0", [], KERNELS, "engine", "measured on CUDA at actor ZeRO <= 2 only"),
+        (HE, 2, "opt", 32, None, True, "5.17.0", [], KERNELS, "he-plain", "hybrid engine without injection"),
+        (HE, 0, "opt", 32, None, True, "5.23.0", [], KERNELS, "he-plain", "hybrid engine without injection"),
+        (HE, 2, "qwen2", 16, 16, True, "5.17.0", [], KERNELS, "engine", "measured on CUDA only for opt"),
         (
             HE,
             3,

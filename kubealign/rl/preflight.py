@@ -13,8 +13,9 @@ Paths:
   kernels, no LLaMA with grouped-query attention, and a transformers release the kernels were known to
   work with (<= 4.48: their legacy tuple-cache contract).
 * "he-plain" — DeepSpeedHybridEngine without injection (DeepSpeed keeps the model's native generate):
-  measured to train and generate (through the rollout API) on CPU for OPT. DeepSpeed's own
-  engine.generate() is broken there, so generation always goes through HybridEngineRollout.
+  measured to train and generate (through the rollout API) on CPU for OPT, and on CUDA for OPT at actor
+  ZeRO <= 2 (an H200, 2026-11-27: docs/gpu.md). DeepSpeed's own engine.generate() is broken there, so
+  generation always goes through HybridEngineRollout.
 * "engine" — a plain DeepSpeed engine, generation through the module: every other case (hybrid engine
   disabled, injection the device has no kernels for, or kernels the transformers release does not fit).
 
@@ -32,6 +33,12 @@ from packaging.version import Version
 
 INJECTION_POLICIES = {"opt", "bloom", "gptj", "gpt_neo", "gpt_neox", "llama", "internlm"}
 HE_PLAIN_ON_CPU = {"opt"}  # measured: trains, and generates through the rollout API
+# Measured on CUDA (an H200; benchmarks/results/gpu-correctness-nvidia-h200.json, gpu-generation-...): OPT-1.3B
+# at ZeRO 2 passed the correctness check (ratio 1 and KL 0 at step 0, greedy tokens equal to HF eager's) and
+# decoded at 8.8 ms a step against HF eager's 9.6 (batch 16); the plain engine's path was not measured there.
+# ZeRO 3 (partitioned weights gathered for generation) was not measured on CUDA: it keeps the plain engine.
+HE_PLAIN_ON_CUDA = {"opt"}
+HE_PLAIN_CUDA_MAX_ZERO = 2
 MAX_KERNEL_TRANSFORMERS = Version("4.49")  # injected kernels known-good up to 4.48.x
 
 
@@ -113,10 +120,17 @@ def decide(
         block["inference_tp_size"] = 1
     tf = f"transformers {transformers_version}"
     if not injected:
-        if not cuda and model_type in HE_PLAIN_ON_CPU:
+        measured = model_type in (HE_PLAIN_ON_CUDA if cuda else HE_PLAIN_ON_CPU)
+        if measured and (not cuda or actor_zero_stage <= HE_PLAIN_CUDA_MAX_ZERO):
             notes.append(f"DeepSpeed injects no kernels into {model_type} under {tf}: hybrid engine without injection")
             return Preflight("he-plain", block, notes)
-        where = "measured on CPU only for " + ", ".join(sorted(HE_PLAIN_ON_CPU)) if not cuda else "nothing to inject"
+        if not cuda:
+            where = "measured on CPU only for " + ", ".join(sorted(HE_PLAIN_ON_CPU))
+        elif measured:
+            where = f"without injection measured on CUDA at actor ZeRO <= {HE_PLAIN_CUDA_MAX_ZERO} only"
+        else:
+            only = ", ".join(sorted(HE_PLAIN_ON_CUDA))
+            where = f"nothing to inject; without injection measured on CUDA only for {only}"
         notes.append(f"DeepSpeed injects no kernels into {model_type} under {tf} ({where}): plain engine")
         return Preflight("engine", None, notes)
     layers = ", ".join(injected)
