@@ -25,7 +25,9 @@ CALL_BUDGET_S = 480.0
 # a machine just started, the next warm (run.sh's wheels installed, the model dirs built): the start and the
 # waits between calls take the rest, and what is left goes to the optional third call.
 SESSION_BUDGET_S = 900.0
-MACHINE_START_S = 180.0  # "a few minutes": the device tool's start of a bare machine, an estimate
+# The device tool's start of a bare machine, transfers included: measured 30 s and about 33 s on 2026-11-27
+# (an H200: held_s minus the command's wall_s), written down as 180 before any GPU session; kept with margin.
+MACHINE_START_S = 45.0
 HEADLINE_BUDGET_S = 600.0
 # A case is killed at this multiple of its estimate (or at the call's deadline, whichever comes first).
 TIMEOUT_FACTOR = 2.0
@@ -37,39 +39,47 @@ TIMEOUT_FACTOR = 2.0
 # model / engine builds. Shapes: OPT-1.3B (or the 1.3B Llama) in bf16, prompt 256, 256 new tokens, a
 # warm-up plus 2 timed runs and 2 prefills per batch; correctness 3 PPO updates at batch 4, 32 + 32 tokens;
 # iteration 4 ppo-stage iterations at the preset's batch 4, 256 + 256 tokens.
-# These are ESTIMATES written without a GPU (none was at hand): every record keeps `estimate_s` beside the
-# measured `case_s`, so the first GPU run corrects them here.
+# First written without a GPU; every record keeps `estimate_s` beside the measured `case_s`. The first GPU
+# run (2026-11-27, one H200, docs/gpu.md) measured hf-eager 52 s (60 estimated), kubealign-he-z2 57 (100),
+# correctness kubealign-he-z2 96 (75), iteration z2-lora 138 (90) and z2-full over 106 (killed at the call's
+# deadline, 90 estimated): those are the figures below (z2-full at z2-lora's plus its full-model optimizer).
+# The cases not yet run are rescaled by their measured neighbour: the rollout cases (kubealign-engine-z2,
+# -he-z3) as -he-z2 (x 0.57), correctness x 1.28, iteration at ZeRO 3 x 1.53; the HF compile and legacy
+# cases keep the figures written without a GPU.
 ESTIMATES_S: dict[str, dict[str, Any]] = {
     "generation": {
         # one process for both batches (16, then 64): HF eager ~20 ms a decode step, 3 x 256 steps a batch
-        "hf-eager": 60,
+        "hf-eager": 52,
         # one process per batch: transformers compiles the decode step (torch.compile, CUDA graphs) for the
         # full length and again for the 1-token prefill's cache size, from an empty cache
         "hf-static-compile": (200, 200),
         # one process for both batches: the four models of the ppo stage built by DeepSpeed, then kubealign's
         # rollout; ZeRO-3 gathers the partitioned weights for generation
-        "kubealign-engine-z2": 90,
-        "kubealign-he-z2": 100,
-        "kubealign-he-z3": 150,
+        "kubealign-engine-z2": 57,
+        "kubealign-he-z2": 57,
+        "kubealign-he-z3": 86,
         # one process per batch size (DeepSpeed's inference workspace is sized at the first forward); the
         # smaller batch's process also trains 3 steps and checks greedy tokens (the legacy correctness)
         "legacy-he-injected-z2": (75, 55),
         "legacy-he-injected-z2-cuda-graph": (85, 65),
         "legacy-he-injected-z3": (95, 75),
     },
-    "correctness": {"kubealign-engine-z2": 70, "kubealign-he-z2": 75, "kubealign-he-z2-lora": 80,
-                    "kubealign-he-z3": 100},
-    "iteration": {"z2-lora": 90, "z2-full": 90, "z3-lora": 130, "z3-full": 130},
+    "correctness": {"kubealign-engine-z2": 90, "kubealign-he-z2": 96, "kubealign-he-z2-lora": 102,
+                    "kubealign-he-z3": 128},
+    "iteration": {"z2-lora": 138, "z2-full": 150, "z3-lora": 199, "z3-full": 199},
 }  # fmt: skip
 # The fixed part of a call on a fresh machine: run.sh installing the carried wheels and checking that they
 # and the prebuilt ops import; gpu_rollout.py's own start (imports, the environment, the bandwidth copy);
 # each model dir (random weights saved as safetensors) and the prompt split, built once per machine.
-SETUP_S = {"run.sh": 40, "process": 15, "opt-1.3b": 25, "opt-350m": 10, "llama-1.3b": 25, "prompts": 5}
+# Measured on the H200 (2026-11-27): run.sh 23-24 s on a fresh machine, 10-13 s warm; gpu_rollout.py's start
+# 3-4 s to its first line, then its setup 16 s with both OPT dirs to build, 10 s with none (the Llama dir and
+# the prompt split: not measured apart).
+SETUP_S = {"run.sh": 25, "process": 14, "opt-1.3b": 5, "opt-350m": 2, "llama-1.3b": 5, "prompts": 5}
 # run.sh on a warm machine: the wheels are installed (its .installed marker), only the import checks run
-RUN_SH_WARM_S = 10.0
-# `run.sh tests` (pytest -m gpu: tests/test_gpu_ppo.py's three PPO runs on the tiny model, after the
-# module's split / sft / reward fixture)
-TESTS_S = 180.0
+RUN_SH_WARM_S = 13.0
+# `run.sh tests` (pytest -m gpu: tests/test_gpu_ppo.py after the module's split / sft / reward fixture):
+# measured 40 s for its first three tests; the top-k test that replaced one runs four 1-iteration PPO runs
+TESTS_S = 60.0
 
 # A case of one batch is named by the GPU's batch size (hf-static-compile-b16, ...), also in a dry run, where
 # it runs at the dry batch of the same rank: `--only` then picks the same cases in both.
