@@ -80,6 +80,11 @@ RUN_SH_WARM_S = 13.0
 # `run.sh tests` (pytest -m gpu: tests/test_gpu_ppo.py after the module's split / sft / reward fixture):
 # measured 40 s for its first three tests; the top-k test that replaced one runs four 1-iteration PPO runs
 TESTS_S = 60.0
+# `run.sh padding-free` (issue 62: real_lengths.py --quick at OPT-1.3B shape in bf16, not measured yet): the
+# HH-trained BPE and the 1.3B model dir (about 25 s), then per stage an engine per mode from that dir (sft
+# three, the others two: about 10 s each, 9 in all), 2 rounds of 1 step per mode, and the padded-vs-grouped
+# difference check (a model load per stage). Peak: SFT's three engines, about 21 GB each in bf16 with AdamW.
+PADDING_FREE_S = 180.0
 
 # A case of one batch is named by the GPU's batch size (hf-static-compile-b16, ...), also in a dry run, where
 # it runs at the dry batch of the same rank: `--only` then picks the same cases in both.

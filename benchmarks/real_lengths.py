@@ -265,24 +265,24 @@ def differences(stage: Stage, model_dir: Path, size: int = 8) -> dict[str, float
     """The largest |per-sequence measure in a random padded batch - in a grouped batch| (absolute, and
     relative to the measure) over `size` examples, in batches of size / 2, before any step."""
     small = subset(stage, size)
-    model = load_model(stage, model_dir).eval()
+    model = load_model(stage, model_dir).eval().to(distributed_device())
     found: dict[str, dict[Any, torch.Tensor]] = {}
     with torch.no_grad():
         for mode in ("padded", "grouped"):
             found[mode] = {}
             for batch in batches_of(small, mode, seed=7, micro=size // 2):
-                values = small.measure(model, small.collate([small.examples[i] for i in batch]))
+                values = small.measure(model, on_device(small.collate([small.examples[i] for i in batch])))
                 rows = batch + batch if values.shape[0] == 2 * len(batch) else batch
                 for k, i in enumerate(rows):
                     found[mode][(i, k >= len(batch))] = values[k]
         if stage.name == "sft":  # per-sequence NLL sums of the packed row, cut at the sequence boundaries
             found["packed"] = {}
             for batch in batches_of(small, "grouped", seed=7, micro=size // 2):
-                nll = packed_nll(model, packed([small.examples[i] for i in batch]))[0]
-                ends = torch.tensor([len(small.examples[i]["input_ids"]) for i in batch]).cumsum(0)
+                nll = packed_nll(model, on_device(packed([small.examples[i] for i in batch])))[0]
+                ends = torch.tensor([len(small.examples[i]["input_ids"]) for i in batch]).cumsum(0).tolist()
                 for k, i in enumerate(batch):
-                    start = int(ends[k - 1]) if k else 0
-                    found["packed"][(i, False)] = -nll[start : int(ends[k]) - 1].sum()
+                    start = ends[k - 1] if k else 0
+                    found["packed"][(i, False)] = -nll[start : ends[k] - 1].sum()
     diffs = [(float((found["padded"][k] - v).abs()), float(v.abs())) for k, v in found["grouped"].items()]
     out = {"max_abs_diff": max(d for d, _ in diffs), "max_rel_diff": max(d / max(m, 1e-12) for d, m in diffs),
            "diff_examples": len(diffs)}  # fmt: skip
@@ -299,12 +299,12 @@ def dpo_initial_loss(stage: Stage, model_dir: Path, pad: int, size: int = 16) ->
     stage = subset(stage, size)
     for i, example in enumerate(stage.examples):
         stage.examples[i] = {**example, "index": i}
-    model = load_model(stage, model_dir).eval()
+    model = load_model(stage, model_dir).eval().to(distributed_device())
     table = dpo.ReferenceTable(stage.examples, pad, 2 * stage.cfg.micro_batch_size, contextlib.nullcontext)
     loss = dpo.train_loss(stage.cfg, table)
     engine = _Boundary(model)
     with torch.no_grad():
-        return [float(loss(engine, stage.collate([stage.examples[i] for i in b])).value)
+        return [float(loss(engine, on_device(stage.collate([stage.examples[i] for i in b]))).value)
                 for b in batches_of(stage, "grouped", seed=7, micro=size // 4)]  # fmt: skip
 
 
@@ -352,19 +352,44 @@ def packed_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return packed_nll(model, batch).sum() / batch["step_units"]
 
 
+def distributed_device() -> torch.device:
+    from kubealign.training import distributed
+
+    return distributed.device()
+
+
+def on_device(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch's tensors on the training device. The stages' own losses move what they read (lm, reward,
+    dpo); the PPO passes and the packed row here call the model directly, and on CUDA would hand it CPU ids."""
+    device = distributed_device()
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
 def timed_pass(stage: Stage, engine: Any, batches: list[list[int]], pack: bool = False) -> dict[str, float]:
-    """Train one micro-batch per optimizer step over `batches`; real tokens, token slots and seconds."""
+    """Train one micro-batch per optimizer step over `batches`; real tokens, token slots and seconds. On CUDA
+    also the peak memory the steps added above what was allocated before them (the engines' weights and
+    optimizer states stay resident between passes: this is the step's own activations and gradients)."""
     real = slots = 0
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for indices in batches:
-        batch = (packed if pack else stage.collate)([stage.examples[i] for i in indices])
+        batch = on_device((packed if pack else stage.collate)([stage.examples[i] for i in indices]))
         if "loss_mask" in batch and stage.name == "sft":
             batch["step_units"] = torch.tensor(float(batch["loss_mask"][:, 1:].sum()))
         engine.backward((packed_loss if pack else stage.loss)(engine, batch))
         engine.step()
         real += int(batch["attention_mask"].sum())
         slots += batch["attention_mask"].numel()
-    return {"seconds": time.perf_counter() - started, "real_tokens": real, "slots": slots}
+    if cuda:
+        torch.cuda.synchronize()  # the steps' kernels finished inside the timed span
+    out = {"seconds": time.perf_counter() - started, "real_tokens": real, "slots": slots}
+    if cuda:
+        out["step_peak_bytes"] = torch.cuda.max_memory_allocated() - before
+    return out
 
 
 def measure(stage: Stage, model_dir: Path, rounds: int, steps: int) -> dict[str, Any]:
@@ -387,11 +412,13 @@ def measure(stage: Stage, model_dir: Path, rounds: int, steps: int) -> dict[str,
         out[f"{key}_padding_share"] = 1 - real / sum(x["slots"] for x in runs[mode])
         out[f"{key}_real_tokens"] = real
         out[f"{key}_round_s"] = [round(x["seconds"], 2) for x in runs[mode]]
+        out[f"{key}_step_peak_bytes"] = max((x.get("step_peak_bytes", 0) for x in runs[mode]), default=0) or None
     out["speedup"] = out["padding_free_tokens_per_s"] / out["padded_tokens_per_s"]
     if "packed" in runs:  # the other padding-free mechanism, on this device
         seconds = sum(x["seconds"] for x in runs["packed"])
         out["packed_tokens_per_s"] = sum(x["real_tokens"] for x in runs["packed"]) / seconds
         out["packed_round_s"] = [round(x["seconds"], 2) for x in runs["packed"]]
+        out["packed_step_peak_bytes"] = max(x.get("step_peak_bytes", 0) for x in runs["packed"]) or None
         out["packed_vs_grouped"] = out["packed_tokens_per_s"] / out["padding_free_tokens_per_s"]
     # what the padding shares alone predict: the same compute per slot, fewer slots per real token
     out["speedup_from_padding_share"] = (1 - out["padding_free_padding_share"]) / (1 - out["padded_padding_share"])

@@ -318,8 +318,8 @@ def test_each_documented_call_fits_its_budget_cheapest_first():
         argv = shlex.split(command)
         steps.append(argv[0])
         warm = int(number) in (2, 3)  # right after call 1 (and 2) on the same machine
-        if argv[0] == "tests":
-            total = gpu_plan.SETUP_S["run.sh"] + gpu_plan.TESTS_S
+        if argv[0] in ("tests", "padding-free"):
+            total = gpu_plan.SETUP_S["run.sh"] + (gpu_plan.TESTS_S if argv[0] == "tests" else gpu_plan.PADDING_FREE_S)
         else:
             cases = gpu_plan.plan(gpu_rollout.parse(argv), cuda=True)
             assert cases and all(c.spec is not None for c in cases), command
@@ -335,7 +335,7 @@ def test_each_documented_call_fits_its_budget_cheapest_first():
     assert steps[:3] == ["all", "iteration", "correctness"]  # the headline first: rollout + correctness, ppo
     everything = gpu_plan.plan(gpu_rollout.parse(["all"]), cuda=True)
     assert covered == Counter(gpu_rollout.case_id(c) for c in everything)  # each case in exactly one call
-    assert "tests" in steps
+    assert "tests" in steps and "padding-free" in steps
     run_sh = (BENCH / "gpu" / "run.sh").read_text()
     assert "DEADLINE_S=${DEADLINE_S:-540}" in run_sh  # cases are cut before the device's 600 s
 

@@ -5,6 +5,7 @@
 # killed at its timeout, and the results file is rewritten after every case.
 #   bash benchmarks/gpu/run.sh generation|correctness|iteration|all [gpu_rollout.py options]
 #   bash benchmarks/gpu/run.sh tests      # item 4: pytest -m gpu
+#   bash benchmarks/gpu/run.sh padding-free   # real_lengths.py --quick at OPT-1.3B shape, bf16 (issue 62)
 # Environment: WHL (default .whl), OUT (results and logs; default benchmarks/results), SITE and LEGACY_SITE
 # (where the wheels go; reused while the machine stays warm), DEADLINE_S (default 540, counted from this
 # script's start: a device call is cut at 600 s).
@@ -12,7 +13,7 @@
 # characters of its output, the log comes back whole with the results.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-step=${1:?usage: run.sh generation|correctness|iteration|all|tests [options]}
+step=${1:?usage: run.sh generation|correctness|iteration|all|tests|padding-free [options]}
 shift
 WHL=${WHL:-.whl}
 OUT=${OUT:-benchmarks/results}
@@ -22,6 +23,8 @@ LEGACY_SITE=${LEGACY_SITE:-$TMP/kubealign-legacy}
 WORK=${WORK:-$TMP/kubealign-gpu-work}
 PKG=${PKG:-$TMP/kubealign-pkg}
 DEADLINE_S=${DEADLINE_S:-540}
+# padding-free: the HH-RLHF file, carried (docs/gpu.md: the device call sends the checkout, not ../shared)
+HH=${HH:-.gpu-data/harmless-base-test.jsonl.gz}
 ls "$WHL"/*.whl >/dev/null 2>&1 || { echo "run.sh: no wheels in $WHL: run benchmarks/gpu/wheels.sh here first" >&2; exit 2; }
 mkdir -p "$OUT"
 LOG="$OUT/gpu-run-$step-$(date -u +%Y%m%dT%H%M%S).log"
@@ -84,6 +87,15 @@ main() {
             tests/test_gpu_ppo.py "$@" \
             --junitxml "$OUT/gpu-tests.xml"
         return
+    fi
+    if [ "$step" = padding-free ]; then
+        [ -f "$HH" ] || { echo "run.sh: no HH-RLHF file at $HH (docs/gpu.md: copy it into .gpu-data/)" >&2; return 2; }
+        local label status=0
+        label="opt-1.3b-quick-$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).lower().replace(" ", "-"))' 2>/dev/null || echo cpu)"
+        timeout -k 10 "$left" python3 benchmarks/real_lengths.py --quick --shape opt-1.3b --hh "$HH" \
+            --label "$label" "$@" || status=$?
+        [ "$(realpath "$OUT")" = "$(realpath benchmarks/results)" ] || cp benchmarks/results/real-lengths-"$label".json "$OUT"/ 2>/dev/null || true
+        return "$status"
     fi
     python3 benchmarks/gpu_rollout.py "$step" --out "$OUT" --work "$WORK" --legacy-site "$LEGACY_SITE" \
         --deadline-s "$left" "$@"
