@@ -305,3 +305,107 @@ def test_a_full_disk_while_saving_is_one_line_and_the_last_good_checkpoint_stays
     assert (small_disk / "latest").read_text() == "step2"
     checkpoints.verify(small_disk)  # the last good one is whole
     assert not (tmp_path / "run").exists()
+
+
+# --- links under a checkpoint directory (issue 54: each was followed before) -------------------------------------
+
+
+def test_a_linked_checkpoint_directory_is_refused_and_its_target_kept(split_dir: Path, tmp_path: Path):  # noqa: F811
+    """X.checkpoints -> a user's folder holding step9/: `kubealign sft --resume` used to train into it and remove
+    step9/ at its end. Refused at the start, with and without --resume; the folder is untouched."""
+    mine = tmp_path / "my-folder"
+    fake_checkpoint(mine, "step9").joinpath("notes.txt").write_text("mine")
+    (tmp_path / "run.checkpoints").symlink_to(mine)
+    for resume in (True, False):
+        with pytest.raises(UserError, match=r"run.checkpoints is a symbolic link \(to .*my-folder\)"):
+            checkpoints.checkpoint_dir(tmp_path / "run", resume=resume)
+    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.1"]
+    refused = kubealign_subprocess("sft", *common, "--resume", "--output", tmp_path / "run")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
+    assert "run.checkpoints is a symbolic link" in refused.stderr.strip().splitlines()[-1]
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == [
+        "latest", "step9", "step9/mp_rank_00_model_states.pt", "step9/notes.txt", "step9/sub", "step9/sub/optim.pt",
+    ]  # fmt: skip
+    save = tmp_path / "ppo.checkpoints"
+    save.mkdir()
+    (save / "critic").symlink_to(mine)  # a part directory of PPO's: the same
+    with pytest.raises(UserError, match=r"ppo.checkpoints/critic is a symbolic link"):
+        checkpoints.checkpoint_dir(tmp_path / "ppo", resume=True)
+
+
+@pytest.mark.parametrize("planted", ["tag", "file"])
+def test_saving_refuses_a_link_planted_as_the_next_tag_or_in_it(tmp_path: Path, planted: str):
+    """DeepSpeed opens the tag's files for writing and follows links: a planted step2 -> elsewhere, or a
+    step2/mp_rank_00_model_states.pt -> a user's file, was written through (the file overwritten)."""
+    save, user = tmp_path / "run.checkpoints", tmp_path / "user"
+    sealed_checkpoint(save, "step1")
+    user.mkdir()
+    (user / "thesis.pt").write_bytes(b"mine")
+    if planted == "tag":
+        (save / "step2").symlink_to(user)
+        link = save / "step2"
+    else:
+        (save / "step2").mkdir()
+        link = save / "step2" / "mp_rank_00_model_states.pt"
+        link.symlink_to(user / "thesis.pt")
+    refused = rf"sft: saving step2: {re.escape(str(link))} is a symbolic link"
+    with pytest.raises(UserError, match=refused), checkpoints.saving(save, "step2", "sft"):
+        (save / "step2" / "mp_rank_00_model_states.pt").write_bytes(b"weights")  # never reached
+    assert (user / "thesis.pt").read_bytes() == b"mine" and sorted(p.name for p in user.iterdir()) == ["thesis.pt"]
+    assert checkpoints.latest_tag(save) == "step1"
+    # a real tag directory left by a killed save is no link: saving into it goes ahead
+    with checkpoints.saving(save, "step3", "sft"):
+        (save / "step3").mkdir()
+    with checkpoints.saving(save, "step3", "sft"):
+        (save / "step3" / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+
+
+def test_latest_naming_a_path_outside_is_never_loaded(tmp_path: Path, caplog):
+    """`latest` = ../outside/step9 used to load that directory's pickles unverified: only a tag of kubealign's
+    form inside the directory is taken; the newest sealed tag otherwise, saying why."""
+    save = tmp_path / "run.checkpoints"
+    fake_checkpoint(tmp_path / "outside", "step9")
+    save.mkdir()
+    (save / "latest").write_text("../outside/step9")
+    assert checkpoints.resume_tag(save) is None  # nothing of its own to resume: a fresh start, not outside
+    sealed_checkpoint(save, "step2")
+    (save / "latest").write_text("../outside/step9")
+    with caplog.at_level(logging.WARNING):
+        assert checkpoints.resume_tag(save) == "step2"
+    assert "names '../outside/step9', which is not a kubealign checkpoint tag; resuming from step2" in caplog.text
+    with pytest.raises(UserError, match=r"names '../outside/step9', which is not a kubealign checkpoint tag"):
+        checkpoints.verify(save)
+
+
+def test_resume_refuses_a_sealed_or_unsealed_tag_that_holds_a_link(tmp_path: Path):
+    """A sealed tag whose file was swapped for a link to identical bytes passed the sha256 check (the hash
+    follows the link); an unsealed tag named by `latest` loaded unverified through its links."""
+    save = tmp_path / "run.checkpoints"
+    tag_dir = sealed_checkpoint(save, "step4")
+    copy = tmp_path / "elsewhere.pt"
+    copy.write_bytes((tag_dir / "sub" / "optim.pt").read_bytes())
+    (tag_dir / "sub" / "optim.pt").unlink()
+    (tag_dir / "sub" / "optim.pt").symlink_to(copy)
+    with pytest.raises(UserError, match=r"--resume: .*step4/sub/optim.pt is a symbolic link \(to .*elsewhere.pt\)"):
+        checkpoints.resume_tag(save)
+    old = tmp_path / "old.checkpoints"
+    fake_checkpoint(old, "step7")  # an older kubealign's: no manifest
+    (old / "step7" / "sub").rename(tmp_path / "sub")
+    (old / "step7" / "sub").symlink_to(tmp_path / "sub")
+    with pytest.raises(UserError, match=r"--resume: .*step7/sub is a symbolic link"):
+        checkpoints.resume_tag(old)
+
+
+def test_cleanup_keeps_an_unsealed_tag_it_did_not_write(tmp_path: Path):
+    """Removal is limited to tags kubealign sealed or this process wrote: a torn step8 of an earlier run (or a
+    directory of that name the user made) stays; a torn step6 this process began is removed."""
+    save = tmp_path / "run.checkpoints"
+    sealed_checkpoint(save, "step2")
+    (save / "step8").mkdir()
+    (save / "step8" / "analysis.txt").write_text("mine")
+    with pytest.raises(OSError), checkpoints.saving(save, "step6", "sft"):
+        (save / "step6").mkdir()
+        raise OSError("not a disk error: passes through, the torn tag stays until cleanup")
+    assert (save / "step6").is_dir()
+    checkpoints.remove(save)
+    assert sorted(p.relative_to(save).as_posix() for p in save.rglob("*")) == ["step8", "step8/analysis.txt"]

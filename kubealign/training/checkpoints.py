@@ -15,6 +15,14 @@ every part of the step is sealed (PPO: the actor's, the critic's and the EMA und
 for all). `resume_tag` takes the tag `latest` names when it is sealed, and otherwise (missing, empty,
 dangling, unsealed) the newest tag sealed in every part, saying which.
 
+Links: no symbolic link is followed anywhere under a checkpoint directory, the directory itself included.
+A linked directory would have kubealign write and remove tags in the link's target (a user's folder holding
+a `step9/` lost it at the stage's end); a link planted as the next tag, or as a file in it, would have
+DeepSpeed write through it; `latest` naming `../elsewhere` would load a pickle from outside. So the
+directory and its part directories must be real, `latest` must name a tag of kubealign's form, a tag is
+written or loaded only when nothing in it is a link, and cleanup removes only tags that were sealed or that
+this process wrote. Each refusal is one UserError naming the link.
+
 Like DeepSpeed's own resume, this assumes every rank sees the same checkpoint directory (a shared
 filesystem). A checkpoint without a manifest (written by an older kubealign) that `latest` names loads
 with a warning: nothing to verify against, and refusing it would throw away a resumable run.
@@ -82,6 +90,27 @@ def seal(save_dir: Path, tag: str) -> None:
     distributed.barrier()
 
 
+def link_in(path: Path) -> Path | None:
+    """PATH itself if it is a symbolic link, else the first link below it (no link is followed), else None."""
+    if path.is_symlink():
+        return path
+    for root, dirs, files in os.walk(path):  # followlinks=False: a linked directory is listed, not entered
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(root, name)):
+                return Path(root, name)
+    return None
+
+
+def refuse_links(path: Path, doing: str) -> None:
+    """One UserError if PATH is, or holds, a symbolic link: DOING (e.g. "--resume") would follow it."""
+    link = link_in(path)
+    if link is not None:
+        raise UserError(
+            f"{doing}: {link} is a symbolic link (to {os.readlink(link)}); kubealign follows no link in a checkpoint "
+            "directory: replace it with the real directory or file"
+        )
+
+
 def latest_tag(save_dir: Path) -> str | None:
     try:
         return (save_dir / "latest").read_text(encoding="utf-8").strip() or None
@@ -109,7 +138,7 @@ def sealed_tags(parts: list[Path]) -> list[str]:
     """The tags sealed (manifest written) in every part directory, newest step first."""
     if not parts[0].is_dir():
         return []
-    tags = [d.name for d in parts[0].iterdir() if (d / MANIFEST).is_file()]
+    tags = [d.name for d in parts[0].iterdir() if OWN_TAG.fullmatch(d.name) and (d / MANIFEST).is_file()]
     tags = [t for t in tags if all((part / t / MANIFEST).is_file() for part in parts[1:])]
     return sorted(tags, key=_step, reverse=True)
 
@@ -122,17 +151,23 @@ def resume_tag(save_dir: Path, parts: list[Path] | None = None) -> str | None:
     over; a named tag with no manifest in any part (an older kubealign's) unverified, with a warning."""
     parts = parts or [save_dir]
     named = latest_tag(save_dir)
+    foreign = named is not None and not OWN_TAG.fullmatch(named)  # e.g. ../elsewhere/step9: never opened
+    named = None if foreign else named
     sealed = sealed_tags(parts)
     if named is not None and named in sealed:
         for part in parts:
             verify(part, named)
         return named
     if named is not None and all((part / named).is_dir() for part in parts) and not sealed:
+        for part in parts:
+            refuse_links(part / named, "--resume")
         log.warning("--resume: %s has no %s; loading it unverified", save_dir / named, MANIFEST)
         return named
     if not sealed:
         return None
-    if named is None:
+    if foreign:
+        why = f"names {latest_tag(save_dir)!r}, which is not a kubealign checkpoint tag"
+    elif named is None:
         why = "is empty" if (save_dir / "latest").is_file() else "is missing"
     elif not all((part / named).is_dir() for part in parts):
         why = f"names {named}, which is not there"
@@ -165,7 +200,10 @@ def verify(save_dir: Path, tag: str | None = None) -> None:
     tag = tag or latest_tag(save_dir)
     if tag is None:
         return
+    if not OWN_TAG.fullmatch(tag):
+        raise UserError(f"--resume: {save_dir / 'latest'} names {tag!r}, which is not a kubealign checkpoint tag")
     tag_dir = save_dir / tag
+    refuse_links(tag_dir, "--resume")
     if not (tag_dir / MANIFEST).is_file():
         log.warning("--resume: %s has no %s; loading it unverified", tag_dir, MANIFEST)
         return
@@ -237,21 +275,41 @@ def check_fresh(save_dir: Path) -> None:
 def checkpoint_dir(output: Path, resume: bool, location: Path | None = None) -> Path:
     """Where a training stage writing OUTPUT keeps its checkpoints: LOCATION (--checkpoints; on a cluster the
     task's directory on the PVC, see kubealign.tasks.checkpoint_location), else OUTPUT.checkpoints; checked at
-    the stage's start like --output (check_fresh) unless the run resumes from it."""
+    the stage's start like --output (check_fresh) unless the run resumes from it. A link there, as the
+    directory or as a part directory, is refused either way (module docstring)."""
     directory = location if location is not None else Path(f"{output}.checkpoints")
+    for path in (directory, *(directory / part for part in PARTS)):
+        if path.is_symlink():
+            raise UserError(
+                f"{path} is a symbolic link (to {os.readlink(path)}); kubealign writes and removes checkpoints "
+                "only in a real directory: pass that directory as --checkpoints, or remove the link"
+            )
     if not resume:
         check_fresh(directory)
     return directory
 
 
+# The tag directories this process began to write (saving): cleanup may remove these even when unsealed.
+WRITTEN: set[str] = set()
+
+
+def _removable(entry: Path) -> bool:
+    """A tag kubealign sealed or this process wrote, or one of kubealign's own files; never a link's target."""
+    if not _ours(entry):
+        return False
+    if entry.is_dir():
+        return (entry / MANIFEST).is_file() or os.path.abspath(entry) in WRITTEN
+    return True
+
+
 def remove(save_dir: Path) -> None:
-    """After a stage finished: remove what kubealign wrote in SAVE_DIR (tags, `latest`, DeepSpeed's script, in
-    the PPO part directories too), then each directory left empty. Anything else stays where it is (rank 0;
-    every rank waits)."""
+    """After a stage finished: remove what kubealign wrote in SAVE_DIR (tags sealed or written by this
+    process, `latest`, DeepSpeed's script, in the PPO part directories too), then each directory left empty.
+    Anything else stays where it is, a torn tag of an earlier run too (rank 0; every rank waits)."""
     distributed.barrier()
-    if distributed.is_main():
+    if distributed.is_main() and not save_dir.is_symlink():
         for entry in _entries(save_dir):
-            if _ours(entry):
+            if _removable(entry):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         for directory in [*(save_dir / part for part in PARTS), save_dir]:
             if directory.is_dir() and not any(directory.iterdir()):
@@ -272,7 +330,12 @@ def saving(save_dir: Path, tag: str, stage: str, parts: list[Path] | None = None
     """Around one checkpoint save of TAG (in SAVE_DIR, or in each of PARTS): a full disk, a quota or a
     read-only file system becomes one UserError naming the directory, its free space and the last good
     checkpoint, and the torn TAG is removed (it was never committed: `latest` still names the last good one).
-    Any other failure passes through unchanged."""
+    Any other failure passes through unchanged. A link at TAG, or in it, is refused before anything is written
+    (DeepSpeed would write through it)."""
+    for part in parts or [save_dir]:
+        if (part / tag).is_symlink() or (part / tag).exists():
+            refuse_links(part / tag, f"{stage}: saving {tag}")
+        WRITTEN.add(os.path.abspath(part / tag))
     try:
         yield
     except (OSError, RuntimeError) as exc:
