@@ -333,8 +333,7 @@ def saving(save_dir: Path, tag: str, stage: str, parts: list[Path] | None = None
     Any other failure passes through unchanged. A link at TAG, or in it, is refused before anything is written
     (DeepSpeed would write through it)."""
     for part in parts or [save_dir]:
-        if (part / tag).is_symlink() or (part / tag).exists():
-            refuse_links(part / tag, f"{stage}: saving {tag}")
+        refuse_links(part / tag, f"{stage}: saving {tag}")  # an absent TAG holds no link
         WRITTEN.add(os.path.abspath(part / tag))
     try:
         yield
