@@ -134,6 +134,8 @@ def _promote(args: argparse.Namespace) -> None:
     print(f"promote: {result['registered_model']} version {result['version']}; aliases {result['aliases']}")
     for line in result["gate"]:
         print(f"  {line}")
+    if result.get("refusal"):
+        print(result["refusal"])
 
 
 def _registry(args: argparse.Namespace) -> None:

@@ -62,6 +62,22 @@ def compare(base: list[dict], cand: list[dict], seed: int = 0) -> dict[str, floa
     return metrics
 
 
+def degeneration(rows: list[dict], eos_id: int | None, prefix: str) -> dict[str, float]:
+    """The answers' own figures the guards read (kubealign.promotion.guards), each row's "tokens" being its
+    answer with the EOS when the model ended it: {prefix}_distinct_2 (distinct bigrams over all bigrams of
+    every answer, the EOS left out: Li et al. 2016's distinct-n; one answer to every prompt scores near 0),
+    {prefix}_empty_rate (answers with no token but the EOS) and {prefix}_unfinished_rate (answers that
+    never reached the EOS: cut at the token limit)."""
+    answers = [r["tokens"][:-1] if r["tokens"] and r["tokens"][-1] == eos_id else r["tokens"] for r in rows]
+    bigrams = [pair for a in answers for pair in zip(a, a[1:], strict=False)]
+    n = max(len(rows), 1)
+    return {
+        f"{prefix}_distinct_2": len(set(bigrams)) / len(bigrams) if bigrams else 0.0,
+        f"{prefix}_empty_rate": sum(not a for a in answers) / n,
+        f"{prefix}_unfinished_rate": sum(not r["tokens"] or r["tokens"][-1] != eos_id for r in rows) / n,
+    }
+
+
 def function_means_by_model(base: list[dict], cand: list[dict]) -> dict[str, float]:
     """fn/<NAME>/baseline and fn/<NAME>/candidate: each reward function's mean over the responses it applies to
     (a None is left out); a function that applies to none of a model's responses gets no metric."""

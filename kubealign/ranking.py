@@ -40,11 +40,14 @@ def rank(
     metric: str,
     order: Sequence[str],
     max_kl: float | None = None,
+    refused: Mapping[str, str] | None = None,
 ) -> list[Standing]:
     """The finished candidates (name -> evaluate metrics) ranked by the rule above; `order` is the order the
     candidates were listed in, the last tie-break. A missing KL counts as the largest. With a KL budget
     (pipeline.max_kl), the candidates over it come after every one within it, ranked among themselves by
-    the same rule: the leader is standings[0] only when within(its kl, max_kl)."""
+    the same rule; so do the candidates a promotion guard refuses (`refused`: name -> the guard's failed
+    check, kubealign.promotion.guards): the leader is standings[0] only when eligible(it)."""
+    refused = refused or {}
     measure = measure_of(metric)
     for route, metrics in evaluations.items():
         for name in (measure, REWARD):
@@ -56,12 +59,15 @@ def rank(
 
     def key(route: str) -> tuple[bool, float, float, float, int]:
         m = evaluations[route]
-        return (not within(kl(route), max_kl), -m[measure], -m[REWARD], kl(route), order.index(route))
+        eligible = within(kl(route), max_kl) and route not in refused
+        return (not eligible, -m[measure], -m[REWARD], kl(route), order.index(route))
 
     ranked = sorted(evaluations, key=key)
     leader = ranked[0] if ranked else ""
 
     def why(route: str) -> str:
+        if route in refused:
+            return f"refused by a guard: {refused[route]}"
         if not within(kl(route), max_kl):
             return f"{KL} {kl(route):.4g} > pipeline.max_kl {max_kl:.4g}"
         return "" if route == leader else behind(evaluations[route], evaluations[leader], leader, measure)

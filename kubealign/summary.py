@@ -55,7 +55,8 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         return r.get("why") or r.get("verdict", "")
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
-    return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}"
+    why = f"\n{r['refusal']}" if r.get("refusal") else ""  # the one line naming every failed check
+    return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}{why}"
 
 
 def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:

@@ -36,12 +36,25 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     srv.kill()
 
 
+# What evaluate measures for promote.guards (on by default) of a candidate that kept its capability and whose
+# answers did not degenerate: held-out log-likelihood, repetition, distinct-2, empty / unfinished, length.
+GUARD_FIGURES = {
+    **{f"{who}_heldout_logprob": v for who, v in (("baseline", -2.0), ("candidate", -2.1))},
+    **{f"{who}_repetition_rate": v for who, v in (("baseline", 0.05), ("candidate", 0.06))},
+    **{f"{who}_distinct_2": v for who, v in (("baseline", 0.6), ("candidate", 0.55))},
+    **{f"{who}_empty_rate": 0.0 for who in ("baseline", "candidate")},
+    **{f"{who}_unfinished_rate": 0.1 for who in ("baseline", "candidate")},
+    **{f"{who}_length_mean": v for who, v in (("baseline", 10.0), ("candidate", 11.0))},
+}
+
+
 def evaluation(root: Path, name: str, win: float, gain: float, reward: float) -> Path:
     """An evaluate-stage output (its result.json is promote's whole input contract)."""
     out = root / name
     out.mkdir(parents=True)
     metrics = {"win_rate": win, "reward_gain": gain, "candidate_reward_mean": reward, "kl_to_baseline": 1.0}
     metrics["win_rate_lower_bound"] = win - 0.1  # the default preset gates on it
+    metrics.update(GUARD_FIGURES)
     (out / "result.json").write_text(json.dumps({"stage": "evaluate", "metrics": metrics, "outputs": {}}))
     return out
 

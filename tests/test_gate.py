@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from kubealign.config.guards import GuardsConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.errors import UserError
 from kubealign.promotion.gate import gate
 
 pytestmark = pytest.mark.unit
 
+# The reward checks alone: the guards (promote.guards, on by default) have tests of their own (test_guards.py);
+# with their figures absent from these metrics they would add "unchecked: " lines.
+NO_GUARDS = GuardsConfig(**dict.fromkeys(GuardsConfig.model_fields))
+
 
 def test_gate_by_hand():
-    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0)
+    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0, guards=NO_GUARDS)
     good = {"win_rate": 0.6, "reward_gain": 0.2, "kl_to_baseline": 1.0, "candidate_reward_mean": 1.0}
     assert gate(good, cfg, None)[0] is True
     assert gate({**good, "win_rate": 0.4}, cfg, None)[0] is False
@@ -42,7 +47,7 @@ GOOD = {"win_rate": 0.5, "reward_gain": 0.1, "kl_to_baseline": 2.0, "candidate_r
 
 def test_every_threshold_holds_at_its_boundary():
     """A value equal to its threshold passes (>= / <=); beating the champion needs strictly more."""
-    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0)
+    cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0, guards=NO_GUARDS)
     passed, lines = gate(GOOD, cfg, None)
     assert passed and lines == ["pass: win_rate 0.500 >= 0.5", "pass: reward_gain 0.100 >= 0.1",
                                 "pass: kl_to_baseline 2.000 <= 2.0"]  # fmt: skip
@@ -57,7 +62,7 @@ def test_every_threshold_holds_at_its_boundary():
 
 def test_promote_metric_boundaries_a_missing_baseline_and_a_champion_without_it():
     evaluation = {**GOOD, "fn/exact/candidate": 0.6}  # no fn/exact/baseline: no baseline check
-    cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6)
+    cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6, guards=NO_GUARDS)
     passed, lines = gate(evaluation, cfg, None)
     assert passed and lines == ["pass: reward_gain 0.100 >= 0.0", "pass: fn/exact/candidate 0.600 >= 0.6"]
     passed, lines = gate(evaluation, cfg, {"fn/exact/candidate": 0.6})  # the champion's equal value: not beaten

@@ -146,15 +146,22 @@ def test_the_latency_histogram_is_read_from_vllms_metrics_for_the_served_model()
 
 
 def online(win: float, gain: float) -> dict[str, float]:
+    """The online figures, the degeneration ones the same for both models (no held-out log-likelihood: the
+    judge does not measure one)."""
+    same = {"repetition_rate": 0.0, "distinct_2": 0.5, "empty_rate": 0.0, "unfinished_rate": 0.0, "length_mean": 6.0}
     return {"win_rate": win, "win_rate_lower_bound": win - 0.1, "reward_gain": gain, "kl_to_baseline": math.nan,
-            "candidate_reward_mean": 1.0}  # fmt: skip
+            "candidate_reward_mean": 1.0, **{f"{who}_{k}": v for k, v in same.items() for who in ("baseline", "candidate")}}  # fmt: skip
 
 
 def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     promote, cfg = PromoteConfig(), CanaryConfig(min_answers=8, max_error_rate=0.1, max_latency_p95_s=2.0)
     quiet = {"error_rate": 0.0, "latency_p95_s": 0.5}
     ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, cfg)
-    assert ok and all(line.startswith("pass: ") for line in lines), lines
+    unmeasured = "unchecked: capability: no held-out log-likelihood measured"
+    assert ok and all(line.startswith("pass: ") for line in lines if line != unmeasured) and unmeasured in lines
+    # a canary whose answers degenerate is refused online by the guards, whatever its win-rate
+    ok, lines = decide({**online(0.9, 0.5), "candidate_distinct_2": 0.125}, 8, quiet, promote, cfg)
+    assert not ok and "FAIL: degeneration: distinct-2 0.500 -> 0.125 (ratio 0.250, needs >= 0.5)" in lines
     ok, lines = decide(online(0.7, 0.3), 7, quiet, promote, cfg)  # one pair short: never promoted
     assert not ok and lines[0] == "FAIL: 7 prompts answered by both >= canary.min_answers 8"
     assert lines[-1] == "FAIL: the gate: not applied on too few answers"
@@ -251,7 +258,7 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
     rolled back by the gate's own rule; through a proxy failing half its requests, by its error rate."""
     from kubealign.models import loading
 
-    curt, courteous = Completions(lambda p: " No."), Completions(lambda p: " Certainly! Here it is.")
+    curt, courteous = Completions(lambda p: " No, I cannot help."), Completions(lambda p: " Certainly! Here it is.")
     tokenizer = loading.resolve("tiny-opt")
     try:
         config = judge_config(tmp_path)
@@ -310,6 +317,20 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         result = json.loads((tmp_path / "down" / "result.json").read_text())
         assert result["verdict"].endswith("rolled back: 0 prompts answered by both >= canary.min_answers 4")
         assert result["metrics"]["canary/errors/refused"] == 6
+        # a canary that found the reward function's exploit: it wins every prompt with one degenerate answer,
+        # and the guards the online judge applies roll it back (issue 53)
+        hacked = Completions(lambda p: " Certainly to to to to to to to to to to.")
+        try:
+            done = cli(*base, "--champion", curt.url, "--canary", hacked.url, "--output", tmp_path / "hacked")
+        finally:
+            hacked.stop()
+        result = json.loads((tmp_path / "hacked" / "result.json").read_text())
+        assert done.code == 0 and not result["promoted"] and result["metrics"]["win_rate"] == 1.0
+        verdict = result["verdict"]  # the rate itself depends on the tokenizer's split; test_guards has it by hand
+        assert verdict.startswith(
+            "judge: challenger (version ?) rolled back: degeneration: repeated-bigram rate 0.000 -> "
+        )
+        assert verdict.endswith(" (rise > 0.2)") and result["metrics"]["candidate_repetition_rate"] > 0.2
     finally:
         curt.stop()
         courteous.stop()

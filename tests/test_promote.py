@@ -17,6 +17,7 @@ import yaml
 
 from kubealign import __version__
 from kubealign.models import loading
+from tests.test_faults_registry import GUARD_FIGURES
 
 pytestmark = pytest.mark.integration
 
@@ -27,6 +28,7 @@ def evaluation(root: Path, name: str, win: float, gain: float, reward: float, kl
     out.mkdir()
     metrics = {"win_rate": win, "reward_gain": gain, "candidate_reward_mean": reward, "kl_to_baseline": kl}
     metrics["win_rate_lower_bound"] = win - 0.1  # as if from a few dozen prompts
+    metrics.update(GUARD_FIGURES)
     (out / "result.json").write_text(json.dumps({"stage": "evaluate", "metrics": metrics, "outputs": {}}))
     return out
 
@@ -107,6 +109,45 @@ def test_the_alias_plan_of_each_mode() -> None:
     assert alias_plan("canary", True, True, "1", None) == [("champion", "1")]
     assert alias_plan("canary", True, False, "1", None) == []
     assert alias_plan("direct", False, True, "3", "1") == alias_plan("canary", False, True, "3", "1") == []
+
+
+def test_a_hacked_candidate_is_registered_but_refused_in_one_line(cli, tmp_path: Path):
+    """The reward model's figures say promote; the held-out log-likelihood and distinct-2 say it broke: the
+    version is registered, no alias moves to it, the one refusal line says why. Without its figures a guard
+    that is on is a clean error before the registry is touched; turned off, the guard is not asked for."""
+    evals, root = tmp_path / "evals", tmp_path / "runs"
+    evals.mkdir()
+    assert promote(cli, evaluation(evals, "honest", win=0.7, gain=0.3, reward=1.0), root / "p1").code == 0
+    hacked = evaluation(evals, "hacked", win=0.95, gain=3.9, reward=2.75)
+    result = json.loads((hacked / "result.json").read_text())
+    result["metrics"].update(candidate_heldout_logprob=-6.8, candidate_distinct_2=0.02)
+    (hacked / "result.json").write_text(json.dumps(result))
+    done = promote(cli, hacked, root / "p2")
+    assert done.code == 0 and aliases(root / "p2") == {"challenger": 2, "champion": 1, "previous-champion": None}
+    refusal = (
+        "gate refused: capability: held-out log-likelihood per token -2.000 -> -6.800 (drop 4.800 > 1.0); "
+        "degeneration: distinct-2 0.600 -> 0.020 (ratio 0.033, needs >= 0.5); "
+        "the training reward model's gain +3.900 is not trusted (reward hacking suspected)"
+    )
+    written = json.loads((root / "p2" / "result.json").read_text())
+    assert refusal in done.out.splitlines() and written["refusal"] == refusal
+    from mlflow.tracking import MlflowClient
+
+    tags = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_model_version("kubealign-actor", "2").tags
+    assert tags["kubealign.metric.candidate_heldout_logprob"] == "-6.8"  # the registry shows why, too
+    del result["metrics"]["baseline_distinct_2"]
+    (hacked / "result.json").write_text(json.dumps(result))
+    lacking = promote(cli, hacked, root / "p3")
+    assert lacking.code == 2 and not (root / "p3").exists()
+    assert lacking.err.strip().splitlines()[-1] == (
+        f"kubealign: error: --evaluation {hacked}: result.json lacks baseline_distinct_2, which promote.guards.min_distinct_ratio "
+        "checks (evaluate writes it); evaluate again, or set promote.guards.min_distinct_ratio: null to promote "
+        "without this guard"
+    )
+    off = promote(cli, hacked, root / "p4", "--set", "promote.guards.min_distinct_ratio=null")
+    assert off.code == 0 and json.loads((root / "p4" / "result.json").read_text())["refusal"].startswith(
+        "gate refused: capability: "
+    )
 
 
 def test_not_an_evaluation_is_a_clean_error(cli, tmp_path: Path):

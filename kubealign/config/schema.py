@@ -16,6 +16,7 @@ from kubealign.candidates import Candidate
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
+from kubealign.config.guards import GuardsConfig
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
@@ -27,6 +28,7 @@ __all__ = [
     "DataConfig",
     "DataSource",
     "EvaluateConfig",
+    "GuardsConfig",
     "HybridEngineConfig",
     "KubealignConfig",
     "KubernetesConfig",
@@ -166,6 +168,11 @@ class PromoteConfig(Section):
         "in place of the win-rate checks.",
     )
     min_metric: float | None = Field(None, description="Threshold of `metric` when it is not win_rate; None = none.")
+    guards: GuardsConfig = Field(
+        default_factory=GuardsConfig,
+        description="What the gate asks besides the reward it was trained on: held-out capability and no "
+        "degenerate answers, against the baseline (kubealign.config.guards; docs/guards.md). On by default.",
+    )
     mode: Literal["direct", "canary"] = Field(
         "direct",
         description="direct: a candidate that passes the gate becomes champion. canary: it becomes challenger only, "

@@ -8,13 +8,16 @@ import math
 
 from kubealign.config.schema import PromoteConfig
 from kubealign.errors import UserError
+from kubealign.promotion import guards
 
 GATED_METRICS = ("win_rate", "reward_gain", "kl_to_baseline", "candidate_reward_mean")
 OPTIONAL_METRICS = ("win_rate_lower_bound",)  # gated only when its threshold is set
 
 
 def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None) -> tuple[bool, list[str]]:
-    """(passed, one line per check) for an evaluation's metrics against the thresholds and the champion.
+    """(passed, one line per check) for an evaluation's metrics against the thresholds and the champion, and
+    promote.guards' checks against the baseline (kubealign.promotion.guards: a guard whose figures the metrics
+    lack is an "unchecked: " line; the promote stage requires them, the online judge has not all of them).
     promote.metric win_rate: the win-rate checks and the champion's candidate_reward_mean; another metric
     (e.g. fn/<NAME>/candidate) replaces them: min_metric, the baseline's value, the champion's value."""
     checks = [] if cfg.metric != "win_rate" else win_rate_checks(metrics, cfg)
@@ -32,7 +35,10 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
     elif champion is not None and cfg.require_beat_champion:
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
         checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
-    return all(ok for ok, _ in checks), [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
+    lines = [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
+    guarded = guards.checks(metrics, cfg.guards)
+    passed = all(ok for ok, _ in checks) and all(g.ok is not False for g in guarded)
+    return passed, [*lines, *(g.line for g in guarded)]
 
 
 def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple[bool, str]]:

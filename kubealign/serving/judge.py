@@ -5,8 +5,9 @@ scores both answers with the reward model and functions evaluate uses, and compa
 statistics (kubealign.comparison.compare, the champion in the baseline's place). The canary is promoted only
 if (1) at least `canary.min_answers` prompts were answered by both, (2) its error rate and latency stay within
 `canary.max_error_rate` and `canary.max_latency_p95_s`, and (3) the promote section's gate passes on the online
-numbers (kubealign.promotion.gate: win-rate over the champion, its bound, reward gain). KL to the champion is
-not measured online: a configured promote.max_kl is said to be unchecked, not failed.
+numbers (kubealign.promotion.gate: win-rate over the champion, its bound, reward gain, and the guards that
+served answers can feed: degeneration against the champion's answers). KL to the champion and held-out
+capability are not measured online: a configured promote.max_kl or guard is said to be unchecked, not failed.
 """
 
 from __future__ import annotations

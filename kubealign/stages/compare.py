@@ -4,7 +4,8 @@ pipeline.algorithms) by their evaluations, and draw their reward-KL frontier.
 Every candidate was evaluated against the same SFT baseline on the same prompts with the same sampling
 seeds (one config, one evaluate.seed), so their evaluations compare directly. The rule, in order:
 
-0. with a KL budget (pipeline.max_kl), a candidate within it before any over it (over it: never the leader);
+0. a candidate that a promotion guard (promote.guards: held-out capability, no degeneration) does not refuse
+   and that keeps the KL budget (pipeline.max_kl) before any other (those: never the leader);
 1. the gate's measure, higher first: `win_rate_lower_bound` (the 95 % bootstrap lower bound of the
    win-rate over the baseline) when promote.metric is win_rate, else promote.metric itself (e.g.
    fn/<NAME>/candidate, a reward function's mean);
@@ -14,7 +15,7 @@ seeds (one config, one evaluate.seed), so their evaluations compare directly. Th
 
 Values are compared exactly: the win-rate bound moves in steps of 1/prompts, so real ties happen and fall
 through to the next key. A candidate whose training or evaluation failed has no evaluation: it is listed
-as failed and not ranked; with none left the stage fails with one line. With a budget that none keeps,
+as failed and not ranked; with none left the stage fails with one line. With no candidate eligible,
 the stage succeeds with no leader (`leader` null, `verdict` saying why in one line): nothing is promoted.
 
 Outputs: result.json (the ranking, each candidate's settings and evaluation, the Pareto front, the
@@ -39,6 +40,7 @@ from kubealign.config import KubealignConfig
 from kubealign.errors import UserError
 from kubealign.frontier import pareto_front
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
+from kubealign.promotion import guards
 from kubealign.ranking import KL, Standing, measure_of, rank, within
 from kubealign.stages import compare_report as report
 from kubealign.tracking import PARENT_RUN_ENV, stage_run
@@ -69,9 +71,15 @@ def run(
     if not finished:
         raise UserError(f"compare: no candidate left: every route failed ({', '.join(names)}); see their logs")
     max_kl = config.pipeline.max_kl
-    standings = rank(metrics, config.promote.metric, names, max_kl)
-    leader = standings[0].route if within(standings[0].kl, max_kl) else None
-    verdict = f"leader: {leader}" if leader else no_leader(standings, max_kl)
+    refused = {}  # the candidates a promotion guard refuses never lead: the gate would refuse them anyway
+    for name, figures in metrics.items():
+        failed_guard = next((c.text for c in guards.checks(figures, config.promote.guards) if c.ok is False), None)
+        if failed_guard is not None:
+            refused[name] = failed_guard
+    standings = rank(metrics, config.promote.metric, names, max_kl, refused)
+    eligible = within(standings[0].kl, max_kl) and standings[0].route not in refused
+    leader = standings[0].route if eligible else None
+    verdict = f"leader: {leader}" if leader else no_leader(standings, max_kl, refused)
     front = pareto_front({s.route: (s.kl, s.reward) for s in standings})
     by_name = {c.name: c for c in candidates}
     records = report.rows(standings, metrics, by_name, front)
@@ -79,10 +87,12 @@ def run(
     summary.update({f"leaderboard/{s.route}": s.measure for s in standings})
     summary["routes_failed"] = float(len(failed))
     summary["over_kl_budget"] = float(sum(not within(s.kl, max_kl) for s in standings))
+    summary["refused_by_guards"] = float(len(refused))
     details = {
         "leader": leader,
         "verdict": verdict,
         "max_kl": max_kl,
+        "refused": refused,
         "measure": measure_of(config.promote.metric),
         "routes": names,
         "candidates": [c.as_dict() for c in candidates],
@@ -107,12 +117,16 @@ def run(
     return {**payload, "output": str(output)}
 
 
-def no_leader(standings: Sequence[Standing], max_kl: float | None) -> str:
-    """The one line a run with a KL budget that no candidate keeps says."""
-    closest = min(standings, key=lambda s: s.kl)
+def no_leader(standings: Sequence[Standing], max_kl: float | None, refused: Mapping[str, str]) -> str:
+    """The one line a run says when no candidate is eligible: each refused by a guard or over the KL budget."""
+    over = [s for s in standings if s.route not in refused]
+    if not over:
+        first = standings[0].route
+        return f"no leader: a promotion guard refuses every candidate ({first}: {refused[first]}); nothing is promoted"
+    closest = min(over, key=lambda s: s.kl)
     return (
         f"no leader: no candidate within pipeline.max_kl {max_kl:g} (the closest, {closest.route}, has "
-        f"{KL} {closest.kl:.4g}); nothing is promoted"
+        f"{KL} {closest.kl:.4g}){'; the others are refused by a guard' if refused else ''}; nothing is promoted"
     )
 
 

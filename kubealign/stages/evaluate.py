@@ -5,7 +5,9 @@ Both models sample from the same prompts with the same seeded settings (evaluate
 every response, and each reward function's mean over the rows it applies to is reported as
 fn/<NAME>/baseline and fn/<NAME>/candidate. Metrics: mean reward of each, win-rate of the candidate (ties
 counted separately), KL(candidate || baseline) estimated on the candidate's samples, response lengths,
-phase-1 eval perplexity of each, and reward-hacking signals (length drift, repeated-bigram rate).
+phase-1 eval perplexity of each (and its log, the held-out log-likelihood per token), and the figures the
+promotion guards read (kubealign.promotion.guards): repeated-bigram rate, distinct-2, empty and unfinished
+answers, length drift.
 Output (atomic): result.json, samples.html / samples.md (the first `sample_rows` prompts), eval_samples.json
 (every row), reward_distribution.png and, when the candidate's result.json has a PPO history,
 ppo_curves.png.
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, function_means_by_model
+from kubealign.comparison import compare, degeneration, function_means_by_model
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
@@ -107,7 +109,9 @@ def kl_to(candidate: Any, baseline: Any, rows: list[dict[str, Any]], size: int, 
 
 
 @torch.no_grad()
-def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_len: int) -> float:
+def heldout_logprob(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_len: int) -> float:
+    """The mean log-likelihood per token (nats) the model gives the held-out reference answers (`rows`' chosen,
+    after their prompts; prompt tokens are not targets): the capability guard's figure, perplexity = exp(-it)."""
     from kubealign.training.lm import batch_loss, collate, tokenize
 
     examples = tokenize(rows, tokenizer, max_len, include_prompt=False)
@@ -115,7 +119,7 @@ def perplexity(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, max_l
     for i in range(0, len(examples), cfg.batch_size):
         out = batch_loss(model, collate(examples[i : i + cfg.batch_size], tokenizer.pad_token_id), fp32=True)
         nll, count = nll + float(out.nll_sum), count + float(out.tokens)
-    return math.exp(nll / max(count, 1.0))
+    return -nll / max(count, 1.0)
 
 
 def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, float]:
@@ -133,28 +137,60 @@ def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, fl
     return metrics
 
 
-def sample_tables(table: list[dict[str, Any]]) -> tuple[str, str]:
-    """(HTML page, Markdown) of the sample table."""
+GUARD_FIGURES = (  # what the promotion guards read, as the samples page shows it beside the answers
+    ("heldout_logprob", "held-out log-likelihood per token"),
+    ("repetition_rate", "repeated-bigram rate"),
+    ("distinct_2", "distinct-2"),
+    ("empty_rate", "empty answers"),
+    ("unfinished_rate", "unfinished answers"),
+    ("length_mean", "mean length (tokens)"),
+)
+
+
+def sample_tables(table: list[dict[str, Any]], metrics: dict[str, float] | None = None) -> tuple[str, str]:
+    """(HTML page, Markdown) of the sample table, headed by the guards' figures of both models (`metrics`:
+    evaluate's; a figure it lacks is left out)."""
     head = ["prompt", "baseline", "candidate", "baseline score", "candidate score"]
     cells = [
         [r["prompt"], r["baseline"], r["candidate"], f"{r['baseline_score']:.3f}", f"{r['candidate_score']:.3f}"]
         for r in table
     ]
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n" for row in cells)
+    m = metrics or {}
+    figures = [
+        [said, f"{m[f'baseline_{name}']:.3f}", f"{m[f'candidate_{name}']:.3f}"]
+        for name, said in GUARD_FIGURES
+        if f"baseline_{name}" in m and f"candidate_{name}" in m
+    ]
+    figure_head = ["guard figure", "baseline", "candidate"]
+
+    def rows_html(rows: list[list[str]]) -> str:
+        return "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>\n" for row in rows)
+
+    def head_html(names: list[str]) -> str:
+        return "<tr>" + "".join(f"<th>{h}</th>" for h in names) + "</tr>\n"
+
+    guards_html = (
+        f"<h2>Guard figures</h2><table>\n{head_html(figure_head)}{rows_html(figures)}</table>" if figures else ""
+    )
     page = (
         "<!doctype html><html><head><meta charset='utf-8'><title>kubealign evaluation samples</title>"
         "<style>body{font-family:sans-serif}table{border-collapse:collapse}td,th{border:1px solid #999;"
         "padding:4px;vertical-align:top;white-space:pre-wrap}</style></head><body>"
-        "<h1>Evaluation samples</h1><table>\n<tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>\n"
-        f"{body}</table></body></html>\n"
+        f"<h1>Evaluation samples</h1>{guards_html}<table>\n{head_html(head)}{rows_html(cells)}</table></body></html>\n"
     )
 
     def md(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", "<br>")
 
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    lines += ["| " + " | ".join(md(c) for c in row) + " |" for row in cells]
-    return page, "\n".join(lines) + "\n"
+    def md_table(names: list[str], rows: list[list[str]]) -> list[str]:
+        return [
+            "| " + " | ".join(names) + " |",
+            "|" + "---|" * len(names),
+            *("| " + " | ".join(md(c) for c in r) + " |" for r in rows),
+        ]
+
+    lines = [*md_table(figure_head, figures), ""] if figures else []
+    return page, "\n".join([*lines, *md_table(head, cells)]) + "\n"
 
 
 def plots(directory: Path, base: list[dict], cand: list[dict], history: list[dict] | None) -> list[str]:
@@ -256,8 +292,11 @@ def run(
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
         if (Path(prompts) / "phase1_sft").is_dir():
             sft_eval = phases.load(prompts, "phase1_sft")["eval"]
-            metrics["baseline_perplexity"] = perplexity(base_model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
-            metrics["candidate_perplexity"] = perplexity(cand_model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
+            for name, model in (("baseline", base_model), ("candidate", cand_model)):
+                logprob = heldout_logprob(model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
+                metrics[f"{name}_heldout_logprob"], metrics[f"{name}_perplexity"] = logprob, math.exp(-logprob)
+        metrics.update(degeneration(base, tokenizer.eos_token_id, "baseline"))
+        metrics.update(degeneration(cand, tokenizer.eos_token_id, "candidate"))
         decode = lambda r: tokenizer.decode(r["tokens"], skip_special_tokens=True)  # noqa: E731
         table = [
             {
@@ -274,7 +313,7 @@ def run(
         history = read_history(candidate)
         metrics["wall_time_s"] = time.perf_counter() - started
         with atomic_dir(output) as tmp:
-            page, markdown = sample_tables(table[: cfg.sample_rows])
+            page, markdown = sample_tables(table[: cfg.sample_rows], metrics)
             (tmp / "samples.html").write_text(page, encoding="utf-8")
             (tmp / "samples.md").write_text(markdown, encoding="utf-8")
             write_json(tmp / "eval_samples.json", table)

@@ -4,11 +4,13 @@ the canary is judged by what it answered.
 The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to both OpenAI-compatible
 completions routes (kubealign.serving.ask: greedy, canary.max_new_tokens); every failed request is counted by
 kind; each server's own latency percentiles come from its /metrics (vLLM's request-latency histogram; NaN
-where a server has none, left out). The prompts both answered are scored by evaluate's scorer (the reward model and / or
-the reward functions) on prompt + answer tokens, as evaluate scores its samples (the answer re-tokenized from its text;
-the EOS appended when the model ended it; an unfinished UTF-8 character at the end of a cut answer is not in
-the text vLLM returns, so it is not scored), and compared with evaluate's statistics, the champion in the
-baseline's place (kubealign.comparison.compare). The decision is kubealign.serving.judge.decide's. Output
+where a server has none, left out). The prompts both answered are scored by evaluate's scorer (the reward model
+and / or the reward functions) on prompt + answer tokens, as evaluate scores its samples (the answer
+re-tokenized from its text; the EOS appended when the model ended it; an unfinished UTF-8 character at the end
+of a cut answer is not in the text vLLM returns, so it is not scored), and compared with evaluate's
+statistics, the champion in the baseline's place (kubealign.comparison.compare), with the degeneration
+figures the promotion guards read (kubealign.comparison.degeneration; held-out capability is not measured
+online: said "unchecked"). The decision is kubealign.serving.judge.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
 judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict: kubealign.serving.act.
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, function_means_by_model
+from kubealign.comparison import compare, degeneration, function_means_by_model
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt
@@ -83,8 +85,8 @@ def scored(
     data: phases.Rows,
     answers: dict[str, list[judge.Answer]],
     pairs: list[int],
-) -> dict[str, list[dict[str, Any]]]:
-    """Each model's rows of the prompts both answered, scored as evaluate scores its samples."""
+) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """(each model's rows of the prompts both answered, scored as evaluate scores its samples; the EOS id)."""
     from kubealign.models.value_head import load_reward_model
 
     r = config.rewards
@@ -101,7 +103,7 @@ def scored(
         for who, got in answers.items():
             rows[who] = [answer_row(prompt_ids[i], got[i].text or "", got[i].finished, tokenizer) for i in pairs]
             score(scorer, rows[who], config.evaluate.batch_size, data.take(pairs))
-    return rows
+    return rows, tokenizer.eos_token_id
 
 
 def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
@@ -168,9 +170,12 @@ def run(
     metrics: dict[str, float] = {}
     rows = None
     if pairs:
-        rows = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
+        rows, eos = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
         metrics = compare(rows["champion"], rows["canary"], config.evaluate.seed)
         metrics.update(function_means_by_model(rows["champion"], rows["canary"]))
+        # the guards' answer figures (promote.guards), the champion in the baseline's place as for the rest
+        metrics.update(degeneration(rows["champion"], eos, "baseline"))
+        metrics.update(degeneration(rows["canary"], eos, "candidate"))
     promoted, lines = judge.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
     verdict = judge.verdict_line(promoted, lines, "challenger", canary_version)
     for who, figures in served.items():

@@ -2,8 +2,10 @@
 
 Every promotion registers (once) a version of `promote.registered_model` and points `challenger` at it.
 `champion` moves to it only if the gate passes (kubealign.promotion.gate): the configured thresholds (min
-win-rate over the baseline, min reward gain, max KL) AND, when a champion exists and
-`require_beat_champion` is on, a higher candidate reward than the champion's. The champion it replaces
+win-rate over the baseline, min reward gain, max KL), the guards the trained-against reward model cannot
+fool (promote.guards: held-out capability, no degeneration) AND, when a champion exists and
+`require_beat_champion` is on, a higher candidate reward than the champion's. A refusal is one line
+(result.json "refusal") naming every failed check. The champion it replaces
 keeps `previous-champion`; `kubealign rollback` moves `champion` back to it.
 
 Under the registry lease (kubealign.promotion.lease) a promotion finds or registers its version
@@ -26,6 +28,7 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
+from kubealign.promotion import guards
 from kubealign.promotion.aliases import (
     ALIASES,
     CHALLENGER,
@@ -67,12 +70,25 @@ def run(
     missing = [m for m in GATED_METRICS if m not in metrics]
     if missing:
         raise UserError(f"--evaluation {evaluation}: result.json lacks metrics {missing}")
+    lacking = guards.missing(metrics, cfg.guards)
+    if lacking:
+        field, names = next(iter(lacking.items()))
+        raise UserError(
+            f"--evaluation {evaluation}: result.json lacks {', '.join(names)}, which promote.guards.{field} checks "
+            f"(evaluate writes it{'' if field != 'max_logprob_drop' else ' when the prompts hold phase1_sft'}); "
+            f"evaluate again, or set promote.guards.{field}: null to promote without this guard"
+        )
     gate(metrics, cfg, None)  # an evaluation the gate cannot judge is refused before the registry is touched
     if not (model_dir / "config.json").is_file():
         raise UserError(f"--model-dir {model_dir}: not a model directory (no config.json)")
     if not config.tracking.enabled:
         raise UserError("tracking.enabled is false: promotion needs the MLflow registry")
-    recorded = [*GATED_METRICS, *OPTIONAL_METRICS, *(m for m in metrics if m.startswith("fn/"))]
+    recorded = [
+        *GATED_METRICS,
+        *OPTIONAL_METRICS,
+        *guards.recorded(metrics),
+        *(m for m in metrics if m.startswith("fn/")),
+    ]
     tags = {f"kubealign.metric.{m}": str(metrics[m]) for m in recorded if m in metrics}
     tags.update({"kubealign.code_version": __version__, "kubealign.evaluation": str(evaluation.resolve())})
     tags["kubealign.pipeline_run_id"] = os.environ.get(PARENT_RUN_ENV) or os.environ.get("MLFLOW_RUN_ID", "")
@@ -155,6 +171,7 @@ def promote_in_registry(
         "aliases": {a: None if after.get(a) is None else int(after[a]) for a in ALIASES},
         "aliases_before": {a: None if aliases.get(a) is None else int(aliases[a]) for a in ALIASES},
         "gate": checks,
+        "refusal": guards.refusal(checks, metrics),  # "" when it passed
         "mode": cfg.mode,
         "model_uri": f"models:/{name}/{ours}",
     }

@@ -1,0 +1,72 @@
+"""`promote.guards`: what the gate asks of a candidate besides the reward it was trained to raise (issue 53).
+
+The win-rate and the reward gain are scored by the reward model the policy was optimized against: a policy
+that found an exploit of it ("Happy to to to!" to every prompt) wins them. These guards compare the candidate
+with the SFT baseline on figures that reward model cannot move: how well it still models held-out reference
+answers, and whether its own answers degenerate. Each is on by default; None turns one off. The defaults
+and why each is where it is: docs/guards.md.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from kubealign.config.base import Section
+
+
+class GuardsConfig(Section):
+    max_logprob_drop: float | None = Field(
+        1.0,
+        gt=0,
+        description="Capability kept: the candidate's mean log-likelihood per token of the held-out reference "
+        "answers (phase-1 eval demonstrations; the chosen answers of preference data) may fall at most this many "
+        "nats below the baseline's (1.0 = perplexity up to e times the baseline's). None = not checked.",
+    )
+    max_repetition_rise: float | None = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="No degeneration: the candidate's repeated-bigram rate (the share of an answer's bigrams it "
+        "already used, averaged over answers) may exceed the baseline's by at most this. None = not checked.",
+    )
+    min_distinct_ratio: float | None = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="No degeneration: the candidate's distinct-2 (distinct bigrams over all bigrams of all its "
+        "answers) must be at least this share of the baseline's: one answer to every prompt scores near 0. "
+        "None = not checked.",
+    )
+    max_empty_rise: float | None = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="No degeneration: the share of empty answers (EOS first) may exceed the baseline's by at most "
+        "this. None = not checked.",
+    )
+    max_unfinished_rise: float | None = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="No degeneration: the share of answers that never end (cut at max_new_tokens) may exceed the "
+        "baseline's by at most this. None = not checked.",
+    )
+    min_length_ratio: float | None = Field(
+        0.5,
+        gt=0,
+        description="No degeneration: the candidate's mean answer length must be at least this times the "
+        "baseline's. None = not checked.",
+    )
+    max_length_ratio: float | None = Field(
+        2.0,
+        gt=0,
+        description="No degeneration: the candidate's mean answer length must be at most this times the "
+        "baseline's (length is the best-known reward hack). None = not checked.",
+    )
+
+    @model_validator(mode="after")
+    def _check_lengths(self) -> GuardsConfig:
+        low, high = self.min_length_ratio, self.max_length_ratio
+        if low is not None and high is not None and low > high:
+            raise ValueError(f"promote.guards.min_length_ratio {low} is above max_length_ratio {high}")
+        return self

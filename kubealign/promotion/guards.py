@@ -1,0 +1,125 @@
+"""The guards the optimized reward model cannot fool (issue 53): pure checks of an evaluation's figures,
+the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds.
+
+The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
+that fails one from leading; the online judge applies those it can compute from served answers. The figures
+come from evaluate (held-out log-likelihood; kubealign.comparison.degeneration for the answers)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from kubealign.config.guards import GuardsConfig
+
+
+class Check(NamedTuple):
+    """One guard's outcome: ok None = not checked (its figures absent: said, never counted as a failure)."""
+
+    ok: bool | None
+    text: str
+
+    @property
+    def line(self) -> str:
+        return {True: "pass: ", False: "FAIL: ", None: "unchecked: "}[self.ok] + self.text
+
+
+FIGURES = {  # each guard's field and the figures (baseline_<name> and candidate_<name>) it reads
+    "max_logprob_drop": "heldout_logprob",
+    "max_repetition_rise": "repetition_rate",
+    "min_distinct_ratio": "distinct_2",
+    "max_empty_rise": "empty_rate",
+    "max_unfinished_rise": "unfinished_rate",
+    "min_length_ratio": "length_mean",
+    "max_length_ratio": "length_mean",
+}
+
+
+def missing(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, list[str]]:
+    """The guards that are on and whose figures `metrics` lacks: {field: [metric, ...]}."""
+    wanted = {f: [f"{who}_{FIGURES[f]}" for who in ("baseline", "candidate")] for f in FIGURES}
+    lacking = {f: [m for m in names if m not in metrics] for f, names in wanted.items() if getattr(cfg, f) is not None}
+    return {f: names for f, names in lacking.items() if names}
+
+
+def recorded(metrics: dict[str, float]) -> list[str]:
+    """The guard figures present in `metrics`, for the registry's version tags."""
+    return [f"{who}_{name}" for name in dict.fromkeys(FIGURES.values()) for who in ("baseline", "candidate")
+            if f"{who}_{name}" in metrics]  # fmt: skip
+
+
+def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
+    base, cand = metrics.get(f"baseline_{name}"), metrics.get(f"candidate_{name}")
+    return None if base is None or cand is None else (float(base), float(cand))
+
+
+def checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
+    """Every configured guard, in a fixed order: capability first (it says the most), then degeneration."""
+    out: list[Check] = []
+    if cfg.max_logprob_drop is not None:
+        pair = _pair(metrics, "heldout_logprob")
+        if pair is None:
+            out.append(Check(None, "capability: no held-out log-likelihood measured"))
+        else:
+            base, cand = pair
+            drop = base - cand
+            ok = drop <= cfg.max_logprob_drop
+            out.append(
+                Check(
+                    ok,
+                    f"capability: held-out log-likelihood per token {base:.3f} -> {cand:.3f} "
+                    f"(drop {drop:.3f} {'<=' if ok else '>'} {cfg.max_logprob_drop})",
+                )
+            )
+    out += degeneration_checks(metrics, cfg)
+    return out
+
+
+def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
+    """The answers' figures: rises (candidate - baseline) and ratios (candidate / baseline) within limits."""
+    out: list[Check] = []
+    rises = (
+        ("repetition_rate", "repeated-bigram rate", cfg.max_repetition_rise),
+        ("empty_rate", "empty answers", cfg.max_empty_rise),
+        ("unfinished_rate", "unfinished answers", cfg.max_unfinished_rise),
+    )
+    for name, said, limit in rises:
+        if limit is None:
+            continue
+        pair = _pair(metrics, name)
+        if pair is None:
+            out.append(Check(None, f"degeneration: no {said} in the evaluation"))
+            continue
+        base, cand = pair
+        ok = cand - base <= limit
+        out.append(Check(ok, f"degeneration: {said} {base:.3f} -> {cand:.3f} (rise {'<=' if ok else '>'} {limit})"))
+    ratios = (
+        ("distinct_2", "distinct-2", cfg.min_distinct_ratio, None),
+        ("length_mean", "mean length", cfg.min_length_ratio, cfg.max_length_ratio),
+    )
+    for name, said, low, high in ratios:
+        if low is None and high is None:
+            continue
+        pair = _pair(metrics, name)
+        if pair is None:
+            out.append(Check(None, f"degeneration: no {said} in the evaluation"))
+            continue
+        base, cand = pair
+        ratio = cand / base if base > 0 else (1.0 if cand == base else float("inf"))
+        ok = (low is None or ratio >= low) and (high is None or ratio <= high)
+        bounds = " and ".join(f"{sign} {limit}" for sign, limit in ((">=", low), ("<=", high)) if limit is not None)
+        out.append(Check(ok, f"degeneration: {said} {base:.3f} -> {cand:.3f} (ratio {ratio:.3f}, needs {bounds})"))
+    return out
+
+
+def refusal(lines: list[str], metrics: dict[str, float]) -> str:
+    """The one line a person reads when the gate refuses: every failed check, and when a guard failed while
+    the training reward rose, that this gain is not trusted."""
+    failed = [line.removeprefix("FAIL: ") for line in lines if line.startswith("FAIL: ")]
+    if not failed:
+        return ""
+    text = "gate refused: " + "; ".join(failed)
+    gain = metrics.get("reward_gain")
+    guarded = any(line.startswith(("capability:", "degeneration:")) for line in failed)
+    if guarded and gain is not None and gain > 0:
+        text += f"; the training reward model's gain {gain:+.3f} is not trusted (reward hacking suspected)"
+    return text

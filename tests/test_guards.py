@@ -1,0 +1,174 @@
+"""The promotion guards (issue 53): the answers' degeneration figures, each guard's check at its boundary, the
+gate's refusal line, and a refused candidate never leading a comparison. Pure functions, figures by hand."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kubealign import ranking
+from kubealign.comparison import degeneration
+from kubealign.config.guards import GuardsConfig
+from kubealign.config.schema import PromoteConfig
+from kubealign.promotion import guards
+from kubealign.promotion.gate import gate
+from kubealign.stages.compare import no_leader
+
+pytestmark = pytest.mark.unit
+
+EOS = 2
+
+
+def test_degeneration_figures_by_hand():
+    rows = [
+        {"tokens": [5, 6, 5, 6, EOS]},  # ended; bigrams (5,6) (6,5) (5,6): the EOS is not an answer token
+        {"tokens": [EOS]},  # empty: nothing before the EOS
+        {"tokens": [7, 7, 7]},  # never ended (cut at the limit); bigrams (7,7) (7,7)
+    ]
+    figures = degeneration(rows, EOS, "candidate")
+    # 5 bigrams, 3 distinct: (5,6) (6,5) (7,7); with the EOS kept it would be 5 of 6 ((6,2) added)
+    assert figures == {"candidate_distinct_2": 3 / 5, "candidate_empty_rate": 1 / 3, "candidate_unfinished_rate": 1 / 3}
+    # an EOS that is not last is an ordinary token here (evaluate's rows end at the first EOS): not stripped
+    assert degeneration([{"tokens": [EOS, 4, 4, 4]}], EOS, "x") == {
+        "x_distinct_2": 2 / 3,  # (2,4) (4,4) (4,4)
+        "x_empty_rate": 0.0,
+        "x_unfinished_rate": 1.0,
+    }
+    assert degeneration([{"tokens": [9]}, {"tokens": []}], EOS, "b")["b_distinct_2"] == 0.0  # no bigram at all
+    assert degeneration([{"tokens": []}], EOS, "b")["b_empty_rate"] == 1.0
+
+
+def figures(**candidate: float) -> dict[str, float]:
+    """Baseline figures, and the candidate's equal to them unless given."""
+    base = {"heldout_logprob": -1.25, "repetition_rate": 0.25, "distinct_2": 0.5, "empty_rate": 0.0,
+            "unfinished_rate": 0.125, "length_mean": 8.0}  # fmt: skip
+    out = {f"baseline_{k}": v for k, v in base.items()}
+    out.update({f"candidate_{k}": candidate.get(k, v) for k, v in base.items()})
+    return out
+
+
+LIMITS = GuardsConfig(max_logprob_drop=1.0, max_repetition_rise=0.25, min_distinct_ratio=0.5, max_empty_rise=0.25,
+                      max_unfinished_rise=0.25, min_length_ratio=0.5, max_length_ratio=2.0)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("figure", "holds", "fails"),
+    [
+        ("heldout_logprob", -2.25, -2.25 - 2**-20),  # drop exactly 1.0 passes, a hair more fails
+        ("repetition_rate", 0.5, 0.5 + 2**-20),  # rise 0.25
+        ("distinct_2", 0.25, 0.25 - 2**-20),  # ratio 0.5 of the baseline's
+        ("empty_rate", 0.25, 0.25 + 2**-20),
+        ("unfinished_rate", 0.375, 0.375 + 2**-20),
+        ("length_mean", 4.0, 4.0 - 2**-20),  # half the baseline's length
+        ("length_mean", 16.0, 16.0 + 2**-20),  # twice
+    ],
+)
+def test_each_guard_holds_at_its_boundary_and_fails_past_it(figure: str, holds: float, fails: float):
+    ok = guards.checks(figures(**{figure: holds}), LIMITS)
+    assert all(c.ok for c in ok), [c.line for c in ok]
+    bad = [c for c in guards.checks(figures(**{figure: fails}), LIMITS) if not c.ok]
+    assert len(bad) == 1 and bad[0].ok is False
+    # the same figure on the baseline's side instead moves the other way: never a failure
+    swapped = figures()
+    swapped[f"baseline_{figure}"], swapped[f"candidate_{figure}"] = fails, swapped[f"baseline_{figure}"]
+    if figure != "length_mean":  # a length ratio is bounded on both sides
+        assert all(c.ok for c in guards.checks(swapped, LIMITS))
+
+
+def test_guard_lines_say_the_figures_and_the_limit():
+    lines = [c.line for c in guards.checks(figures(heldout_logprob=-6.75, distinct_2=0.0625, length_mean=2.0), LIMITS)]
+    assert lines == [
+        "FAIL: capability: held-out log-likelihood per token -1.250 -> -6.750 (drop 5.500 > 1.0)",
+        "pass: degeneration: repeated-bigram rate 0.250 -> 0.250 (rise <= 0.25)",
+        "pass: degeneration: empty answers 0.000 -> 0.000 (rise <= 0.25)",
+        "pass: degeneration: unfinished answers 0.125 -> 0.125 (rise <= 0.25)",
+        "FAIL: degeneration: distinct-2 0.500 -> 0.062 (ratio 0.125, needs >= 0.5)",
+        "FAIL: degeneration: mean length 8.000 -> 2.000 (ratio 0.250, needs >= 0.5 and <= 2.0)",
+    ]
+
+
+def test_a_guard_turned_off_is_not_checked_and_absent_figures_are_said():
+    off = GuardsConfig(max_logprob_drop=None, max_repetition_rise=None, min_distinct_ratio=None, max_empty_rise=None,
+                       max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None)  # fmt: skip
+    assert guards.checks(figures(heldout_logprob=-50.0, distinct_2=0.0), off) == []
+    only_upper = off.model_copy(update={"max_length_ratio": 2.0})
+    assert [c.line for c in guards.checks(figures(length_mean=2.0), only_upper)] == [
+        "pass: degeneration: mean length 8.000 -> 2.000 (ratio 0.250, needs <= 2.0)"
+    ]
+    online = {k: v for k, v in figures().items() if "heldout" not in k}  # the judge measures no log-likelihood
+    first = guards.checks(online, LIMITS)[0]
+    assert first.ok is None and first.line == "unchecked: capability: no held-out log-likelihood measured"
+    assert guards.missing(online, LIMITS) == {
+        "max_logprob_drop": ["baseline_heldout_logprob", "candidate_heldout_logprob"]
+    }
+    assert guards.missing(online, LIMITS.model_copy(update={"max_logprob_drop": None})) == {}
+    with pytest.raises(ValidationError, match="min_length_ratio 3.0 is above max_length_ratio 2.0"):
+        GuardsConfig(min_length_ratio=3.0)
+
+
+def test_a_baseline_with_no_bigrams_or_no_length():
+    zero = figures()
+    zero["baseline_distinct_2"] = zero["candidate_distinct_2"] = 0.0
+    assert all(c.ok for c in guards.checks(zero, LIMITS))  # 0 -> 0 is no change
+    zero["candidate_distinct_2"] = 0.5
+    assert all(c.ok for c in guards.checks(zero, LIMITS))  # more variety than none is no degeneration
+
+
+HACKED = {"win_rate": 0.95, "win_rate_lower_bound": 0.88, "reward_gain": 3.875, "kl_to_baseline": 55.8,
+          "candidate_reward_mean": 2.75, **figures(heldout_logprob=-6.75, distinct_2=0.0625)}  # fmt: skip
+
+
+def test_the_gate_refuses_a_hacked_candidate_in_one_line():
+    passed, lines = gate(HACKED, PromoteConfig(min_win_rate_lower_bound=0.5), None)
+    assert not passed and "pass: win_rate_lower_bound 0.880 >= 0.5" in lines
+    assert guards.refusal(lines, HACKED) == (
+        "gate refused: capability: held-out log-likelihood per token -1.250 -> -6.750 (drop 5.500 > 1.0); "
+        "degeneration: distinct-2 0.500 -> 0.062 (ratio 0.125, needs >= 0.5); "
+        "the training reward model's gain +3.875 is not trusted (reward hacking suspected)"
+    )
+    honest = {**HACKED, **figures(heldout_logprob=-1.5)}
+    passed, lines = gate(honest, PromoteConfig(), None)
+    assert passed and guards.refusal(lines, honest) == ""
+    # a refusal by the reward checks alone says no more than they do
+    worse = {**honest, "win_rate": 0.25, "reward_gain": -0.5}
+    assert guards.refusal(gate(worse, PromoteConfig(), None)[1], worse) == (
+        "gate refused: win_rate 0.250 >= 0.5; reward_gain -0.500 >= 0.0"
+    )
+    # a guard failing while the reward fell too: no gain to distrust
+    both = {**worse, **figures(heldout_logprob=-6.75)}
+    assert not guards.refusal(gate(both, PromoteConfig(), None)[1], both).endswith("(reward hacking suspected)")
+    # the guards off: the hacked candidate passes, as it did before them
+    off = PromoteConfig(guards=GuardsConfig(max_logprob_drop=None, min_distinct_ratio=None))
+    assert gate(HACKED, off, None)[0]
+
+
+def evaluation(bound: float, reward: float, kl: float, **candidate: float) -> dict[str, float]:
+    return {
+        "win_rate_lower_bound": bound,
+        "candidate_reward_mean": reward,
+        "kl_to_baseline": kl,
+        **figures(**candidate),
+    }
+
+
+def test_a_refused_candidate_never_leads_and_says_why():
+    evaluations = {
+        "hacked": evaluation(0.875, 2.75, 55.8, heldout_logprob=-6.75),  # first by every key of the rule
+        "honest": evaluation(0.5, 0.5, 1.0),
+        "tame": evaluation(0.25, 0.25, 0.5),
+    }
+    refused = {"hacked": "capability: ..."}
+    standings = ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"], refused=refused)
+    assert [s.route for s in standings] == ["honest", "tame", "hacked"]
+    assert standings[2].why == "refused by a guard: capability: ..." and standings[0].why == ""
+    assert [s.route for s in ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"])][0] == "hacked"
+    # refused and over the KL budget rank below every eligible one, among themselves by the rule
+    budget = ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"], max_kl=0.75, refused=refused)
+    assert [s.route for s in budget] == ["tame", "hacked", "honest"]
+    line = no_leader(standings[2:], None, refused)
+    assert line == "no leader: a promotion guard refuses every candidate (hacked: capability: ...); nothing is promoted"
+    line = no_leader(budget[1:], 0.75, refused)
+    assert line == (
+        "no leader: no candidate within pipeline.max_kl 0.75 (the closest, honest, has kl_to_baseline 1); "
+        "the others are refused by a guard; nothing is promoted"
+    )
