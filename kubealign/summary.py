@@ -78,6 +78,13 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
             f"{m['candidate_preferred_rate']:.0%} ({label}), "
             f"well formed {m['baseline_well_formed_rate']:.0%} -> {m['candidate_well_formed_rate']:.0%}"
         )
+    if "candidate_heldout_logprob" in m and "candidate_distinct_2" in m:  # the promotion guards' main figures
+        lines.append(
+            f"held-out log-likelihood per token {m['baseline_heldout_logprob']:.3f} (SFT) -> "
+            f"{m['candidate_heldout_logprob']:.3f} ({label}), distinct-2 {m['baseline_distinct_2']:.2f} -> "
+            f"{m['candidate_distinct_2']:.2f}, repeated bigrams {m['baseline_repetition_rate']:.2f} -> "
+            f"{m['candidate_repetition_rate']:.2f}"
+        )
     return lines
 
 

@@ -41,6 +41,8 @@ def test_a_model_against_itself_ties_everywhere(cli, trained, tmp_path: Path):  
     assert m["kl_to_baseline"] == 0.0
     assert m["length_drift"] == 1.0 and m["reward_gain"] == 0.0
     assert m["baseline_perplexity"] == m["candidate_perplexity"]
+    for figure in ("heldout_logprob", "repetition_rate", "distinct_2", "empty_rate", "unfinished_rate", "length_mean"):
+        assert m[f"baseline_{figure}"] == m[f"candidate_{figure}"], figure  # every guard sees no change
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +66,13 @@ def test_candidate_metrics_match_the_rows(evaluated: Path):
     assert m["candidate_reward_mean"] == pytest.approx(sum(r["candidate_score"] for r in rows) / 16)
     assert m["kl_to_baseline"] > 0  # PPO moved the policy
     assert 0 <= m["candidate_repetition_rate"] <= 1
+    # the guards' figures: the log-likelihood is the perplexity's log; the page shows them above the samples
+    assert m["candidate_perplexity"] == pytest.approx(math.exp(-m["candidate_heldout_logprob"]))
+    assert m["baseline_heldout_logprob"] < 0 and 0 <= m["candidate_distinct_2"] <= 1
     page = (out / "samples.html").read_text()
-    assert page.count("<tr>") == 1 + 5  # header + sample_rows
+    assert page.count("<tr>") == 1 + 5 + 1 + 6  # header + sample_rows, then the guard table's header + 6 figures
+    assert f"<tr><td>distinct-2</td><td>{m['baseline_distinct_2']:.3f}</td><td>{m['candidate_distinct_2']:.3f}" in page
+    assert "| guard figure | baseline | candidate |" in (out / "samples.md").read_text()
     assert "Human:" in page
     from PIL import Image
 
@@ -210,6 +217,29 @@ def test_gate_refuses_a_candidate_trained_against_a_sabotaged_reward_model(cli, 
     assert payload["metrics"]["gate_passed"] == 0.0
     assert payload["aliases"] == {"challenger": 1, "champion": None, "previous-champion": None}
     assert any(line.startswith("FAIL: win_rate_lower_bound") for line in payload["gate"])
+
+
+def test_dpo_pushed_to_degenerate_is_refused_by_a_guard(cli, trained, tmp_path: Path):  # noqa: F811
+    """DPO with a tiny beta, a high learning rate, several epochs and no SFT term (rpo_alpha 0) learns to
+    separate the pairs by pushing every likelihood down: the reward model may like what is left, the held-out
+    log-likelihood does not (issue 53)."""
+    dpo = tmp_path / "dpo"
+    sets = ["dpo.beta=0.01", "dpo.rpo_alpha=0", "dpo.learning_rate=2e-3", "dpo.num_train_epochs=3", NO_TRACKING]
+    args = [arg for item in sets for arg in ("--set", item)]
+    assert cli("dpo", "--data", trained["split"], "--model", trained["sft"], *args, "--output", dpo).code == 0
+    evaluation = tmp_path / "evaluate"
+    args = ["evaluate", "--prompts", trained["split"], "--baseline", trained["sft"], "--candidate", dpo]
+    assert cli(*args, "--reward", trained["rm"], *SMALL, "--output", evaluation).code == 0
+    m = result_of(evaluation)["metrics"]
+    assert m["baseline_heldout_logprob"] - m["candidate_heldout_logprob"] > 1.0  # promote.guards.max_logprob_drop
+    promoted = cli("promote", "--evaluation", evaluation, "--model-dir", dpo, "--output", tmp_path / "promote")
+    assert promoted.code == 0, promoted.err
+    payload = result_of(tmp_path / "promote")
+    assert payload["metrics"]["gate_passed"] == 0.0 and payload["aliases"]["champion"] is None
+    assert (
+        payload["refusal"].startswith("gate refused: ") and "capability: held-out log-likelihood" in payload["refusal"]
+    )
+    assert payload["refusal"] in promoted.out
 
 
 def test_evaluation_kl_is_tempered_and_unfiltered(trained):  # noqa: F811

@@ -191,6 +191,37 @@ def test_rerun_ppo_reuses_that_runs_sft_and_reward(first_run, tmp_path: Path, ca
     )
 
 
+# No KL penalty, a learning rate 50 times the default, long enough to find the reward model's exploit (issue 53):
+# measured from this run's SFT model, PPO's answers become one word repeated to the token limit and GRPO's
+# twice as long and repetitive, both winning 75-100 % of the prompts by the reward model.
+HACKED = ["ppo.kl_coef=0", "ppo.kl_target=null", "ppo.actor_learning_rate=5e-3"]
+
+
+@pytest.mark.parametrize(("route", "iterations"), [("ppo", 15), ("grpo", 10)])
+def test_a_reward_hacked_policy_is_refused_by_a_guard(first_run, tmp_path: Path, capsys, route, iterations) -> None:
+    out, _, _ = first_run
+    sets = [*HACKED, f"ppo.num_iterations={iterations}", f"ppo.algorithm={route}"]
+    target = tmp_path / f"hacked-{route}"
+    args = ["rerun", "ppo", "--from", str(out), "--downstream", "--output", str(target)]
+    assert main([*args, *(arg for item in sets for arg in ("--set", item))]) == 0
+    printed = capsys.readouterr().out
+    index = json.loads((target / "run.json").read_text(encoding="utf-8"))
+    evaluation = json.loads((Path(index["stages"]["evaluate"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    promoted = json.loads((Path(index["stages"]["promote"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    m = evaluation["metrics"]
+    assert m["reward_gain"] > 1.0 and m["win_rate"] >= 0.5  # by the reward model it trained against: a success
+    # every reward check passed (this run's gate asks little); a guard refused it, said in one line
+    assert all(line.startswith(("pass: ", "unchecked: ")) for line in promoted["gate"] if "degeneration" not in line
+               and "capability" not in line)  # fmt: skip
+    assert promoted["metrics"]["gate_passed"] == 0.0 and promoted["aliases"]["champion"] is None
+    refusal = promoted["refusal"]
+    assert refusal.startswith("gate refused: capability: held-out log-likelihood per token ")
+    assert refusal.endswith(
+        f"the training reward model's gain {m['reward_gain']:+.3f} is not trusted (reward hacking suspected)"
+    )
+    assert refusal in printed  # the run's summary says it
+
+
 def test_rerun_refuses_inputs_that_changed(cli, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()

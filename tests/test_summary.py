@@ -45,3 +45,24 @@ def test_summary_of_an_evaluation_on_the_synthetic_task_has_a_second_line(cli, t
     assert lines[2].strip() == "preferred answers 20% (SFT) -> 85% (PPO), well formed 97% -> 95%"
     assert lines[2].startswith(" " * 21)
     assert lines[3].endswith("m version 2; gate passed; champion=2")
+
+
+def test_summary_shows_the_guards_figures_and_a_refusal_on_a_line_of_its_own(cli, tmp_path: Path):
+    run = tmp_path / "hacked"
+    metrics = {
+        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.0, "kl_to_baseline": 55.75, "baseline_heldout_logprob": -0.298, "candidate_heldout_logprob": -13.33,
+        "baseline_distinct_2": 0.683, "candidate_distinct_2": 0.003, "baseline_repetition_rate": 0.0,
+        "candidate_repetition_rate": 0.852,
+    }  # fmt: skip
+    write(run, "evaluate", {"metrics": metrics})
+    refusal = "gate refused: capability: ...; the training reward model's gain +3.750 is not trusted (reward hacking suspected)"
+    promoted = {"registered_model": "m", "version": 2, "aliases": {"champion": 1}, "metrics": {"gate_passed": 0.0}}
+    write(run, "promote", {**promoted, "refusal": refusal})
+    lines = cli("summary", run).out.splitlines()
+    assert lines[2].strip() == (
+        "held-out log-likelihood per token -0.298 (SFT) -> -13.330 (PPO), distinct-2 0.68 -> 0.00, "
+        "repeated bigrams 0.00 -> 0.85"
+    )
+    assert lines[3].endswith("m version 2; gate refused; champion=1")
+    assert lines[4] == " " * 21 + refusal and len(lines) == 5

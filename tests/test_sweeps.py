@@ -25,6 +25,7 @@ from kubealign.pipelines.local import tasks_for
 from kubealign.stages import compare, promote
 from kubealign.stages.promote import ranked
 from kubealign.summary import route_lines, summarize
+from tests.test_faults_registry import GUARD_FIGURES
 from tests.test_kfp_local import SHORT as KFP_SHORT
 from tests.test_routes import evaluation, fake_evaluation, spec_of
 
@@ -404,7 +405,7 @@ def test_over_the_budget_no_promotion_moves_an_alias(tmp_path: Path) -> None:
     metrics = [evaluation(0.6, 0.9, 0.3), evaluation(0.4, 0.7, 0.08)]
     evals = {}
     for candidate, m in zip(candidates, metrics, strict=True):
-        m.update({"reward_gain": m["candidate_reward_mean"] + 1, "baseline_reward_mean": -1.0})
+        m.update({"reward_gain": m["candidate_reward_mean"] + 1, "baseline_reward_mean": -1.0, **GUARD_FIGURES})
         evals[candidate.name] = fake_evaluation(tmp_path / candidate.name, m)
     model = Path(loading.resolve("tiny-opt"))
     for budget, champion in ((0.05, None), (0.1, "dpo-beta-0p05")):
