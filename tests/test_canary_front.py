@@ -112,7 +112,8 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     uri, name = f"sqlite:///{tmp_path / 'registry.db'}", "front-actor"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     registry_with(uri, name, 2, tmp_path, champion="1", challenger="2")
-    courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No.")
+    # curt but not degenerate: the promotion guards bound the length ratio (issue 53)
+    courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No, I cannot help.")
     sets = ["--set", f"promote.registered_model={name}", "--set", "canary.min_answers=3"]
     base = ["judge", "--config", judge_config(tmp_path), *sets, "--prompts", split_dir,
             "--tokenizer", loading.resolve("tiny-opt"), "--act"]  # fmt: skip

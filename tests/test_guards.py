@@ -172,3 +172,49 @@ def test_a_refused_candidate_never_leads_and_says_why():
         "no leader: no candidate within pipeline.max_kl 0.75 (the closest, honest, has kl_to_baseline 1); "
         "the others are refused by a guard; nothing is promoted"
     )
+
+
+def test_every_guard_is_checked_on_its_own_whatever_the_others():
+    """A guard turned off, or whose figures are absent, does not stop the guards after it."""
+    off = dict.fromkeys(GuardsConfig.model_fields)
+    only_empty = GuardsConfig(**{**off, "max_empty_rise": 0.25})
+    assert [c.line for c in guards.checks(figures(empty_rate=0.5), only_empty)] == [
+        "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)"
+    ]
+    lacking = {k: v for k, v in figures(empty_rate=0.5, length_mean=32.0).items() if "repetition" not in k}
+    lacking = {k: v for k, v in lacking.items() if "distinct" not in k and k != "baseline_heldout_logprob"}
+    assert [c.line for c in guards.checks(lacking, LIMITS)] == [
+        "unchecked: capability: no held-out log-likelihood measured",  # one side absent is as good as both
+        "unchecked: degeneration: no repeated-bigram rate in the evaluation",
+        "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)",
+        "pass: degeneration: unfinished answers 0.125 -> 0.125 (rise <= 0.25)",
+        "unchecked: degeneration: no distinct-2 in the evaluation",
+        "FAIL: degeneration: mean length 8.000 -> 32.000 (ratio 4.000, needs >= 0.5 and <= 2.0)",
+    ]
+    assert [c.line for c in guards.checks(figures(heldout_logprob=-1.5), LIMITS)][0] == (
+        "pass: capability: held-out log-likelihood per token -1.250 -> -1.500 (drop 0.250 <= 1.0)"
+    )
+
+
+def test_a_ratio_against_a_zero_baseline():
+    zero = {**figures(), "baseline_distinct_2": 0.0, "candidate_distinct_2": 0.0, "baseline_length_mean": 0.0}
+    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 0.0}, LIMITS)]
+    assert "pass: degeneration: distinct-2 0.000 -> 0.000 (ratio 1.000, needs >= 0.5)" in lines
+    assert "pass: degeneration: mean length 0.000 -> 0.000 (ratio 1.000, needs >= 0.5 and <= 2.0)" in lines
+    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 3.0}, LIMITS)]
+    assert "FAIL: degeneration: mean length 0.000 -> 3.000 (ratio inf, needs >= 0.5 and <= 2.0)" in lines
+
+
+@pytest.mark.parametrize(
+    ("failed", "gain", "distrusted"),
+    [
+        ("FAIL: capability: held-out ...", 0.5, True),
+        ("FAIL: degeneration: distinct-2 ...", 0.5, True),
+        ("FAIL: degeneration: distinct-2 ...", 0.0, False),  # no gain: nothing to distrust
+        ("FAIL: win_rate 0.250 >= 0.5", 0.5, False),  # the reward checks' own failure
+    ],
+)
+def test_the_reward_gain_is_distrusted_only_when_a_guard_failed_and_it_rose(failed, gain, distrusted):
+    line = guards.refusal(["pass: reward_gain ...", failed], {"reward_gain": gain})
+    assert line.startswith("gate refused: " + failed.removeprefix("FAIL: "))
+    assert line.endswith("(reward hacking suspected)") is distrusted

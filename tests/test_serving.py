@@ -546,7 +546,8 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
         return kube.objects[("team-a", name)]
 
     promote_canary(0, "tiny-opt", 1.0)
-    courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No.")
+    # curt but not degenerate: the promotion guards bound the length ratio (issue 53)
+    courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No, I cannot help.")
     kube.ports = {"stable": courteous.port, "canary": curt.port}  # the pods of each predictor: these servers
     judged = load_config(judge_config(tmp_path), [*sets, "tracking.enabled=true", "canary.min_answers=3"])
     judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None,
