@@ -22,6 +22,7 @@ from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, combine, completions_of
 from kubealign.rewards.totals import function_totals
+from tests.test_gate import NO_GUARDS
 
 FUNCTIONS = """
 import time
@@ -293,7 +294,7 @@ EVALUATION = {"win_rate": 0.2, "reward_gain": 0.3, "kl_to_baseline": 1.0, "candi
 
 def test_promote_metric_replaces_the_win_rate_checks():
     assert not gate(EVALUATION, PromoteConfig(), None)[0]  # win-rate 0.2 < 0.5
-    cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6)
+    cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6, guards=NO_GUARDS)  # the reward checks alone
     passed, checks = gate(EVALUATION, cfg, None)
     assert passed, checks
     assert checks == [
@@ -306,7 +307,7 @@ def test_promote_metric_replaces_the_win_rate_checks():
 
 
 def test_promote_metric_against_the_champion():
-    cfg = PromoteConfig(metric="fn/exact/candidate")
+    cfg = PromoteConfig(metric="fn/exact/candidate", guards=NO_GUARDS)
     champion = {"candidate_reward_mean": 9.0, "fn/exact/candidate": 0.75}
     passed, checks = gate(EVALUATION, cfg, champion)
     assert not passed and checks[-1] == "FAIL: fn/exact/candidate 0.700 > champion's 0.750"
