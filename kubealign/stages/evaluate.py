@@ -137,6 +137,20 @@ def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, fl
     return metrics
 
 
+def guard_figures(config: KubealignConfig, prompts: Path, tokenizer: Any, models: dict[str, tuple[Any, list]]) -> dict:
+    """What the promotion guards read, for each model ({"baseline" | "candidate": (model, its sample rows)}):
+    the held-out log-likelihood per token and its perplexity (when the prompts hold phase1_sft), and the
+    degeneration figures of its answers."""
+    figures: dict[str, float] = {}
+    sft_eval = phases.load(prompts, "phase1_sft")["eval"] if (Path(prompts) / "phase1_sft").is_dir() else None
+    for name, (model, rows) in models.items():
+        if sft_eval is not None:
+            logprob = heldout_logprob(model, tokenizer, sft_eval, config.evaluate, config.sft.max_seq_len)
+            figures[f"{name}_heldout_logprob"], figures[f"{name}_perplexity"] = logprob, math.exp(-logprob)
+        figures.update(degeneration(rows, tokenizer.eos_token_id, name))
+    return figures
+
+
 GUARD_FIGURES = (  # what the promotion guards read, as the samples page shows it beside the answers
     ("heldout_logprob", "held-out log-likelihood per token"),
     ("repetition_rate", "repeated-bigram rate"),
@@ -290,13 +304,9 @@ def run(
         metrics = compare(base, cand, cfg.seed)
         metrics.update(function_means_by_model(base, cand))
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
-        if (Path(prompts) / "phase1_sft").is_dir():
-            sft_eval = phases.load(prompts, "phase1_sft")["eval"]
-            for name, model in (("baseline", base_model), ("candidate", cand_model)):
-                logprob = heldout_logprob(model, tokenizer, sft_eval, cfg, config.sft.max_seq_len)
-                metrics[f"{name}_heldout_logprob"], metrics[f"{name}_perplexity"] = logprob, math.exp(-logprob)
-        metrics.update(degeneration(base, tokenizer.eos_token_id, "baseline"))
-        metrics.update(degeneration(cand, tokenizer.eos_token_id, "candidate"))
+        metrics.update(
+            guard_figures(config, prompts, tokenizer, {"baseline": (base_model, base), "candidate": (cand_model, cand)})
+        )
         decode = lambda r: tokenizer.decode(r["tokens"], skip_special_tokens=True)  # noqa: E731
         table = [
             {
