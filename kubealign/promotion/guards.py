@@ -74,6 +74,14 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
     return out
 
 
+def _measured(metrics: dict[str, float], name: str, said: str, out: list[Check]) -> tuple[float, float] | None:
+    """Both models' figure `name`, or None after saying in `out` that the evaluation has none."""
+    pair = _pair(metrics, name)
+    if pair is None:
+        out.append(Check(None, f"degeneration: no {said} in the evaluation"))
+    return pair
+
+
 def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
     """The answers' figures: rises (candidate - baseline) and ratios (candidate / baseline) within limits."""
     out: list[Check] = []
@@ -85,9 +93,8 @@ def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Ch
     for name, said, limit in rises:
         if limit is None:
             continue
-        pair = _pair(metrics, name)
+        pair = _measured(metrics, name, said, out)
         if pair is None:
-            out.append(Check(None, f"degeneration: no {said} in the evaluation"))
             continue
         base, cand = pair
         ok = cand - base <= limit
@@ -99,9 +106,8 @@ def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Ch
     for name, said, low, high in ratios:
         if low is None and high is None:
             continue
-        pair = _pair(metrics, name)
+        pair = _measured(metrics, name, said, out)
         if pair is None:
-            out.append(Check(None, f"degeneration: no {said} in the evaluation"))
             continue
         base, cand = pair
         ratio = cand / base if base > 0 else (1.0 if cand == base else float("inf"))
