@@ -117,3 +117,40 @@ def test_remote_code_is_refused_unless_trusted(tiny_opt: Path, tmp_path: Path):
         loading.load_causal_lm(str(custom))
     with pytest.raises(UserError, match="remote code ran"):
         loading.load_causal_lm(str(custom), trust_remote_code=True)
+
+
+RANK_BUILDS = """
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from kubealign.models import tiny
+
+rank, store, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2, timeout=timedelta(seconds=60))
+if rank == 1:  # a torchrun rank other than 0 that wins the build lock
+    tiny.build("opt", out)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_rank_other_than_0_builds_a_whole_model(tmp_path: Path):
+    """transformers 5's save_pretrained writes nothing on a rank other than 0 once torch.distributed is
+    initialized: the model rank 1 builds under torchrun must still have its config and weights, the same
+    files a process outside any group writes."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "built-on-rank-1"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_BUILDS, str(rank), str(tmp_path / "store"), str(out)])
+        for rank in (0, 1)
+    ]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    alone = tiny.build("opt", tmp_path / "alone")
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert digest(out / name) == digest(alone / name), name
+    assert loading.load_causal_lm(str(out)).config.architectures == ["OPTForCausalLM"]

@@ -109,9 +109,29 @@ def build(arch: str, output: Path, seed: int = 0) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     with atomic_dir(output) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        _save(model, tmp)
         tokenizer.save_pretrained(tmp)
     return output
+
+
+def _save(model, directory: Path) -> None:
+    """The model's config, generation config and weights, written by whichever process builds it.
+
+    Not `model.save_pretrained`: with torch.distributed initialized, transformers 5 writes only on rank 0,
+    so a torchrun rank other than 0 that won the build lock left a directory without config.json or
+    weights (the cold-cache torchrun flake: the next process found it half written)."""
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = str(model.dtype).split(".")[1]
+    model.config.save_pretrained(directory)
+    model.generation_config.save_pretrained(directory)
+    tensors, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:  # a tied head is stored once, under the embedding's name, as HF does
+            seen.add(tensor.data_ptr())
+            tensors[name] = tensor.contiguous()
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
 def ensure(arch: str, seed: int = 0) -> Path:
