@@ -48,14 +48,11 @@ The figures go to results/trl-compare-<label>.json; the last line printed is the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,53 +64,10 @@ sys.path.insert(0, str(HERE))
 import real_lengths as rl  # noqa: E402
 import trl_grpo  # noqa: E402
 from train_throughput import machine  # noqa: E402
+from trl_common import Counter, alone, trl_callback  # noqa: E402
 
 SIDES = {"sft": ["kubealign", "trl", "trl-default", "trl-padding-free"], "reward": ["kubealign", "trl", "trl-default"],
          "dpo": ["kubealign", "trl", "trl-default"], "grpo": ["kubealign", "trl"]}  # fmt: skip
-
-
-class Counter:
-    """Real tokens and token slots of every training forward of a model (a forward pre-hook), with the
-    time and the counts at the end of each optimizer step."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.real = self.slots = 0
-        self.marks: list[tuple[float, int, int]] = []
-        self.losses: list[float] = []
-        model.register_forward_pre_hook(self._count, with_kwargs=True)
-
-    def _count(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if not torch.is_grad_enabled():
-            return
-        mask, ids = kwargs.get("attention_mask"), kwargs.get("input_ids", args[0] if args else None)
-        if mask is not None and mask.dim() == 2:
-            self.real, self.slots = self.real + int(mask.sum()), self.slots + mask.numel()
-        else:  # padding-free: one row of real tokens
-            self.real, self.slots = self.real + ids.numel(), self.slots + ids.numel()
-
-    def mark(self) -> None:
-        self.marks.append((time.perf_counter(), self.real, self.slots))
-
-    def figures(self) -> dict[str, float]:
-        (t0, r0, s0), (t1, r1, s1) = self.marks[0], self.marks[-1]
-        return {"seconds": t1 - t0, "real_tokens": r1 - r0, "slots": s1 - s0}
-
-
-def trl_callback(counter: Counter) -> Any:
-    from transformers import TrainerCallback
-
-    class Marks(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            counter.mark()
-
-        def on_step_end(self, args, state, control, **kw):
-            counter.mark()
-
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                counter.losses.append(float(logs["loss"]))
-
-    return Marks()
 
 
 def trl_dataset(stage: rl.Stage) -> Any:
@@ -182,19 +136,6 @@ def _dpo_class() -> type:
             return dataset.add_column("ref_chosen_logps", zeros).add_column("ref_rejected_logps", zeros)
 
     return PretokenizedDPO
-
-
-@contextlib.contextmanager
-def alone() -> Iterator[None]:
-    """TRL as in a process of its own: without the rendezvous variables of kubealign's one-rank group (set by
-    distributed.init for the DeepSpeed engines), which would make accelerate wrap TRL's model in DDP."""
-    from kubealign.training.distributed import RENDEZVOUS_ENV
-
-    saved = {k: os.environ.pop(k) for k in RENDEZVOUS_ENV if k in os.environ}
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
 
 
 def run_trl(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: int, steps: int) -> dict[str, Any]:

@@ -88,7 +88,7 @@ def run_trl(prompts: list[str], model_dir: Path, seed: int, iterations: int, con
     import trl
     from datasets import Dataset
     from grpo_reward import brevity  # beside this file, on the path as real_lengths is
-    from trl_compare import Counter, alone, trl_callback
+    from trl_common import Counter, alone, trl_callback
 
     from kubealign.models import loading
 
