@@ -77,6 +77,10 @@ def test_the_front_splits_the_traffic_and_serves_one_version_when_told() -> None
     finally:
         front.stop()
         stable.stop()
+    assert not split.token_file(port).exists()  # the stopped front's token is gone with it
+    with pytest.raises(UserError, match=f"--front {url}: cannot read its token .*127.0.0.1-{port}.token"):
+        split.read_route(url)
+    split.new_token(port)  # a token left, nothing listening: not a front
     with pytest.raises(UserError, match=f"--front {url}: not a kubealign serve --canary front"):
         split.read_route(url)
 
@@ -221,3 +225,170 @@ def test_no_ready_pod_of_a_predictor_is_one_line() -> None:
             predictor_url(kube.core(), "team-a", "actor", "canary", "3")
     finally:
         kube.stop()
+
+
+# --- the front against an adversary (issue 54): a web page in a local browser, a greedy client, a backend ----
+
+
+class Echo:
+    """A backend that answers every request with what it got (method, path, headers, body) and tries to
+    pass its own headers on: a forged answer label, and a header it names in Connection:."""
+
+    def __init__(self, name: str) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from threading import Thread
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def _any(self) -> None:
+                size = int(self.headers.get("Content-Length") or 0)
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                got = {"backend": name, "path": self.path, "headers": headers, "body": self.rfile.read(size).decode()}
+                body = json.dumps(got).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header(split.SERVED_HEADER, "champion@999")
+                self.send_header("Connection", "close, x-backend-secret")
+                self.send_header("X-Backend-Secret", "s3cret")
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def echo_front():
+    """A front at 50 % before two echo backends, with small limits a test can reach."""
+    stable, canary = Echo("stable"), Echo("canary")
+    route = split.Route(split.Backend("champion", "1", stable.url), split.Backend("challenger", "2", canary.url), 50)
+    port = free_port()
+    front = split.start(port, route, limits=split.Limits(max_body_bytes=1000, idle_timeout_s=1.0, max_connections=3))
+    yield port, route
+    front.stop()
+    stable.stop()
+    canary.stop()
+
+
+def raw(port: int, request: bytes, timeout: float = 10.0) -> tuple[int, dict[str, str], bytes]:
+    """Send `request` as written on a fresh connection; (status, headers, body) of the answer, 0 when the
+    front closed the connection without one."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    if not data:
+        return 0, {}, b""
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        key, _, value = line.partition(":")
+        headers.setdefault(key.strip().lower(), value.strip())
+    return int(lines[0].split()[1]), headers, body
+
+
+def post(path: str, body: bytes, *headers: str) -> bytes:
+    extra = "".join(f"{h}\r\n" for h in headers)
+    return f"POST {path} HTTP/1.1\r\nContent-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+def test_a_web_page_cannot_change_the_route(echo_front) -> None:
+    """What any page open in a local browser can send (a simple cross-origin POST) moves nothing; nor does a
+    '//' path, a wrong token, a foreign Host or a non-JSON body with the token. The judge's own request does."""
+    port, route = echo_front
+    token = split.token_file(port).read_text()
+    only = json.dumps({"only": "2"}).encode()
+    page = ("Host: evil.example", "Origin: http://evil.example", "Content-Type: text/plain")
+    assert raw(port, post(split.ROUTE_PATH, only, *page))[0] == 403
+    assert raw(port, post(split.ROUTE_PATH, only, f"Host: 127.0.0.1:{port}", "Content-Type: text/plain"))[0] == 401
+    assert raw(port, post("//kubealign/route", only, f"Host: 127.0.0.1:{port}"))[0] == 400
+    wrong = (f"Host: 127.0.0.1:{port}", "Content-Type: application/json", "Authorization: Bearer " + "x" * 43)
+    assert raw(port, post(split.ROUTE_PATH, only, *wrong))[0] == 401
+    text = (f"Host: 127.0.0.1:{port}", f"Authorization: Bearer {token}", "Content-Type: text/plain")
+    status, _, body = raw(port, post(split.ROUTE_PATH, only, *text))
+    assert status == 415 and b"Content-Type: application/json" in body
+    assert route.canary is not None and route.stable.version == "1" and not route.changed.is_set()
+    assert split.serve_only(f"http://127.0.0.1:{port}", "2") == "updated" and route.stable.version == "2"
+    assert oct(split.token_file(port).stat().st_mode & 0o777) == "0o600"
+
+
+def test_bodies_lengths_and_paths_are_bounded_and_one_line(echo_front) -> None:
+    port, _ = echo_front
+    status, _, body = raw(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: 5000\r\n\r\n")
+    assert status == 413 and json.loads(body) == {"error": "the body is 5000 bytes, over the front's 1000"}
+    for length in (b"abc", b"-1", b"99999999999999999999999"):
+        status, _, body = raw(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: " + length + b"\r\n\r\n")
+        assert status in (400, 413) and "\n" not in json.loads(body)["error"]
+    assert raw(port, b"POST /v1/completions HTTP/1.1\r\nContent-Length: abc\r\n\r\n")[0] == 400
+    status, _, body = raw(port, b"GET http://evil.example/v1/models HTTP/1.1\r\n\r\n")
+    assert status == 400 and "must start with one '/'" in json.loads(body)["error"]
+    chunked = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n" + b"400\r\n" + b"x" * 1024
+    assert raw(port, chunked + b"\r\n0\r\n\r\n")[0] == 413
+
+
+def test_chunked_bodies_reach_the_backend_whole(echo_front) -> None:
+    port, _ = echo_front
+    head = b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\nContent-Type: application/json\r\n\r\n"
+    chunks = b'5\r\n{"a":\r\n3;ext=1\r\n 12\r\n1\r\n}\r\n0\r\nX-Trailer: t\r\n\r\n'  # a chunk extension, a trailer
+    request = head + chunks
+    status, _, body = raw(port, request)
+    got = json.loads(body)
+    assert status == 200 and got["body"] == '{"a": 12}' and got["headers"]["content-length"] == "9"
+    assert "transfer-encoding" not in got["headers"]
+
+
+def test_a_backend_cannot_label_its_answer_or_pass_connection_headers(echo_front) -> None:
+    """The answer label is the front's alone; a header the backend names in Connection: stops at the front, and
+    so does one the client names."""
+    port, _ = echo_front
+    request = post("/v1/completions", b"{}", "Connection: close, x-client-secret", "X-Client-Secret: c")
+    status, headers, body = raw(port, request)
+    assert status == 200 and headers[split.SERVED_HEADER] == "champion@1"
+    assert "x-backend-secret" not in headers
+    assert "x-client-secret" not in json.loads(body)["headers"]
+
+
+def test_only_api_requests_take_canary_slots(echo_front) -> None:
+    """At 50 % the canary answers API requests 1, 3, 5 ... whatever health probes come between them."""
+    port, _ = echo_front
+    backends = []
+    probe = f"GET /health HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n\r\n".encode()
+    for _ in range(6):
+        assert raw(port, probe)[1][split.SERVED_HEADER] == "champion@1"
+        backends.append(raw(port, post("/v1/completions", b"{}"))[1][split.SERVED_HEADER])
+    assert backends == ["champion@1", "challenger@2"] * 3
+
+
+def test_idle_clients_are_dropped_and_connections_bounded(echo_front) -> None:
+    """A client that sends nothing is dropped after the idle timeout (1 s here); while 3 idle clients hold
+    the front's 3 places, a fourth request gets a 503 at once, and an answer again once they are dropped."""
+    import socket
+    import time
+
+    port, _ = echo_front
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(3)]
+    try:
+        time.sleep(0.2)
+        status, _, body = raw(port, post("/v1/completions", b"{}"), timeout=5)
+        assert status == 503 and "serves 3 requests at once" in json.loads(body)["error"]
+        started = time.monotonic()
+        assert [sock.recv(1) for sock in idle] == [b""] * 3  # closed by the front
+        assert time.monotonic() - started < 5
+    finally:
+        for sock in idle:
+            sock.close()
+    assert raw(port, post("/v1/completions", b"{}"))[0] == 200
