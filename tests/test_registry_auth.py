@@ -220,7 +220,7 @@ def test_the_shortened_dag_runs_as_the_pipeline_identity(registry: ChartRegistry
     assert admin_aliases(registry, name) == {"champion": "1", "challenger": "1"}
 
 
-def test_the_ini_reads_back_the_uri_with_its_escapes(tmp_path: Path) -> None:
+def test_the_ini_reads_back_the_uri_with_its_escapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """configparser interpolates `%`: a URI-escaped password (p%40ss = p@ss) must read back unchanged."""
     import configparser
 
@@ -233,6 +233,11 @@ def test_the_ini_reads_back_the_uri_with_its_escapes(tmp_path: Path) -> None:
     assert parser["mlflow"]["database_uri"] == uri
     assert parser["mlflow"]["default_permission"] == "READ"
     assert [p.name for p in (tmp_path / "auth").iterdir()] == ["basic_auth.ini"]  # no tmp file left
+    # MLflow's own reader of the file turns its credential cache on (off by default: 0)
+    from mlflow.server.auth.config import read_auth_config
+
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(tmp_path / "auth" / "basic_auth.ini"))
+    assert read_auth_config().auth_cache_ttl_seconds == 60
 
 
 def test_missing_settings_are_one_line_each(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
