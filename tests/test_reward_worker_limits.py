@@ -34,8 +34,8 @@ def greedy(prompts, completions, **columns):
 
 def spawns_and_hangs(prompts, completions, **columns):
     child = subprocess.Popen(["sleep", "600"])
-    with open(os.environ["PID_FILE"], "w") as f:
-        f.write(str(child.pid))
+    detached = subprocess.Popen(["sleep", "600"], start_new_session=True)  # out of the worker's group
+    print("CHILD-PIDS", child.pid, detached.pid, flush=True)
     time.sleep(600)
 
 def loud(prompts, completions, **columns):
@@ -91,23 +91,23 @@ def test_past_its_memory_limit_a_function_fails_in_one_line_and_the_caller_lives
         assert call(r) == [float(2**30)]
 
 
-def test_a_timeout_kills_the_workers_whole_process_group(tmp_path, monkeypatch):
-    pid_file = tmp_path / "child.pid"
-    monkeypatch.setenv("PID_FILE", str(pid_file))
-    r = runner(tmp_path, "spawns_and_hangs", timeout_s=3.0, env=["PID_FILE"])
+def test_a_timeout_ends_every_process_the_function_started(tmp_path, capfd):
+    """Its child, and one it detached into a session of its own (which the process group's kill missed)."""
+    r = runner(tmp_path, "spawns_and_hangs", timeout_s=3.0)
     with r, pytest.raises(UserError, match="no answer within rewards.timeout_s 3 s"):
         call(r)
-    child = int(pid_file.read_text())
-    for _ in range(50):  # killed with the group; reaped by init once its parent is gone
-        try:
-            os.kill(child, 0)
-        except ProcessLookupError:
-            break
-        if Path(f"/proc/{child}/stat").read_text().split()[2] == "Z":
-            break  # a zombie: dead, waiting for init to reap it
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the function's child {child} outlived the timeout")
+    line = next(line for line in capfd.readouterr().err.splitlines() if line.startswith("CHILD-PIDS"))
+    for child in map(int, line.split()[1:]):
+        for _ in range(50):  # killed; reaped by init once its parent is gone
+            try:
+                os.kill(child, 0)
+            except ProcessLookupError:
+                break
+            if Path(f"/proc/{child}/stat").read_text().rpartition(")")[2].split()[0] == "Z":
+                break  # a zombie: dead, waiting for init to reap it
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"the function's child {child} outlived the timeout")
 
 
 def test_what_a_function_prints_reaches_the_log_bounded_and_the_cut_is_said_once(tmp_path, capfd):
@@ -117,3 +117,16 @@ def test_what_a_function_prints_reaches_the_log_bounded_and_the_cut_is_said_once
     assert err.count("reward functions printed") == 1  # said once, for two calls
     assert err.count("THE END") == 2  # the last part of each call kept
     assert len(err) < 2 * OUTPUT_LIMIT + 1000 < 2 * 300_000
+
+
+def test_the_trainer_is_not_dumpable_while_a_worker_runs(tmp_path):
+    """A non-dumpable process's /proc entries are root's: a worker of the same non-root uid cannot open its
+    environ or cwd even without Landlock. The setting is the trainer's own again once the worker is gone."""
+    from kubealign.rewards import sandbox
+
+    get_dumpable = 3  # PR_GET_DUMPABLE
+    assert sandbox._prctl(get_dumpable, 0) == 1
+    with runner(tmp_path, "secret_length") as r:
+        assert sandbox._prctl(get_dumpable, 0) == 0
+        assert call(r) == [0.0]
+    assert sandbox._prctl(get_dumpable, 0) == 1

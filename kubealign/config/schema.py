@@ -212,8 +212,8 @@ class RewardFunction(Section):
 class RewardsConfig(Section):
     """What scores a response in ppo / grpo / rloo and in evaluate: the reward model, reward functions as code
         (verifiable rewards), or both. Functions are the user's own code: they run in a worker process with a scrubbed
-    environment, a private working directory, a memory limit and a timeout (kubealign.rewards.functions), but
-    with the task's file-system permissions."""
+    environment, a private working directory (the only place they may write), a memory and a file-size limit, a
+    timeout and no network by default (kubealign.rewards.functions, kubealign.rewards.sandbox)."""
 
     functions: list[RewardFunction] = Field(default_factory=list, description="Reward functions, in order.")
     model_weight: float = Field(
@@ -233,6 +233,17 @@ class RewardsConfig(Section):
         default_factory=list,
         description="Environment variables the reward-function worker gets besides PATH, LANG, LC_*, TZ and "
         "PYTHONPATH (e.g. a judge API's key). None of the task's credentials by default.",
+    )
+    file_limit_mb: int = Field(
+        1024,
+        ge=1,
+        description="Largest file the reward-function worker may write, MiB (RLIMIT_FSIZE): a write past it fails "
+        "and the function's call is one line.",
+    )
+    network: bool = Field(
+        False,
+        description="Let reward functions open TCP connections (e.g. to a judge API). Off: connect and bind "
+        "are refused by the kernel (Landlock ABI >= 4).",
     )
 
     @property

@@ -9,12 +9,13 @@ that makes it raise.
 
 The worker's limits (user code runs there, not in the trainer): an environment with none of the task's
 variables but PATH, LANG, LC_*, TZ, PYTHONPATH and those rewards.worker_env names (so no MLflow or object-store
-credentials); a private working and temporary directory, removed at the end (a relative path a function
-writes lands there, not in a stage's output; absolute paths are the task's file-system permissions, which
-only the container bounds); rewards.memory_limit_mb of address space, past which its allocation fails and
-the call is one line, with the worker first in line for the OOM killer; a process group of its own, killed
-whole on a timeout or at the end; and what it prints, forwarded to the task's log at most OUTPUT_LIMIT
-bytes per call (the last part kept, the cut said once).
+credentials); a private working and temporary directory, removed at the end, the only place it may write,
+with no TCP unless rewards.network, and no way to read the trainer's /proc entries (its environment, its
+working directory): kubealign.rewards.sandbox; rewards.memory_limit_mb of address space, past which its
+allocation fails and the call is one line, with the worker first in line for the OOM killer;
+rewards.file_limit_mb per file; every process it starts, detached or not, ended with it on a timeout or at
+the end; its replies read with the call's deadline (half a line is a timeout, not a hang); and what it
+prints, forwarded to the task's log at most OUTPUT_LIMIT bytes per call (only the last part is read).
 """
 
 from __future__ import annotations
@@ -29,17 +30,21 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from kubealign.errors import UserError
+from kubealign.rewards import sandbox
 from kubealign.rewards.definitions import FunctionSpec
-from kubealign.rewards.worker import MEMORY_ENV
+from kubealign.rewards.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV
 
 Values = list[float | None]
 KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
 OUTPUT_LIMIT = 64 * 1024  # bytes of a call's printed output forwarded to the task's log
+REPLY_LIMIT = 64 * 2**20  # bytes of one reply line: values for a batch are far fewer
 DEFAULT_MEMORY_MB = 4096
+DEFAULT_FILE_LIMIT_MB = 1024
 
 
 def worker_env(environ: dict[str, str], passed: list[str], home: Path, cwd: str) -> dict[str, str]:
@@ -56,19 +61,33 @@ def worker_env(environ: dict[str, str], passed: list[str], home: Path, cwd: str)
 class FunctionRunner:
     """The worker process and the loaded functions; use as a context manager (the worker is ended on exit)."""
 
+    _unconfined_said = False
+
     def __init__(
         self,
         specs: list[FunctionSpec],
         timeout_s: float,
         memory_limit_mb: int = DEFAULT_MEMORY_MB,
         passed_env: list[str] | None = None,
+        file_limit_mb: int = DEFAULT_FILE_LIMIT_MB,
+        network: bool = False,
     ):
         self.specs, self.timeout_s = specs, timeout_s
         self.memory_limit_mb, self.passed_env = memory_limit_mb, list(passed_env or [])
+        self.file_limit_mb, self.network = file_limit_mb, network
         self.process: subprocess.Popen | None = None
         self.home: Path | None = None
         self.output: Any = None  # the worker's stderr: a file in its private dir, drained after every call
         self.cut_said = False
+        self.confined = ""  # what the worker's sandbox holds, in its own words
+        self._pending = b""  # bytes of the worker's next reply read so far
+        self._dumpable: int | None = None
+
+    @classmethod
+    def for_config(cls, specs: list[FunctionSpec], rewards: Any) -> FunctionRunner:
+        """The runner of a stage's `rewards` section (kubealign.config.schema.RewardsConfig)."""
+        r = rewards
+        return cls(specs, r.timeout_s, r.memory_limit_mb, r.worker_env, r.file_limit_mb, r.network)
 
     def __enter__(self) -> FunctionRunner:
         self.start()
@@ -81,17 +100,25 @@ class FunctionRunner:
         self.home = Path(tempfile.mkdtemp(prefix="kubealign-reward-fn-"))
         self.output = open(self.home / ".output", "ab+")  # noqa: SIM115 - closed in close()
         env = worker_env(dict(os.environ), self.passed_env, self.home, os.getcwd())
-        env[MEMORY_ENV] = str(self.memory_limit_mb)  # the worker limits itself before it loads any user code
+        # the worker limits and confines itself before it loads any user code
+        env.update({MEMORY_ENV: str(self.memory_limit_mb), FILE_LIMIT_ENV: str(self.file_limit_mb)})
+        env[NETWORK_ENV] = "1" if self.network else ""
+        with contextlib.suppress(OSError):  # not Linux: nothing to close
+            self._dumpable = sandbox.undumpable()  # this process's /proc entries: root's while a worker runs
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kubealign.rewards.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.output,
-            text=True,
             env=env,
             cwd=self.home,
-            start_new_session=True,  # its own process group: killed whole, children included
+            start_new_session=True,  # its own process group
         )
+        first = self.specs[0] if self.specs else None
+        self.confined = self._read_reply(first, "starting it").get("confined", "") if first else ""
+        if first and not self.confined.startswith("Landlock") and not FunctionRunner._unconfined_said:
+            FunctionRunner._unconfined_said = True  # once per process: each stage starts one worker per run
+            print(f"kubealign: warning: reward functions run without a sandbox: {self.confined}", file=sys.stderr)
         for spec in self.specs:
             reply = self._ask({"op": "load", "spec": spec._asdict()}, spec, "loading it")
             if "error" in reply:
@@ -99,10 +126,17 @@ class FunctionRunner:
 
     def close(self) -> None:
         if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):  # the group: whatever the function started goes too
+            with contextlib.suppress(OSError):  # /proc unreadable: the group below still goes
+                sandbox.end_tree(self.process.pid)  # every descendant, detached ones included (subreaper)
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         self.process = None
+        self._pending = b""
+        if self._dumpable is not None:
+            with contextlib.suppress(OSError):
+                sandbox.restore_dumpable(self._dumpable)
+            self._dumpable = None
         if self.output is not None:
             self._drain()
             self.output.close()
@@ -113,20 +147,20 @@ class FunctionRunner:
 
     def _drain(self) -> None:
         """Forward what the worker printed since the last call to the task's stderr, at most OUTPUT_LIMIT bytes
-        (the last part), then empty the file (the worker appends: its writes land at the new end)."""
+        (the last part, the only part read), then empty the file (the worker appends: its writes land at the new
+        end)."""
         self.output.flush()
-        self.output.seek(0)
-        printed = self.output.read()
+        size = os.fstat(self.output.fileno()).st_size
+        self.output.seek(max(0, size - OUTPUT_LIMIT))
+        printed = self.output.read(OUTPUT_LIMIT)
         self.output.truncate(0)
-        if len(printed) > OUTPUT_LIMIT:
-            if not self.cut_said:
-                self.cut_said = True
-                print(
-                    f"kubealign: reward functions printed {len(printed)} bytes in one call; only the last "
-                    f"{OUTPUT_LIMIT} of each call are kept",
-                    file=sys.stderr,
-                )
-            printed = printed[-OUTPUT_LIMIT:]
+        if size > OUTPUT_LIMIT and not self.cut_said:
+            self.cut_said = True
+            print(
+                f"kubealign: reward functions printed {size} bytes in one call; only the last "
+                f"{OUTPUT_LIMIT} of each call are kept",
+                file=sys.stderr,
+            )
         if printed:
             sys.stderr.write(printed.decode(errors="replace"))
             sys.stderr.flush()
@@ -134,25 +168,49 @@ class FunctionRunner:
     def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str) -> dict[str, Any]:
         assert self.process is not None and self.process.stdin and self.process.stdout
         try:
-            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         except BrokenPipeError:
             raise UserError(f"{label(spec)}: its worker process died ({what})") from None
-        ready, _, _ = select.select([self.process.stdout], [], [], self.timeout_s)
-        if not ready:
-            self.close()
-            raise UserError(f"{label(spec)}: no answer within rewards.timeout_s {self.timeout_s:g} s ({what}); stopped")
-        line = self.process.stdout.readline()
-        self._drain()
-        if not line:
-            code = self.process.wait()
-            killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
-            raise UserError(f"{label(spec)}: its worker process exited with code {code}{killed} ({what})")
-        reply = json.loads(line)
+        reply = self._read_reply(spec, what)
         if reply.get("memory"):  # the function's allocation failed at the limit
             raise UserError(
                 f"{label(spec)}: ran out of its memory, rewards.memory_limit_mb {self.memory_limit_mb} ({what})"
             )
+        return reply
+
+    def _read_reply(self, spec: FunctionSpec | None, what: str) -> dict[str, Any]:
+        """The worker's next reply line, read within rewards.timeout_s in all: half a line written by the
+        function is a timeout, not a hang; a line over REPLY_LIMIT or not JSON is one line too."""
+        assert self.process is not None and self.process.stdout
+        name = label(spec) if spec else "the reward-function worker"
+        fd = self.process.stdout.fileno()
+        deadline = time.monotonic() + self.timeout_s
+        while b"\n" not in self._pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                self.close()
+                raise UserError(f"{name}: no answer within rewards.timeout_s {self.timeout_s:g} s ({what}); stopped")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                self._drain()
+                code = self.process.wait()
+                killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
+                raise UserError(f"{name}: its worker process exited with code {code}{killed} ({what})")
+            self._pending += chunk
+            if len(self._pending) > REPLY_LIMIT:
+                self.close()
+                raise UserError(f"{name}: a reply over {REPLY_LIMIT} bytes ({what}); stopped")
+        line, _, self._pending = self._pending.partition(b"\n")
+        self._drain()
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            self.close()
+            raise UserError(f"{name}: a reply that is not the worker's ({what}): {line[:80]!r}; stopped") from None
+        if not isinstance(reply, dict):
+            self.close()
+            raise UserError(f"{name}: a reply that is not the worker's ({what}): {line[:80]!r}; stopped")
         return reply
 
     def call(

@@ -2,8 +2,8 @@
 
 It loads the functions once and answers one JSON request per line on stdin with one JSON line on its
 own copy of stdout; whatever the functions print goes to stderr, so it cannot break the protocol. It caps its
-own memory (MEMORY_ENV) before it loads any user code. It runs
-in a process of its own so that a function that hangs (even inside C code) can be killed when the
+own memory (MEMORY_ENV) and, started by FunctionRunner, confines itself (kubealign.rewards.sandbox) before it
+loads any user code; its first line says what the sandbox holds. It runs in a process of its own so that a function that hangs (even inside C code) can be killed when the
 per-call timeout runs out, and a crash in user code cannot take the training process with it. It imports
 nothing heavy (no torch): it starts in well under a second.
 """
@@ -17,6 +17,7 @@ import os
 import sys
 import traceback
 import types
+from pathlib import Path
 from typing import Any
 
 
@@ -94,6 +95,8 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
 
 
 MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
+FILE_LIMIT_ENV = "KUBEALIGN_WORKER_FILE_LIMIT_MB"
+NETWORK_ENV = "KUBEALIGN_WORKER_NETWORK"
 
 
 def limit_self(memory_mb: int) -> None:
@@ -113,9 +116,16 @@ def limit_self(memory_mb: int) -> None:
 def main() -> int:
     if os.environ.get(MEMORY_ENV):
         limit_self(int(os.environ[MEMORY_ENV]))
+    confined = ""
+    if os.environ.get(FILE_LIMIT_ENV):  # started by FunctionRunner: confine before any user code
+        from kubealign.rewards.sandbox import confine
+
+        confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)))
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the functions' print() goes to stderr
     sys.stdout = sys.stderr
+    protocol.write(json.dumps({"confined": confined}) + "\n")  # the greeting: what the sandbox holds
+    protocol.flush()
     functions: dict[str, Any] = {}
     for line in sys.stdin:
         request = json.loads(line)

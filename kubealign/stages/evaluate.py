@@ -284,7 +284,7 @@ def run(
     rows = split["eval"] if len(split["eval"]) else split["train"]
     started = time.perf_counter()
     r = config.rewards
-    runner = FunctionRunner(specs, r.timeout_s, r.memory_limit_mb, r.worker_env) if specs else None
+    runner = FunctionRunner.for_config(specs, r) if specs else None
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
         tokenizer = loading.load_tokenizer(str(baseline))
         data = phases.prompt_rows(rows)

@@ -93,7 +93,7 @@ def scored(
     tokenizer = loading.load_tokenizer(str(tokenizer_dir))
     cap, bos = config.ppo.max_prompt_len, tokenizer.bos_token_id
     prompt_ids = {i: cut_left(encode_prompt(tokenizer, data.prompts[i]), cap, bos) for i in pairs}
-    runner = FunctionRunner(specs, r.timeout_s, r.memory_limit_mb, r.worker_env) if specs else None
+    runner = FunctionRunner.for_config(specs, r) if specs else None
     rows: dict[str, list[dict[str, Any]]] = {}
     with runner or nullcontext():
         model = None

@@ -248,7 +248,7 @@ def run(
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
     r = config.rewards
-    runner = FunctionRunner(specs, r.timeout_s, r.memory_limit_mb, r.worker_env) if specs else None
+    runner = FunctionRunner.for_config(specs, r) if specs else None
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
         models, check = build_models(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner

@@ -1,0 +1,177 @@
+"""What the reward-function worker does to itself before it loads any user code (issue 54), and what the
+trainer does while a worker runs.
+
+The worker (kubealign.rewards.worker) calls `confine`:
+- RLIMIT_FSIZE: no file it writes grows past `file_limit_mb` (the write fails with EFBIG; SIGXFSZ is
+  ignored so that the failure is the function's error, not a dead worker).
+- PR_SET_CHILD_SUBREAPER: a process it starts that detaches (a new session, a double fork) is re-parented to
+  the worker, not to init, so the trainer finds every descendant under the worker and ends it with the call.
+- Landlock (Linux >= 5.13; the kernel's own unprivileged sandbox, no capability needed, inherited by every
+  descendant and never undone): writes (create, write, truncate, remove, rename, link) only beneath the
+  worker's private directory and to /dev/null; no TCP connect or bind unless `network` (ABI >= 4); no
+  signals to, and no abstract unix sockets of, processes outside the sandbox (ABI >= 6). A sandboxed process
+  also cannot ptrace, and so cannot read the /proc/PID/environ, /proc/PID/cwd or /proc/PID/mem of, any
+  process outside it: the trainer's credentials are out of reach by that path even for root.
+Reads stay open (a function reads its own data and Python's libraries); what it could read is what the
+task's user can read, minus other processes' /proc entries.
+
+The trainer calls `undumpable` while a worker runs: a non-dumpable process's /proc entries belong to root,
+so a worker of the same non-root uid cannot open them even where Landlock is missing.
+
+`landlock_abi()` says what the kernel offers; `confine` returns a one-line account of what holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import resource
+import signal
+import struct
+from pathlib import Path
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same numbers on x86-64 and arm64
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH = 1
+_PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER, _PR_GET_DUMPABLE, _PR_SET_DUMPABLE = 38, 36, 3, 4
+
+# Landlock's file-system rights (linux/landlock.h), and the ABI that added each
+_FS_EXECUTE, _FS_WRITE_FILE, _FS_READ_FILE, _FS_READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+_FS_REMOVE_DIR, _FS_REMOVE_FILE, _FS_MAKE_CHAR, _FS_MAKE_DIR = 1 << 4, 1 << 5, 1 << 6, 1 << 7
+_FS_MAKE_REG, _FS_MAKE_SOCK, _FS_MAKE_FIFO, _FS_MAKE_BLOCK, _FS_MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
+_FS_REFER, _FS_TRUNCATE, _FS_IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15
+_WRITES_ABI1 = (
+    _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_CHAR | _FS_MAKE_DIR | _FS_MAKE_REG
+    | _FS_MAKE_SOCK | _FS_MAKE_FIFO | _FS_MAKE_BLOCK | _FS_MAKE_SYM
+)  # fmt: skip
+_NET_BIND_TCP, _NET_CONNECT_TCP = 1 << 0, 1 << 1
+_SCOPE_ABSTRACT_UNIX_SOCKET, _SCOPE_SIGNAL = 1 << 0, 1 << 1
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _syscall(number: int, *args: object) -> int:
+    result = _libc.syscall(number, *args)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return result
+
+
+def _prctl(option: int, value: int) -> int:
+    result = _libc.prctl(option, value, 0, 0, 0)
+    if result < 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, os.strerror(errno))
+    return result
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI version the kernel offers; 0 where it has none (or a seccomp filter hides it)."""
+    try:
+        return _syscall(_SYS_CREATE_RULESET, None, 0, _CREATE_RULESET_VERSION)
+    except (OSError, AttributeError):
+        return 0
+
+
+def write_rights(abi: int) -> int:
+    """Every right that changes the file system, as far as the kernel's ABI names them."""
+    rights = _WRITES_ABI1
+    if abi >= 2:
+        rights |= _FS_REFER
+    if abi >= 3:
+        rights |= _FS_TRUNCATE
+    return rights
+
+
+def _ruleset(abi: int, network: bool) -> bytes:
+    """struct landlock_ruleset_attr for `abi`: its size grew with each ABI (fs, then net, then scoped)."""
+    handled_fs = write_rights(abi)
+    if abi < 4:
+        return struct.pack("=Q", handled_fs)
+    handled_net = 0 if network else _NET_BIND_TCP | _NET_CONNECT_TCP
+    if abi < 6:
+        return struct.pack("=QQ", handled_fs, handled_net)
+    return struct.pack("=QQQ", handled_fs, handled_net, _SCOPE_ABSTRACT_UNIX_SOCKET | _SCOPE_SIGNAL)
+
+
+def _allow_beneath(ruleset_fd: int, path: Path, rights: int) -> None:
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        rule = struct.pack("=Qi", rights, fd)  # struct landlock_path_beneath_attr is packed
+        _syscall(_SYS_ADD_RULE, ruleset_fd, _RULE_PATH_BENEATH, ctypes.c_char_p(rule), 0)
+    finally:
+        os.close(fd)
+
+
+def _landlock(home: Path, network: bool) -> str:
+    abi = landlock_abi()
+    if abi < 1:
+        return "no Landlock in this kernel: writes, network and /proc of the trainer not confined"
+    attr = _ruleset(abi, network)
+    ruleset_fd = _syscall(_SYS_CREATE_RULESET, ctypes.c_char_p(attr), len(attr), 0)
+    try:
+        _allow_beneath(ruleset_fd, home, write_rights(abi))
+        _allow_beneath(ruleset_fd, Path("/dev/null"), _FS_WRITE_FILE | (_FS_TRUNCATE if abi >= 3 else 0))
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # what an unprivileged process must set before it restricts itself
+        _syscall(_SYS_RESTRICT_SELF, ruleset_fd, 0)
+    finally:
+        os.close(ruleset_fd)
+    net = "network open (rewards.network)" if network else "no TCP" if abi >= 4 else "network open (Landlock ABI < 4)"
+    return f"Landlock ABI {abi}: writes only in its directory, {net}"
+
+
+def confine(home: Path, file_limit_mb: int, network: bool) -> str:
+    """Limit this process (the worker, before any user code) and everything it starts; what holds, in a line."""
+    limit = file_limit_mb * 2**20
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), the worker lives
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    return _landlock(home, network)
+
+
+def undumpable() -> int:
+    """Make this process (the trainer) non-dumpable; its previous setting, for `restore_dumpable`."""
+    previous = _prctl(_PR_GET_DUMPABLE, 0)
+    _prctl(_PR_SET_DUMPABLE, 0)
+    return previous
+
+
+def restore_dumpable(previous: int) -> None:
+    _prctl(_PR_SET_DUMPABLE, previous)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid` (children first-level first), from /proc's parent links."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        state, ppid = stat.rpartition(")")[2].split()[:2]  # the name in parentheses may hold spaces
+        if state != "Z":  # a zombie is dead already: its parent reaps it
+            children.setdefault(int(ppid), []).append(int(entry.name))
+    found, queue = [], [pid]
+    while queue:
+        for child in children.get(queue.pop(0), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
+def end_tree(pid: int, rounds: int = 20) -> None:
+    """SIGKILL everything under `pid` (the worker is their subreaper, so a detached one is still under it),
+    again until nothing is left (a process may fork while it is being killed), then `pid` itself."""
+    for _ in range(rounds):
+        found = descendants(pid)
+        if not found:
+            break
+        for child in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
