@@ -93,3 +93,16 @@ def pairs(n: int, start: int = 0) -> list[dict[str, str]]:
         {"prompt": f"\n\nHuman: question {i}?\n\nAssistant:", "chosen": f" good {i}", "rejected": f" bad {i}"}
         for i in range(start, start + n)
     ]
+
+
+# The tiers a test can be in (pyproject.toml's markers). A test that names none is pure and fast by
+# construction of this suite's conventions, so it joins the `unit` tier: `make test-unit` selects `-m unit`.
+TIERS = frozenset(
+    {"unit", "integration", "kfp", "chart", "gpu", "slow", "container", "train_image", "vllm", "serve_image", "faults"}
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if not TIERS.intersection(m.name for m in item.iter_markers()):
+            item.add_marker(pytest.mark.unit)

@@ -3,9 +3,10 @@
 It loads the functions once and answers one JSON request per line on stdin with one JSON line on its
 own copy of stdout; whatever the functions print goes to stderr, so it cannot break the protocol. It caps its
 own memory (MEMORY_ENV) and, started by FunctionRunner, confines itself (kubealign.rewards.sandbox) before it
-loads any user code; its first line says what the sandbox holds. It runs in a process of its own so that a function that hangs (even inside C code) can be killed when the
-per-call timeout runs out, and a crash in user code cannot take the training process with it. It imports
-nothing heavy (no torch): it starts in well under a second.
+loads any user code; its first line says what the sandbox holds. It runs in a process of its own so that a
+function that hangs (even inside C code) can be killed when the per-call timeout runs out, and a crash in
+user code cannot take the training process with it. It imports nothing heavy (no torch): it starts in well
+under a second.
 """
 
 from __future__ import annotations
