@@ -15,7 +15,7 @@ DEMO_DIR ?= runs/demo
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-containers test-serve test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
+.PHONY: demo test test-unit test-containers test-serve test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ $(TOOLS_STAMP): $(TOOLS_LOCK)
 	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
 	$(TOOLS)/bin/pip install --disable-pip-version-check -q -r $(TOOLS_LOCK)
 	touch $(TOOLS_STAMP)
+
+# The edit-test loop: ruff and the unit tier (every test that names no other tier; tests/conftest.py) in a few
+# minutes. `make test` runs it too, with everything else.
+test-unit: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/pytest -q -m unit
 
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .

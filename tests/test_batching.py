@@ -140,6 +140,7 @@ def grouped_batches(lengths: list[int], micro: int) -> list[list[int]]:
     return [b[0] for b in batching.epoch_plan(lengths, micro, 1, 1, seed=1, epoch=0, mode="grouped")]
 
 
+@pytest.mark.integration  # tiny models run for seconds to minutes: not the fast tier
 def test_hh_lengths_vary_and_grouping_removes_most_padding(hh_pairs):
     _, pairs = hh_pairs
     lengths = [len(c.input_ids) for c, _ in pairs]
@@ -149,6 +150,7 @@ def test_hh_lengths_vary_and_grouping_removes_most_padding(hh_pairs):
     assert padded > 0.4 and grouped < padded / 2
 
 
+@pytest.mark.integration  # tiny models run for seconds to minutes: not the fast tier
 def test_grouped_sequences_get_the_padded_batchs_logprobs_and_scores(hh_pairs, policy):
     from kubealign.models.value_head import last_token_scores
     from kubealign.stages import dpo
@@ -218,6 +220,7 @@ def test_a_steps_sft_loss_does_not_depend_on_the_grouping(hh_pairs, policy):
     assert not all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(meaned, one, strict=True))
 
 
+@pytest.mark.integration  # tiny models run for seconds to minutes: not the fast tier
 def test_dpo_first_loss_is_ln2_in_every_grouped_batch(hh_pairs, policy):
     from kubealign.config.train import DPOConfig
     from kubealign.stages import dpo

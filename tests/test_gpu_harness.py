@@ -143,6 +143,7 @@ def by_path(record: dict, model: str) -> dict[str, list[dict]]:
     return cases
 
 
+@pytest.mark.integration  # tiny models run for seconds to minutes: not the fast tier
 def test_dry_run_passes_once_over_each_case(dry):
     """The run log is appended to, never rewritten: a second pass over the cases (the script's main run
     twice, a child job started twice) shows there even though every records file is rewritten from zero."""
@@ -278,6 +279,7 @@ def test_legacy_runs_one_process_per_batch_size():
     assert all(c.spec["job"] == "legacy" and c.status is None for c in cases)
 
 
+@pytest.mark.integration  # tiny models run for seconds to minutes: not the fast tier
 def test_the_legacy_job_clears_a_stale_build_lock_first(tmp_path: Path):
     """A JIT build of an op killed at an earlier case's timeout leaves its lock, on which DeepSpeed would
     wait forever: path (d)'s child removes it before anything else (here it then stops: no CUDA)."""
