@@ -271,7 +271,7 @@ def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
     assert promote(cli, evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0), root / "p1").code == 0
     client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
     lock = "kubealign-actor" + stage.LEASE_SUFFIX
-    host, later = socket.gethostname(), str(time.time() + 600)
+    host, later = socket.gethostname(), str(time.time() + 200)  # within the TTL, as a promote sets it
     client.create_registered_model(lock, tags={"owner": f"{host}:{os.getpid()}:live", "expires": later})
     monkeypatch.setattr(stage, "LEASE_WAIT_S", 2)
     better = evaluation(evals, "better", win=0.8, gain=0.4, reward=1.2)
@@ -285,6 +285,17 @@ def test_the_registry_lease_waits_for_a_live_holder_and_breaks_a_dead_ones(
     client.create_registered_model(lock, tags={"owner": f"{host}:{gone.pid}:dead", "expires": later})
     assert promote(cli, better, root / "p2").code == 0 and aliases(root / "p2")["champion"] == 2
     assert not client.search_registered_models(f"name = '{lock}'")
+
+    # a lease no promote wrote (expiring further ahead than any promote sets, or not owned host:pid:nonce) is
+    # refused at once, in one line naming it, not waited for
+    for tags in ({"owner": f"{host}:1:x", "expires": str(time.time() + 3600)}, {"owner": "me", "expires": later}):
+        client.create_registered_model(lock, tags=tags)
+        started = time.monotonic()
+        squatted = promote(cli, better, root / "p9")
+        assert squatted.code == 2 and time.monotonic() - started < 30, squatted.err
+        assert f"its lease {lock} was not written by a kubealign promote" in squatted.err
+        assert len(squatted.err.strip().splitlines()) == 1
+        client.delete_registered_model(lock)
 
     # an expired lease from another host, and a journal whose moves all landed (only clearing it failed)
     client.create_registered_model(lock, tags={"owner": "elsewhere:1:x", "expires": str(time.time() - 1)})

@@ -193,6 +193,37 @@ def test_only_the_pipeline_identity_moves_champion(registry: ChartRegistry, tmp_
     assert not (tmp_path / "p3" / "result.json").exists()
 
 
+def test_the_readers_lease_squat_is_one_line_at_once(registry: ChartRegistry, tmp_path: Path) -> None:
+    """The reader may create registered models (MLflow lets any identity), so it can create the promotion lease.
+    A far expiry used to make every promote wait 330 s and fail, a near one a 403 on the delete that was
+    swallowed (the same wait): now each is one line naming the lease and who can clear it, before any wait."""
+    import time
+
+    from mlflow.tracking import MlflowClient
+
+    if status(registry.url, auth=tuple(registry.identity(f"{RELEASE}-mlflow").values())) == 401:
+        assert registry.identities_job().returncode == 0
+    name, good = "auth-lease", evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0)
+    pipeline, reader = registry.identity(f"{RELEASE}-mlflow"), registry.identity(f"{RELEASE}-mlflow-reader")
+    lock = f"{name}.promotion-lease"
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in reader.items():
+            mp.setenv(key, value)
+        client = MlflowClient(registry.url)
+        client.create_registered_model(lock, tags={"owner": "squat:1:x", "expires": str(time.time() + 10**6)})
+    started = time.monotonic()
+    line = one_line_error(kubealign(registry, pipeline, *promote_args(name, good, tmp_path / "p1")))
+    assert f"its lease {lock} was not written by a kubealign promote" in line, line
+    assert time.monotonic() - started < 60
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in reader.items():
+            mp.setenv(key, value)
+        client.set_registered_model_tag(lock, "expires", str(time.time() - 5))  # expired: a dead holder's
+    line = one_line_error(kubealign(registry, pipeline, *promote_args(name, good, tmp_path / "p2")))
+    assert f"the expired lease {lock} (owner 'squat:1:x') may not be deleted by this identity (403)" in line, line
+    assert not (tmp_path / "p2" / "result.json").exists()
+
+
 def test_host_headers_other_than_the_services_are_refused(registry: ChartRegistry) -> None:
     """--allowed-hosts (DNS rebinding): the Service's names pass to authentication, a foreign name is 403."""
     assert status(registry.url, host=registry.service_host) == 401  # let through, then asked who it is

@@ -31,6 +31,7 @@ LEASE_SUFFIX = ".promotion-lease"
 LEASE_TTL_S = 300  # a lease older than this is taken to be from a dead promote (it holds it for seconds)
 LEASE_WAIT_S = 330  # > LEASE_TTL_S: a waiter always outlives a dead holder's lease
 LEASE_POLL_S = 0.5
+CLOCK_SKEW_S = 60  # between hosts: a lease expiring further ahead than TTL + this was not set by a promote
 
 
 def lease_tags(client: Any, lock: str) -> dict[str, str] | None:
@@ -62,6 +63,39 @@ def holder_is_dead(holder: dict[str, str]) -> bool:
     return False
 
 
+def refuse_foreign(lock: str, holder: dict[str, str]) -> None:
+    """A lease no kubealign promote wrote (an expiry further ahead than any promote sets, or no owner of the
+    form host:pid:nonce) is somebody's squat, not a holder to wait for: one line, at once (issue 54: the
+    chart's reader identity could create it and make every promote wait LEASE_WAIT_S, then fail)."""
+    owner, expires = holder.get("owner", ""), holder.get("expires", "")
+    try:
+        too_far = float(expires) > time.time() + LEASE_TTL_S + CLOCK_SKEW_S
+    except ValueError:
+        too_far = True
+    host, _, rest = owner.partition(":")
+    pid, _, nonce = rest.partition(":")
+    if too_far or not (host and pid.isdigit() and nonce):
+        name = lock.removesuffix(LEASE_SUFFIX)
+        raise UserError(
+            f"registered model {name}: its lease {lock} was not written by a kubealign promote (owner {owner!r}, "
+            f"expires {expires!r}); its creator or the registry's admin must delete {lock}"
+        )
+
+
+def break_dead(client: Any, lock: str, holder: dict[str, str]) -> None:
+    """Delete a dead holder's lease; a delete this identity may not make is one line naming who can."""
+    try:
+        client.delete_registered_model(lock)
+    except Exception as exc:
+        if error_code(exc) == "PERMISSION_DENIED":
+            name = lock.removesuffix(LEASE_SUFFIX)
+            raise UserError(
+                f"registered model {name}: the expired lease {lock} (owner {holder.get('owner')!r}) may not be "
+                f"deleted by this identity (403); its creator or the registry's admin must delete it"
+            ) from None
+        # another waiter broke it first, or the registry hiccuped: the next try sees
+
+
 def take_lease(client: Any, lock: str, owner: str) -> bool:
     """Create the lease model (an atomic create-if-absent in the registry's database); True if ours."""
     expires = f"{time.time() + LEASE_TTL_S:.0f}"
@@ -81,9 +115,9 @@ def take_lease(client: Any, lock: str, owner: str) -> bool:
         return False
     if holder.get("owner") == owner:  # our create landed but its answer was lost; MLflow's retry was refused
         return True
+    refuse_foreign(lock, holder)
     if holder_is_dead(holder):
-        with contextlib.suppress(Exception):  # another waiter may break it first
-            client.delete_registered_model(lock)
+        break_dead(client, lock, holder)
     return False
 
 
