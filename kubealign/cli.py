@@ -151,6 +151,8 @@ def _registry(args: argparse.Namespace) -> None:
     registry_auth.wait_until_up(args.tracking_uri, args.wait)
     for line in registry_auth.ensure(args.tracking_uri, wanted):
         print(f"registry: {line}")
+    for line in registry_auth.claim_models(args.tracking_uri, args.registered_model, wanted):
+        print(f"registry: {line}")
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -348,6 +348,14 @@ def _add_tool_commands(sub: Any) -> None:
     identities.add_argument(
         "--wait", type=float, default=300.0, metavar="S", help="seconds to wait for the server to answer (default 300)"
     )
+    identities.add_argument(
+        "--registered-model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a registered model the pipeline promotes to: created if absent, the pipeline identity's (MANAGE), "
+        "the reader's to read only (repeatable)",
+    )
 
     serve = sub.add_parser(
         "serve",

@@ -11,6 +11,7 @@ directories here, the server listens on 127.0.0.1 instead of 0.0.0.0, the Job re
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import subprocess
 import sys
@@ -222,6 +223,37 @@ def test_the_readers_lease_squat_is_one_line_at_once(registry: ChartRegistry, tm
     line = one_line_error(kubealign(registry, pipeline, *promote_args(name, good, tmp_path / "p2")))
     assert f"the expired lease {lock} (owner 'squat:1:x') may not be deleted by this identity (403)" in line, line
     assert not (tmp_path / "p2" / "result.json").exists()
+
+
+def test_the_pipelines_model_is_the_pipelines_even_if_the_reader_made_it_first(
+    registry: ChartRegistry, tmp_path: Path
+) -> None:
+    """On a fresh registry the reader created the pipeline's registered model (MLflow gives its creator MANAGE)
+    and could have set `champion` the pipeline cannot move. The identities Job, given the model's name (the
+    chart's mlflow.auth.registeredModels), makes it the pipeline's and the reader's to read only."""
+    from mlflow.tracking import MlflowClient
+
+    name = "kubealign-actor"  # the chart's default, in the Job's rendered args
+    assert f"--registered-model={name}" in registry.job["args"]
+    reader = registry.identity(f"{RELEASE}-mlflow-reader")
+    if status(registry.url, auth=tuple(reader.values())) == 401:
+        assert registry.identities_job().returncode == 0  # the reader exists (here its own run may claim it first)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in reader.items():
+            mp.setenv(key, value)
+        with contextlib.suppress(Exception):  # already claimed by an earlier run of the Job in this module
+            MlflowClient(registry.url).create_registered_model(name)
+    done = registry.identities_job()
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"registered model '{name}' exists: kubealign-pipeline MANAGE, reader READ" in done.stdout
+    good = evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0)
+    promoted = kubealign(registry, registry.identity(f"{RELEASE}-mlflow"), *promote_args(name, good, tmp_path / "p1"))
+    assert promoted.returncode == 0, promoted.stderr[-3000:]
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in reader.items():
+            mp.setenv(key, value)
+        with pytest.raises(Exception, match="PERMISSION_DENIED|403"):
+            MlflowClient(registry.url).set_registered_model_alias(name, "champion", "1")
 
 
 def test_host_headers_other_than_the_services_are_refused(registry: ChartRegistry) -> None:

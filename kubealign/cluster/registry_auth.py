@@ -20,6 +20,7 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from kubealign.errors import UserError, first_line
 
@@ -119,3 +120,49 @@ def ensure(tracking_uri: str, wanted: Mapping[str, tuple[str, str]]) -> list[str
         except MlflowException as exc:
             raise UserError(f"MLflow at {tracking_uri}, {what} identity {user!r}: {first_line(exc)}") from None
     return done
+
+
+def claim_models(tracking_uri: str, names: list[str], wanted: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Make each registered model (created by the admin when absent) the pipeline identity's (MANAGE) and only
+    readable by the reader (READ), signed in as the admin. MLflow lets any identity create a registered model
+    and gives its creator MANAGE: without this the reader could create the pipeline's model on a fresh
+    registry and set `champion`, which the pipeline could then not move (issue 54). One line per model."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.server import get_app_client
+    from mlflow.tracking import MlflowClient
+
+    auth = get_app_client("basic-auth", tracking_uri=tracking_uri)
+    client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
+    grants = {"pipeline": "MANAGE", "reader": "READ"}
+    done = []
+    for name in names:
+        try:
+            try:
+                client.create_registered_model(name)
+                how = "created"
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                how = "exists"
+            for what, permission in grants.items():
+                if what in wanted:
+                    _grant(auth, wanted[what][0], name, permission)
+            given = ", ".join(f"{wanted[w][0]} {p}" for w, p in grants.items() if w in wanted)
+            done.append(f"registered model {name!r} {how}: {given}")
+        except MlflowException as exc:
+            raise UserError(f"MLflow at {tracking_uri}, registered model {name!r}: {first_line(exc)}") from None
+    return done
+
+
+def _grant(auth: Any, user: str, name: str, permission: str) -> None:
+    """`permission` on registered model `name` for `user`, replacing the grant it had (MLflow grants once)."""
+    from mlflow.exceptions import MlflowException
+
+    try:
+        auth.grant_user_permission(user, "registered_model", name, permission)
+    except MlflowException as exc:
+        if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+            raise
+        if auth.get_user_permission(user, "registered_model", name).permission != permission:
+            auth.revoke_user_permission(user, "registered_model", name)
+            auth.grant_user_permission(user, "registered_model", name, permission)
