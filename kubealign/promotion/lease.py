@@ -65,16 +65,17 @@ def holder_is_dead(holder: dict[str, str]) -> bool:
 
 def refuse_foreign(lock: str, holder: dict[str, str]) -> None:
     """A lease no kubealign promote wrote (an expiry further ahead than any promote sets, or no owner of the
-    form host:pid:nonce) is somebody's squat, not a holder to wait for: one line, at once (issue 54: the
+    form host:pid[:nonce]) is somebody's squat, not a holder to wait for: one line, at once (issue 54: the
     chart's reader identity could create it and make every promote wait LEASE_WAIT_S, then fail)."""
-    owner, expires = holder.get("owner", ""), holder.get("expires", "")
+    if "owner" not in holder or "expires" not in holder:
+        return  # a create whose tags are not in yet (MLflow's SQL store writes them apart): wait for it
+    owner, expires = holder["owner"], holder["expires"]
     try:
         too_far = float(expires) > time.time() + LEASE_TTL_S + CLOCK_SKEW_S
     except ValueError:
         too_far = True
     host, _, rest = owner.partition(":")
-    pid, _, nonce = rest.partition(":")
-    if too_far or not (host and pid.isdigit() and nonce):
+    if too_far or not (host and rest.partition(":")[0].isdigit()):
         name = lock.removesuffix(LEASE_SUFFIX)
         raise UserError(
             f"registered model {name}: its lease {lock} was not written by a kubealign promote (owner {owner!r}, "
