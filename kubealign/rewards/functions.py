@@ -103,8 +103,15 @@ class FunctionRunner:
         # the worker limits and confines itself before it loads any user code
         env.update({MEMORY_ENV: str(self.memory_limit_mb), FILE_LIMIT_ENV: str(self.file_limit_mb)})
         env[NETWORK_ENV] = "1" if self.network else ""
-        with contextlib.suppress(OSError):  # not Linux: nothing to close
+        with contextlib.suppress(OSError, AttributeError):  # not Linux (no prctl): no /proc to close
             self._dumpable = sandbox.undumpable()  # this process's /proc entries: root's while a worker runs
+        try:
+            self._launch(env)
+        except BaseException:  # a load error or a worker that never greets: nothing left running
+            self.close()
+            raise
+
+    def _launch(self, env: dict[str, str]) -> None:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kubealign.rewards.worker"],
             stdin=subprocess.PIPE,
@@ -134,7 +141,7 @@ class FunctionRunner:
         self.process = None
         self._pending = b""
         if self._dumpable is not None:
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError, AttributeError):
                 sandbox.restore_dumpable(self._dumpable)
             self._dumpable = None
         if self.output is not None:

@@ -127,7 +127,10 @@ def confine(home: Path, file_limit_mb: int, network: bool) -> str:
     limit = file_limit_mb * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), the worker lives
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    try:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    except (OSError, AttributeError):  # not Linux: only the process group is ended
+        return "not Linux: no sandbox but the file-size limit"
     return _landlock(home, network)
 
 
