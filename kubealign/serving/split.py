@@ -91,16 +91,11 @@ def read_token(front: str) -> str:
         ) from None
 
 
-def _headers_named_in_connection(headers: Any) -> set[str]:
-    named = set()
-    for value in headers.get_all("Connection") or []:
-        named.update(part.strip().lower() for part in value.split(",") if part.strip())
-    return named
-
-
-def forwarded(items: list[tuple[str, str]], named: set[str]) -> list[tuple[str, str]]:
-    """The headers that go on: not hop-by-hop, not named in Connection:, not the front's own answer label."""
-    return [(k, v) for k, v in items if k.lower() not in _NOT_FORWARDED and k.lower() not in named]
+def forwarded(message: Any) -> list[tuple[str, str]]:
+    """The headers of `message` (a request's or a reply's) that go on: not hop-by-hop, not named in its
+    Connection:, not the front's own answer label."""
+    named = {part.strip().lower() for value in message.get_all("Connection") or [] for part in value.split(",")}
+    return [(k, v) for k, v in message.items() if k.lower() not in _NOT_FORWARDED and k.lower() not in named]
 
 
 def to_canary(k: int, percent: int) -> bool:
@@ -263,14 +258,14 @@ class _Handler(BaseHTTPRequestHandler):
     def _forward(self, body: bytes, counted: bool) -> None:
         backend = self.server.route.pick(counted)
         target = urllib.parse.urlsplit(backend.url)
-        headers = dict(forwarded(list(self.headers.items()), _headers_named_in_connection(self.headers)))
+        headers = dict(forwarded(self.headers))
         conn = http.client.HTTPConnection(target.hostname, target.port, timeout=self.server.timeout_s)
         sent = False
         try:
             conn.request(self.command, self.path, body=body if body or self.command != "GET" else None, headers=headers)
             reply = conn.getresponse()
             self.send_response(reply.status, reply.reason)
-            for key, value in forwarded(reply.getheaders(), _headers_named_in_connection(reply.headers)):
+            for key, value in forwarded(reply.msg):
                 self.send_header(key, value)
             self.send_header(SERVED_HEADER, backend.label)
             self.end_headers()
