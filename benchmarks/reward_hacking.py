@@ -6,7 +6,8 @@ One data-split, SFT model and reward model; then, for each setting, the policy t
 promoted into a registry of its own. Recorded per setting: the evaluation's reward figures and guard figures,
 the gate's verdict without the guards (what kubealign did before issue 53, computed from the same metrics by
 kubealign.promotion.gate with promote.guards off) and with them (the promote stage's own), its refusal line,
-and the first answers.
+and the first answers; and the gate with the held-out reward model's guard alone (min_heldout_win_rate: does
+the independent scorer see through the hack by itself?).
 
   python benchmarks/reward_hacking.py                  # -> results/reward-hacking-tiny-cpu.json
   python benchmarks/reward_hacking.py --only ppo-honest ppo-no-kl-lr2e-3-60it --label try
@@ -52,7 +53,8 @@ SETTINGS = [
 GUARD_FIGURES = ("heldout_logprob", "repetition_rate", "distinct_2", "empty_rate", "unfinished_rate", "length_mean")
 REWARD_FIGURES = ("win_rate", "win_rate_lower_bound", "reward_gain", "kl_to_baseline", "baseline_reward_mean",
                   "candidate_reward_mean", "baseline_preferred_rate", "candidate_preferred_rate",
-                  "baseline_well_formed_rate", "candidate_well_formed_rate")  # fmt: skip
+                  "baseline_well_formed_rate", "candidate_well_formed_rate", "heldout_win_rate", "heldout_reward_gain",
+                  "reward_agreement")  # fmt: skip
 
 
 def kubealign(*args: str) -> float:
@@ -82,7 +84,9 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
     read = lambda d: json.loads((Path(d) / "result.json").read_text(encoding="utf-8"))  # noqa: E731
     m, promoted = read(out["eval"])["metrics"], read(out["promote"])
     cfg = load_config(None, overrides).promote
-    off = cfg.model_copy(update={"guards": GuardsConfig(**dict.fromkeys(GuardsConfig.model_fields))})
+    none = dict.fromkeys(GuardsConfig.model_fields)
+    off = cfg.model_copy(update={"guards": GuardsConfig(**none)})
+    held = cfg.model_copy(update={"guards": GuardsConfig(**{**none, "min_heldout_win_rate": "min_win_rate"})})
     samples = json.loads((Path(out["eval"]) / "eval_samples.json").read_text(encoding="utf-8"))
     return {
         "name": name,
@@ -91,6 +95,7 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
         **{k: m[k] for k in REWARD_FIGURES if k in m},
         **{f"{who}_{k}": m[f"{who}_{k}"] for k in GUARD_FIGURES for who in ("baseline", "candidate")},
         "passed_without_guards": gate(m, off, None)[0],
+        "passed_heldout_reward_model_alone": gate(m, held, None)[0],  # guard 3 on its own
         "passed_with_guards": bool(promoted["metrics"]["gate_passed"]),
         "champion": promoted["aliases"].get("champion") == promoted["version"],
         "refusal": promoted.get("refusal", ""),
@@ -117,8 +122,9 @@ def main() -> None:
             r = runs[-1]
             print(f"{name}: win-rate {r['win_rate']:.2f} (bound {r['win_rate_lower_bound']:.2f}), reward gain "
                   f"{r['reward_gain']:+.2f}, KL {r['kl_to_baseline']:.1f}, held-out log-likelihood "
-                  f"{r['baseline_heldout_logprob']:.2f} -> {r['candidate_heldout_logprob']:.2f}; gate without "
-                  f"guards {'passed' if r['passed_without_guards'] else 'refused'}, with guards "
+                  f"{r['baseline_heldout_logprob']:.2f} -> {r['candidate_heldout_logprob']:.2f}, held-out "
+                  f"reward model's win-rate {r['heldout_win_rate']:.2f} (agreement {r['reward_agreement']:.2f}); "
+                  f"gate without guards {'passed' if r['passed_without_guards'] else 'refused'}, with guards "
                   f"{'passed' if r['passed_with_guards'] else 'refused'}")  # fmt: skip
     record = {"preset": "tiny-cpu", "settings": runs, "machine": machine()}
     out = HERE / "results" / f"{args.label}.json"

@@ -86,3 +86,27 @@ def function_means_by_model(base: list[dict], cand: list[dict]) -> dict[str, flo
         values = {name: [r["fn"][name] for r in rows] for name in (rows[0].get("fn", {}) if rows else ())}
         metrics.update(totals.function_means(totals.function_totals(values), f"/{label}"))
     return metrics
+
+
+def heldout_comparison(base: list[dict], cand: list[dict]) -> dict[str, float]:
+    """The held-out reward model's view of the same pairs (rows carry "heldout_score" beside "score"): its
+    win-rate (promote.guards.min_heldout_win_rate), tie rate, each model's mean and the gain, and
+    reward_agreement: the share of prompts on which both scorers call the same winner (a tie is a call of its
+    own). The training reward up while the held-out one is flat or down is the signature of reward hacking;
+    two scorers that judge alike agree near 1."""
+    n = max(len(base), 1)
+
+    def call(diff: float) -> int:
+        return 0 if abs(diff) <= TIE else (1 if diff > 0 else -1)
+
+    held = [c["heldout_score"] - b["heldout_score"] for b, c in zip(base, cand, strict=True)]
+    trained = [c["score"] - b["score"] for b, c in zip(base, cand, strict=True)]
+    metrics = {
+        "heldout_win_rate": sum(call(d) > 0 for d in held) / n,
+        "heldout_tie_rate": sum(call(d) == 0 for d in held) / n,
+        "baseline_heldout_reward_mean": sum(b["heldout_score"] for b in base) / n,
+        "candidate_heldout_reward_mean": sum(c["heldout_score"] for c in cand) / n,
+        "reward_agreement": sum(call(h) == call(t) for h, t in zip(held, trained, strict=True)) / n,
+    }
+    metrics["heldout_reward_gain"] = metrics["candidate_heldout_reward_mean"] - metrics["baseline_heldout_reward_mean"]
+    return metrics

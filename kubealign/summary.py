@@ -85,6 +85,11 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
             f"{m['candidate_distinct_2']:.2f}, repeated bigrams {m['baseline_repetition_rate']:.2f} -> "
             f"{m['candidate_repetition_rate']:.2f}"
         )
+    if "heldout_win_rate" in m:  # the independent scorer: a gain it does not see is the signature of hacking
+        lines.append(
+            f"held-out reward model: win-rate {m['heldout_win_rate']:.2f}, gain {m['heldout_reward_gain']:+.3f} "
+            f"(the training one's {m['reward_gain']:+.3f}); the two agree on {m['reward_agreement']:.0%} of the prompts"
+        )
     return lines
 
 

@@ -23,7 +23,8 @@ def load_phases(output: Path) -> dict[str, datasets.DatasetDict]:
 
 def phase_prompts(output: Path) -> dict[str, set[str]]:
     loaded = load_phases(output)
-    return {p: set(loaded[p]["train"]["prompt"]) | set(loaded[p]["eval"]["prompt"]) for p in PHASES}
+    # every split: train, eval and phase 2's heldout (data.heldout_reward_fraction)
+    return {p: set().union(*(loaded[p][split]["prompt"] for split in loaded[p])) for p in PHASES}
 
 
 def manifest(output: Path) -> dict:
@@ -42,6 +43,7 @@ def test_synthetic_default(cli, tmp_path: Path):
     res = json.loads((out / "result.json").read_text())
     assert res["stage"] == "data-split" and res["cache_hit"] is False
     assert res["metrics"]["phase2_reward_eval_prompts"] == 60
+    assert res["metrics"]["phase2_reward_heldout_prompts"] == 135  # 0.25 of the 540 left for training
     assert res["outputs"]["phase1_sft"] == "phase1_sft"
     assert "phase1_sft" in result.out and "computed" in result.out
     phase2 = load_phases(out)["phase2_reward"]["train"]
@@ -54,7 +56,7 @@ def test_hh_rlhf_real_file_split_20_40_40_and_cache(cli, tmp_path: Path, hh_file
     first = cli("data-split", "--source", hh_file, "--set", NO_TRACKING, "--output", out)
     assert first.code == 0, first.err
     m = manifest(out)
-    unique = sum(e["splits"]["train"]["prompts"] + e["splits"]["eval"]["prompts"] for e in m["phases"].values())
+    unique = sum(split["prompts"] for e in m["phases"].values() for split in e["splits"].values())
     prompts = phase_prompts(out)
     assert sum(len(v) for v in prompts.values()) == unique  # no prompt in two phases
     for phase, ratio in zip(PHASES, (0.2, 0.4, 0.4), strict=True):

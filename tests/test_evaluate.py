@@ -43,6 +43,8 @@ def test_a_model_against_itself_ties_everywhere(cli, trained, tmp_path: Path):  
     assert m["baseline_perplexity"] == m["candidate_perplexity"]
     for figure in ("heldout_logprob", "repetition_rate", "distinct_2", "empty_rate", "unfinished_rate", "length_mean"):
         assert m[f"baseline_{figure}"] == m[f"candidate_{figure}"], figure  # every guard sees no change
+    # the held-out reward model sees the same answers: ties, and the same call as the training one everywhere
+    assert m["heldout_tie_rate"] == 1.0 and m["heldout_win_rate"] == 0.0 and m["reward_agreement"] == 1.0
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +72,14 @@ def test_candidate_metrics_match_the_rows(evaluated: Path):
     assert m["candidate_perplexity"] == pytest.approx(math.exp(-m["candidate_heldout_logprob"]))
     assert m["baseline_heldout_logprob"] < 0 and 0 <= m["candidate_distinct_2"] <= 1
     page = (out / "samples.html").read_text()
-    assert page.count("<tr>") == 1 + 5 + 1 + 6  # header + sample_rows, then the guard table's header + 6 figures
+    assert page.count("<tr>") == 1 + 5 + 1 + 7  # header + sample_rows, then the guard table's header + 7 figures
+    # the held-out reward model's figures are those of its per-row scores
+    held = [r["candidate_heldout_score"] - r["baseline_heldout_score"] for r in rows]
+    assert m["heldout_win_rate"] == pytest.approx(sum(d > 1e-6 for d in held) / 16)
+    calls = [((h > 1e-6) - (h < -1e-6), (d > 1e-6) - (d < -1e-6)) for h, d in zip(held, diffs, strict=True)]
+    assert m["reward_agreement"] == pytest.approx(sum(a == b for a, b in calls) / 16)
+    assert m["heldout_reward_gain"] == pytest.approx(sum(held) / 16)
+    assert held != diffs  # another model: not the training reward model's scores again
     assert f"<tr><td>distinct-2</td><td>{m['baseline_distinct_2']:.3f}</td><td>{m['candidate_distinct_2']:.3f}" in page
     assert "| guard figure | baseline | candidate |" in (out / "samples.md").read_text()
     assert "Human:" in page

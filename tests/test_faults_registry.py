@@ -37,7 +37,8 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 
 # What evaluate measures for promote.guards (on by default) of a candidate that kept its capability and whose
-# answers did not degenerate: held-out log-likelihood, repetition, distinct-2, empty / unfinished, length.
+# answers did not degenerate: held-out log-likelihood, repetition, distinct-2, empty / unfinished, length; and
+# that the held-out reward model prefers as well.
 GUARD_FIGURES = {
     **{f"{who}_heldout_logprob": v for who, v in (("baseline", -2.0), ("candidate", -2.1))},
     **{f"{who}_repetition_rate": v for who, v in (("baseline", 0.05), ("candidate", 0.06))},
@@ -45,6 +46,8 @@ GUARD_FIGURES = {
     **{f"{who}_empty_rate": 0.0 for who in ("baseline", "candidate")},
     **{f"{who}_unfinished_rate": 0.1 for who in ("baseline", "candidate")},
     **{f"{who}_length_mean": v for who, v in (("baseline", 10.0), ("candidate", 11.0))},
+    "heldout_win_rate": 0.75,  # the held-out reward model prefers it too (promote.guards.min_heldout_win_rate)
+    "reward_agreement": 0.8,
 }
 
 

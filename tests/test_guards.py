@@ -48,7 +48,8 @@ def figures(**candidate: float) -> dict[str, float]:
 
 
 LIMITS = GuardsConfig(max_logprob_drop=1.0, max_repetition_rise=0.25, min_distinct_ratio=0.5, max_empty_rise=0.25,
-                      max_unfinished_rise=0.25, min_length_ratio=0.5, max_length_ratio=2.0)  # fmt: skip
+                      max_unfinished_rise=0.25, min_length_ratio=0.5, max_length_ratio=2.0,
+                      min_heldout_win_rate=None)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -64,19 +65,21 @@ LIMITS = GuardsConfig(max_logprob_drop=1.0, max_repetition_rise=0.25, min_distin
     ],
 )
 def test_each_guard_holds_at_its_boundary_and_fails_past_it(figure: str, holds: float, fails: float):
-    ok = guards.checks(figures(**{figure: holds}), LIMITS)
+    ok = guards.checks(figures(**{figure: holds}), LIMITS, 0.5)
     assert all(c.ok for c in ok), [c.line for c in ok]
-    bad = [c for c in guards.checks(figures(**{figure: fails}), LIMITS) if not c.ok]
+    bad = [c for c in guards.checks(figures(**{figure: fails}), LIMITS, 0.5) if not c.ok]
     assert len(bad) == 1 and bad[0].ok is False
     # the same figure on the baseline's side instead moves the other way: never a failure
     swapped = figures()
     swapped[f"baseline_{figure}"], swapped[f"candidate_{figure}"] = fails, swapped[f"baseline_{figure}"]
     if figure != "length_mean":  # a length ratio is bounded on both sides
-        assert all(c.ok for c in guards.checks(swapped, LIMITS))
+        assert all(c.ok for c in guards.checks(swapped, LIMITS, 0.5))
 
 
 def test_guard_lines_say_the_figures_and_the_limit():
-    lines = [c.line for c in guards.checks(figures(heldout_logprob=-6.75, distinct_2=0.0625, length_mean=2.0), LIMITS)]
+    lines = [
+        c.line for c in guards.checks(figures(heldout_logprob=-6.75, distinct_2=0.0625, length_mean=2.0), LIMITS, 0.5)
+    ]
     assert lines == [
         "FAIL: capability: held-out log-likelihood per token -1.250 -> -6.750 (drop 5.500 > 1.0)",
         "pass: degeneration: repeated-bigram rate 0.250 -> 0.250 (rise <= 0.25)",
@@ -89,14 +92,15 @@ def test_guard_lines_say_the_figures_and_the_limit():
 
 def test_a_guard_turned_off_is_not_checked_and_absent_figures_are_said():
     off = GuardsConfig(max_logprob_drop=None, max_repetition_rise=None, min_distinct_ratio=None, max_empty_rise=None,
-                       max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None)  # fmt: skip
-    assert guards.checks(figures(heldout_logprob=-50.0, distinct_2=0.0), off) == []
+                       max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None,
+                       min_heldout_win_rate=None)  # fmt: skip
+    assert guards.checks(figures(heldout_logprob=-50.0, distinct_2=0.0), off, 0.5) == []
     only_upper = off.model_copy(update={"max_length_ratio": 2.0})
-    assert [c.line for c in guards.checks(figures(length_mean=2.0), only_upper)] == [
+    assert [c.line for c in guards.checks(figures(length_mean=2.0), only_upper, 0.5)] == [
         "pass: degeneration: mean length 8.000 -> 2.000 (ratio 0.250, needs <= 2.0)"
     ]
     online = {k: v for k, v in figures().items() if "heldout" not in k}  # the judge measures no log-likelihood
-    first = guards.checks(online, LIMITS)[0]
+    first = guards.checks(online, LIMITS, 0.5)[0]
     assert first.ok is None and first.line == "unchecked: capability: no held-out log-likelihood measured"
     assert guards.missing(online, LIMITS) == {
         "max_logprob_drop": ["baseline_heldout_logprob", "candidate_heldout_logprob"]
@@ -109,9 +113,9 @@ def test_a_guard_turned_off_is_not_checked_and_absent_figures_are_said():
 def test_a_baseline_with_no_bigrams_or_no_length():
     zero = figures()
     zero["baseline_distinct_2"] = zero["candidate_distinct_2"] = 0.0
-    assert all(c.ok for c in guards.checks(zero, LIMITS))  # 0 -> 0 is no change
+    assert all(c.ok for c in guards.checks(zero, LIMITS, 0.5))  # 0 -> 0 is no change
     zero["candidate_distinct_2"] = 0.5
-    assert all(c.ok for c in guards.checks(zero, LIMITS))  # more variety than none is no degeneration
+    assert all(c.ok for c in guards.checks(zero, LIMITS, 0.5))  # more variety than none is no degeneration
 
 
 HACKED = {"win_rate": 0.95, "win_rate_lower_bound": 0.88, "reward_gain": 3.875, "kl_to_baseline": 55.8,
@@ -178,12 +182,12 @@ def test_every_guard_is_checked_on_its_own_whatever_the_others():
     """A guard turned off, or whose figures are absent, does not stop the guards after it."""
     off = dict.fromkeys(GuardsConfig.model_fields)
     only_empty = GuardsConfig(**{**off, "max_empty_rise": 0.25})
-    assert [c.line for c in guards.checks(figures(empty_rate=0.5), only_empty)] == [
+    assert [c.line for c in guards.checks(figures(empty_rate=0.5), only_empty, 0.5)] == [
         "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)"
     ]
     lacking = {k: v for k, v in figures(empty_rate=0.5, length_mean=32.0).items() if "repetition" not in k}
     lacking = {k: v for k, v in lacking.items() if "distinct" not in k and k != "baseline_heldout_logprob"}
-    assert [c.line for c in guards.checks(lacking, LIMITS)] == [
+    assert [c.line for c in guards.checks(lacking, LIMITS, 0.5)] == [
         "unchecked: capability: no held-out log-likelihood measured",  # one side absent is as good as both
         "unchecked: degeneration: no repeated-bigram rate in the evaluation",
         "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)",
@@ -191,17 +195,17 @@ def test_every_guard_is_checked_on_its_own_whatever_the_others():
         "unchecked: degeneration: no distinct-2 in the evaluation",
         "FAIL: degeneration: mean length 8.000 -> 32.000 (ratio 4.000, needs >= 0.5 and <= 2.0)",
     ]
-    assert [c.line for c in guards.checks(figures(heldout_logprob=-1.5), LIMITS)][0] == (
+    assert [c.line for c in guards.checks(figures(heldout_logprob=-1.5), LIMITS, 0.5)][0] == (
         "pass: capability: held-out log-likelihood per token -1.250 -> -1.500 (drop 0.250 <= 1.0)"
     )
 
 
 def test_a_ratio_against_a_zero_baseline():
     zero = {**figures(), "baseline_distinct_2": 0.0, "candidate_distinct_2": 0.0, "baseline_length_mean": 0.0}
-    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 0.0}, LIMITS)]
+    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 0.0}, LIMITS, 0.5)]
     assert "pass: degeneration: distinct-2 0.000 -> 0.000 (ratio 1.000, needs >= 0.5)" in lines
     assert "pass: degeneration: mean length 0.000 -> 0.000 (ratio 1.000, needs >= 0.5 and <= 2.0)" in lines
-    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 3.0}, LIMITS)]
+    lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 3.0}, LIMITS, 0.5)]
     assert "FAIL: degeneration: mean length 0.000 -> 3.000 (ratio inf, needs >= 0.5 and <= 2.0)" in lines
 
 
@@ -218,3 +222,72 @@ def test_the_reward_gain_is_distrusted_only_when_a_guard_failed_and_it_rose(fail
     line = guards.refusal(["pass: reward_gain ...", failed], {"reward_gain": gain})
     assert line.startswith("gate refused: " + failed.removeprefix("FAIL: "))
     assert line.endswith("(reward hacking suspected)") is distrusted
+
+
+def scored(score: float, heldout: float) -> dict[str, float]:
+    return {"score": score, "heldout_score": heldout}
+
+
+def test_the_heldout_reward_models_figures_by_hand():
+    """Four prompts: the training scorer prefers the candidate on three; the held-out one on the first alone,
+    ties the second (within comparison.TIE) and prefers the baseline on the last two."""
+    from kubealign.comparison import heldout_comparison
+
+    base = [scored(0.0, 1.0), scored(0.0, 2.0), scored(1.0, 0.5), scored(2.0, 3.0)]
+    cand = [scored(1.0, 1.5), scored(1.0, 2.0 + 1e-7), scored(3.0, -0.5), scored(1.0, 2.0)]
+    figures = heldout_comparison(base, cand)
+    assert figures["heldout_win_rate"] == 1 / 4 and figures["heldout_tie_rate"] == 1 / 4
+    assert figures["baseline_heldout_reward_mean"] == (1.0 + 2.0 + 0.5 + 3.0) / 4
+    assert figures["candidate_heldout_reward_mean"] == pytest.approx((1.5 + 2.0 + 1e-7 - 0.5 + 2.0) / 4)
+    assert figures["heldout_reward_gain"] == pytest.approx(-1.5 / 4 + 1e-7 / 4)
+    # the same call on prompt 1 (both: candidate) and prompt 4 (both: baseline); 2 and 3 differ
+    assert figures["reward_agreement"] == 2 / 4
+
+
+HELD = GuardsConfig(**{**dict.fromkeys(GuardsConfig.model_fields), "min_heldout_win_rate": "min_win_rate"})
+
+
+@pytest.mark.parametrize("floor", [0.5, 0.625])
+def test_the_heldout_win_rate_holds_at_the_bar_and_fails_below_it(floor: float):
+    """'min_win_rate' is promote.min_win_rate's bar; a number of its own replaces it."""
+    at = {"heldout_win_rate": floor, "reward_agreement": 0.75}
+    assert [c.line for c in guards.checks(at, HELD, floor)] == [
+        f"pass: held-out reward model: win-rate {floor:.3f} >= {floor}; agrees with the training reward model on "
+        "75% of the prompts"
+    ]
+    below = {"heldout_win_rate": floor - 2**-20}
+    assert [c.ok for c in guards.checks(below, HELD, floor)] == [False]
+    own = HELD.model_copy(update={"min_heldout_win_rate": 0.25})
+    assert [c.line for c in guards.checks(below, own, floor)] == [
+        f"pass: held-out reward model: win-rate {floor - 2**-20:.3f} >= 0.25"
+    ]
+    assert [c.ok for c in guards.checks({"heldout_win_rate": 0.25 - 2**-20}, own, floor)] == [False]
+
+
+def test_the_heldout_guard_applies_where_a_reward_model_scored_and_is_required_there():
+    functions_only = {"reward_model_used": 0.0}
+    assert guards.checks(functions_only, HELD, 0.5) == [] and guards.missing(functions_only, HELD) == {}
+    assert guards.missing({"reward_model_used": 1.0}, HELD) == {"min_heldout_win_rate": ["heldout_win_rate"]}
+    assert guards.missing({}, HELD) == {"min_heldout_win_rate": ["heldout_win_rate"]}  # an older evaluation
+    assert [c.line for c in guards.checks({}, HELD, 0.5)] == [
+        "unchecked: held-out reward model: none scored the answers"
+    ]
+    off = HELD.model_copy(update={"min_heldout_win_rate": None})
+    assert guards.missing({}, off) == {} and guards.checks({"heldout_win_rate": 0.0}, off, 0.5) == []
+    assert guards.recorded({"heldout_win_rate": 0.5, "reward_agreement": 1.0, "other": 2.0}) == [
+        "heldout_win_rate",
+        "reward_agreement",
+    ]
+
+
+def test_the_gate_refuses_a_candidate_the_heldout_reward_model_does_not_prefer():
+    fooled = {**HACKED, **figures(), "heldout_win_rate": 0.25, "reward_agreement": 0.3}
+    passed, lines = gate(fooled, PromoteConfig(), None)
+    assert not passed
+    assert guards.refusal(lines, fooled) == (
+        "gate refused: held-out reward model: win-rate 0.250 < 0.5; agrees with the training reward model on 30% of "
+        "the prompts; the training reward model's gain +3.875 is not trusted (reward hacking suspected)"
+    )
+    assert gate({**fooled, "heldout_win_rate": 0.5}, PromoteConfig(), None)[0]
+    # promote.min_win_rate is the bar: a lower one lets the same figures through
+    assert gate(fooled, PromoteConfig(min_win_rate=0.25), None)[0]

@@ -135,6 +135,7 @@ def test_a_hacked_candidate_is_registered_but_refused_in_one_line(cli, tmp_path:
 
     tags = MlflowClient(f"sqlite:///{root / 'mlflow.db'}").get_model_version("kubealign-actor", "2").tags
     assert tags["kubealign.metric.candidate_heldout_logprob"] == "-6.8"  # the registry shows why, too
+    assert tags["kubealign.metric.heldout_win_rate"] == "0.75" and tags["kubealign.metric.reward_agreement"] == "0.8"
     del result["metrics"]["baseline_distinct_2"]
     (hacked / "result.json").write_text(json.dumps(result))
     lacking = promote(cli, hacked, root / "p3")
@@ -147,6 +148,17 @@ def test_a_hacked_candidate_is_registered_but_refused_in_one_line(cli, tmp_path:
     off = promote(cli, hacked, root / "p4", "--set", "promote.guards.min_distinct_ratio=null")
     assert off.code == 0 and json.loads((root / "p4" / "result.json").read_text())["refusal"].startswith(
         "gate refused: capability: "
+    )
+    # an evaluation scored by a reward model with no held-out one beside it (data.heldout_reward_fraction 0)
+    del result["metrics"]["heldout_win_rate"]
+    (hacked / "result.json").write_text(json.dumps(result))
+    unheld = promote(cli, hacked, root / "p5", "--set", "promote.guards.min_distinct_ratio=null")
+    assert unheld.code == 2 and not (root / "p5").exists()
+    assert unheld.err.strip().splitlines()[-1] == (
+        f"kubealign: error: --evaluation {hacked}: result.json lacks heldout_win_rate, which "
+        "promote.guards.min_heldout_win_rate checks (evaluate writes it when the reward model dir holds heldout/: "
+        "data.heldout_reward_fraction > 0); evaluate again, or set promote.guards.min_heldout_win_rate: null to "
+        "promote without this guard"
     )
 
 

@@ -155,3 +155,29 @@ def test_a_source_without_a_weight_keeps_weight_one_and_eval_rows_are_the_held_p
     plan = split_rows(rows_for(20), (0, 0, 1), 0.25, seed=1)
     phase3 = plan.phases["phase3_prompts"]
     assert (len(phase3["train"]), len(phase3["eval"])) == (15, 5) == (plan.prompts["phase3_prompts"]["train"], 5)
+
+
+def test_a_heldout_share_of_phase_2_is_reserved_disjoint_and_the_rest_is_unchanged():
+    """data.heldout_reward_fraction: 0.25 of phase 2's 360 train prompts (90) become its heldout split, drawn
+    with their own seed: eval and the other phases are what they were without it, and no pair is in two
+    splits."""
+    rows = rows_for(1000, n_sft=50)
+    before = split_rows(rows, (2, 4, 4), 0.1, seed=3)
+    plan = split_rows(rows, (2, 4, 4), 0.1, seed=3, heldout_fraction=0.25)
+    assert plan.prompts["phase2_reward"] == {"train": 270, "eval": 40, "heldout": 90}
+    reward, was = plan.phases["phase2_reward"], before.phases["phase2_reward"]
+    assert reward["eval"] == was["eval"]
+    assert {p: plan.phases[p] for p in ("phase1_sft", "phase3_prompts")} == {
+        p: before.phases[p] for p in ("phase1_sft", "phase3_prompts")
+    }
+    train, held = {r["prompt"] for r in reward["train"]}, {r["prompt"] for r in reward["heldout"]}
+    assert not train & held and train | held == {r["prompt"] for r in was["train"]}
+    assert "heldout" not in before.phases["phase2_reward"]  # 0: no third split at all (phase 2 hashes as before)
+    # at least one prompt when the fraction is above 0, never all; one prompt cannot be split
+    tiny = split_rows(rows_for(30), (0, 1, 0), 0.0, seed=3, heldout_fraction=0.001)
+    assert tiny.prompts["phase2_reward"] == {"train": 29, "eval": 0, "heldout": 1}
+    most = split_rows(rows_for(30), (0, 1, 0), 0.0, seed=3, heldout_fraction=0.999)
+    assert most.prompts["phase2_reward"] == {"train": 1, "eval": 0, "heldout": 29}
+    # a weighted source is reweighted in heldout as in train (2.0: every pair twice)
+    double = split_rows(rows_for(40), (0, 1, 0), 0.0, seed=3, weights={"s": 2.0}, heldout_fraction=0.25)
+    assert len(double.phases["phase2_reward"]["heldout"]) == 2 * 10

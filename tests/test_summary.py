@@ -66,3 +66,18 @@ def test_summary_shows_the_guards_figures_and_a_refusal_on_a_line_of_its_own(cli
     )
     assert lines[3].endswith("m version 2; gate refused; champion=1")
     assert lines[4] == " " * 21 + refusal and len(lines) == 5
+
+
+def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_path: Path):
+    run = tmp_path / "fooled"
+    metrics = {
+        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.0, "kl_to_baseline": 5.5, "reward_gain": 3.75, "heldout_win_rate": 0.25,
+        "heldout_reward_gain": -0.5, "reward_agreement": 0.3,
+    }  # fmt: skip
+    write(run, "evaluate", {"metrics": metrics})
+    lines = cli("summary", run).out.splitlines()
+    assert lines[2].strip() == (
+        "held-out reward model: win-rate 0.25, gain -0.500 (the training one's +3.750); the two agree on 30% of "
+        "the prompts"
+    )

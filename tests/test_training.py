@@ -71,6 +71,26 @@ def test_reward_model_learns_the_preference_and_scores_at_the_last_token(cli, sp
     assert metrics["after_margin_mean"] > metrics["before_margin_mean"]
     scores = json.loads((out / "eval_scores.json").read_text())
     assert len(scores["labels"]) == 2 * result_of(out)["eval_pairs"] and scores["tpr"][-1] == 1.0
+    # The held-out reward model (issue 53): trained first on phase 2's reserved pairs, none of the main one's,
+    # evaluated on the same eval pairs, inside the output as heldout/ (nothing left beside it).
+    import datasets
+
+    phase2 = datasets.load_from_disk(str(split_dir / "phase2_reward"))
+    held = out / "heldout"
+    assert result_of(held)["train_pairs"] == len(phase2["heldout"]) > 0
+    assert result_of(out)["train_pairs"] == len(phase2["train"])
+    assert not {*phase2["heldout"]["prompt"]} & {*phase2["train"]["prompt"]}
+    assert result_of(out)["outputs"]["heldout"] == "heldout" and result_of(held)["eval_pairs"] == len(phase2["eval"])
+    assert {k.removeprefix("heldout/"): v for k, v in metrics.items() if k.startswith("heldout/")} == {
+        k: v for k, v in result_of(held)["metrics"].items() if isinstance(v, float | int)
+    }
+    assert metrics["heldout/after_accuracy"] > metrics["heldout/before_accuracy"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rm"]  # no rm.heldout, no checkpoints
+    assert (
+        load_file(held / "model.safetensors")["score.weight"]
+        .ne(load_file(out / "model.safetensors")["score.weight"])
+        .any()
+    )
 
     from transformers import AutoModelForSequenceClassification
 

@@ -9,6 +9,8 @@ and why each is where it is: docs/guards.md.
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import Field, model_validator
 
 from kubealign.config.base import Section
@@ -62,6 +64,14 @@ class GuardsConfig(Section):
         gt=0,
         description="No degeneration: the candidate's mean answer length must be at most this times the "
         "baseline's (length is the best-known reward hack). None = not checked.",
+    )
+
+    min_heldout_win_rate: Annotated[float, Field(ge=0, le=1)] | Literal["min_win_rate"] | None = Field(
+        "min_win_rate",
+        description="An independent scorer: the candidate's win-rate over the baseline as the held-out reward "
+        "model scores them (trained by the reward task on data.heldout_reward_fraction of phase 2, pairs the "
+        "policy's reward model never saw) must be at least this; 'min_win_rate' = promote.min_win_rate, the bar "
+        "the training reward model's win-rate meets. Applies when a reward model scores. None = not checked.",
     )
 
     @model_validator(mode="after")

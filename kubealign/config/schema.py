@@ -97,6 +97,14 @@ class DataConfig(Section):
     eval_fraction: float = Field(
         0.1, ge=0.0, lt=1.0, description="Fraction of each phase's prompts held out as its eval split."
     )
+    heldout_reward_fraction: float = Field(
+        0.25,
+        ge=0.0,
+        lt=1.0,
+        description="Fraction of phase 2's train prompts reserved for the held-out reward model (the reward "
+        "task trains it beside the main one; evaluate and promote.guards.min_heldout_win_rate use it as a "
+        "scorer the policy was not optimized against). 0 = none (then set that guard to null).",
+    )
     seed: int = Field(1234, description="Seed of the split permutation and of the synthetic generator.")
     on_error: Literal["raise", "skip"] = Field(
         "raise",

@@ -13,6 +13,10 @@ two phases (the reward model and PPO would see the same prompts). Here the unit 
    prompts join phase 3 after the cut; one whose prompt also has responses follows them, and is dropped
    (prompt_only_outside_phase3) when they land in phase 1 or 2.
 4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
+5. With `heldout_fraction` > 0, that share of phase 2's train prompts (seeded; at least one, never all)
+   forms phase 2's "heldout" split instead: the pairs the held-out reward model trains on (issue 53's
+   independent scorer). Disjoint from what the reward model the policy is optimized against sees, so an
+   exploit of that model's blind spots is not an exploit of this one's. Reweighted like train.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any, NamedTuple
 
 PHASES = ("phase1_sft", "phase2_reward", "phase3_prompts")
 SPLITS = ("train", "eval")
+HELDOUT = "heldout"  # phase 2's third split (rule 5), present only when reserved
 Row = dict[str, Any]  # keys: prompt, chosen (None: prompt-only), rejected (str | None), columns, source, origin
 
 
@@ -96,6 +101,7 @@ def split_rows(
     eval_fraction: float,
     seed: int,
     weights: Mapping[str, float] | None = None,
+    heldout_fraction: float = 0.0,
 ) -> SplitPlan:
     """Assign every row to a phase and split (see the module docstring for the rules)."""
     groups: dict[str, list[Row]] = {}
@@ -117,6 +123,11 @@ def split_rows(
         rng = random.Random(f"{seed}-{phase}")
         held = holdout(prompts, eval_fraction, rng)
         out: dict[str, list[Row]] = {"train": [], "eval": []}
+        reserved: set[str] = set()
+        if k == 1 and heldout_fraction > 0:  # its own seed: the eval split stays what it was without it
+            trained = [p for p in prompts if p not in held]
+            reserved = holdout(trained, heldout_fraction, random.Random(f"{seed}-{phase}-{HELDOUT}"))
+            out[HELDOUT] = []
         for prompt in prompts:
             group = groups[prompt]
             if k < 2:  # a prompt-only row has nothing to train on in SFT or the reward model
@@ -128,9 +139,13 @@ def split_rows(
             elif k == 2:  # PPO needs each prompt once: a prompt-only row (its columns), else one with a pair
                 paired = next((r for r in group if r["rejected"] is not None), group[0])
                 group = [next((r for r in group if r["chosen"] is None), paired)]
-            out["eval" if prompt in held else "train"].extend(group)
-        counts[phase] = {"train": len(prompts) - len(held), "eval": len(held)}
+            out["eval" if prompt in held else HELDOUT if prompt in reserved else "train"].extend(group)
+        counts[phase] = {"train": len(prompts) - len(held) - len(reserved), "eval": len(held)}
+        if HELDOUT in out:
+            counts[phase][HELDOUT] = len(reserved)
         if weights and any(w != 1.0 for w in weights.values()):
             out["train"] = reweight(out["train"], weights, rng)
+            if HELDOUT in out:
+                out[HELDOUT] = reweight(out[HELDOUT], weights, rng)
         phases[phase] = out
     return SplitPlan(phases, counts, dropped)

@@ -36,7 +36,7 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
         checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
     lines = [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
-    guarded = guards.checks(metrics, cfg.guards)
+    guarded = guards.checks(metrics, cfg.guards, cfg.min_win_rate)
     passed = all(ok for ok, _ in checks) and all(g.ok is not False for g in guarded)
     return passed, [*lines, *(g.line for g in guarded)]
 

@@ -1,5 +1,6 @@
 """The guards the optimized reward model cannot fool (issue 53): pure checks of an evaluation's figures,
-the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds.
+the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds:
+capability kept, the held-out reward model's win-rate, no degeneration.
 
 The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
 that fails one from leading; the online judge applies those it can compute from served answers. The figures
@@ -32,19 +33,34 @@ FIGURES = {  # each guard's field and the figures (baseline_<name> and candidate
     "min_length_ratio": "length_mean",
     "max_length_ratio": "length_mean",
 }
+HELDOUT_FIGURES = (  # the held-out reward model's (min_heldout_win_rate reads the first)
+    "heldout_win_rate",
+    "reward_agreement",
+    "heldout_reward_gain",
+    "baseline_heldout_reward_mean",
+    "candidate_heldout_reward_mean",
+)
+
+
+def heldout_applies(metrics: dict[str, float]) -> bool:
+    """The held-out reward model judges only where a reward model scored (reward functions alone: no model
+    the policy could exploit the blind spots of; evaluate says so with reward_model_used 0)."""
+    return metrics.get("reward_model_used", 1.0) != 0.0
 
 
 def missing(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, list[str]]:
     """The guards that are on and whose figures `metrics` lacks: {field: [metric, ...]}."""
     wanted = {f: [f"{who}_{FIGURES[f]}" for who in ("baseline", "candidate")] for f in FIGURES}
+    if cfg.min_heldout_win_rate is not None and heldout_applies(metrics):
+        wanted["min_heldout_win_rate"] = [HELDOUT_FIGURES[0]]
     lacking = {f: [m for m in names if m not in metrics] for f, names in wanted.items() if getattr(cfg, f) is not None}
     return {f: names for f, names in lacking.items() if names}
 
 
 def recorded(metrics: dict[str, float]) -> list[str]:
     """The guard figures present in `metrics`, for the registry's version tags."""
-    return [f"{who}_{name}" for name in dict.fromkeys(FIGURES.values()) for who in ("baseline", "candidate")
-            if f"{who}_{name}" in metrics]  # fmt: skip
+    pairs = [f"{who}_{name}" for name in dict.fromkeys(FIGURES.values()) for who in ("baseline", "candidate")]
+    return [m for m in [*pairs, *HELDOUT_FIGURES] if m in metrics]
 
 
 def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
@@ -52,8 +68,9 @@ def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
     return None if base is None or cand is None else (float(base), float(cand))
 
 
-def checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
-    """Every configured guard, in a fixed order: capability first (it says the most), then degeneration."""
+def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
+    """Every configured guard, in a fixed order: capability first (it says the most), the held-out reward
+    model, then degeneration. min_win_rate: promote.min_win_rate (min_heldout_win_rate "min_win_rate")."""
     out: list[Check] = []
     if cfg.max_logprob_drop is not None:
         pair = _pair(metrics, "heldout_logprob")
@@ -70,8 +87,23 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
                     f"(drop {drop:.3f} {'<=' if ok else '>'} {cfg.max_logprob_drop})",
                 )
             )
+    out += heldout_checks(metrics, cfg, min_win_rate)
     out += degeneration_checks(metrics, cfg)
     return out
+
+
+def heldout_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
+    """min_heldout_win_rate: the independent scorer's win-rate, with how often it agreed with the training one."""
+    floor = min_win_rate if cfg.min_heldout_win_rate == "min_win_rate" else cfg.min_heldout_win_rate
+    if floor is None or not heldout_applies(metrics):
+        return []
+    rate = metrics.get("heldout_win_rate")
+    if rate is None:
+        return [Check(None, "held-out reward model: none scored the answers")]
+    ok = rate >= floor
+    agree = metrics.get("reward_agreement")
+    said = "" if agree is None else f"; agrees with the training reward model on {agree:.0%} of the prompts"
+    return [Check(ok, f"held-out reward model: win-rate {rate:.3f} {'>=' if ok else '<'} {floor}{said}")]
 
 
 def _measured(metrics: dict[str, float], name: str, said: str, out: list[Check]) -> tuple[float, float] | None:
@@ -125,7 +157,7 @@ def refusal(lines: list[str], metrics: dict[str, float]) -> str:
         return ""
     text = "gate refused: " + "; ".join(failed)
     gain = metrics.get("reward_gain")
-    guarded = any(line.startswith(("capability:", "degeneration:")) for line in failed)
+    guarded = any(line.startswith(("capability:", "degeneration:", "held-out reward model:")) for line in failed)
     if guarded and gain is not None and gain > 0:
         text += f"; the training reward model's gain {gain:+.3f} is not trusted (reward hacking suspected)"
     return text

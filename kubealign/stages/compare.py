@@ -73,7 +73,8 @@ def run(
     max_kl = config.pipeline.max_kl
     refused = {}  # the candidates a promotion guard refuses never lead: the gate would refuse them anyway
     for name, figures in metrics.items():
-        failed_guard = next((c.text for c in guards.checks(figures, config.promote.guards) if c.ok is False), None)
+        found = guards.checks(figures, config.promote.guards, config.promote.min_win_rate)
+        failed_guard = next((c.text for c in found if c.ok is False), None)
         if failed_guard is not None:
             refused[name] = failed_guard
     standings = rank(metrics, config.promote.metric, names, max_kl, refused)

@@ -30,7 +30,7 @@ from kubealign.config import KubealignConfig, section_sha256
 from kubealign.config.schema import DataConfig
 from kubealign.data.schemas import RowDrop, RowError, normalize, row_problem
 from kubealign.data.sources import SourceRead, declared_columns, read_source
-from kubealign.data.split import PHASES, SPLITS, SplitPlan, split_rows
+from kubealign.data.split import PHASES, SplitPlan, split_rows
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
 from kubealign.tracking import stage_run
@@ -111,7 +111,7 @@ def clean_rows(data: DataConfig, sources: list[SourceRead], report: Report) -> l
 def phase_sha256(splits: dict[str, list[dict[str, Any]]]) -> str:
     """Content hash of a phase: its rows' (prompt, chosen, rejected), split by split, in order."""
     digest = hashlib.sha256()
-    for split in SPLITS:
+    for split in splits:  # train, eval (and phase 2's heldout): a phase without heldout hashes as before
         digest.update(f"[{split}]\n".encode())
         for row in splits[split]:
             digest.update(json.dumps([row["prompt"], row["chosen"], row["rejected"]], ensure_ascii=False).encode())
@@ -133,18 +133,18 @@ def save_phases(plan: SplitPlan, directory: Path) -> dict[str, Any]:
                 split: datasets.Dataset.from_dict(
                     {c: [row[c] for row in splits[split]] for c in COLUMNS}, features=features
                 )
-                for split in SPLITS
+                for split in splits
             }
         )
         # An empty split saved with the default (zero) shards cannot be loaded back (datasets 5.2), so
         # empty splits get one empty shard.
-        empty = {split: 1 for split in SPLITS if not splits[split]}
+        empty = {split: 1 for split in splits if not splits[split]}
         dataset.save_to_disk(str(directory / phase), num_shards=empty)
         entries[phase] = {
             "path": phase,
             "sha256": phase_sha256(splits),
             "files_sha256": files_sha256(directory / phase),
-            "splits": {split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in SPLITS},
+            "splits": {split: {"rows": len(splits[split]), "prompts": plan.prompts[phase][split]} for split in splits},
         }
     return entries
 
@@ -210,7 +210,7 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
         skipped = f", skipped malformed {report.invalid['count']}" if report.invalid["count"] else ""
         raise UserError(f"data.sources: no usable rows ({read} read; dropped: {reasons or 'none'}{skipped})")
     weights = {s.label: c.weight for c, s in zip(data.sources, sources, strict=True)}
-    plan = split_rows(rows, data.split_ratios, data.eval_fraction, data.seed, weights)
+    plan = split_rows(rows, data.split_ratios, data.eval_fraction, data.seed, weights, data.heldout_reward_fraction)
     for reason, row in plan.dropped:
         report.drop(reason, row["origin"])
     total = sum(data.split_ratios)

@@ -25,10 +25,11 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, degeneration, function_means_by_model
+from kubealign.comparison import compare, degeneration, function_means_by_model, heldout_comparison
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
+from kubealign.data.split import HELDOUT
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.models import loading
@@ -122,6 +123,31 @@ def heldout_logprob(model: Any, tokenizer: Any, rows: Any, cfg: EvaluateConfig, 
     return -nll / max(count, 1.0)
 
 
+def heldout_dir(reward: Path | None) -> Path | None:
+    """The held-out reward model the reward task trained beside REWARD (issue 53), when there is one."""
+    if reward is None or not (Path(reward) / HELDOUT / "config.json").is_file():
+        return None
+    return Path(reward) / HELDOUT
+
+
+def heldout_figures(reward: Path | None, tokenizer: Any, base: list[dict], cand: list[dict], size: int) -> dict:
+    """The held-out reward model's scores of both models' answers (rows get "heldout_score") and the figures of
+    comparison.heldout_comparison; with no reward model scoring, reward_model_used 0 (the guard does not apply);
+    with one but no held-out model beside it, no figure (promote then names the missing guard figure)."""
+    if reward is None:
+        return {"reward_model_used": 0.0}
+    directory = heldout_dir(reward)
+    if directory is None:
+        return {"reward_model_used": 1.0}
+    model = load_reward_model(str(directory), False, tokenizer.pad_token_id, "fp32").eval()
+    held = Scorer(model, 1.0, None, tokenizer)
+    for rows in (base, cand):
+        for chunk, ids, attention, response in batched(rows, size):
+            for row, value in zip(chunk, held.score(ids, attention, response, None).total, strict=True):
+                row["heldout_score"] = value
+    return {"reward_model_used": 1.0, **heldout_comparison(base, cand)}
+
+
 def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, float]:
     """On the built-in synthetic task the generator's grammar judges every response: the share that is
     well formed, on topic and preferred (courteous and on topic) for each model. Other data: nothing."""
@@ -153,6 +179,7 @@ def guard_figures(config: KubealignConfig, prompts: Path, tokenizer: Any, models
 
 GUARD_FIGURES = (  # what the promotion guards read, as the samples page shows it beside the answers
     ("heldout_logprob", "held-out log-likelihood per token"),
+    ("heldout_reward_mean", "held-out reward model's mean score"),
     ("repetition_rate", "repeated-bigram rate"),
     ("distinct_2", "distinct-2"),
     ("empty_rate", "empty answers"),
@@ -302,6 +329,7 @@ def run(
         score(scorer, base, cfg.batch_size, data)
         score(scorer, cand, cfg.batch_size, data)
         metrics = compare(base, cand, cfg.seed)
+        metrics.update(heldout_figures(reward, tokenizer, base, cand, cfg.batch_size))
         metrics.update(function_means_by_model(base, cand))
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
         metrics.update(
@@ -316,6 +344,11 @@ def run(
                 "baseline_score": b["score"],
                 "candidate_score": c["score"],
                 **({"baseline_fn": b["fn"], "candidate_fn": c["fn"]} if b["fn"] else {}),
+                **(
+                    {"baseline_heldout_score": b["heldout_score"], "candidate_heldout_score": c["heldout_score"]}
+                    if "heldout_score" in b
+                    else {}
+                ),
             }
             for p, b, c in zip(texts, base, cand, strict=True)
         ]

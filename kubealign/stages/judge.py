@@ -9,8 +9,9 @@ and / or the reward functions) on prompt + answer tokens, as evaluate scores its
 re-tokenized from its text; the EOS appended when the model ended it; an unfinished UTF-8 character at the end
 of a cut answer is not in the text vLLM returns, so it is not scored), and compared with evaluate's
 statistics, the champion in the baseline's place (kubealign.comparison.compare), with the degeneration
-figures the promotion guards read (kubealign.comparison.degeneration; held-out capability is not measured
-online: said "unchecked"). The decision is kubealign.serving.judge.decide's. Output
+figures the promotion guards read (kubealign.comparison.degeneration) and the held-out reward model's
+win-rate when the reward model dir holds one (held-out capability is not measured online: said
+"unchecked"). The decision is kubealign.serving.judge.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
 judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict: kubealign.serving.act.
 """
@@ -37,7 +38,7 @@ from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.serving import ask, judge
-from kubealign.stages.evaluate import score
+from kubealign.stages.evaluate import heldout_figures, score
 from kubealign.tracking import stage_run
 
 STAGE = "judge"
@@ -65,6 +66,8 @@ def figures_table(
         "reward_gain",
         "baseline_reward_mean",
         "candidate_reward_mean",
+        "heldout_win_rate",
+        "reward_agreement",
     )
     for key in shown:
         if key in metrics:
@@ -85,8 +88,9 @@ def scored(
     data: phases.Rows,
     answers: dict[str, list[judge.Answer]],
     pairs: list[int],
-) -> tuple[dict[str, list[dict[str, Any]]], int]:
-    """(each model's rows of the prompts both answered, scored as evaluate scores its samples; the EOS id)."""
+) -> tuple[dict[str, list[dict[str, Any]]], int, dict[str, float]]:
+    """(each model's rows of the prompts both answered, scored as evaluate scores its samples; the EOS id; the
+    held-out reward model's figures, the champion in the baseline's place: evaluate.heldout_figures)."""
     from kubealign.models.value_head import load_reward_model
 
     r = config.rewards
@@ -103,7 +107,9 @@ def scored(
         for who, got in answers.items():
             rows[who] = [answer_row(prompt_ids[i], got[i].text or "", got[i].finished, tokenizer) for i in pairs]
             score(scorer, rows[who], config.evaluate.batch_size, data.take(pairs))
-    return rows, tokenizer.eos_token_id
+    size, scoring = config.evaluate.batch_size, reward if r.uses_model else None
+    held = heldout_figures(scoring, tokenizer, rows["champion"], rows["canary"], size)
+    return rows, tokenizer.eos_token_id, held
 
 
 def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
@@ -170,8 +176,9 @@ def run(
     metrics: dict[str, float] = {}
     rows = None
     if pairs:
-        rows, eos = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
+        rows, eos, held = scored(config, specs, tokenizer_dir, reward, data, answers, pairs)
         metrics = compare(rows["champion"], rows["canary"], config.evaluate.seed)
+        metrics.update(held)  # the held-out reward model's win-rate (promote.guards.min_heldout_win_rate) online
         metrics.update(function_means_by_model(rows["champion"], rows["canary"]))
         # the guards' answer figures (promote.guards), the champion in the baseline's place as for the rest
         metrics.update(degeneration(rows["champion"], eos, "baseline"))

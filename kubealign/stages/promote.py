@@ -3,7 +3,7 @@
 Every promotion registers (once) a version of `promote.registered_model` and points `challenger` at it.
 `champion` moves to it only if the gate passes (kubealign.promotion.gate): the configured thresholds (min
 win-rate over the baseline, min reward gain, max KL), the guards the trained-against reward model cannot
-fool (promote.guards: held-out capability, no degeneration) AND, when a champion exists and
+fool (promote.guards: held-out capability, the held-out reward model, no degeneration) AND, when a champion exists and
 `require_beat_champion` is on, a higher candidate reward than the champion's. A refusal is one line
 (result.json "refusal") naming every failed check. The champion it replaces
 keeps `previous-champion`; `kubealign rollback` moves `champion` back to it.
@@ -47,6 +47,10 @@ from kubealign.promotion.versions import find_version, promotion_key, register_v
 from kubealign.tracking import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
 
 STAGE = "promote"
+WHEN = {  # when evaluate writes a guard's figure, for the line that says an evaluation lacks it
+    "max_logprob_drop": " when the prompts hold phase1_sft",
+    "min_heldout_win_rate": " when the reward model dir holds heldout/: data.heldout_reward_fraction > 0",
+}
 
 
 def run(
@@ -75,7 +79,7 @@ def run(
         field, names = next(iter(lacking.items()))
         raise UserError(
             f"--evaluation {evaluation}: result.json lacks {', '.join(names)}, which promote.guards.{field} checks "
-            f"(evaluate writes it{'' if field != 'max_logprob_drop' else ' when the prompts hold phase1_sft'}); "
+            f"(evaluate writes it{WHEN.get(field, '')}); "
             f"evaluate again, or set promote.guards.{field}: null to promote without this guard"
         )
     gate(metrics, cfg, None)  # an evaluation the gate cannot judge is refused before the registry is touched

@@ -10,6 +10,7 @@ scores (see training.losses.bradley_terry_loss).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +18,10 @@ import torch
 
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
+from kubealign.data.split import HELDOUT
 from kubealign.data.tokenize import encode_preference, pad_batch
 from kubealign.models.value_head import last_token_scores, load_reward_model, token_values
+from kubealign.outputs import check_output_path, output_stage, read_result
 from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss
@@ -103,8 +106,55 @@ def run(
     resume: bool = False,
     checkpoint_location: Path | None = None,
 ) -> dict:
-    """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2."""
+    """Train a reward model from `model_name` (default: reward.model) on DATA's phase 2; when phase 2 holds a
+    heldout split (data.heldout_reward_fraction), first the held-out reward model on it, into OUTPUT/heldout."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
+    check_output_path(output, STAGE)  # before the held-out model's training, not after it
+    load = lambda: phases.load(data, "phase2_reward", need_rejected=True)  # noqa: E731
+    heldout = train_heldout(config, cfg, load(), output, resume, checkpoint_location)
+    extra = {} if heldout is None else {f"{HELDOUT}/{k}": v for k, v in heldout.items() if isinstance(v, float | int)}
+    result = train(config, cfg, load, output, resume, checkpoint_location, extra)
+    if heldout is not None and distributed.is_main():
+        os.replace(heldout_sibling(output), output / HELDOUT)  # one rename: the directory is whole or absent
+    return result
+
+
+def heldout_sibling(output: Path) -> Path:
+    """Where the held-out reward model is trained, beside OUTPUT (whose export replaces OUTPUT whole)."""
+    return Path(f"{output}.{HELDOUT}")
+
+
+def train_heldout(
+    config: KubealignConfig, cfg: Any, dataset: Any, output: Path, resume: bool, location: Path | None
+) -> dict[str, Any] | None:
+    """The held-out reward model (issue 53's independent scorer): the same recipe on phase 2's heldout pairs,
+    evaluated on the same eval pairs, not tracked as a run of its own (its metrics join the main run's as
+    heldout/*). None when phase 2 has no heldout split. A resumed task reuses one that was finished."""
+    if HELDOUT not in dataset or len(dataset[HELDOUT]) == 0:
+        return None
+    sibling = heldout_sibling(output)
+    if resume and output_stage(sibling) == STAGE:
+        return read_result(sibling)["metrics"]
+    if distributed.is_main():
+        print(f"reward: the held-out reward model first, on {len(dataset[HELDOUT])} reserved pairs", flush=True)
+    import datasets
+
+    pairs = datasets.DatasetDict({"train": dataset[HELDOUT], "eval": dataset["eval"]})
+    untracked = config.model_copy(update={"tracking": config.tracking.model_copy(update={"enabled": False})})
+    where = None if location is None else location.with_name(f"{location.name}-{HELDOUT}")
+    return train(untracked, cfg, lambda: pairs, sibling, resume, where)["metrics"]
+
+
+def train(
+    config: KubealignConfig,
+    cfg: Any,
+    load: Any,
+    output: Path,
+    resume: bool,
+    checkpoint_location: Path | None,
+    extra: dict[str, float] | None = None,
+) -> dict:
+    """One reward model on load()'s train pairs; `extra`: metrics to log with its own (the held-out model's)."""
 
     def build(dataset: Any, tokenizer: Any, world: int, tracker: Any) -> stage.Built:
         from transformers import AutoModelForSequenceClassification
@@ -132,8 +182,8 @@ def run(
             task_type="SEQ_CLS",
             result={"train_pairs": len(train), "eval_pairs": len(evals)},
             length=pair_length,
+            metrics=dict(extra or {}),
         )
 
-    load = lambda: phases.load(data, "phase2_reward", need_rejected=True)  # noqa: E731
-    outputs = {"eval_scores": SCORES_FILE}
+    outputs = {"eval_scores": SCORES_FILE, **({HELDOUT: HELDOUT} if extra else {})}
     return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, outputs)

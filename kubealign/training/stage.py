@@ -41,6 +41,7 @@ class Built:
     finished: Callable[[Any], dict[str, Any]] | None = None
     length: Callable[[Any], int] | None = None  # an example's padded length (loop.Task.length)
     units: Callable[[Any], int] | None = None  # an example's share of a token-mean loss (loop.Task.units)
+    metrics: dict[str, float] = field(default_factory=dict)  # measured before training, logged with the rest
 
 
 def run(
@@ -81,6 +82,7 @@ def run(
         )
         engine, summary = loop.run(task, built.model, tracker)
         after = built.finished(engine) if built.finished is not None else {}
+        summary.update(built.metrics)
         summary["wall_time_s"] = time.perf_counter() - started
         result = {
             "stage": name,
