@@ -15,14 +15,15 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
     m = r.get("metrics", {})
     if stage == "data-split":
         prompts = "/".join(
-            str(int(m.get(f"{p}_train_prompts", 0) + m.get(f"{p}_eval_prompts", 0)))
+            str(int(sum(m.get(f"{p}_{split}_prompts", 0) for split in ("train", "eval", "heldout"))))
             for p in ("phase1_sft", "phase2_reward", "phase3_prompts")
         )
         return f"{int(m.get('rows_kept', 0))} rows kept; prompts per phase {prompts}"
     if stage == "sft":
         return f"eval perplexity {m['before_perplexity']:.1f} -> {m['after_perplexity']:.1f}"
     if stage == "reward":
-        return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}"
+        held = f"; held-out model {m['heldout/after_accuracy']:.2f}" if "heldout/after_accuracy" in m else ""
+        return f"eval accuracy {m['before_accuracy']:.2f} -> {m['after_accuracy']:.2f}, AUC {m['after_auc']:.3f}{held}"
     if stage == "ppo":
         fns = "".join(
             f", {k.removesuffix('/before')} {m[k]:.2f} -> {m[k.removesuffix('/before') + '/after']:.2f}"

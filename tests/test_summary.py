@@ -76,7 +76,15 @@ def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_
         "heldout_reward_gain": -0.5, "reward_agreement": 0.3,
     }  # fmt: skip
     write(run, "evaluate", {"metrics": metrics})
+    split = {"phase1_sft_train_prompts": 9, "phase1_sft_eval_prompts": 1, "phase2_reward_train_prompts": 14}
+    split.update(phase2_reward_eval_prompts=2, phase2_reward_heldout_prompts=4, phase3_prompts_train_prompts=7)
+    write(run, "data-split", {"metrics": {"rows_kept": 40, **split}})
+    rm = {"before_accuracy": 0.5, "after_accuracy": 0.875, "after_auc": 0.9, "heldout/after_accuracy": 0.75}
+    write(run, "reward", {"metrics": rm})
     lines = cli("summary", run).out.splitlines()
+    assert lines[1].endswith("40 rows kept; prompts per phase 10/20/7")  # phase 2's heldout prompts counted
+    assert lines[2].endswith("eval accuracy 0.50 -> 0.88, AUC 0.900; held-out model 0.75")
+    lines = lines[2:]
     assert lines[2].strip() == (
         "held-out reward model: win-rate 0.25, gain -0.500 (the training one's +3.750); the two agree on 30% of "
         "the prompts"
