@@ -58,6 +58,20 @@ def _judged_in_cluster(args: argparse.Namespace, config: Any) -> tuple[str, str 
     return version, uri
 
 
+def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str], version: str, uri: str | None):
+    """The check that each URL serves the version the registry says (kubealign.serving.identity), before any
+    prompt. Without --act no registry is read (the judge never needed one to report): said, not failed."""
+    from kubealign.serving import identity
+
+    if uri is None:
+        lines = identity.unchecked("judged without --act, the registry is not read")
+        print(f"judge: {lines[0]}", flush=True)
+        return lines
+    name = config.promote.registered_model
+    expected = identity.expected_versions(uri, name, version)
+    return identity.check(urls, expected, name, dict.fromkeys(urls, args.served_name or name))
+
+
 def judge_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.serving import act
@@ -65,8 +79,9 @@ def judge_command(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     champion, canary, version, uri = _judged_urls(args, config)
+    checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)
     inputs = (args.prompts, args.tokenizer, args.reward, champion, canary, args.output, args.served_name)
-    result = judge.run(config, *inputs, version)
+    result = judge.run(config, *inputs, version, tuple(checked))
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:
         return

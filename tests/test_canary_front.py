@@ -15,7 +15,7 @@ import pytest
 from kubealign.errors import UserError
 from kubealign.serving import split
 from tests.faults import free_port
-from tests.test_judge import Completions, judge_config
+from tests.test_judge import Completions, judge_config, listing
 from tests.test_judge import split as split_dir  # noqa: F401 (the data-split fixture)
 
 pytestmark = pytest.mark.faults
@@ -118,6 +118,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     registry_with(uri, name, 2, tmp_path, champion="1", challenger="2")
     # curt but not degenerate: the promotion guards bound the length ratio (issue 53)
     courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No, I cannot help.")
+    courteous.models, curt.models = listing(name, "1"), listing(name, "2")  # as kubealign serve names them
     sets = ["--set", f"promote.registered_model={name}", "--set", "canary.min_answers=3"]
     base = ["judge", "--config", judge_config(tmp_path), *sets, "--prompts", split_dir,
             "--tokenizer", loading.resolve("tiny-opt"), "--act"]  # fmt: skip
@@ -145,6 +146,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     MlflowClient(uri).set_registered_model_alias(name, "challenger", "3")
     MlflowClient(uri).set_registered_model_alias(name, "champion", "1")
     route = split.Route(split.Backend("champion", "1", curt.url), split.Backend("challenger", "3", courteous.url), 50)
+    curt.models, courteous.models = listing(name, "1"), listing(name, "3")
     front = split.start(port, route)
     real = act.in_local
     calls = []
@@ -177,6 +179,54 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
         front.stop()
         courteous.stop()
         curt.stop()
+
+
+def test_the_judge_refuses_to_act_when_the_canary_url_serves_the_champions_version(
+    split_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    cli,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--canary names a server of version 1, the champion (a swapped or mistyped URL, or a backend replaced):
+    refused in one line before any prompt is asked; no alias moves, no output. Both right: judged and acted."""
+    from kubealign.models import loading
+    from tests.test_faults_registry import aliases
+
+    uri, name = f"sqlite:///{tmp_path / 'registry.db'}", "checked-actor"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    registry_with(uri, name, 2, tmp_path, champion="1", challenger="2")
+    asked: list[str] = []
+    champion = Completions(lambda p: " No, I cannot help.", listing(name, "1"))
+    wrong = Completions(lambda p: asked.append(p) or " Certainly! Here it is.", listing(name, "1"))
+    canary = Completions(lambda p: " Certainly! Here it is.", listing(name, "2"))
+    base = ["judge", "--config", judge_config(tmp_path), "--set", f"promote.registered_model={name}", "--set",
+            "canary.min_answers=3", "--prompts", split_dir, "--tokenizer", loading.resolve("tiny-opt"), "--act"]  # fmt: skip
+    try:
+        done = cli(*base, "--champion", champion.url, "--canary", wrong.url, "--output", tmp_path / "wrong")
+        assert done.code == 2 and done.err.count("\n") == 1, done.err
+        assert (
+            f"judge: {wrong.url} serves 'models:/{name}/1' but the judged canary is version 2 (models:/{name}/2); "
+            "nothing was judged or changed"
+        ) in done.err
+        assert aliases(uri, name) == {"champion": "1", "challenger": "2"} and not (tmp_path / "wrong").exists()
+        assert asked == []  # refused before any prompt
+        # the champion's URL given for the canary's: refused the same way, on the champion's side too
+        done = cli(*base, "--champion", canary.url, "--canary", champion.url, "--output", tmp_path / "swapped")
+        assert (
+            done.code == 2 and f"judge: {canary.url} serves 'models:/{name}/2' but the registry's champion" in done.err
+        )
+        assert aliases(uri, name) == {"champion": "1", "challenger": "2"}
+        done = cli(*base, "--champion", champion.url, "--canary", canary.url, "--output", tmp_path / "right")
+        assert done.code == 0, done.err
+        assert aliases(uri, name) == {"champion": "2", "previous-champion": "1"}
+        checks = json.loads((tmp_path / "right" / "result.json").read_text())["checks"]
+        assert checks[:2] == [
+            f"pass: champion {champion.url} serves models:/{name}/1 (the registry's champion)",
+            f"pass: canary {canary.url} serves models:/{name}/2 (the judged canary)",
+        ]
+    finally:
+        for server in (champion, wrong, canary):
+            server.stop()
 
 
 def test_judge_urls_are_given_one_way(cli, tmp_path: Path) -> None:

@@ -47,11 +47,23 @@ vllm:e2e_request_latency_seconds_count{engine="0",model_name="actor"} 10.0
 """
 
 
+def listing(registered: str, version: str, first: str | None = None) -> dict:
+    """/v1/models as vLLM answers it for `version` of `registered` served by kubealign (kubealign.serving.identity):
+    its first name (default the registered model's), then the version's model URI, one root for both."""
+    root = f"/cache/served/{registered}/{version}/model"
+    return {"object": "list", "data": [{"id": name, "object": "model", "root": root, "parent": None}
+                                       for name in (first or registered, f"models:/{registered}/{version}")]}  # fmt: skip
+
+
 class Completions:
     """Answers POST /v1/completions with answer(prompt) (default: the prompt reversed); "SLOW..." prompts after
-    3 s, "GARBAGE..." with a body that is not JSON; GET /metrics with METRICS."""
+    3 s, "GARBAGE..." with a body that is not JSON; GET /metrics with METRICS; GET /v1/models with `models`
+    (default: one model named as KServe's vllm runtime names it, after the InferenceService, no version)."""
 
-    def __init__(self, answer=lambda prompt: prompt[::-1]) -> None:
+    def __init__(self, answer=lambda prompt: prompt[::-1], models: dict | None = None) -> None:
+        self.models = models or {"data": [{"id": "isvc-name"}]}
+        served = self
+
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
@@ -65,8 +77,8 @@ class Completions:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
-                if self.path == "/v1/models":  # as KServe's vllm runtime names it: after the InferenceService
-                    return self._send(200, json.dumps({"data": [{"id": "isvc-name"}]}).encode())
+                if self.path == "/v1/models":
+                    return self._send(200, json.dumps(served.models).encode())
                 self._send(200, METRICS.encode()) if self.path == "/metrics" else self._send(404, b"{}")
 
             def do_POST(self) -> None:
@@ -275,9 +287,13 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         assert m["canary/error_rate"] == 0.0 and m["canary/latency_p95_s"] > 0
         assert "canary/server_latency_p50_s" not in m  # the stand-in's /metrics has no series for kubealign-actor
         assert "judge: challenger (version ?) holds online: promoted to champion" in done.out
+        # without --act no registry is read: the served versions are said to be unchecked, not failed
+        unchecked = "unchecked: served versions: judged without --act, the registry is not read"
+        assert f"judge: {unchecked}\n" in done.out
         answers = json.loads((tmp_path / "good" / "answers.json").read_text())
         assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
         assert "| win_rate | 1 |" in (tmp_path / "good" / "judge.md").read_text()
+        assert f"- {unchecked}" in (tmp_path / "good" / "judge.md").read_text() and result["checks"][0] == unchecked
         assert (tmp_path / "good" / "judge.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         from mlflow.tracking import MlflowClient
 

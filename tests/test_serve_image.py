@@ -118,7 +118,7 @@ def test_kserves_vllm_runtime_runs_the_image_and_it_answers_as_transformers_gene
             assert container.status == "running", container.logs().decode()[-3000:]
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
-                    assert [m["id"] for m in json.loads(reply.read())["data"]] == [name]
+                    assert [m["id"] for m in json.loads(reply.read())["data"]] == [name, f"models:/{name}/1"]
                     break
             except OSError:
                 assert time.monotonic() < deadline, container.logs().decode()[-3000:]

@@ -101,7 +101,9 @@ def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
     # format needs: the tiny OPT tokenizer has none, and adds no BOS to plain text
     assert model["image"] == images.serve_image()
     template = plain_template(None)
-    assert model["args"] == ["--max-model-len=512", "--dtype=float32", f"--chat-template={template}"]
+    # named as the runtime names it (the InferenceService), and by the version's model URI: the judge's check
+    named = ["--served-model-name", "chat", f"models:/{NAME}/1"]
+    assert model["args"] == ["--max-model-len=512", *named, "--dtype=float32", f"--chat-template={template}"]
     assert model["env"] == [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": "1"}]
     assert "nvidia.com/gpu" not in model["resources"]["requests"]
     assert "networking.kserve.io/visibility" not in body["metadata"]["labels"]
@@ -109,11 +111,12 @@ def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
     # on GPUs the runtime's own (CUDA) image and dtype; the template still, which the tokenizer lacks
     body = manifest_here(registry, tmp_path, *sets[:2], "serve.gpus=2", "serve.kv_cache_gib=4")
     model = body["spec"]["predictor"]["model"]
-    assert "image" not in model and "env" not in model and model["args"] == [f"--chat-template={template}"]
+    assert "image" not in model and "env" not in model
+    assert model["args"] == ["--served-model-name", NAME, f"models:/{NAME}/1", f"--chat-template={template}"]
     assert model["resources"]["limits"]["nvidia.com/gpu"] == "2" and errors(body) == []
     body = manifest_here(registry, tmp_path, *sets[:3], "serve.image=runtime", "serve.cpu_dtype=bfloat16")
     model = body["spec"]["predictor"]["model"]
-    assert "image" not in model and model["args"][0] == "--dtype=bfloat16"
+    assert "image" not in model and model["args"][3] == "--dtype=bfloat16"
     body = manifest_here(registry, tmp_path, *sets[:3], "serve.image=registry.example/vllm-cpu:1")
     assert body["spec"]["predictor"]["model"]["image"] == "registry.example/vllm-cpu:1"
 
@@ -525,7 +528,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     from kubealign.stages import judge_task
     from kubealign.stages import serve as stage
     from tests.test_faults_registry import aliases
-    from tests.test_judge import Completions, judge_config
+    from tests.test_judge import Completions, judge_config, listing
 
     monkeypatch.setattr(deploy, "wait_ready", functools.partial(deploy.wait_ready, poll_s=0))
     name = "act-actor"
@@ -549,6 +552,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     # curt but not degenerate: the promotion guards bound the length ratio (issue 53)
     courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No, I cannot help.")
     kube.ports = {"stable": courteous.port, "canary": curt.port}  # the pods of each predictor: these servers
+    courteous.models, curt.models = listing(name, "1", first=name), listing(name, "2", first=name)  # vllm runtime's
     judged = load_config(judge_config(tmp_path), [*sets, "tracking.enabled=true", "canary.min_answers=3"])
     judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None,
                               apis=(kube.client(), kube.core()))  # fmt: skip

@@ -14,6 +14,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from kubealign.config.canary import CanaryConfig
 from kubealign.serving.judge import Answer
@@ -82,13 +83,25 @@ def scrape(base_url: str, timeout_s: float = 10.0) -> str:
         return ""
 
 
+def models(base_url: str, timeout_s: float = 30.0) -> Any:
+    """BASE_URL/v1/models as JSON (kubealign.serving.identity reads which version it serves); one line when the
+    server does not answer with JSON."""
+    from kubealign.errors import UserError
+
+    try:
+        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s) as reply:
+            return json.loads(reply.read())
+    except (OSError, http.client.HTTPException, ValueError) as exc:
+        raise UserError(f"judge: {base_url}/v1/models does not name a served model ({exc})") from None
+
+
 def served_model(base_url: str, timeout_s: float = 30.0) -> str:
     """The model name a server answers to (the first of BASE_URL/v1/models): KServe's runtimes name it after
     the InferenceService, not after the registered model. One line when the server does not say."""
     from kubealign.errors import UserError
 
+    listed = models(base_url, timeout_s)
     try:
-        with urllib.request.urlopen(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s) as reply:
-            return str(json.loads(reply.read())["data"][0]["id"])
-    except (OSError, http.client.HTTPException, ValueError, KeyError, IndexError, TypeError) as exc:
+        return str(listed["data"][0]["id"])
+    except (KeyError, IndexError, TypeError) as exc:
         raise UserError(f"judge: {base_url}/v1/models does not name a served model ({exc})") from None

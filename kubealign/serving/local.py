@@ -24,6 +24,7 @@ from typing import Any
 
 from kubealign.config.serve import ServeConfig
 from kubealign.errors import UserError, first_line
+from kubealign.serving.identity import version_name
 from kubealign.serving.location import Served, missing_files
 
 
@@ -80,9 +81,12 @@ def port_free(port: int) -> None:
             raise UserError(f"--port {port}: 127.0.0.1:{port} is in use ({exc.strerror})") from None
 
 
-def command(python: Path, model_dir: Path, name: str, port: int, cfg: ServeConfig, template: Path | None) -> list:
+def command(python: Path, model_dir: Path, served: Served, port: int, cfg: ServeConfig, template: Path | None) -> list:
+    """vLLM's server of `served`: it answers to the registered model's name and to the version's model URI,
+    which the judge reads from /v1/models to know which version it serves (kubealign.serving.identity)."""
     argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir)]
-    argv += ["--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.cpu_dtype]
+    argv += ["--served-model-name", served.name, version_name(served.name, served.version)]
+    argv += ["--host", "127.0.0.1", "--port", str(port), "--dtype", cfg.cpu_dtype]
     if cfg.max_model_len:
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if template is not None:
@@ -198,7 +202,7 @@ def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tup
             split.Backend(s.alias, s.version, f"http://127.0.0.1:{p}") for (s, _), p in zip(models_, ports, strict=True)
         ]
         for (served, model_dir), own in zip(models_, ports, strict=True):  # both start at once, then each is waited for
-            argv = command(vllm_env.python(), model_dir, name, own, cfg, chat_template(model_dir))
+            argv = command(vllm_env.python(), model_dir, served, own, cfg, chat_template(model_dir))
             procs[served.version] = launch(argv, env, model_dir.parent / "vllm.log")
         for (served, model_dir), own in zip(models_, ports, strict=True):
             wait_answering(procs[served.version], model_dir.parent / "vllm.log", own, cfg.start_timeout_s)

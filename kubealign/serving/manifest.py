@@ -18,6 +18,7 @@ from typing import Any
 from kubealign import images
 from kubealign.config.serve import ServeConfig
 from kubealign.serving.endpoints import CANARY, ROLE_LABEL, STABLE, predictor_labels
+from kubealign.serving.identity import version_name
 from kubealign.serving.location import Served
 
 API_VERSION, KIND = "serving.kserve.io/v1beta1", "InferenceService"
@@ -74,8 +75,13 @@ def inference_service(
     if chosen:
         model["image"] = chosen
     args = [f"--max-model-len={cfg.max_model_len}"] if cfg.max_model_len else []
+    name = cfg.name or dns_name(served.name)
     if cfg.runtime == "vllm":
         # The runtime's command is vLLM's OpenAI server (runtime-kserve-vllmserver.yaml); these follow its args.
+        # Its --served-model-name={{.Name}} (the InferenceService's name) again, and the version's model URI
+        # (the last --served-model-name is vLLM's): /v1/models then says which version this predictor serves,
+        # which the online judge checks (kubealign.serving.identity).
+        args += ["--served-model-name", name, version_name(served.name, served.version)]
         if not cfg.gpus:  # as `kubealign serve` runs it: served = evaluated in fp32
             args.append(f"--dtype={cfg.cpu_dtype}")
             model["env"] = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(cfg.kv_cache_gib)}]
@@ -83,7 +89,6 @@ def inference_service(
             args.append(f"--chat-template={chat_template}")
     if args:
         model["args"] = args
-    name = cfg.name or dns_name(served.name)
     # on the predictor's pods, for the judge to ask this model alone (kubealign.serving.endpoints)
     predictor: dict[str, Any] = {"labels": predictor_labels(name, STABLE, label_value(served.version)), "model": model}
     if cfg.service_account:

@@ -150,10 +150,12 @@ def run(
     output: Path,
     served_name: str | dict[str, str] | None = None,
     canary_version: str = "?",
+    served_versions: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
     serve` names it), or each one's ({"champion": ..., "canary": ...}); tokenizer_dir: the policy's tokenizer
-    (both versions share it)."""
+    (both versions share it); served_versions: the check lines of kubealign.serving.identity, made by the
+    caller before this asks anything (the registry is the caller's to read)."""
     cfg, r = config.canary, config.rewards
     check_output_path(output, STAGE)
     if r.uses_model and reward is None:
@@ -185,6 +187,7 @@ def run(
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
     promoted, lines = judge.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
     verdict = judge.verdict_line(promoted, lines, "challenger", canary_version)
+    lines = [*served_versions, *lines]
     for who, figures in served.items():
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})
     metrics["promoted"], metrics["wall_time_s"] = float(promoted), time.perf_counter() - started

@@ -3,7 +3,8 @@ put beside the champion is judged online, in the cluster, and the verdict carrie
 
 Reads serve's result: when it applied no canary (promote moved nothing, or made a first champion), there is
 nothing to judge and the task says so. Otherwise each predictor is asked by its own pods' address
-(kubealign.serving.endpoints: the service URL would split the prompts between them), the judge runs as
+(kubealign.serving.endpoints: the service URL would split the prompts between them), each checked to serve the
+version the registry says (kubealign.serving.identity: the champion's, the canary's), the judge runs as
 `kubealign judge` does (kubealign.stages.judge), and with canary.act (the default) its verdict is carried out
 as `kubealign judge --act --namespace` does: the registry under promote's lease and journal, then the
 InferenceService (the champion alone), waiting for Ready. OUTPUT holds the judge's files and acted.json.
@@ -31,7 +32,7 @@ def run(
     apis: tuple[Any, Any] | None = None,
 ) -> dict[str, Any]:
     """apis: (CustomObjectsApi, CoreV1Api) of the cluster (default: the one this pod runs in)."""
-    from kubealign.serving import act, ask, endpoints
+    from kubealign.serving import act, ask, endpoints, identity
     from kubealign.stages import judge
 
     check_output_path(output, STAGE)
@@ -54,14 +55,21 @@ def run(
     version = str(canary["version"])
     other = endpoints.predictor_url(core, namespace, name, endpoints.CANARY, version)
     names = {"champion": ask.served_model(stable), "canary": ask.served_model(other)}
-    result = judge.run(config, prompts, tokenizer_dir, reward, stable, other, output, names, version)
-    if not config.canary.act:
-        return result
     from kubealign.tracking import resolve_uri
 
-    uri = resolve_uri(config)
-    if not uri:
+    uri, registered = resolve_uri(config), config.promote.registered_model
+    if config.canary.act and not uri:
         raise UserError("judge: no registry (MLFLOW_TRACKING_URI, tracking.uri) to carry the verdict out in")
+    if uri:  # each pod serves the version the registry says, before any prompt (kubealign.serving.identity)
+        expected = identity.expected_versions(uri, registered, version)
+        checked = identity.check({"champion": stable, "canary": other}, expected, registered, names)
+    else:
+        checked = identity.unchecked("no registry (MLFLOW_TRACKING_URI, tracking.uri) to read")
+        print(f"judge: {checked[0]}", flush=True)
+    inputs = (stable, other, output, names, version, tuple(checked))
+    result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
+    if not config.canary.act:
+        return result
     after = act.in_registry(config, uri, result["promoted"], version)
     action = act.in_serving(config, uri, namespace, custom)
     acted = {"registry": after, "inference_service": f"{namespace}/{name}", "action": action}
