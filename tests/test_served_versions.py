@@ -34,7 +34,7 @@ def test_another_version_is_named_and_versions_are_compared_whole() -> None:
     )
 
 
-def test_a_server_that_names_no_version_or_lists_nothing_is_refused() -> None:
+def test_a_server_that_names_no_version_or_lists_nothing() -> None:
     assert problem({"data": [{"id": "isvc-name"}]}, "actor", "2", "isvc-name") == (
         "serves 'isvc-name', naming no version of actor"
     )
@@ -42,6 +42,14 @@ def test_a_server_that_names_no_version_or_lists_nothing_is_refused() -> None:
     assert problem({"data": []}, "actor", "2", "actor").startswith("lists no served model")
     assert problem({"data": [{"object": "model"}]}, "actor", "2", "actor").startswith("lists no served model")
     assert problem(["actor"], "actor", "2", "actor").startswith("lists no served model")
+    # one that names no model URI at all (KServe's huggingface runtime) is unchecked, not refused; a malformed
+    # URI, or another model's, is a name that says something else: refused
+    from kubealign.serving.identity import names_no_version
+
+    assert names_no_version({"data": [{"id": "isvc-name"}]}) and names_no_version({"data": [{"id": "a"}, {"id": "b"}]})
+    assert not names_no_version({"data": [{"id": "isvc-name"}, {"id": "models:/actor/2b"}]})
+    assert not names_no_version(listing("actor-b", "2")) and not names_no_version({"data": []})
+    assert not names_no_version({"object": "list"}) and not names_no_version(listing("actor", "2"))
 
 
 def test_two_models_served_are_told_apart() -> None:
