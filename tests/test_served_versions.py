@@ -66,3 +66,26 @@ def test_two_models_served_are_told_apart() -> None:
     lora = listing("actor", "2")
     lora["data"].append({"id": "adapter", "root": "/adapters/a", "parent": "actor"})
     assert problem(lora, "actor", "2", "actor") is None
+
+
+def test_check_passes_leaves_unnamed_servers_unchecked_and_refuses_another_version(monkeypatch) -> None:
+    from kubealign.errors import UserError
+    from kubealign.serving import ask, identity
+
+    served = {"http://a": listing("actor", "1"), "http://b": listing("actor", "2"), "http://c": {"data": [{"id": "i"}]}}
+    monkeypatch.setattr(ask, "models", lambda url: served[url])
+    asked = {"champion": "actor", "canary": "actor"}
+    expected = {"champion": "1", "canary": "2"}
+    assert identity.check({"champion": "http://a", "canary": "http://b"}, expected, "actor", asked) == [
+        "pass: champion http://a serves models:/actor/1 (the registry's champion)",
+        "pass: canary http://b serves models:/actor/2 (the judged canary)",
+    ]
+    lines = identity.check({"champion": "http://a", "canary": "http://c"}, expected, "actor", asked)
+    assert lines[1] == (
+        "unchecked: canary http://c names no version in /v1/models (serve.runtime vllm does), the judged canary is "
+        "version 2"
+    )
+    with pytest.raises(
+        UserError, match=r"^judge: http://a serves 'models:/actor/1' but the judged canary is version 2"
+    ):
+        identity.check({"champion": "http://a", "canary": "http://a"}, expected, "actor", asked)
