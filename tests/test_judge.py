@@ -162,7 +162,8 @@ def online(win: float, gain: float) -> dict[str, float]:
     judge does not measure one)."""
     same = {"repetition_rate": 0.0, "distinct_2": 0.5, "empty_rate": 0.0, "unfinished_rate": 0.0, "length_mean": 6.0}
     return {"win_rate": win, "win_rate_lower_bound": win - 0.1, "reward_gain": gain, "kl_to_baseline": math.nan,
-            "candidate_reward_mean": 1.0, **{f"{who}_{k}": v for k, v in same.items() for who in ("baseline", "candidate")}}  # fmt: skip
+            "candidate_reward_mean": 1.0, **{f"{who}_{k}": v for k, v in same.items() for who in ("baseline", "candidate")},
+            "heldout_win_rate": win, "reward_agreement": 1.0}  # fmt: skip
 
 
 def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
@@ -174,6 +175,11 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     # a canary whose answers degenerate is refused online by the guards, whatever its win-rate
     ok, lines = decide({**online(0.9, 0.5), "candidate_distinct_2": 0.125}, 8, quiet, promote, cfg)
     assert not ok and "FAIL: degeneration: distinct-2 0.500 -> 0.125 (ratio 0.250, needs >= 0.5)" in lines
+    # one the held-out reward model does not prefer is refused online too (issue 53's independent scorer)
+    ok, lines = decide({**online(0.9, 0.5), "heldout_win_rate": 0.25}, 8, quiet, promote, cfg)
+    assert not ok and [line for line in lines if line.startswith("FAIL")] == [
+        "FAIL: held-out reward model: win-rate 0.250 < 0.5; agrees with the training reward model on 100% of the prompts"
+    ]
     ok, lines = decide(online(0.7, 0.3), 7, quiet, promote, cfg)  # one pair short: never promoted
     assert not ok and lines[0] == "FAIL: 7 prompts answered by both >= canary.min_answers 8"
     assert lines[-1] == "FAIL: the gate: not applied on too few answers"

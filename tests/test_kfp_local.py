@@ -103,6 +103,13 @@ def test_local_run_registers_a_champion(first_run) -> None:
     assert index["succeeded"] and list(index["stages"]) == STAGES
     promote = json.loads((Path(index["stages"]["promote"]["dir"]) / "result.json").read_text(encoding="utf-8"))
     assert promote["aliases"]["champion"] == promote["version"] == 1
+    # the held-out reward model the reward task trained beside the main one judged the candidate too (issue 53)
+    assert (Path(index["stages"]["reward"]["dir"]) / "heldout" / "model.safetensors").is_file()
+    evaluation = json.loads((Path(index["stages"]["evaluate"]["dir"]) / "result.json").read_text(encoding="utf-8"))
+    evaluation = evaluation["metrics"]
+    assert [line.split(";")[0] for line in promote["gate"] if "held-out reward model" in line] == [
+        f"pass: held-out reward model: win-rate {evaluation['heldout_win_rate']:.3f} >= 0.0"
+    ]
     client = MlflowClient(index["mlflow"]["tracking_uri"])
     assert index["mlflow"]["tracking_uri"] == f"sqlite:///{out.resolve() / 'mlflow.db'}"
     assert client.get_model_version_by_alias("kubealign-actor", "champion").version in (1, "1")
