@@ -228,7 +228,8 @@ def test_dpo_raises_the_preferred_rate_keeps_the_reference_and_evaluate_takes_it
     assert result.code == 0, result.err
     res = result_of(out)
     m = res["metrics"]
-    assert res["stage"] == "dpo" and res["outputs"] == {"model": "."} and m["steps"] == 67  # 540 pairs / 8, whole steps
+    # 405 pairs (phase 2's 540 less its heldout 135) / 8, whole steps
+    assert res["stage"] == "dpo" and res["outputs"] == {"model": "."} and m["steps"] == 50
     # the policy starts as the reference: zero implicit rewards, no pair counted right, loss log 2, KL 0
     assert m["before_loss"] == pytest.approx(math.log(2), abs=1e-6) and m["before_rewards_accuracy"] == 0
     assert m["before_kl"] == pytest.approx(0, abs=1e-6)
@@ -327,7 +328,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Pa
     resumed = kubealign_subprocess("dpo", *common, "--resume", "--output", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a, b = result_of(tmp_path / "straight"), result_of(tmp_path / "resumed")
-    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 11  # 67 steps an epoch x 0.15, rounded up
+    assert a["metrics"]["steps"] == b["metrics"]["steps"] == 8  # 50 steps an epoch x 0.15, rounded up
     assert a["history"][4:] == b["history"]  # losses and implicit-reward metrics of every later step
     assert a["rank_param_sha256"] == b["rank_param_sha256"]
     assert a["metrics"]["after_loss"] == b["metrics"]["after_loss"]
@@ -417,4 +418,4 @@ def test_tasks_train_runs_dpo(trained, tmp_path: Path):
     config_json = config_to_json(load_config(None, [NO_TRACKING]))
     overrides = ["dpo.num_train_epochs=0.05"]
     result = tasks.train("dpo", config_json, overrides, str(trained["split"]), str(trained["sft"]), str(tmp_path / "d"))
-    assert result["stage"] == "dpo" and result["base_model"] == str(trained["sft"]) and result["metrics"]["steps"] == 4
+    assert result["stage"] == "dpo" and result["base_model"] == str(trained["sft"]) and result["metrics"]["steps"] == 3

@@ -203,6 +203,11 @@ def test_two_ranks_at_zero3_save_one_model(split_dir: Path, tmp_path: Path, laun
         from transformers import AutoModelForSequenceClassification
 
         assert state_sha256(AutoModelForSequenceClassification.from_pretrained(out)) == hashes[0]
+        # the held-out reward model, trained first by the same two ranks, is whole too, and moved in by rank 0
+        held = result_of(out / "heldout")["rank_param_sha256"]
+        assert len(held) == 2 and held[0] == held[1] != hashes[0]
+        assert state_sha256(AutoModelForSequenceClassification.from_pretrained(out / "heldout")) == held[0]
+        assert not Path(f"{out}.heldout").exists()
 
 
 def test_resume_after_sigkill_matches_an_uninterrupted_run(split_dir: Path, tmp_path: Path):
