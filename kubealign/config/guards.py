@@ -74,6 +74,13 @@ class GuardsConfig(Section):
         "the training reward model's win-rate meets. Applies when a reward model scores. None = not checked.",
     )
 
+    min_llm_judge_win_rate: Annotated[float, Field(ge=0, le=1)] | Literal["min_win_rate"] | None = Field(
+        "min_win_rate",
+        description="The LLM judge (evaluate.llm_judge, off by default): the share of prompts on which it prefers "
+        "the candidate in both orders of the pair must be at least this; 'min_win_rate' = promote.min_win_rate. "
+        "Applies only when the evaluation has the judge's figures (a judge was configured). None = not checked.",
+    )
+
     @model_validator(mode="after")
     def _check_lengths(self) -> GuardsConfig:
         low, high = self.min_length_ratio, self.max_length_ratio

@@ -17,6 +17,7 @@ from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
 from kubealign.config.guards import GuardsConfig
+from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
@@ -152,6 +153,11 @@ class EvaluateConfig(Section):
     top_k: int = Field(0, ge=0, description="Top-k sampling; 0 disables (not the model's default of 50).")
     seed: int = Field(1234, description="Sampling seed shared by baseline and candidate.")
     sample_rows: int = Field(20, ge=0, description="Rows in the HTML/Markdown sample table.")
+    llm_judge: LLMJudgeConfig = Field(
+        default_factory=LLMJudgeConfig,
+        description="An LLM behind an OpenAI-compatible endpoint that compares both models' answers, in both "
+        "orders (kubealign.config.llm_judge; docs/guards.md). Off by default (url None).",
+    )
 
 
 class PromoteConfig(Section):

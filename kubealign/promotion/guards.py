@@ -1,6 +1,6 @@
 """The guards the optimized reward model cannot fool (issue 53): pure checks of an evaluation's figures,
 the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds:
-capability kept, the held-out reward model's win-rate, no degeneration.
+capability kept, the held-out reward model's win-rate, the LLM judge's (when one judged), no degeneration.
 
 The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
 that fails one from leading; the online judge applies those it can compute from served answers. The figures
@@ -40,6 +40,13 @@ HELDOUT_FIGURES = (  # the held-out reward model's (min_heldout_win_rate reads t
     "baseline_heldout_reward_mean",
     "candidate_heldout_reward_mean",
 )
+LLM_JUDGE_FIGURES = (  # the LLM judge's (kubealign.promotion.llm_judge; min_llm_judge_win_rate reads the first)
+    "llm_judge_win_rate",
+    "llm_judge_loss_rate",
+    "llm_judge_tie_rate",
+    "llm_judge_unparsed",
+    "llm_judge_position_bias",
+)
 
 
 def heldout_applies(metrics: dict[str, float]) -> bool:
@@ -49,7 +56,8 @@ def heldout_applies(metrics: dict[str, float]) -> bool:
 
 
 def missing(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, list[str]]:
-    """The guards that are on and whose figures `metrics` lacks: {field: [metric, ...]}."""
+    """The guards that are on and whose figures `metrics` lacks: {field: [metric, ...]}. Never the LLM judge's:
+    it is optional (evaluate.llm_judge), so an evaluation without its figures has nothing for it to check."""
     wanted = {f: [f"{who}_{FIGURES[f]}" for who in ("baseline", "candidate")] for f in FIGURES}
     if cfg.min_heldout_win_rate is not None and heldout_applies(metrics):
         wanted["min_heldout_win_rate"] = [HELDOUT_FIGURES[0]]
@@ -60,7 +68,7 @@ def missing(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, list[str]
 def recorded(metrics: dict[str, float]) -> list[str]:
     """The guard figures present in `metrics`, for the registry's version tags."""
     pairs = [f"{who}_{name}" for name in dict.fromkeys(FIGURES.values()) for who in ("baseline", "candidate")]
-    return [m for m in [*pairs, *HELDOUT_FIGURES] if m in metrics]
+    return [m for m in [*pairs, *HELDOUT_FIGURES, *LLM_JUDGE_FIGURES] if m in metrics]
 
 
 def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
@@ -88,6 +96,7 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) ->
                 )
             )
     out += heldout_checks(metrics, cfg, min_win_rate)
+    out += llm_judge_checks(metrics, cfg, min_win_rate)
     out += degeneration_checks(metrics, cfg)
     return out
 
@@ -104,6 +113,19 @@ def heldout_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: f
     agree = metrics.get("reward_agreement")
     said = "" if agree is None else f"; agrees with the training reward model on {agree:.0%} of the prompts"
     return [Check(ok, f"held-out reward model: win-rate {rate:.3f} {'>=' if ok else '<'} {floor}{said}")]
+
+
+def llm_judge_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
+    """min_llm_judge_win_rate: the share of prompts the LLM judge gave the candidate in both orders; no line at
+    all when the evaluation had no judge."""
+    floor = min_win_rate if cfg.min_llm_judge_win_rate == "min_win_rate" else cfg.min_llm_judge_win_rate
+    rate = metrics.get(LLM_JUDGE_FIGURES[0])
+    if floor is None or rate is None:
+        return []
+    ok = rate >= floor
+    bias = metrics.get("llm_judge_position_bias")
+    said = "" if bias is None else f"; position bias {bias:.2f}"
+    return [Check(ok, f"llm judge: win-rate {rate:.3f} {'>=' if ok else '<'} {floor} (both orders{said})")]
 
 
 def _measured(metrics: dict[str, float], name: str, said: str, out: list[Check]) -> tuple[float, float] | None:
@@ -157,7 +179,9 @@ def refusal(lines: list[str], metrics: dict[str, float]) -> str:
         return ""
     text = "gate refused: " + "; ".join(failed)
     gain = metrics.get("reward_gain")
-    guarded = any(line.startswith(("capability:", "degeneration:", "held-out reward model:")) for line in failed)
+    guarded = any(
+        line.startswith(("capability:", "degeneration:", "held-out reward model:", "llm judge:")) for line in failed
+    )
     if guarded and gain is not None and gain > 0:
         text += f"; the training reward model's gain {gain:+.3f} is not trusted (reward hacking suspected)"
     return text

@@ -7,7 +7,7 @@ fn/<NAME>/baseline and fn/<NAME>/candidate. Metrics: mean reward of each, win-ra
 counted separately), KL(candidate || baseline) estimated on the candidate's samples, response lengths,
 phase-1 eval perplexity of each (and its log, the held-out log-likelihood per token), and the figures the
 promotion guards read (kubealign.promotion.guards): repeated-bigram rate, distinct-2, empty and unfinished
-answers, length drift.
+answers, length drift, and, when evaluate.llm_judge.url is set, an LLM judge's verdicts in both orders.
 Output (atomic): result.json, samples.html / samples.md (the first `sample_rows` prompts), eval_samples.json
 (every row), reward_distribution.png and, when the candidate's result.json has a PPO history,
 ppo_curves.png.
@@ -163,6 +163,19 @@ def judged(config: KubealignConfig, table: list[dict[str, Any]]) -> dict[str, fl
     return metrics
 
 
+def llm_judged(cfg: EvaluateConfig, table: list[dict[str, Any]]) -> dict[str, float]:
+    """When evaluate.llm_judge.url is set: the LLM judge's figures (kubealign.promotion.llm_judge), each row's
+    verdict as "llm_judge" (candidate | baseline | tie, None without one). Otherwise nothing."""
+    if cfg.llm_judge.url is None or not table:
+        return {}
+    from kubealign.serving.ask import ask_llm_judge
+
+    judged_rows = ask_llm_judge(cfg.llm_judge, table)
+    for row, verdict in zip(table, judged_rows.verdicts, strict=True):
+        row["llm_judge"] = verdict
+    return judged_rows.figures
+
+
 def guard_figures(config: KubealignConfig, prompts: Path, tokenizer: Any, models: dict[str, tuple[Any, list]]) -> dict:
     """What the promotion guards read, for each model ({"baseline" | "candidate": (model, its sample rows)}):
     the held-out log-likelihood per token and its perplexity (when the prompts hold phase1_sft), and the
@@ -186,6 +199,27 @@ GUARD_FIGURES = (  # what the promotion guards read, as the samples page shows i
     ("unfinished_rate", "unfinished answers"),
     ("length_mean", "mean length (tokens)"),
 )
+
+
+def sample_table(tokenizer: Any, texts: list[str], base: list[dict], cand: list[dict]) -> list[dict[str, Any]]:
+    """eval_samples.json's rows: each prompt with both models' decoded answers and their scores."""
+    decode = lambda r: tokenizer.decode(r["tokens"], skip_special_tokens=True)  # noqa: E731
+    return [
+        {
+            "prompt": p,
+            "baseline": decode(b),
+            "candidate": decode(c),
+            "baseline_score": b["score"],
+            "candidate_score": c["score"],
+            **({"baseline_fn": b["fn"], "candidate_fn": c["fn"]} if b["fn"] else {}),
+            **(
+                {"baseline_heldout_score": b["heldout_score"], "candidate_heldout_score": c["heldout_score"]}
+                if "heldout_score" in b
+                else {}
+            ),
+        }
+        for p, b, c in zip(texts, base, cand, strict=True)
+    ]
 
 
 def sample_tables(table: list[dict[str, Any]], metrics: dict[str, float] | None = None) -> tuple[str, str]:
@@ -335,24 +369,9 @@ def run(
         metrics.update(
             guard_figures(config, prompts, tokenizer, {"baseline": (base_model, base), "candidate": (cand_model, cand)})
         )
-        decode = lambda r: tokenizer.decode(r["tokens"], skip_special_tokens=True)  # noqa: E731
-        table = [
-            {
-                "prompt": p,
-                "baseline": decode(b),
-                "candidate": decode(c),
-                "baseline_score": b["score"],
-                "candidate_score": c["score"],
-                **({"baseline_fn": b["fn"], "candidate_fn": c["fn"]} if b["fn"] else {}),
-                **(
-                    {"baseline_heldout_score": b["heldout_score"], "candidate_heldout_score": c["heldout_score"]}
-                    if "heldout_score" in b
-                    else {}
-                ),
-            }
-            for p, b, c in zip(texts, base, cand, strict=True)
-        ]
+        table = sample_table(tokenizer, texts, base, cand)
         metrics.update(judged(config, table))
+        metrics.update(llm_judged(cfg, table))
         history = read_history(candidate)
         metrics["wall_time_s"] = time.perf_counter() - started
         with atomic_dir(output) as tmp:
