@@ -110,10 +110,10 @@ def run(
     heldout split (data.heldout_reward_fraction), first the held-out reward model on it, into OUTPUT/heldout."""
     cfg = config.reward if model_name is None else config.reward.model_copy(update={"model": model_name})
     check_output_path(output, STAGE)  # before the held-out model's training, not after it
-    load = lambda: phases.load(data, "phase2_reward", need_rejected=True)  # noqa: E731
-    heldout = train_heldout(config, cfg, load(), output, resume, checkpoint_location)
+    dataset = phases.load(data, "phase2_reward", need_rejected=True)  # read once for both models
+    heldout = train_heldout(config, cfg, dataset, output, resume, checkpoint_location)
     extra = {} if heldout is None else {f"{HELDOUT}/{k}": v for k, v in heldout.items() if isinstance(v, float | int)}
-    result = train(config, cfg, load, output, resume, checkpoint_location, extra)
+    result = train(config, cfg, lambda: dataset, output, resume, checkpoint_location, extra)
     if heldout is not None and distributed.is_main():
         os.replace(heldout_sibling(output), output / HELDOUT)  # one rename: the directory is whole or absent
     return result
