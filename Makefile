@@ -58,10 +58,13 @@ test-unit: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/pytest -q -m unit
 
+# Two workers (pytest-xdist), each given whole test files (--dist loadfile: a file's module fixtures, such
+# as a trained tiny run, are built once); TEST_WORKERS=1 for one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container"
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container"
 
 # The container tier (tests/test_containers.py, marker container): dockerd, the CPU image built offline from a
 # debootstrapped base, the shortened DAG in containers against the subprocess runner, the chart's MLflow server
