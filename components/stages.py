@@ -19,9 +19,10 @@ def data_split(config_json: str, data_fingerprint: str, dataset: Output[Dataset]
     so that KFP's cache key changes whenever the data does.
     """
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.data_split(config_json, [], dataset.path)
-    tasks.to_kfp(result, metrics, dataset)
+    artifacts.to_kfp(result, metrics, dataset)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -37,9 +38,10 @@ def sft(
 
     model_fingerprint (content hash of a local base model dir) is only part of the cache key."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.train("sft", config_json, [], data.path, model_name, model.path)
-    tasks.to_kfp(result, metrics, model)
+    artifacts.to_kfp(result, metrics, model)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -54,13 +56,14 @@ def reward(
 ):
     """reward: Bradley-Terry reward model on phase 2; ROC and pairwise confusion matrix for the UI."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.train("reward", config_json, [], data.path, model_name, model.path)
-    tasks.to_kfp(result, metrics, model)
-    fpr, tpr, thresholds, matrix = tasks.roc(model.path)
+    artifacts.to_kfp(result, metrics, model)
+    fpr, tpr, thresholds, matrix = artifacts.roc(model.path)
     roc.log_roc_curve(fpr, tpr, thresholds)
     roc.log_confusion_matrix(["rejected", "chosen"], matrix)
-    tasks.persist(roc)
+    artifacts.persist(roc)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -82,11 +85,12 @@ def ppo(
     specs with their source (embedded at compile time; part of this task's cache key). settings: a
     candidate's own ppo settings, a JSON object of dotted keys ({"ppo.kl_coef": 0.05}; part of its cache key)."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     overrides = [f"ppo.algorithm={algorithm}", f"ppo.num_iterations={num_iterations}"]
     overrides += tasks.setting_overrides(settings)
     result = tasks.ppo(config_json, overrides, prompts.path, actor.path, critic.path, model.path, reward_functions)
-    tasks.to_kfp(result, metrics, model)
+    artifacts.to_kfp(result, metrics, model)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -101,9 +105,10 @@ def dpo(
     """dpo: Direct Preference Optimization of the SFT model (actor) on the phase-2 pairs, against its frozen copy.
     settings: a candidate's own dpo settings, a JSON object of dotted keys ({"dpo.beta": 0.05})."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.train("dpo", config_json, tasks.setting_overrides(settings), data.path, actor.path, model.path)
-    tasks.to_kfp(result, metrics, model)
+    artifacts.to_kfp(result, metrics, model)
 
 
 @dsl.component(base_image=TRAIN_IMAGE, install_kfp_package=False)
@@ -122,6 +127,7 @@ def evaluate(
     """evaluate: PPO candidate vs SFT baseline on held-out prompts; report = samples + plots in one page.
     reward_model is not read when the reward functions alone score (the DAG then passes the SFT model)."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.evaluate(
         config_json,
@@ -133,8 +139,8 @@ def evaluate(
         evaluation.path,
         reward_functions,
     )
-    tasks.to_kfp(result, metrics, evaluation)
-    tasks.write_report(evaluation.path, report.path, samples.path)
+    artifacts.to_kfp(result, metrics, evaluation)
+    artifacts.write_report(evaluation.path, report.path, samples.path)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -149,10 +155,11 @@ def promote(
 
     Returns the aliases the new version holds, e.g. "challenger" or "challenger,champion"."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.promote(config_json, [], evaluation.path, candidate.path, promotion.path)
-    tasks.to_kfp(result, metrics, promotion)
-    return tasks.held_aliases(result)
+    artifacts.to_kfp(result, metrics, promotion)
+    return artifacts.held_aliases(result)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -161,9 +168,10 @@ def serve(config_json: str, promotion: Input[Artifact], serving: Output[Artifact
 
     Returns its URL, or "" when nothing was applied."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.serve(config_json, [], promotion.path, serving.path)
-    tasks.to_kfp(result, metrics, serving)
+    artifacts.to_kfp(result, metrics, serving)
     return result.get("url") or ""
 
 
@@ -184,10 +192,11 @@ def judge(
 
     Returns the verdict line, or "" when serve applied no canary."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.judge(config_json, [], prompts.path, tokenizer.path, reward_model.path, serving.path, judgement.path)
-    tasks.to_kfp(result, metrics, judgement)
-    tasks.judge_report(judgement.path, report.path)
+    artifacts.to_kfp(result, metrics, judgement)
+    artifacts.judge_report(judgement.path, report.path)
     return result.get("verdict") or ""
 
 
@@ -225,6 +234,7 @@ def compare(
     import json
 
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     given = dict(locals())
     listed = json.loads(candidates)
@@ -233,8 +243,8 @@ def compare(
         artifact = given.get(f"evaluation_{number}")
         evaluations[candidate["name"]] = None if artifact is None else artifact.path
     result = tasks.compare(config_json, [], listed, evaluations, comparison.path, max_kl)
-    tasks.to_kfp(result, metrics, comparison)
-    tasks.write_leaderboard(comparison.path, leaderboard.path, report.path)
+    artifacts.to_kfp(result, metrics, comparison)
+    artifacts.write_leaderboard(comparison.path, leaderboard.path, report.path)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -252,12 +262,13 @@ def promote_ranked(
 
     Returns the aliases the new version holds ("" for a candidate that is not the leader)."""
     from kubealign import tasks
+    from kubealign.tasks import artifacts
 
     result = tasks.promote(
         config_json, [], evaluation.path, candidate.path, promotion.path, comparison.path, candidate_name
     )
-    tasks.to_kfp(result, metrics, promotion)
-    return tasks.held_aliases(result)
+    artifacts.to_kfp(result, metrics, promotion)
+    return artifacts.held_aliases(result)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

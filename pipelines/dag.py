@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from kfp import dsl, kubernetes
 from kfp.dsl import Artifact, Dataset, Model
 
-from kubealign import tasks
+from kubealign import pod, tasks
 from kubealign.cluster import trainjob
 from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.components import stages
@@ -110,10 +110,10 @@ def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: 
 
 def _preemptible(task: dsl.PipelineTask, k8s: KubernetesConfig) -> None:
     """A training task survives a preemption: retried with a backoff, and (with a PVC) its checkpoints kept
-    on the PVC under the run and the task, where the retried pod finds them and resumes (tasks.py's
-    checkpoint_location). None of this is in KFP's cache key (env and retry are not), so cached runs stay
-    cached. The downward API gives the run (KFP labels its pods `pipeline/runid`) and the pod's identity
-    (the owner of a multi-node TrainJob)."""
+    on the PVC under the run and the task, where the retried pod finds them and resumes
+    (kubealign.tasks.launch.checkpoint_location). None of this is in KFP's cache key (env and retry are not),
+    so cached runs stay cached. The downward API gives the run (KFP labels its pods `pipeline/runid`) and the
+    pod's identity (the owner of a multi-node TrainJob); the names are kubealign.pod's."""
     if k8s.retries:
         task.set_retry(
             k8s.retries,
@@ -124,10 +124,10 @@ def _preemptible(task: dsl.PipelineTask, k8s: KubernetesConfig) -> None:
     if k8s.queue:
         kubernetes.add_pod_label(task, trainjob.QUEUE_LABEL, k8s.queue)
     if k8s.pvc:
-        task.set_env_variable(tasks.CHECKPOINT_ROOT_ENV, f"{k8s.pvc_mount}/checkpoints")
-        task.set_env_variable(tasks.TASK_ENV, task.name)
-        kubernetes.use_field_path_as_env(task, tasks.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
-    for key, env_name in trainjob.POD_ENV.items():
+        task.set_env_variable(pod.CHECKPOINT_ROOT_ENV, f"{k8s.pvc_mount}/checkpoints")
+        task.set_env_variable(pod.TASK_ENV, task.name)
+        kubernetes.use_field_path_as_env(task, pod.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
+    for key, env_name in pod.POD_ENV.items():
         kubernetes.use_field_path_as_env(task, env_name, f"metadata.{key}")
 
 
@@ -172,7 +172,7 @@ class Tasks:
         pins = tasks.pins(config, functions_json)  # what a run cannot edit
         # the functions' sha256 only on the tasks that read them (it changes with them, and kfp.local's cache
         # key includes a task's environment): every other task stays cached when a function is edited
-        self.scoring_env = {tasks.FUNCTIONS_SHA_ENV: pins.pop(tasks.FUNCTIONS_SHA_ENV)}
+        self.scoring_env = {pod.FUNCTIONS_SHA_ENV: pins.pop(pod.FUNCTIONS_SHA_ENV)}
         self.env = {**(env or {}), **pins}
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
@@ -261,7 +261,7 @@ class Tasks:
         task = stages.serve(config_json=config_json, promotion=promote.outputs["promotion"])
         self.place(task, "serve (KServe InferenceService)", 0, training=False)
         kubernetes.use_field_path_as_env(task, serve_stage.NAMESPACE_ENV, "metadata.namespace")
-        kubernetes.use_field_path_as_env(task, tasks.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
+        kubernetes.use_field_path_as_env(task, pod.RUN_ID_ENV, "metadata.labels['pipeline/runid']")
         # the cluster is outside KFP's view, like the registry: a cached serve would not apply anything
         task.set_caching_options(False)
         return task

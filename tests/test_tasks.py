@@ -1,4 +1,5 @@
-"""kubealign.tasks: what the KFP components hand to KFP (metrics, ROC, report) and how they launch."""
+"""kubealign.tasks: what the KFP components hand to KFP (metrics, ROC, report: tasks.artifacts) and how they
+launch (tasks.launch)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from kubealign import tasks
+from kubealign import pod, tasks
 from kubealign.config import config_from_json, config_to_json, load_config
 from kubealign.errors import UserError
+from kubealign.tasks import artifacts, launch
 
 
 def test_roc_and_pairwise_confusion_matrix(tmp_path: Path) -> None:
@@ -25,7 +27,7 @@ def test_roc_and_pairwise_confusion_matrix(tmp_path: Path) -> None:
         "thresholds": [None, 2.0, -2.0],
     }
     (tmp_path / "eval_scores.json").write_text(json.dumps(scores), encoding="utf-8")
-    fpr, tpr, thresholds, matrix = tasks.roc(str(tmp_path))
+    fpr, tpr, thresholds, matrix = artifacts.roc(str(tmp_path))
     assert matrix == [[2, 1], [1, 2]]  # rows: true rejected, true chosen; columns: predicted
     assert thresholds == [3.0, 2.0, -2.0]  # sklearn's +inf becomes max score + 1
     assert (fpr, tpr) == (scores["fpr"], scores["tpr"])
@@ -42,7 +44,7 @@ class FakeArtifact:
 
 def test_to_kfp_logs_numbers_and_writes_the_metrics_file(tmp_path: Path) -> None:
     metrics, model = FakeArtifact(tmp_path / "metrics"), FakeArtifact(tmp_path / "model")
-    tasks.to_kfp({"stage": "sft", "metrics": {"loss": 1.5, "steps": 3, "note": "x"}}, metrics, model)
+    artifacts.to_kfp({"stage": "sft", "metrics": {"loss": 1.5, "steps": 3, "note": "x"}}, metrics, model)
     assert metrics.logged == {"loss": 1.5, "steps": 3.0}
     assert model.metadata == {"stage": "sft", "loss": 1.5, "steps": 3.0}
     assert json.loads((tmp_path / "metrics").read_text(encoding="utf-8")) == {"loss": 1.5, "steps": 3.0}
@@ -50,8 +52,8 @@ def test_to_kfp_logs_numbers_and_writes_the_metrics_file(tmp_path: Path) -> None
 
 def test_held_aliases() -> None:
     result = {"version": 3, "aliases": {"challenger": 3, "champion": 3, "previous-champion": 2}}
-    assert tasks.held_aliases(result) == "challenger,champion"
-    assert tasks.held_aliases({"version": 4, "aliases": {"challenger": 4, "champion": 3}}) == "challenger"
+    assert artifacts.held_aliases(result) == "challenger,champion"
+    assert artifacts.held_aliases({"version": 4, "aliases": {"challenger": 4, "champion": 3}}) == "challenger"
 
 
 def test_report_inlines_the_plots(tmp_path: Path) -> None:
@@ -59,7 +61,7 @@ def test_report_inlines_the_plots(tmp_path: Path) -> None:
     (tmp_path / "samples.html").write_text("<html><body><table></table></body></html>", encoding="utf-8")
     (tmp_path / "samples.md").write_text("| a |\n", encoding="utf-8")
     (tmp_path / "reward_distribution.png").write_bytes(png)
-    tasks.write_report(str(tmp_path), str(tmp_path / "out" / "report.html"), str(tmp_path / "s.md"))
+    artifacts.write_report(str(tmp_path), str(tmp_path / "out" / "report.html"), str(tmp_path / "s.md"))
     page = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
     assert f"data:image/png;base64,{base64.b64encode(png).decode()}" in page
     assert page.index("<table>") < page.index("<img") < page.index("</body>")
@@ -67,10 +69,10 @@ def test_report_inlines_the_plots(tmp_path: Path) -> None:
 
 
 def test_torchrun_commands() -> None:
-    single = tasks.torchrun_command(4, ["sft", "--data", "d"])
+    single = launch.torchrun_command(4, ["sft", "--data", "d"])
     assert single == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                       "-m", "kubealign.cli", "sft", "--data", "d"]  # fmt: skip
-    node = tasks.torchrun_command(0, ["ppo"], nnodes_from_env=True)
+    node = launch.torchrun_command(0, ["ppo"], nnodes_from_env=True)
     assert node == [sys.executable, "-m", "torch.distributed.run", "-m", "kubealign.cli", "ppo"]
 
 
@@ -101,7 +103,7 @@ def test_a_multi_gpu_pod_runs_the_stage_under_torchrun(tmp_path: Path, monkeypat
         monkeypatch.setenv("MASTER_PORT", str(busy.getsockname()[1]))
         monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
         monkeypatch.setenv("WORLD_SIZE", "1")
-        monkeypatch.setattr(tasks, "device_count", lambda: 2)
+        monkeypatch.setattr(launch, "device_count", lambda: 2)  # what tasks.train reads
         result = tasks.train("reward", config_json, ["reward.seed=7"], str(split), "", str(tmp_path / "rm"))
     assert result["stage"] == "reward"
     hashes = result["rank_param_sha256"]
@@ -117,18 +119,18 @@ POD = {"KUBEALIGN_CHECKPOINT_ROOT": "", "KUBEALIGN_RUN_ID": "0f3c-run", "KUBEALI
 @pytest.mark.unit
 def test_checkpoints_live_under_the_run_and_task_and_a_retry_resumes(tmp_path: Path) -> None:
     env = {**POD, "KUBEALIGN_CHECKPOINT_ROOT": str(tmp_path)}
-    location, resume = tasks.checkpoint_location(env)
+    location, resume = launch.checkpoint_location(env)
     assert (location, resume) == (tmp_path / "0f3c-run" / "ppo", False)  # the first try: nothing there yet
     (location / "iter2").mkdir(parents=True)
-    assert tasks.checkpoint_location(env) == (location, True)  # a retry of the same task in the same run
-    assert tasks.checkpoint_location({**env, "KUBEALIGN_TASK": "grpo"}) == (tmp_path / "0f3c-run" / "grpo", False)
+    assert launch.checkpoint_location(env) == (location, True)  # a retry of the same task in the same run
+    assert launch.checkpoint_location({**env, "KUBEALIGN_TASK": "grpo"}) == (tmp_path / "0f3c-run" / "grpo", False)
     # kfp.local, a pipeline without a PVC, a backend that does not label its pods: beside the output
     for missing in POD:
-        assert tasks.checkpoint_location({**env, missing: ""}) == (None, False)
+        assert launch.checkpoint_location({**env, missing: ""}) == (None, False)
     with pytest.raises(UserError, match="KUBEALIGN_RUN_ID='..' is not a directory name"):
-        tasks.checkpoint_location({**env, "KUBEALIGN_RUN_ID": ".."})
-    assert tasks._checkpoint_args(location, True) == ["--checkpoints", str(location), "--resume"]
-    assert tasks._checkpoint_args(None, False) == []
+        launch.checkpoint_location({**env, "KUBEALIGN_RUN_ID": ".."})
+    assert launch.checkpoint_args(location, True) == ["--checkpoints", str(location), "--resume"]
+    assert launch.checkpoint_args(None, False) == []
 
 
 @pytest.mark.integration
@@ -204,7 +206,7 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
     stale.parent.mkdir(parents=True)
     stale.write_text("left by the SIGKILLed try")
     paths = [str(inputs[k]) for k in ("prompts", "actor", "critic")]
-    result = tasks.ppo_trainjob(config, *paths, str(tmp_path / "out"), [], location, True)
+    result = launch.ppo_trainjob(config, *paths, str(tmp_path / "out"), [], location, True)
     assert result == {"stage": "ppo"} and (tmp_path / "out" / "result.json").is_file()
     assert cluster.log == [("delete", name), ("create", name)]
     body = created[0]
@@ -215,7 +217,7 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
     cluster = Runs(statuses=[cond("Failed", message="node-1 exited 1")])
     monkeypatch.setattr(trainjob, "connect", lambda: (cluster, None))
     with pytest.raises(trainjob.TrainJobFailed, match="node-1 exited 1"):
-        tasks.ppo_trainjob(config, *paths, str(tmp_path / "out2"), [], location, False)
+        launch.ppo_trainjob(config, *paths, str(tmp_path / "out2"), [], location, False)
     assert (
         not (tmp_path / "pvc" / "trainjobs" / name).exists()
         and "--resume" not in created[1]["spec"]["trainer"]["command"]
@@ -236,34 +238,34 @@ def test_an_edited_reward_functions_parameter_is_refused_at_the_task(tmp_path: P
     config = load_config(str(tmp_path / "c.yaml"), [])
     compiled = definitions.to_json(definitions.resolve(config.rewards, config.base_dir))
     pins = tasks.pins(config, compiled)
-    assert pins == {tasks.FUNCTIONS_SHA_ENV: hashlib.sha256(compiled.encode()).hexdigest(), tasks.REMOTE_CODE_ENV: ""}
+    assert pins == {pod.FUNCTIONS_SHA_ENV: hashlib.sha256(compiled.encode()).hexdigest(), pod.REMOTE_CODE_ENV: ""}
     for key, value in pins.items():
         monkeypatch.setenv(key, value)
     assert [s.name for s in tasks.reward_functions(config, compiled)] == ["f"]
     edited = compiled.replace("[1.0]", "[9.0]")  # what a run's parameter could carry
     with pytest.raises(UserError, match=r"^reward_functions: sha256 \w+… is not the \w+… compiled into the pipeline"):
         tasks.reward_functions(config, edited)
-    monkeypatch.delenv(tasks.FUNCTIONS_SHA_ENV)  # kubealign rerun / a stage by hand: nothing pinned
+    monkeypatch.delenv(pod.FUNCTIONS_SHA_ENV)  # kubealign rerun / a stage by hand: nothing pinned
     assert len(tasks.reward_functions(config, edited)) == 1
 
 
 @pytest.mark.unit
 def test_trust_remote_code_only_where_the_pipeline_was_compiled_with_it(monkeypatch) -> None:
     trusting = config_to_json(load_config(None, ["sft.trust_remote_code=true"]))
-    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "")  # compiled without it
+    monkeypatch.setenv(pod.REMOTE_CODE_ENV, "")  # compiled without it
     with pytest.raises(UserError, match=r"^sft.trust_remote_code is true in this run's config_json but the pipeline"):
         tasks.load(trusting)
     assert tasks.load(config_to_json(load_config(None, [])))  # nothing asked: fine
-    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "sft")  # compiled with it
+    monkeypatch.setenv(pod.REMOTE_CODE_ENV, "sft")  # compiled with it
     assert tasks.load(trusting).sft.trust_remote_code
-    monkeypatch.setenv(tasks.REMOTE_CODE_ENV, "reward")
+    monkeypatch.setenv(pod.REMOTE_CODE_ENV, "reward")
     with pytest.raises(UserError, match="sft.trust_remote_code"):
         tasks.load(trusting)
-    monkeypatch.delenv(tasks.REMOTE_CODE_ENV)
+    monkeypatch.delenv(pod.REMOTE_CODE_ENV)
     assert tasks.load(trusting).sft.trust_remote_code  # not a compiled pipeline's task
     assert (
         tasks.pins(load_config(None, ["dpo.trust_remote_code=true", "sft.trust_remote_code=true"]), "[]")[
-            tasks.REMOTE_CODE_ENV
+            pod.REMOTE_CODE_ENV
         ]
         == "sft,dpo"
     )

@@ -7,7 +7,7 @@ import pytest
 
 from kubealign.cluster import trainjob
 from kubealign.config import load_config
-from kubealign.tasks import torchrun_command
+from kubealign.tasks.launch import torchrun_command
 from tests.k8s_schemas import errors
 
 TWO_BY_EIGHT = [

@@ -27,6 +27,7 @@ from typing import Any
 from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
 from kubealign.config.schema import KubernetesConfig
 from kubealign.errors import UserError
+from kubealign.pod import POD_ENV  # the task pod's identity: the TrainJob's owner
 
 GROUP = "trainer.kubeflow.org"
 VERSION = "v1alpha1"
@@ -35,8 +36,6 @@ SHM_VOLUME = "dshm"
 DATA_VOLUME = "kubealign-data"
 TRAINER_JOB = "node"  # the replicated job name of the torch ClusterTrainingRuntime the chart ships
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-# The task pod's identity, set by the DAG through the downward API (pipelines/dag.py): the TrainJob's owner.
-POD_ENV = {"name": "KUBEALIGN_POD_NAME", "uid": "KUBEALIGN_POD_UID", "namespace": "KUBEALIGN_POD_NAMESPACE"}
 
 
 class TrainJobFailed(RuntimeError):

@@ -16,15 +16,14 @@ from typing import Any
 
 import yaml
 
-from kubealign.cluster.trainjob import POD_ENV
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
+from kubealign.pod import POD_ENV, RUN_ID_ENV
 from kubealign.promotion.aliases import CHALLENGER
 
 STAGE = "serve"
 NAMESPACE_ENV = POD_ENV["namespace"]  # the downward API's metadata.namespace (pipelines/dag.py)
-RUN_ENV = "KUBEALIGN_RUN_ID"  # tasks.RUN_ID_ENV: the pod's pipeline/runid label
 
 
 def moved(promotion: dict[str, Any], alias: str) -> tuple[bool, Any]:
@@ -64,7 +63,7 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         raise UserError("serve: no registry (MLFLOW_TRACKING_URI, tracking.uri) to read the alias from")
     beside = (CHALLENGER, config.canary.percent) if canary else None
     body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, beside)
-    body = with_pipeline_run(body, os.environ.get(RUN_ENV))
+    body = with_pipeline_run(body, os.environ.get(RUN_ID_ENV))  # the pod's pipeline/runid label
     if custom is None:
         from kubealign.cluster.trainjob import connect
 

@@ -274,9 +274,9 @@ def check_fresh(save_dir: Path) -> None:
 
 def checkpoint_dir(output: Path, resume: bool, location: Path | None = None) -> Path:
     """Where a training stage writing OUTPUT keeps its checkpoints: LOCATION (--checkpoints; on a cluster the
-    task's directory on the PVC, see kubealign.tasks.checkpoint_location), else OUTPUT.checkpoints; checked at
-    the stage's start like --output (check_fresh) unless the run resumes from it. A link there, as the
-    directory or as a part directory, is refused either way (module docstring)."""
+    task's directory on the PVC, see kubealign.tasks.launch.checkpoint_location), else OUTPUT.checkpoints;
+    checked at the stage's start like --output (check_fresh) unless the run resumes from it. A link there, as
+    the directory or as a part directory, is refused either way (module docstring)."""
     directory = location if location is not None else Path(f"{output}.checkpoints")
     for path in (directory, *(directory / part for part in PARTS)):
         if path.is_symlink():
