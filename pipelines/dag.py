@@ -54,7 +54,7 @@ from kubealign.pipelines.sweep import RoutesFunctionOutputs, RoutesOutputs
 from kubealign.rewards import definitions
 from kubealign.shape import scorer as scorer_task
 from kubealign.stages import serve as serve_stage
-from kubealign.tracking import check_uri
+from kubealign.tracking.runs import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
 DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads

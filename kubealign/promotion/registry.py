@@ -24,7 +24,7 @@ MODEL_CODE = """\
 # The kubealign actor as an MLflow model from code: mlflow.pyfunc.load_model runs this file.
 from mlflow.models import set_model
 
-from kubealign.registry import ActorModel
+from kubealign.promotion.registry import ActorModel
 
 set_model(ActorModel())
 """
