@@ -1,7 +1,7 @@
 """The DAG's shape, written once: routes, stages, who reads whom, task names and output keys.
 
 Plain data tables and small functions over them, read by the DAG (pipelines/dag.py), kfp.local's runner
-and `kubealign rerun` (pipelines/local.py, pipelines/rerun.py), the run summary (kubealign/summary.py), the
+and `kubealign rerun` (pipelines/local.py, pipelines/rerun.py), the run summary (kubealign/cli/summary.py), the
 CLI's choices and the config's (pipeline.algorithm). Adding a route or a task touches this module and the
 code of that task (its stage, task function and component), nothing else; docs/pipeline.md lists the places.
 """

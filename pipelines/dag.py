@@ -46,15 +46,15 @@ from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KE
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
-from kubealign.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.images import cpu_image, train_image
 from kubealign.models import hub
 from kubealign.pipelines import sweep
+from kubealign.pipelines.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.pipelines.sweep import RoutesFunctionOutputs, RoutesOutputs
 from kubealign.rewards import definitions
 from kubealign.shape import scorer as scorer_task
 from kubealign.stages import serve as serve_stage
-from kubealign.tracking import check_uri
+from kubealign.tracking.runs import check_uri
 
 PIPELINE_NAME = "kubealign-rlhf"
 DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads

@@ -32,11 +32,11 @@ from typing import Any, TextIO
 
 from kubealign import shape
 from kubealign.config import KubealignConfig, config_to_json
+from kubealign.config.cache import cache_root
 from kubealign.errors import UserError, first_line
-from kubealign.models.tiny import cache_root
 from kubealign.outputs import read_json, tree_sha256, write_json
 from kubealign.rewards import definitions
-from kubealign.tracking import PARENT_RUN_ENV, default_store
+from kubealign.tracking.runs import PARENT_RUN_ENV, default_store
 from kubealign.training.distributed import RENDEZVOUS_ENV
 
 INDEX_FILE = "run.json"
@@ -76,7 +76,7 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
     """(client, tracking URI, experiment id, run id) of a new parent run for this pipeline run."""
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import resolve_experiment, resolve_uri
+    from kubealign.tracking.runs import resolve_experiment, resolve_uri
 
     uri = resolve_uri(config)  # refuses credentials in the URI: it is written into run.json
     artifact_location = None

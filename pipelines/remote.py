@@ -9,7 +9,7 @@ creates the pipeline run's parent MLflow run and bakes KUBEALIGN_PARENT_RUN_ID a
 MLFLOW_EXPERIMENT_ID into every task's environment, so each stage's run nests under it. Environment
 variables are not part of KFP's cache fingerprint (image, command, arguments, inputs), so cached tasks
 are still reused. Where KFP's MLflow integration injects MLFLOW_RUN_ID into the task instead, the stage
-logs into that run (see kubealign.tracking); `--no-parent-run` leaves nesting to it entirely.
+logs into that run (see kubealign.tracking.runs); `--no-parent-run` leaves nesting to it entirely.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError, first_line
-from kubealign.tracking import PARENT_RUN_ENV
+from kubealign.tracking.runs import PARENT_RUN_ENV
 
 
 def compile_pipeline(config: KubealignConfig, output: Path, env: dict[str, str] | None = None) -> Path:
@@ -44,14 +44,14 @@ def compile_pipeline(config: KubealignConfig, output: Path, env: dict[str, str] 
 
 def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
     """Create the parent MLflow run on a reachable tracking server; {} when there is none to reach."""
-    from kubealign.tracking import resolve_uri
+    from kubealign.tracking.runs import resolve_uri
 
     uri = resolve_uri(config)  # refuses credentials in the URI
     if not uri or uri.startswith(("sqlite:", "file:")) or "://" not in uri:
         return {}  # a local store here is not the store the cluster's tasks write to
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import resolve_experiment
+    from kubealign.tracking.runs import resolve_experiment
 
     try:
         client = MlflowClient(tracking_uri=uri)

@@ -20,7 +20,7 @@ from kubealign.errors import UserError
 from kubealign.outputs import tree_sha256
 from kubealign.pipelines.local import parent_run, read_index, scoped_environ, write_index
 from kubealign.shape import downstream_of, route_task, stages_for, upstream
-from kubealign.tracking import PARENT_RUN_ENV
+from kubealign.tracking.runs import PARENT_RUN_ENV
 
 
 def _run_stage(

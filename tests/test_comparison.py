@@ -1,4 +1,4 @@
-"""evaluate's statistics (kubealign.comparison) by hand: every metric of compare on rows where each one has its
+"""evaluate's statistics (kubealign.selection.comparison) by hand: every metric of compare on rows where each one has its
 own value, both ends of the bootstrap interval, and reward functions' None in every mean."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from kubealign.comparison import bootstrap_interval, compare, function_means_by_model, repetition_rate
+from kubealign.selection.comparison import bootstrap_interval, compare, function_means_by_model, repetition_rate
 
 
 def rows(scores, tokens, fns=None):

@@ -146,7 +146,7 @@ def test_bad_evaluate_inputs_are_clean_errors(cli, trained, tmp_path: Path):  # 
 
 
 def test_bootstrap_lower_bound_by_hand():
-    from kubealign.comparison import bootstrap_lower_bound
+    from kubealign.selection.comparison import bootstrap_lower_bound
 
     assert bootstrap_lower_bound([1.0] * 40, seed=0) == 1.0
     assert bootstrap_lower_bound([0.0] * 40, seed=0) == 0.0
@@ -162,7 +162,7 @@ def test_bootstrap_lower_bound_by_hand():
 
 
 def test_compare_counts_wins_ties_and_bounds_the_win_rate():
-    from kubealign.comparison import bootstrap_lower_bound, compare
+    from kubealign.selection.comparison import bootstrap_lower_bound, compare
 
     base = [{"score": s, "tokens": [1] * n} for s, n in ((0.0, 2), (1.0, 4), (2.0, 6), (0.5, 3))]
     cand = [{"score": s, "tokens": [1, 2, 3]} for s in (1.0, 1.0, 1.0, 0.4)]

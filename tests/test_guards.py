@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kubealign import ranking
-from kubealign.comparison import degeneration
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.promotion import guards
 from kubealign.promotion.gate import gate
+from kubealign.selection import ranking
+from kubealign.selection.comparison import degeneration
 from kubealign.stages.compare import no_leader
 
 pytestmark = pytest.mark.unit
@@ -231,7 +231,7 @@ def scored(score: float, heldout: float) -> dict[str, float]:
 def test_the_heldout_reward_models_figures_by_hand():
     """Four prompts: the training scorer prefers the candidate on three; the held-out one on the first alone,
     ties the second (within comparison.TIE) and prefers the baseline on the last two."""
-    from kubealign.comparison import heldout_comparison
+    from kubealign.selection.comparison import heldout_comparison
 
     base = [scored(0.0, 1.0), scored(0.0, 2.0), scored(1.0, 0.5), scored(2.0, 3.0)]
     cand = [scored(1.0, 1.5), scored(1.0, 2.0 + 1e-7), scored(3.0, -0.5), scored(1.0, 2.0)]

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from kubealign.errors import UserError
-from kubealign.fingerprint import model_fingerprint
 from kubealign.models import hub
+from kubealign.pipelines.fingerprint import model_fingerprint
 
 pytestmark = pytest.mark.unit
 

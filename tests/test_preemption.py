@@ -71,7 +71,7 @@ def test_every_rank_stops_for_a_signal_any_rank_got(monkeypatch):
 @pytest.mark.unit
 def test_a_stopped_stage_ends_its_mlflow_run_killed(tmp_path: Path):
     from kubealign.config import load_config
-    from kubealign.tracking import stage_run
+    from kubealign.tracking.runs import stage_run
     from tests.test_tracking import SMALL, client_for
 
     with pytest.raises(Stopped), stage_run("sft", load_config(None, SMALL), tmp_path, required=False):

@@ -326,3 +326,13 @@ def test_rollback_refuses_credentials_in_the_uri(cli, monkeypatch):
     result = cli("rollback")
     assert result.code == 2 and "MLFLOW_TRACKING_USERNAME" in result.err
     assert "s3cret" not in result.err
+
+
+@pytest.mark.unit
+def test_versions_registered_before_the_move_still_find_their_class() -> None:
+    """A version logged by an earlier release carries a code file that imports kubealign.registry.ActorModel."""
+    import kubealign.registry as old_path
+    from kubealign.promotion import registry
+
+    assert old_path.ActorModel is registry.ActorModel and old_path.INPUT_EXAMPLE is registry.INPUT_EXAMPLE
+    assert "from kubealign.promotion.registry import ActorModel" in registry.MODEL_CODE  # new versions: new path

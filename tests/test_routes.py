@@ -14,13 +14,13 @@ from google.protobuf import json_format
 from kfp.pipeline_spec import pipeline_spec_pb2
 from mlflow.tracking import MlflowClient
 
-from kubealign import ranking
 from kubealign.cli import main
 from kubealign.config import load_config
 from kubealign.errors import UserError
 from kubealign.outputs import write_result
 from kubealign.pipelines.local import tasks_for
 from kubealign.pipelines.remote import compile_pipeline
+from kubealign.selection import ranking
 from kubealign.stages import compare
 from tests.test_kfp_local import SHORT as KFP_SHORT
 

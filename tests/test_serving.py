@@ -305,9 +305,9 @@ def test_the_serve_task_applies_what_promote_moved(registry: MlflowServer, kube:
 def test_nothing_is_applied_when_promote_did_not_move_the_alias(kube: StandInKube, tmp_path: Path) -> None:
     import json
 
+    from kubealign.cli.summary import _headline
     from kubealign.config import load_config
     from kubealign.stages import serve as stage
-    from kubealign.summary import _headline
 
     promotion = tmp_path / "promote"
     promotion.mkdir()

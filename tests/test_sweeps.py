@@ -13,18 +13,19 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from kubealign import ranking, tasks
-from kubealign.candidates import MAX_CANDIDATES, Candidate, check_keys, check_names, expand, slug
+from kubealign import tasks
 from kubealign.cli import main
+from kubealign.cli.summary import route_lines, summarize
 from kubealign.config import config_to_json, load_config
 from kubealign.config.schema import DPOConfig, PPOConfig
 from kubealign.errors import UserError
-from kubealign.frontier import pareto_front
 from kubealign.models import loading
 from kubealign.pipelines.local import tasks_for
+from kubealign.selection import ranking
+from kubealign.selection.candidates import MAX_CANDIDATES, Candidate, check_keys, check_names, expand, slug
+from kubealign.selection.frontier import pareto_front
 from kubealign.stages import compare, promote
 from kubealign.stages.promote import ranked
-from kubealign.summary import route_lines, summarize
 from tests.test_faults_registry import GUARD_FIGURES
 from tests.test_kfp_local import SHORT as KFP_SHORT
 from tests.test_routes import evaluation, fake_evaluation, spec_of

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kubealign.config.cache import cache_root
 from kubealign.errors import UserError
 from kubealign.models import loading, tiny
 
@@ -73,7 +74,7 @@ def test_tokenizer_round_trips_any_text(tiny_opt: Path, hh_file: Path):
 
 def test_tiny_name_resolves_to_the_cache_and_builds_once(tiny_opt: Path):
     assert tiny_opt == tiny.cached_path("opt")
-    assert str(tiny_opt).startswith(str(tiny.cache_root()))
+    assert str(tiny_opt).startswith(str(cache_root()))
     stamp = (tiny_opt / "model.safetensors").stat().st_mtime_ns
     assert Path(loading.resolve("tiny-opt")) == tiny_opt
     assert (tiny_opt / "model.safetensors").stat().st_mtime_ns == stamp

@@ -11,7 +11,7 @@ from mlflow.tracking import MlflowClient
 from kubealign.config import load_config
 from kubealign.errors import UserError
 from kubealign.stages import data_split
-from kubealign.tracking import PARENT_RUN_ENV, default_store
+from kubealign.tracking.runs import PARENT_RUN_ENV, default_store
 
 pytestmark = pytest.mark.integration
 SMALL = ["data.synthetic_pairs=60", "data.synthetic_sft_rows=10"]
@@ -138,7 +138,7 @@ class StandInClient:
 
 
 def background(client: StandInClient, **kwargs):
-    from kubealign.tracking import BackgroundTracker, MlflowTracker
+    from kubealign.tracking.trackers import BackgroundTracker, MlflowTracker
 
     return BackgroundTracker(MlflowTracker(client, "run", "http://stand-in"), **kwargs)
 
@@ -244,7 +244,8 @@ def small_config():
 
 @pytest.mark.unit
 def test_ending_the_run_never_raises_over_the_stage_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
-    from kubealign.tracking import MlflowTracker, stage_run
+    from kubealign.tracking.runs import stage_run
+    from kubealign.tracking.trackers import MlflowTracker
 
     def down(self, status):
         raise connection_refused()
@@ -270,7 +271,8 @@ def test_ending_the_run_never_raises_over_the_stage_error(tmp_path: Path, monkey
 
 @pytest.mark.unit
 def test_best_effort_stage_keeps_its_metrics_in_mlflow_when_all_is_well(tmp_path: Path):
-    from kubealign.tracking import BackgroundTracker, stage_run
+    from kubealign.tracking.runs import stage_run
+    from kubealign.tracking.trackers import BackgroundTracker
 
     with stage_run("t", small_config(), tmp_path, required=False) as tracker:
         assert isinstance(tracker, BackgroundTracker)
@@ -287,7 +289,7 @@ def test_best_effort_stage_keeps_its_metrics_in_mlflow_when_all_is_well(tmp_path
 
 @pytest.mark.unit
 def test_credentials_in_a_tracking_uri_are_refused():
-    from kubealign.tracking import check_uri
+    from kubealign.tracking.runs import check_uri
 
     for fine in (None, "", "sqlite:///data/x.db", "file:///srv/m", "http://mlflow:5000", "databricks",
                  "postgresql://kubealign@db/mlflow"):  # fmt: skip
@@ -322,7 +324,7 @@ def test_an_experiment_created_concurrently_is_reused(tmp_path):
     """Two stages starting at once both find no experiment; the loser of the create reads the winner's."""
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import resolve_experiment
+    from kubealign.tracking.runs import resolve_experiment
 
     client = MlflowClient(f"sqlite:///{tmp_path / 'm.db'}")
     real_get = client.get_experiment_by_name

@@ -295,7 +295,7 @@ def test_bad_training_inputs(cli, split_dir: Path, tmp_path: Path):
 def test_sft_logs_step_metrics_and_the_model_reference_to_mlflow(cli, split_dir: Path, tmp_path: Path):
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import default_store
+    from kubealign.tracking.runs import default_store
 
     out = tmp_path / "sft"
     result = cli(

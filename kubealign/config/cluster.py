@@ -7,10 +7,10 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from kubealign import candidates as sweep
 from kubealign.config.base import Section
 from kubealign.config.ppo import PPOConfig
 from kubealign.config.train import DPOConfig
+from kubealign.selection import candidates as sweep
 from kubealign.shape import ROUTES
 
 
@@ -169,7 +169,7 @@ class PipelineConfig(Section):
         return value
 
     def expanded(self) -> list[sweep.Candidate]:
-        """pipeline.candidates with every sweep expanded (kubealign.candidates.expand)."""
+        """pipeline.candidates with every sweep expanded (kubealign.selection.candidates.expand)."""
         return sweep.expand(spec.model_dump() for spec in self.candidates or [])
 
     @field_validator("algorithms")

@@ -12,7 +12,6 @@ from typing import Literal
 
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
-from kubealign.candidates import Candidate
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
@@ -21,6 +20,7 @@ from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
+from kubealign.selection.candidates import Candidate
 
 # the sections' classes live by concept in base, train, ppo and cluster; importable from here as before
 __all__ = [

@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.config import KubealignConfig
+from kubealign.config.cache import CACHE_ENV
 from kubealign.containers import daemon
 from kubealign.errors import UserError
 
 # What of this process's environment the tasks get (the subprocess runner passes all of it; a container
 # gets nothing it is not given). KUBEALIGN_CACHE_DIR / KUBEALIGN_DOCKER_DIR are host paths: not passed.
 PASSED_PREFIXES = ("MLFLOW_", "AWS_", "KUBEALIGN_", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TQDM_DISABLE")
-HOST_ONLY = ("KUBEALIGN_CACHE_DIR", daemon.STATE_ENV)
+HOST_ONLY = (CACHE_ENV, daemon.STATE_ENV)
 
 
 def task_environment(env: dict[str, str | None]) -> dict[str, str]:
@@ -94,7 +95,7 @@ def prepare(config: KubealignConfig, output: Path, env: dict[str, str | None]) -
     user = attrs.get("Config", {}).get("User") or "0:0"
     environment = task_environment(env)
     # tiny models and tokenizers built by one task are reused by the next (the image's default is per container)
-    environment["KUBEALIGN_CACHE_DIR"] = str(output / "cache")
+    environment[CACHE_ENV] = str(output / "cache")
     run_args: dict[str, Any] = {"network_mode": "host", "shm_size": "1g", "environment": environment}
     if os.geteuid() == 0:
         uid, _, gid = user.partition(":")

@@ -11,9 +11,9 @@ atomically, so concurrent builders never see a half-written directory.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from kubealign.config.cache import cache_root
 from kubealign.data import synthetic
 from kubealign.outputs import atomic_dir
 
@@ -26,10 +26,6 @@ LAYERS = 2
 HEADS = 4
 MAX_POSITIONS = 512
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KUBEALIGN_CACHE_DIR", Path.home() / ".cache" / "kubealign"))
 
 
 def cached_path(arch: str, seed: int = 0) -> Path:

@@ -1,4 +1,4 @@
-"""The promotion gate: a pure decision rule (like kubealign.ranking) over an evaluation's metrics, the
+"""The promotion gate: a pure decision rule (like kubealign.selection.ranking) over an evaluation's metrics, the
 configured thresholds and the champion's metrics. No registry access; under mutation testing.
 """
 

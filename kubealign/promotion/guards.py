@@ -4,7 +4,7 @@ capability kept, the held-out reward model's win-rate, the LLM judge's (when one
 
 The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
 that fails one from leading; the online judge applies those it can compute from served answers. The figures
-come from evaluate (held-out log-likelihood; kubealign.comparison.degeneration for the answers)."""
+come from evaluate (held-out log-likelihood; kubealign.selection.comparison.degeneration for the answers)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Registered versions: one per promotion key (sha256 of the evaluation and the weights), the model logged
-from code (kubealign.registry, explicit pip requirements, no pickle). Two promotes of one evaluation
+from code (kubealign.promotion.registry, explicit pip requirements, no pickle). Two promotes of one evaluation
 register one version; a version registered under a lease that was broken while its holder lived is
 deleted again when an older version carries the same key.
 """
@@ -35,7 +35,7 @@ def upload_model(client: Any, run_id: str, model_dir: Path) -> str:
 
     import mlflow.pyfunc
 
-    from kubealign.registry import INPUT_EXAMPLE, MODEL_CODE
+    from kubealign.promotion.registry import INPUT_EXAMPLE, MODEL_CODE
 
     with tempfile.TemporaryDirectory() as tmp:
         # From code, not a pickled object; the signature comes from predict's type hints plus the

@@ -36,7 +36,7 @@ def judged_version(config: KubealignConfig, required: bool = True) -> tuple[str,
     `required`) where no version holds it."""
     from mlflow.tracking import MlflowClient
 
-    from kubealign.tracking import resolve_uri
+    from kubealign.tracking.runs import resolve_uri
 
     uri = resolve_uri(config)
     if not uri:
@@ -67,7 +67,7 @@ def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str)
     from mlflow.tracking import MlflowClient
 
     from kubealign.promotion.lease import lease
-    from kubealign.tracking import http_settings
+    from kubealign.tracking.runs import http_settings
 
     name = config.promote.registered_model
     with http_settings(REGISTRY_HTTP), registry_errors(uri):

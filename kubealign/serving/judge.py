@@ -2,7 +2,7 @@
 
 The judge sends the same held-out prompts to the champion's and the canary's endpoints (kubealign.serving.ask),
 scores both answers with the reward model and functions evaluate uses, and compares them with evaluate's
-statistics (kubealign.comparison.compare, the champion in the baseline's place). The canary is promoted only
+statistics (kubealign.selection.comparison.compare, the champion in the baseline's place). The canary is promoted only
 if (1) at least `canary.min_answers` prompts were answered by both, (2) its error rate and latency stay within
 `canary.max_error_rate` and `canary.max_latency_p95_s`, and (3) the promote section's gate passes on the online
 numbers (kubealign.promotion.gate: win-rate over the champion, its bound, reward gain, and the guards that

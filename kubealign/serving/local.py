@@ -53,7 +53,7 @@ def download(served: Served, tracking_uri: str) -> Path:
     """The version's HF directory in the cache (downloaded once: a complete copy has a marker file)."""
     import mlflow.artifacts
 
-    from kubealign.models.tiny import cache_root
+    from kubealign.config.cache import cache_root
 
     target = cache_root() / "served" / served.name / served.version
     if (target / ".complete").exists():

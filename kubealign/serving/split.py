@@ -60,7 +60,7 @@ class BadRequest(Exception):
 
 def token_file(port: int) -> Path:
     """Where `kubealign serve --canary` keeps the token of its front on `port` (0600, in a 0700 directory)."""
-    from kubealign.models.tiny import cache_root
+    from kubealign.config.cache import cache_root
 
     return cache_root() / "fronts" / f"127.0.0.1-{port}.token"
 

@@ -24,7 +24,7 @@ VENV_ENV = "KUBEALIGN_SERVE_VENV"
 
 
 def venv_dir() -> Path:
-    from kubealign.models.tiny import cache_root
+    from kubealign.config.cache import cache_root
 
     digest = hashlib.sha256(LOCK.read_bytes()).hexdigest()[:12]
     return cache_root() / "serve-venv" / digest

@@ -35,15 +35,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kubealign.candidates import Candidate
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError
-from kubealign.frontier import pareto_front
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
 from kubealign.promotion import guards
-from kubealign.ranking import KL, Standing, measure_of, rank, within
+from kubealign.selection.candidates import Candidate
+from kubealign.selection.frontier import pareto_front
+from kubealign.selection.ranking import KL, Standing, measure_of, rank, within
 from kubealign.stages import compare_report as report
-from kubealign.tracking import PARENT_RUN_ENV, stage_run
+from kubealign.tracking.runs import PARENT_RUN_ENV, stage_run
 
 STAGE = "compare"
 

@@ -33,7 +33,7 @@ from kubealign.data.sources import SourceRead, declared_columns, read_source
 from kubealign.data.split import PHASES, SplitPlan, split_rows
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
-from kubealign.tracking import stage_run
+from kubealign.tracking.runs import stage_run
 
 STAGE = "data-split"
 log = logging.getLogger(__name__)

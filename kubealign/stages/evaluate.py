@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, degeneration, function_means_by_model, heldout_comparison
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.data import phases
@@ -41,7 +40,8 @@ from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import paired_logprobs, response_masks
 from kubealign.rl.losses import Sampling
 from kubealign.rl.rollout import generation_config
-from kubealign.tracking import stage_run
+from kubealign.selection.comparison import compare, degeneration, function_means_by_model, heldout_comparison
+from kubealign.tracking.runs import stage_run
 
 STAGE = "evaluate"
 

@@ -8,8 +8,8 @@ where a server has none, left out). The prompts both answered are scored by eval
 and / or the reward functions) on prompt + answer tokens, as evaluate scores its samples (the answer
 re-tokenized from its text; the EOS appended when the model ended it; an unfinished UTF-8 character at the end
 of a cut answer is not in the text vLLM returns, so it is not scored), and compared with evaluate's
-statistics, the champion in the baseline's place (kubealign.comparison.compare), with the degeneration
-figures the promotion guards read (kubealign.comparison.degeneration) and the held-out reward model's
+statistics, the champion in the baseline's place (kubealign.selection.comparison.compare), with the degeneration
+figures the promotion guards read (kubealign.selection.comparison.degeneration) and the held-out reward model's
 win-rate when the reward model dir holds one (held-out capability is not measured online: said
 "unchecked"). The decision is kubealign.serving.judge.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 
-from kubealign.comparison import compare, degeneration, function_means_by_model
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt
@@ -37,9 +36,10 @@ from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
+from kubealign.selection.comparison import compare, degeneration, function_means_by_model
 from kubealign.serving import ask, judge
 from kubealign.stages.evaluate import heldout_figures, score
-from kubealign.tracking import stage_run
+from kubealign.tracking.runs import stage_run
 
 STAGE = "judge"
 

@@ -55,7 +55,7 @@ def run(
     version = str(canary["version"])
     other = endpoints.predictor_url(core, namespace, name, endpoints.CANARY, version)
     names = {"champion": ask.served_model(stable), "canary": ask.served_model(other)}
-    from kubealign.tracking import resolve_uri
+    from kubealign.tracking.runs import resolve_uri
 
     uri, registered = resolve_uri(config), config.promote.registered_model
     if config.canary.act and not uri:

@@ -37,7 +37,7 @@ from kubealign.rl.kl import KLController
 from kubealign.rl.rollout import PPOModels, generate, sampling_of
 from kubealign.stages.ppo_models import build_models, check_inputs, model_dirs, train_config  # noqa: F401
 from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
-from kubealign.tracking import stage_run
+from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training.loop import NonFiniteLoss, checkpoint_note, fault_hook, nonfinite
 

@@ -44,7 +44,7 @@ from kubealign.promotion.aliases import (
 from kubealign.promotion.gate import GATED_METRICS, OPTIONAL_METRICS, gate
 from kubealign.promotion.lease import lease
 from kubealign.promotion.versions import find_version, promotion_key, register_version, upload_model
-from kubealign.tracking import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
+from kubealign.tracking.runs import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
 
 STAGE = "promote"
 WHEN = {  # when evaluate writes a guard's figure, for the line that says an evaluation lacks it

@@ -39,7 +39,7 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
     """`custom`: a kubernetes CustomObjectsApi (default: the cluster this pod runs in)."""
     from kubealign.serving import deploy, manifest_for
     from kubealign.serving.manifest import with_pipeline_run
-    from kubealign.tracking import resolve_uri
+    from kubealign.tracking.runs import resolve_uri
 
     cfg = config.serve
     check_output_path(output, STAGE)

@@ -159,7 +159,7 @@ def promote(
 
 def setting_overrides(settings_json: str) -> list[str]:
     """A candidate's settings (the DAG's JSON object of dotted keys) as --set overrides."""
-    from kubealign.candidates import as_overrides
+    from kubealign.selection.candidates import as_overrides
 
     return as_overrides(json.loads(settings_json or "{}"))
 
@@ -191,10 +191,10 @@ def compare(
     output: str,
     max_kl: float = 0.0,
 ) -> dict[str, Any]:
-    """candidates: [{name, algorithm, set}] (kubealign.candidates.Candidate.as_dict); evaluations: name -> its
+    """candidates: [{name, algorithm, set}] (selection.candidates.Candidate.as_dict); evaluations: name -> its
     evaluate output, None where the candidate failed. max_kl: pipeline.max_kl, 0 = none (the DAG's
     config_json has no pipeline section: that would put the budget in every task's cache key)."""
-    from kubealign.candidates import Candidate
+    from kubealign.selection.candidates import Candidate
     from kubealign.stages import compare
 
     listed = [Candidate(c["name"], c["algorithm"], c.get("set") or {}) for c in candidates]

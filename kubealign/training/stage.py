@@ -20,7 +20,7 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import TrainConfig
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
-from kubealign.tracking import stage_run
+from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, loop
 
 

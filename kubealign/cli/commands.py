@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kubealign.cli_args import build_parser
-from kubealign.cli_serving import judge_command, rollback_command, serve_command
+from kubealign.cli.parser import build_parser
+from kubealign.cli.serving import judge_command, rollback_command, serve_command
 from kubealign.errors import Stopped, UserError
 from kubealign.ranks import is_main
 
@@ -111,9 +111,9 @@ def _ppo(args: argparse.Namespace) -> None:
 
 
 def _evaluate(args: argparse.Namespace) -> None:
+    from kubealign.cli.summary import evaluate_lines
     from kubealign.config import load_config
     from kubealign.stages import evaluate
-    from kubealign.summary import evaluate_lines
 
     config = load_config(args.config, args.overrides)
     result = evaluate.run(
@@ -156,9 +156,9 @@ def _registry(args: argparse.Namespace) -> None:
 
 
 def _run(args: argparse.Namespace) -> None:
+    from kubealign.cli.summary import summarize
     from kubealign.config import load_config
     from kubealign.pipelines import local
-    from kubealign.summary import summarize
 
     config = load_config(args.config, args.overrides)
     try:
@@ -241,8 +241,8 @@ def _upload(args: argparse.Namespace) -> None:
 
 
 def _rerun(args: argparse.Namespace) -> None:
+    from kubealign.cli.summary import summarize
     from kubealign.pipelines.rerun import rerun
-    from kubealign.summary import summarize
 
     index = rerun(args.stage, args.run, args.overrides, downstream=args.downstream, output=args.output)
     out = Path(index["stages"][index["rerun"][0]]["dir"]).parent
@@ -251,7 +251,7 @@ def _rerun(args: argparse.Namespace) -> None:
 
 
 def _summary(args: argparse.Namespace) -> None:
-    from kubealign.summary import summarize
+    from kubealign.cli.summary import summarize
 
     lines = summarize(args.run_dir)
     if len(lines) == 1:
@@ -347,7 +347,3 @@ def console() -> None:
         sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
-
-
-if __name__ == "__main__":
-    console()

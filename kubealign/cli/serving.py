@@ -107,7 +107,7 @@ def rollback_command(args: argparse.Namespace) -> None:
     if args.namespace:  # the served model follows the registry: the champion's InferenceService, no canary
         from kubealign.cluster.trainjob import connect
         from kubealign.serving import act
-        from kubealign.tracking import resolve_uri
+        from kubealign.tracking.runs import resolve_uri
 
         custom, _ = connect()
         action = act.in_serving(config, resolve_uri(config), args.namespace, custom)
@@ -117,7 +117,7 @@ def rollback_command(args: argparse.Namespace) -> None:
 def serve_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.serving import manifest_for, write_manifest
-    from kubealign.tracking import check_uri, resolve_uri
+    from kubealign.tracking.runs import check_uri, resolve_uri
 
     config = load_config(args.config, args.overrides)
     check_uri(args.tracking_uri, "--tracking-uri")

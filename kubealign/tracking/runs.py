@@ -1,4 +1,4 @@
-"""MLflow tracking behind one small interface.
+"""A stage's MLflow run: where it goes, how it starts and ends, and what a tracking failure costs.
 
 Where runs go is decided by the environment, the way MLflow and KFP's MLflow integration expect:
 
@@ -42,9 +42,7 @@ from urllib.parse import urlsplit
 from kubealign.config import KubealignConfig, config_to_yaml, flatten
 from kubealign.errors import Stopped, UserError, auth_hint, first_line
 from kubealign.ranks import is_main
-from kubealign.trackers import BackgroundTracker, MlflowTracker, NullTracker, warn
-
-__all__ = ["BackgroundTracker", "MlflowTracker", "NullTracker", "PARENT_RUN_ENV", "stage_run", "warn"]
+from kubealign.tracking.trackers import BackgroundTracker, MlflowTracker, NullTracker, warn
 
 PARENT_RUN_ENV = "KUBEALIGN_PARENT_RUN_ID"
 

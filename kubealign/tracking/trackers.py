@@ -1,4 +1,4 @@
-"""The trackers a stage logs through (kubealign.tracking decides which one and where runs go): NullTracker
+"""The trackers a stage logs through (kubealign.tracking.runs decides which one and where runs go): NullTracker
 (disabled, or a rank other than 0), MlflowTracker (synchronous: a failure is the stage's error) and
 BackgroundTracker (best effort: one writer thread, bounded queue, the stage never waits on MLflow)."""
 
