@@ -3,9 +3,10 @@
 Timing, on the embedded default (tiny-cpu), each side from an empty kfp.local cache of its own
 (KUBEALIGN_CACHE_DIR pointed at a new directory, so the tiny base models are built once on each side too):
 
-* one run: `kubealign run --cache --set pipeline.algorithms=[ppo,grpo,rloo,dpo]`;
-* four runs: `kubealign run --cache --set pipeline.algorithm=R` for R = ppo, grpo, rloo, dpo, one after the
-  other (the first computes data-split, SFT and the reward model; the others take them from the cache).
+* one run: `kubealign run --cache --set 'pipeline.candidates=[{algorithm: ppo}, ..., {algorithm: dpo}]'`;
+* four runs: `kubealign run --cache --set 'pipeline.candidates=[{algorithm: R}]'` for R = ppo, grpo, rloo,
+  dpo, one after the other (the first computes data-split, SFT and the reward model; the others take them
+  from the cache).
 
 Per side: the wall time of each `kubealign run` process, and which tasks ran and which came from the cache
 (from its progress lines). The shared stages must run once on either side; the difference is what the
@@ -37,6 +38,11 @@ from train_throughput import machine  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROUTES = ("ppo", "grpo", "rloo", "dpo")
 SEEDS = (*SEEDED, "dpo.seed")
+
+
+def candidates(routes: tuple[str, ...] | list[str]) -> str:
+    """The --set override of one candidate per route: pipeline.candidates=[{algorithm: ppo}, ...]."""
+    return "pipeline.candidates=[" + ", ".join(f"{{algorithm: {r}}}" for r in routes) + "]"
 
 
 def run(sets: list[str], output: Path, cache: Path) -> dict:
@@ -91,13 +97,13 @@ def main() -> None:
         work = Path(tmp)
         timed_seed = args.seeds[0]
         seeded = [f"{key}={timed_seed}" for key in SEEDS]
-        one = run([*seeded, f"pipeline.algorithms=[{','.join(ROUTES)}]"], work / "one", work / "cache-one")
-        singles = {r: run([*seeded, f"pipeline.algorithm={r}"], work / f"single-{r}", work / "cache-four")
+        one = run([*seeded, candidates(ROUTES)], work / "one", work / "cache-one")
+        singles = {r: run([*seeded, candidates([r])], work / f"single-{r}", work / "cache-four")
                    for r in ROUTES}  # fmt: skip
         four_wall = sum(s["wall_s"] for s in singles.values())
         boards = {str(timed_seed): leaderboard(work / "one")}
         for seed in args.seeds[1:]:
-            sets = [*(f"{key}={seed}" for key in SEEDS), f"pipeline.algorithms=[{','.join(ROUTES)}]"]
+            sets = [*(f"{key}={seed}" for key in SEEDS), candidates(ROUTES)]
             run(sets, work / f"seed-{seed}", work / "cache-one")
             boards[str(seed)] = leaderboard(work / f"seed-{seed}")
     wins = {r: sum(board[0]["route"] == r for board in boards.values()) for r in ROUTES}

@@ -2,13 +2,14 @@
 
 Plain data tables and small functions over them, read by the DAG (pipelines/dag.py), kfp.local's runner
 and `kubealign rerun` (pipelines/local.py, pipelines/rerun.py), the run summary (kubealign/cli/summary.py), the
-CLI's choices and the config's (pipeline.algorithm). Adding a route or a task touches this module and the
+CLI's choices and the config's (pipeline.candidates' algorithm). Adding a route or a task touches this module and the
 code of that task (its stage, task function and component), nothing else; docs/pipeline.md lists the places.
 """
 
 from __future__ import annotations
 
-# pipeline.algorithm(s)' choices; the rl ones run the ppo task with ppo.algorithm set to the route's name
+# a candidate's algorithm (pipeline.candidates); the rl ones run the ppo task with ppo.algorithm set to the route's
+# name, and of those ppo alone trains a critic (has_critic)
 ROUTES = ("ppo", "grpo", "rloo", "dpo")
 RL_ROUTES = ("ppo", "grpo", "rloo")
 SHARED = ("data-split", "sft", "reward")  # upstream of every route (reward: only with a reward model)
@@ -64,6 +65,12 @@ def route_task(route: str) -> str:
     return "dpo" if route == "dpo" else "ppo"
 
 
+def has_critic(route: str) -> bool:
+    """Whether the route trains a critic (a value model, advantages by GAE): ppo. grpo and rloo are critic-free
+    (their baseline is the other responses to the same prompt), and so is dpo (no rollouts at all)."""
+    return route == "ppo"
+
+
 def scorer(reward_model: bool) -> str:
     """The task whose model scores (and starts ppo's critic): the reward model, else the SFT model."""
     return "reward" if reward_model else "sft"
@@ -78,26 +85,26 @@ def stages_for(route: str, reward_model: bool = True, serve: bool = False, judge
 
 
 def tasks_for_routes(
-    routes: list[str] | tuple[str, ...],
+    names: list[str] | tuple[str, ...],
     reward_model: bool,
     serve: bool = False,
     judge: bool = False,
     parallelism: int = 0,
 ) -> tuple[str, ...]:
-    """The tasks a run executes, in DAG order: stages_for one route; with several candidates (`routes`: their
-    names, the routes' own names for pipeline.algorithms), the shared tasks, each candidate's wait (with
+    """The tasks a run executes, in DAG order: with one candidate (`names`: its route alone), stages_for its
+    route; with several (`names`: the candidates' names), the shared tasks, each candidate's wait (with
     pipeline.parallelism, past the first `parallelism`), training and evaluation, the comparison, each
     candidate's promotion."""
-    if len(routes) == 1:
-        return stages_for(routes[0], reward_model, serve, judge)
+    if len(names) == 1:
+        return stages_for(names[0], reward_model, serve, judge)
     shared = tuple(s for s in SHARED if reward_model or s != "reward")
-    waits = set(routes[parallelism:]) if parallelism else set()
+    waits = set(names[parallelism:]) if parallelism else set()
     trained = tuple(
         task
-        for name in routes
+        for name in names
         for task in ((f"{WAIT_PREFIX}{name}",) if name in waits else ()) + (name, f"evaluate-{name}")
     )
-    return (*shared, *trained, "compare", *(f"promote-{name}" for name in routes))
+    return (*shared, *trained, "compare", *(f"promote-{name}" for name in names))
 
 
 def upstream(stage: str, tasks: tuple[str, ...]) -> tuple[str, ...]:
@@ -130,8 +137,8 @@ def is_wait(task: str) -> bool:
 
 
 def route_of(task: str) -> str | None:
-    """The candidate (its name: the route's with pipeline.algorithms) a task of a several-candidate run belongs
-    to (None: a shared task or the comparison)."""
+    """The candidate (its name; a candidate without one is named after its route) a task of a several-candidate
+    run belongs to (None: a shared task or the comparison)."""
     if task in OUTPUT_KEYS:
         return None
     if task.startswith(WAIT_PREFIX):

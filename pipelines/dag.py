@@ -1,6 +1,6 @@
 """The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote.
 
-The pipeline parameter `algorithm` (default: the config's pipeline.algorithm) picks the route with KFP
+The pipeline parameter `algorithm` (default: the route of the config's one candidate) picks the route with KFP
 conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
 to it; `dpo` runs the dpo task on the phase-2 pairs from the SFT model. Evaluate and promote take the one
 candidate the route produced (dsl.OneOf), and promote tags the registered version with its algorithm.
@@ -13,7 +13,7 @@ pipeline parameter `config_json` (editable in the Kubeflow UI), next to the comm
 | config_json          | the whole config        | all                           |
 | sft_model            | sft.model               | sft                           |
 | reward_model         | reward.model            | reward                        |
-| algorithm            | pipeline.algorithm      | which of ppo / dpo runs; ppo.algorithm |
+| algorithm            | pipeline.candidates     | which of ppo / dpo runs; ppo.algorithm |
 | ppo_num_iterations   | ppo.num_iterations      | ppo                           |
 | reward_functions     | rewards.functions, with each FILE.py's source embedded | ppo, evaluate (cache key) |
 | data_fingerprint     | (sources' content hash) | data_split (cache key only)   |
@@ -335,8 +335,8 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
 
 def build(config: KubealignConfig, env: dict[str, str] | None = None) -> Callable[..., None]:
     """The pipeline function for `config`; `env` is set on every task (e.g. the MLflow parent run).
-    One route (pipeline.algorithm, or one entry of pipeline.algorithms or candidates): the route is the
-    `algorithm` parameter. Several: a branch per candidate (kubealign.pipelines.sweep)."""
+    One candidate (pipeline.candidates, or none: ppo.algorithm's route): its route is the `algorithm`
+    parameter. Several: a branch per candidate (kubealign.pipelines.sweep)."""
     check_uri(config.tracking.uri, "tracking.uri")  # config_json is in the compiled pipeline, readable by all
     several = config.several()
     settings: dict[str, str] = {}

@@ -227,13 +227,13 @@ def _finish(
     client: Any,
 ) -> dict[str, Any]:
     """Write the run index, end the parent MLflow run; a failed task that fails the run raises PipelineFailed.
-    With several routes, a route whose training or evaluation failed does not fail the run: the comparison
+    With several candidates, one whose training or evaluation failed does not fail the run: the comparison
     ranks the others (a failed promotion still does: the registry is the run's point)."""
     several = config.several()
     names = config.candidate_names()
-    failed_routes = [r for r in names if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
+    failed_candidates = [r for r in names if not {r, f"evaluate-{r}"} <= set(stages)] if several else []
     # a wait task (pipeline.parallelism) has no output to index
-    ok = all(s in stages for s in route if shape.route_of(s) not in failed_routes and not shape.is_wait(s))
+    ok = all(s in stages for s in route if shape.route_of(s) not in failed_candidates and not shape.is_wait(s))
     extra = {
         "config_json": config_to_json(config),
         "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
@@ -244,14 +244,15 @@ def _finish(
     if several:
         extra["algorithms"] = list(names)
         extra["candidates"] = [c.as_dict() for c in config.candidates()]
-        extra["failed_routes"] = {name: failure_message(failed_in(tasks.records, name), logs) for name in failed_routes}
+        records = tasks.records
+        extra["failed_routes"] = {name: failure_message(failed_in(records, name), logs) for name in failed_candidates}
     index = write_index(output, stages, extra)
     parent = extra["mlflow"]["parent_run_id"]
     client.log_metric(parent, "wall_time_s", extra["wall_time_s"])
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")
     if not ok:  # name the task that failed the run, not a failed route's (the summary names those)
         failed = [r for r in tasks.records.values() if r.status == "failed"]
-        culprits = [r for r in failed if shape.route_of(r.name) not in failed_routes]
+        culprits = [r for r in failed if shape.route_of(r.name) not in failed_candidates]
         raise PipelineFailed(failure_message(culprits[0] if culprits else tasks.failed(), logs))
     return index
 
@@ -299,10 +300,11 @@ def _stage_dirs(
     return stages
 
 
-def failed_in(records: dict[str, Any], route: str) -> Any:
-    """The task of `route` that failed (its training or its evaluation), or None."""
+def failed_in(records: dict[str, Any], candidate: str) -> Any:
+    """The task of `candidate` (its name) that failed (its training or its evaluation), or None."""
     return next(
-        (records[t] for t in (route, f"evaluate-{route}") if t in records and records[t].status == "failed"), None
+        (records[t] for t in (candidate, f"evaluate-{candidate}") if t in records and records[t].status == "failed"),
+        None,
     )
 
 

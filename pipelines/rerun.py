@@ -36,7 +36,7 @@ def _run_stage(
     if stage == "dpo":
         return tasks.train("dpo", config_json, [], d["data-split"], d["sft"], str(out))
     if stage == "ppo":
-        # as the DAG's ppo task: the route sets ppo.algorithm (pipeline.algorithm=grpo alone means GRPO)
+        # as the DAG's ppo task: the route sets ppo.algorithm (a grpo candidate runs GRPO whatever ppo.algorithm says)
         overrides = [f"ppo.algorithm={algorithm}"]
         return tasks.ppo(config_json, overrides, d["data-split"], d["sft"], scorer, str(out), functions)
     if stage == "evaluate":
@@ -118,26 +118,26 @@ def rerun(
     return write_index(output, dirs, extra)
 
 
-def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:
-    """A several-candidate run: candidate `route` (its name) trained and evaluated again, then the comparison
-    and every ranked candidate's promotion (ranks may change), on the shared tasks' and the other candidates'
-    outputs of RUN. `route` "compare" reruns only the comparison and the promotions."""
+def rerun_route(candidate: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:
+    """A several-candidate run: `candidate` (its name) trained and evaluated again, then the comparison and
+    every ranked candidate's promotion (ranks may change), on the shared tasks' and the other candidates'
+    outputs of RUN. `candidate` "compare" reruns only the comparison and the promotions."""
     from kubealign.pipelines.local import tasks_for
 
     candidates = {c.name: c for c in config.candidates()}
-    routes = tuple(candidates)
-    if route not in (*routes, "compare"):
+    names = tuple(candidates)
+    if candidate not in (*names, "compare"):
         raise UserError(
-            f"rerun: {route!r} is not a candidate of this run; a run comparing {', '.join(routes)} reruns one of "
+            f"rerun: {candidate!r} is not a candidate of this run; a run comparing {', '.join(names)} reruns one of "
             "them or compare (the shared stages: `kubealign run --cache` with the change)"
         )
-    retrained = [route, f"evaluate-{route}"] if route != "compare" else []
+    retrained = [candidate, f"evaluate-{candidate}"] if candidate != "compare" else []
     needed = [t for t in tasks_for(config) if t in ("data-split", "sft", "reward") or t.startswith("evaluate-")]
-    needed += [r for r in routes if r != route]
-    # a route that failed in RUN has no outputs there and stays failed; a shared stage must be there
-    names = [t for t in needed if t not in retrained and (t in index["stages"] or t in ("data-split", "sft", "reward"))]
-    dirs = {name: reusable(index, run, name, route) for name in names}
-    output, client, parent, env = start(config, index, run, route, output)
+    needed += [r for r in names if r != candidate]
+    # a candidate that failed in RUN has no outputs there and stays failed; a shared stage must be there
+    kept = [t for t in needed if t not in retrained and (t in index["stages"] or t in ("data-split", "sft", "reward"))]
+    dirs = {name: reusable(index, run, name, candidate) for name in kept}
+    output, client, parent, env = start(config, index, run, candidate, output)
     uri, experiment_id = env["MLFLOW_TRACKING_URI"], env["MLFLOW_EXPERIMENT_ID"]
     config_json = config_to_json(config)
     functions = index.get("reward_functions", "")
@@ -145,26 +145,26 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
     status = "FAILED"
     try:
         with scoped_environ(env):
-            if route != "compare":
-                ours = candidates[route]  # trained with its settings, evaluated with the run's shared config
+            if candidate != "compare":
+                ours = candidates[candidate]  # trained with its settings, evaluated with the run's shared config
                 trained_json = config_to_json(config.for_candidate(ours))
-                _run_stage(route_task(ours.route), trained_json, dirs, output / route, ours.route, functions)
-                dirs[route] = output / route
+                _run_stage(route_task(ours.route), trained_json, dirs, output / candidate, ours.route, functions)
+                dirs[candidate] = output / candidate
                 _run_stage(
                     "evaluate",
                     config_json,
-                    {**dirs, route_task(ours.route): dirs[route]},
-                    output / f"evaluate-{route}",
+                    {**dirs, route_task(ours.route): dirs[candidate]},
+                    output / f"evaluate-{candidate}",
                     ours.route,
                     functions,
                 )
-                dirs[f"evaluate-{route}"] = output / f"evaluate-{route}"
-            evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in routes}
+                dirs[f"evaluate-{candidate}"] = output / f"evaluate-{candidate}"
+            evaluations = {r: str(dirs[f"evaluate-{r}"]) if f"evaluate-{r}" in dirs else None for r in names}
             listed = [c.as_dict() for c in candidates.values()]
             tasks.compare(config_json, [], listed, evaluations, str(output / "compare"))
             dirs["compare"] = output / "compare"
             todo.append("compare")
-            for name in (r for r in routes if f"evaluate-{r}" in dirs and r in dirs):
+            for name in (r for r in names if f"evaluate-{r}" in dirs and r in dirs):
                 target = output / f"promote-{name}"
                 tasks.promote(
                     config_json,
@@ -182,7 +182,7 @@ def rerun_route(route: str, run: Path, index: dict[str, Any], config: Any, outpu
         client.set_terminated(parent, status)
     reused = sorted(set(dirs) - set(todo))
     extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
-    extra.update({"reward_functions": functions, "algorithm": config.route(), "algorithms": list(routes)})
-    extra["failed_routes"] = {r: "failed in the earlier run (not rerun)" for r in routes if r not in dirs}
+    extra.update({"reward_functions": functions, "algorithm": config.route(), "algorithms": list(names)})
+    extra["failed_routes"] = {r: "failed in the earlier run (not rerun)" for r in names if r not in dirs}
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
     return write_index(output, dirs, extra)

@@ -1,4 +1,4 @@
-"""The DAG of several candidates (pipeline.candidates, or pipeline.algorithms: one per route): the shared
+"""The DAG of several candidates (pipeline.candidates, a sweep expanded into one per grid point): the shared
 data-split, SFT and reward tasks, a branch per candidate (its training task with its own settings, its
 evaluation against the same SFT baseline), one compare task that ranks them and draws the reward-KL
 frontier, and a promotion per candidate of which only the leader can move the aliases.

@@ -27,6 +27,7 @@ GPU_CLUSTER = [
     "kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
     "kubernetes.shm_size=32Gi",
 ]
+GRPO_DPO = "pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"
 
 
 def compiled(
@@ -97,7 +98,7 @@ def test_tasks_routes_and_edges(tmp_path: Path) -> None:
 
 
 def test_the_algorithm_parameter_defaults_to_the_config(tmp_path: Path) -> None:
-    spec, _ = compiled(tmp_path, ["pipeline.algorithm=grpo"])
+    spec, _ = compiled(tmp_path, ["pipeline.candidates=[{algorithm: grpo}]"])
     assert spec.root.input_definitions.parameters["algorithm"].default_value.string_value == "grpo"
 
 
@@ -166,7 +167,7 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
     """Preemption on the cluster: every training task (and only those) retries with a backoff, keeps its
     checkpoints on the PVC under the run (the pod's `pipeline/runid` label) and its task name, knows its pod
     (a TrainJob's owner), and carries the Kueue queue label."""
-    overrides = [*GPU_CLUSTER, "kubernetes.queue=team-a", "kubernetes.retries=3", "pipeline.algorithms=[grpo,dpo]"]
+    overrides = [*GPU_CLUSTER, "kubernetes.queue=team-a", "kubernetes.retries=3", GRPO_DPO]
     spec, platform = compiled(tmp_path, overrides)
     tasks = json_format.MessageToDict(spec.root.dag)["tasks"]
     training = {"sft", "reward", "grpo", "dpo"}
@@ -244,7 +245,7 @@ def test_every_task_carries_the_compile_time_pins(tmp_path: Path) -> None:
     parameter a run can edit, and not where it would change the cache key of tasks the functions do not touch."""
     import hashlib
 
-    spec, _ = compiled(tmp_path, ["pipeline.algorithms=[grpo,dpo]"])
+    spec, _ = compiled(tmp_path, [GRPO_DPO])
     default = spec.root.input_definitions.parameters["reward_functions"].default_value.string_value
     executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
     scoring = set()
@@ -280,6 +281,6 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
 
 
 def test_serve_takes_one_route(cli, tmp_path: Path) -> None:
-    done = cli("compile", "--set", "serve.enabled=true", "--set", "pipeline.algorithms=[ppo,dpo]", "-o",
-               str(tmp_path / "p.yaml"))  # fmt: skip
+    done = cli("compile", "--set", "serve.enabled=true", "--set", "pipeline.candidates=[{algorithm: ppo}, {algorithm: dpo}]",
+               "-o", str(tmp_path / "p.yaml"))  # fmt: skip
     assert done.code == 2 and "serve.enabled takes one route" in done.err

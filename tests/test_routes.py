@@ -1,4 +1,4 @@
-"""Several routes in one pipeline run (pipeline.algorithms): the ranking rule by hand-made evaluations,
+"""Several routes in one pipeline run (pipeline.candidates, one per route): the ranking rule by hand-made evaluations,
 the config, the compiled DAG, and runs through kfp.local: a leaderboard, only the leader promoted, a failed
 route that does not sink the others, one more route added with --cache, and `kubealign rerun ROUTE`."""
 
@@ -24,7 +24,13 @@ from kubealign.selection import ranking
 from kubealign.stages import compare
 from tests.test_kfp_local import SHORT as KFP_SHORT
 
-ROUTES4 = "pipeline.algorithms=[ppo,grpo,rloo,dpo]"
+ROUTES4 = "pipeline.candidates=[{algorithm: ppo}, {algorithm: grpo}, {algorithm: rloo}, {algorithm: dpo}]"
+
+
+def candidates(routes: str) -> str:
+    """The --set override of one candidate per route, each named after it: "grpo,dpo" ->
+    pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]."""
+    return "pipeline.candidates=[" + ", ".join(f"{{algorithm: {r}}}" for r in routes.split(",")) + "]"
 
 
 def evaluation(bound: float, reward: float, kl: float, **more: float) -> dict[str, float]:
@@ -84,7 +90,7 @@ def fake_evaluation(directory: Path, metrics: dict[str, float]) -> Path:
 
 
 def test_compare_stage_names_the_failed_route_and_fails_with_none_left(tmp_path: Path) -> None:
-    config = load_config(None, ["tracking.enabled=false", "pipeline.algorithms=[grpo,rloo,dpo]"])
+    config = load_config(None, ["tracking.enabled=false", candidates("grpo,rloo,dpo")])
     evaluations = {
         "grpo": fake_evaluation(tmp_path / "g", evaluation(0.40, 0.9, 0.1)),
         "rloo": None,  # its training failed: no evaluation
@@ -114,21 +120,21 @@ def test_compare_stage_names_the_failed_route_and_fails_with_none_left(tmp_path:
 # --- config and the compiled DAG --------------------------------------------------------------------------
 
 
-def test_algorithms_config() -> None:
+def test_routes_config() -> None:
+    """One candidate per route (the deprecated pipeline.algorithm(s): tests/test_pipeline_config.py)."""
     assert load_config(None, [ROUTES4]).routes() == ("ppo", "grpo", "rloo", "dpo")
-    assert load_config(None, ["pipeline.algorithm=dpo"]).routes() == ("dpo",)
+    assert load_config(None, [candidates("dpo")]).routes() == ("dpo",)
     assert load_config(None, ["ppo.algorithm=rloo"]).routes() == ("rloo",)
     for bad, said in (
-        ("pipeline.algorithms=[grpo,dpo,grpo]", "each route at most once; repeated: grpo"),
-        ("pipeline.algorithms=[]", "pipeline.algorithms"),
-        ("pipeline.algorithms=[sac]", "pipeline.algorithms"),
+        (candidates("grpo,dpo,grpo"), "candidate name 'grpo' is used twice"),
+        (candidates("sac"), "pipeline.candidates.0.algorithm"),
     ):
         with pytest.raises(UserError, match=said):
             load_config(None, [bad])
-    with pytest.raises(UserError, match="pipeline.algorithm dpo and pipeline.algorithms both set"):
-        load_config(None, ["pipeline.algorithm=dpo", "pipeline.algorithms=[grpo,dpo]"])
-    with pytest.raises(UserError, match="pipeline.algorithm rloo needs ppo.samples_per_prompt >= 2"):
-        load_config(None, ["pipeline.algorithms=[ppo,rloo]", "ppo.samples_per_prompt=1"])
+    with pytest.raises(
+        UserError, match="candidate rloo: field 'ppo': ppo.algorithm rloo needs ppo.samples_per_prompt >= 2"
+    ):
+        load_config(None, [candidates("ppo,rloo"), "ppo.samples_per_prompt=1"])
 
 
 def spec_of(tmp_path: Path, overrides: list[str]) -> tuple[str, pipeline_spec_pb2.PipelineSpec]:
@@ -140,10 +146,13 @@ def spec_of(tmp_path: Path, overrides: list[str]) -> tuple[str, pipeline_spec_pb
 
 @pytest.mark.kfp
 def test_one_listed_route_compiles_to_todays_dag(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    listed, _ = spec_of(tmp_path / "a", ["pipeline.algorithms=[grpo]"])
-    single, _ = spec_of(tmp_path / "b", ["pipeline.algorithm=grpo"])
-    assert listed == single
+    """One candidate compiles as the route alone did, and so do the deprecated spellings of it."""
+    spelled = (candidates("grpo"), "ppo.algorithm=grpo", "pipeline.algorithm=grpo", "pipeline.algorithms=[grpo]")
+    texts = []
+    for number, override in enumerate(spelled):
+        (tmp_path / str(number)).mkdir()
+        texts.append(spec_of(tmp_path / str(number), [override])[0])
+    assert all(text == texts[0] for text in texts)
 
 
 @pytest.mark.kfp
@@ -182,7 +191,7 @@ def test_four_routes_compile_and_validate(tmp_path: Path) -> None:
 
 @pytest.mark.kfp
 def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
-    _, spec = spec_of(tmp_path, ["pipeline.algorithms=[rloo,dpo]"])
+    _, spec = spec_of(tmp_path, [candidates("rloo,dpo")])
     comparison = spec.root.dag.tasks["compare"]
     assert set(comparison.inputs.artifacts) == {"evaluation_1", "evaluation_2"}
     declared = spec.components[comparison.component_ref.name].input_definitions.artifacts
@@ -192,7 +201,7 @@ def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
 
 
 def test_task_list_of_a_several_route_run() -> None:
-    config = load_config(None, ["pipeline.algorithms=[grpo,dpo]"])
+    config = load_config(None, [candidates("grpo,dpo")])
     assert tasks_for(config) == (
         "data-split", "sft", "reward", "grpo", "evaluate-grpo", "dpo", "evaluate-dpo", "compare",
         "promote-grpo", "promote-dpo",
@@ -212,7 +221,7 @@ SHORT = [
 
 
 def run_args(routes: str, output: Path) -> list[str]:
-    sets = [arg for item in [*SHORT, f"pipeline.algorithms=[{routes}]"] for arg in ("--set", item)]
+    sets = [arg for item in [*SHORT, candidates(routes)] for arg in ("--set", item)]
     return ["run", *sets, "--output", str(output), "--cache"]
 
 

@@ -90,10 +90,10 @@ def test_candidates_config() -> None:
     assert config.candidate_names() == ("dpo-beta-0p01", "dpo-beta-0p05", "dpo-beta-0p1", "dpo-beta-0p3", "ppo", "grpo")
     assert config.routes() == ("dpo", "ppo", "grpo") and config.route() == "dpo" and config.several()
     second = config.for_candidate(config.candidates()[1])
-    assert second.dpo.beta == 0.05 and second.pipeline.algorithm == "dpo" and config.dpo.beta == 0.1
+    assert second.dpo.beta == 0.05 and second.candidates() == (Candidate("dpo", "dpo", {}),) and config.dpo.beta == 0.1
     assert config.for_candidate(config.candidates()[5]).ppo.algorithm == "grpo"
-    # pipeline.algorithms is one default candidate per route, named after it
-    assert load_config(None, ["pipeline.algorithms=[grpo,dpo]"]).candidates() == (
+    # a candidate without settings or a name: the route at its section's settings, named after it
+    assert load_config(None, ["pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"]).candidates() == (
         Candidate("grpo", "grpo", {}), Candidate("dpo", "dpo", {}),
     )  # fmt: skip
     one = load_config(None, ["pipeline.candidates=[{algorithm: grpo, set: {ppo.kl_coef: 0.3}}]"])
@@ -231,7 +231,7 @@ def test_six_candidates_with_a_bounded_fan_out_compile_and_validate(tmp_path: Pa
             beta = float(name.removeprefix("dpo-beta-").replace("p", "."))
             assert json.loads(settings.runtime_value.constant.string_value) == {"dpo.beta": beta}
         else:
-            assert settings is None  # a route's default candidate: the task as pipeline.algorithms compiles it
+            assert settings is None  # a route's default candidate: the task as a settings-free candidate compiles
             assert trained.inputs.parameters["algorithm"].runtime_value.constant.string_value == name
         # candidate i waits for the slot that candidate i - 2's evaluation frees, failed or not
         extra = [f"wait-{name}"] if number >= 2 else []
@@ -364,7 +364,7 @@ def test_one_more_candidate_with_cache_trains_only_it(sweep_run, tmp_path: Path,
 
 @pytest.mark.kfp
 def test_one_candidate_compiles_to_the_one_route_dag_with_its_settings_on_its_task(tmp_path: Path) -> None:
-    _, plain = spec_of(tmp_path / "plain", ["pipeline.algorithm=dpo"])
+    _, plain = spec_of(tmp_path / "plain", ["pipeline.candidates=[{algorithm: dpo}]"])
     _, one = spec_of(tmp_path / "one", ["pipeline.candidates=[{algorithm: dpo, set: {dpo.beta: 0.3}}]"])
     defaults = {k: v.default_value for k, v in one.root.input_definitions.parameters.items()}
     # the shared tasks' inputs (config_json and the rest) are a plain dpo run's: their cache stays valid

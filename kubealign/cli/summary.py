@@ -105,9 +105,9 @@ def _seconds(*results: dict[str, Any] | None) -> str:
 
 
 def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
-    """One line per route of a several-route run, in the comparison's order: its evaluation against the
-    SFT model (win-rate with its interval, reward, KL), its registry version and why it did not lead;
-    a failed route with its error line and log. Time: the route's training plus its evaluation."""
+    """One line per candidate of a several-candidate run, in the comparison's order: its evaluation against
+    the SFT model (win-rate with its interval, reward, KL), its registry version and why it did not lead;
+    a failed candidate with its error line and log. Time: the candidate's training plus its evaluation."""
     comparison = _result(dirs["compare"]) if "compare" in dirs else None
     if comparison is None:
         return [f"{'compare':<11}{'-':>8}  no comparison (see the failed task above)"]
@@ -120,27 +120,27 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
     leader, front = comparison.get("leader", ""), comparison.get("front", [])
     width = max([9, *(len(s["route"]) + 1 for s in comparison["standings"])])
     for standing in comparison["standings"]:
-        route = standing["route"]
-        trained, evaluation = _result(dirs[route]), _result(dirs[f"evaluate-{route}"])
+        candidate = standing["route"]
+        trained, evaluation = _result(dirs[candidate]), _result(dirs[f"evaluate-{candidate}"])
         m = {"win_rate_upper_bound": float("nan"), **(evaluation or {}).get("metrics", {})}
         text = (
             f"win-rate {m['win_rate']:.2f} [{m['win_rate_lower_bound']:.2f}, {m['win_rate_upper_bound']:.2f}], "
             f"reward {m['candidate_reward_mean']:.3f} (SFT {m['baseline_reward_mean']:.3f}), "
             f"KL {m['kl_to_baseline']:.3f}"
         )
-        promoted = _result(dirs[f"promote-{route}"]) if f"promote-{route}" in dirs else None
+        promoted = _result(dirs[f"promote-{candidate}"]) if f"promote-{candidate}" in dirs else None
         if promoted is not None:
             held = ",".join(sorted(a for a, v in promoted.get("aliases", {}).items() if v == promoted.get("version")))
             text += f"; version {promoted.get('version')}{' ' + held if held else ''}"
-            if route == leader and not promoted.get("metrics", {}).get("gate_passed"):
+            if candidate == leader and not promoted.get("metrics", {}).get("gate_passed"):
                 text += " (gate refused)"
-        if route in front and len(comparison["standings"]) > 2:
+        if candidate in front and len(comparison["standings"]) > 2:
             text += "; on the frontier"
         if standing["why"]:
             text += f"; behind: {standing['why']}"
-        lines.append(f"{standing['rank']} {route:<{width}}{_seconds(trained, evaluation):>8}  {text}")
-    for route, message in indexed.get("failed_routes", {}).items():
-        lines.append(f"- {route:<{width}}{'-':>8}  FAILED: {message}")
+        lines.append(f"{standing['rank']} {candidate:<{width}}{_seconds(trained, evaluation):>8}  {text}")
+    for candidate, message in indexed.get("failed_routes", {}).items():
+        lines.append(f"- {candidate:<{width}}{'-':>8}  FAILED: {message}")
     return lines
 
 

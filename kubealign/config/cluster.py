@@ -1,17 +1,13 @@
-"""Where the pipeline runs: the `kubernetes` section (resources, volumes, retries, the queue) and the
-`pipeline` section (the routes or candidates the DAG trains)."""
+"""Where the pipeline runs: the `kubernetes` section (resources, volumes, retries, the queue). What it
+trains, the `pipeline` section, is kubealign.config.pipeline's."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from kubealign.config.base import Section
-from kubealign.config.ppo import PPOConfig
-from kubealign.config.train import DPOConfig
-from kubealign.selection import candidates as sweep
-from kubealign.shape import ROUTES
 
 
 class Toleration(Section):
@@ -90,92 +86,3 @@ class KubernetesConfig(Section):
         if self.ppo_nodes > 1 and self.ppo_gpus == 0:
             raise ValueError("kubernetes.ppo_nodes > 1 needs kubernetes.ppo_gpus >= 1")
         return self
-
-
-class CandidateSpec(Section):
-    """One entry of pipeline.candidates: a candidate, or with `sweep` one candidate per point of a grid."""
-
-    name: str | None = Field(
-        None,
-        description="The candidate's name (its tasks' and MLflow run's); None = the algorithm's. With `sweep`, "
-        "the grid points' names start with it: dpo-beta-0p05.",
-    )
-    algorithm: Literal[ROUTES] = Field(description="The candidate's route: ppo, grpo, rloo or dpo.")
-    set: dict[str, Any] = Field(
-        default_factory=dict,
-        description="Settings of the route's training section, dotted as in --set: {dpo.beta: 0.05} for dpo, "
-        "{ppo.kl_coef: 0.05} for ppo, grpo and rloo. Only that section: every candidate shares the data, SFT, "
-        "reward model and evaluation.",
-    )
-    sweep: dict[str, list[Any]] = Field(
-        default_factory=dict,
-        description="A grid: setting -> its values ({dpo.beta: [0.01, 0.05, 0.1]}); one candidate per point of "
-        "the product, each with `set` too.",
-    )
-
-    @field_validator("sweep")
-    @classmethod
-    def _check_sweep(cls, value: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        empty = [key for key, values in value.items() if not values]
-        if empty:
-            raise ValueError(f"sweep {empty[0]}: no values")
-        return value
-
-
-class PipelineConfig(Section):
-    """What the DAG runs (`kubealign run`, compile, submit); the stages run alone ignore it."""
-
-    algorithm: Literal[ROUTES] = Field(
-        "ppo",
-        description="The route from SFT to the candidate: ppo, grpo or rloo (the ppo task, with ppo.algorithm set "
-        "to it) or dpo (the dpo task on the phase-2 pairs). Evaluate and promote take that candidate.",
-    )
-    algorithms: list[Literal[ROUTES]] | None = Field(
-        None,
-        min_length=1,
-        description="Several routes compared in one pipeline run (each at most once): every route trains from the "
-        "same data-split, SFT and reward tasks, is evaluated against the same SFT baseline, a compare task ranks "
-        "them and only the leader can become champion. One entry is the same as `algorithm`; None = `algorithm`.",
-    )
-
-    candidates: list[CandidateSpec] | None = Field(
-        None,
-        min_length=1,
-        description="Candidates compared in one run, each a route with its own settings (a sweep expands to "
-        "several); like `algorithms`, all share the data-split, SFT and reward tasks and the evaluation, a "
-        "compare task ranks them, only the leader can become champion. None = `algorithms` (one candidate "
-        "per route, at its section's settings).",
-    )
-    parallelism: int = Field(
-        0,
-        ge=0,
-        description="At most this many candidates train at once on a cluster (the others wait for a slot); "
-        "0 = all at once. kfp.local runs one task at a time anyway.",
-    )
-    max_kl: float | None = Field(
-        None,
-        gt=0,
-        description="KL budget, nats (evaluate's kl_to_baseline: to the SFT model): the leader is the best "
-        "candidate within it; with none within it, nothing is promoted. None = no budget.",
-    )
-
-    @field_validator("candidates")
-    @classmethod
-    def _check_candidates(cls, value: list[CandidateSpec] | None) -> list[CandidateSpec] | None:
-        expanded = sweep.expand(spec.model_dump() for spec in value or [])
-        sweep.check_names(expanded)
-        for candidate in expanded:
-            sweep.check_keys(candidate, {"ppo": PPOConfig, "dpo": DPOConfig})
-        return value
-
-    def expanded(self) -> list[sweep.Candidate]:
-        """pipeline.candidates with every sweep expanded (kubealign.selection.candidates.expand)."""
-        return sweep.expand(spec.model_dump() for spec in self.candidates or [])
-
-    @field_validator("algorithms")
-    @classmethod
-    def _check_algorithms(cls, value: list[str] | None) -> list[str] | None:
-        repeated = sorted({name for name in value or [] if (value or []).count(name) > 1})
-        if repeated:
-            raise ValueError(f"each route at most once; repeated: {', '.join(repeated)}")
-        return value

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import sys
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,12 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from kubealign.config.pipeline import deprecation
 from kubealign.config.schema import KubealignConfig
 from kubealign.errors import UserError
 
 DEFAULT_PRESET = "tiny-cpu"
+_SAID: set[str] = set()  # the deprecation lines printed by this process (each once)
 
 
 def preset_names() -> list[str]:
@@ -105,13 +109,28 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
 def load_config(config: str | Path | None = None, overrides: list[str] | None = None) -> KubealignConfig:
     """Resolve a config: file or preset (default: the tiny-cpu preset), then overrides, then validate."""
     label, text = _read_source(config)
-    resolved = _validate(label, _parse_yaml(label, text), overrides)
+    data = _parse_yaml(label, text)
+    resolved = _validate(label, data, overrides)  # the overrides are applied to `data`
+    _deprecated(data.get("pipeline"), resolved)
     # relative reward-function files are relative to the YAML file: a preset's to the installed presets
     if label.startswith("preset "):
         resolved._base_dir = str(Path(str(resources.files("kubealign.configs"))).resolve())
     else:
         resolved._base_dir = str(Path(label).resolve().parent)
     return resolved
+
+
+def _deprecated(section: Any, config: KubealignConfig) -> None:
+    """One line on stderr, once per process, for the deprecated spellings of pipeline.candidates in a user's
+    config (a file, a preset, --set). Not in config_from_json, how each of the pipeline's tasks reads its
+    config: that is a config already read (the DAG's config_json has the default pipeline section, a run's
+    index its candidates), and a task would repeat the line."""
+    line = deprecation(section if isinstance(section, dict) else None, config.routes())
+    if line is None or line in _SAID or os.environ.get("RANK", "0") != "0":  # torchrun: rank 0 says it
+        return
+    _SAID.add(line)
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def config_to_json(config: KubealignConfig) -> str:

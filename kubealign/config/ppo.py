@@ -8,7 +8,7 @@ from pydantic import AliasChoices, Field, model_validator
 
 from kubealign.config.base import DType, Section
 from kubealign.config.train import LoraConfig
-from kubealign.shape import RL_ROUTES
+from kubealign.shape import RL_ROUTES, has_critic
 
 
 class HybridEngineConfig(Section):
@@ -27,7 +27,9 @@ class PPOConfig(Section):
         "ppo",
         description="ppo: clipped PPO with a critic and GAE; grpo: critic-free, group-relative advantages over "
         "samples_per_prompt responses, KL to the reference as a loss term; rloo: critic-free, leave-one-out "
-        "baseline over samples_per_prompt responses. In the DAG, pipeline.algorithm sets it.",
+        "baseline over samples_per_prompt responses. The ppo task's loss; what the DAG trains is chosen by "
+        "pipeline.candidates, and each candidate's algorithm sets this in its ppo task (with no candidates, the "
+        "one route is this).",
     )
     actor_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the actor.")
     critic_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the critic.")
@@ -128,11 +130,16 @@ class PPOConfig(Section):
         grpo's default) and is resolved here, where it is used."""
         if self.samples_per_prompt is not None:
             return self.samples_per_prompt
-        return 1 if self.algorithm == "ppo" else 4
+        return 1 if self.has_critic else 4
+
+    @property
+    def has_critic(self) -> bool:
+        """Whether this variant trains a critic (ppo; grpo and rloo compare a prompt's responses instead)."""
+        return has_critic(self.algorithm)
 
     @model_validator(mode="after")
     def _check_groups(self) -> PPOConfig:
-        if self.algorithm != "ppo" and self.group_size < 2:
+        if not self.has_critic and self.group_size < 2:
             raise ValueError(
                 f"ppo.algorithm {self.algorithm} needs ppo.samples_per_prompt >= 2 (got {self.group_size}): "
                 "a group of one response has no baseline to compare it with"

@@ -14,15 +14,16 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
-from kubealign.config.cluster import KubernetesConfig, PipelineConfig, Toleration
+from kubealign.config.cluster import KubernetesConfig, Toleration
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.llm_judge import LLMJudgeConfig
+from kubealign.config.pipeline import PipelineConfig, shorthand
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
 from kubealign.selection.candidates import Candidate
 
-# the sections' classes live by concept in base, train, ppo and cluster; importable from here as before
+# the sections' classes live by concept in base, train, ppo, cluster and pipeline; importable from here as before
 __all__ = [
     "DPOConfig",
     "DType",
@@ -315,20 +316,18 @@ class KubealignConfig(Section):
         return hash(self.model_dump_json())
 
     def route(self) -> str:
-        """The DAG's route: pipeline.algorithm, or ppo.algorithm when only that was set (grpo/rloo); with
-        several pipeline.algorithms or candidates, the first's."""
+        """The DAG's route: the first candidate's (pipeline.candidates), else ppo.algorithm's (ppo unless set)."""
         if self.pipeline.candidates:
             return self.pipeline.expanded()[0].route
-        if self.pipeline.algorithms:
-            return self.pipeline.algorithms[0]
-        return self.pipeline.algorithm if self.pipeline.algorithm != "ppo" else self.ppo.algorithm
+        return self.ppo.algorithm
 
     def candidates(self) -> tuple[Candidate, ...]:
-        """Every candidate the DAG trains: pipeline.candidates (sweeps expanded), else one per route of
-        pipeline.algorithms, else the one route() — the latter two named after their route, with no settings."""
+        """Every candidate the DAG trains: pipeline.candidates (sweeps expanded; the deprecated
+        pipeline.algorithm(s) are read as candidates, kubealign.config.pipeline.shorthand), else the one
+        route() named after itself, with no settings."""
         if self.pipeline.candidates:
             return tuple(self.pipeline.expanded())
-        return tuple(Candidate(route, route, {}) for route in (self.pipeline.algorithms or [self.route()]))
+        return (Candidate(self.route(), self.route(), {}),)
 
     def candidate_names(self) -> tuple[str, ...]:
         return tuple(c.name for c in self.candidates())
@@ -344,7 +343,7 @@ class KubealignConfig(Section):
     def for_candidate(self, candidate: Candidate) -> KubealignConfig:
         """This config as `candidate`'s one-route run: its settings applied, the route its own."""
         data = self.model_dump(mode="json")
-        data["pipeline"] = {"algorithm": candidate.route}
+        data["pipeline"] = {"candidates": [{"algorithm": candidate.route}]}
         if candidate.route != "dpo":
             data["ppo"]["algorithm"] = candidate.route
         for key, value in candidate.settings.items():
@@ -357,38 +356,35 @@ class KubealignConfig(Section):
         resolved._base_dir = self._base_dir
         return resolved
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_shorthand(cls, data: object) -> object:
+        """pipeline.algorithm(s), the deprecated spellings, read as pipeline.candidates (a conflict is an error
+        across fields: its message names them)."""
+        if isinstance(data, dict) and isinstance(data.get("pipeline"), dict):
+            return {**data, "pipeline": shorthand(data["pipeline"])}
+        return data
+
     @model_validator(mode="after")
     def _check_cross_fields(self) -> KubealignConfig:
         for name in ("sft", "reward", "dpo"):
             section: TrainConfig = getattr(self, name)
             if section.lora.only_lora and section.lora.r == 0:
                 raise ValueError(f"{name}.lora.only_lora needs {name}.lora.r > 0")
-        # the DAG sets ppo.algorithm from the route: refuse here what the ppo task would refuse after sft
-        if self.pipeline.algorithms and self.pipeline.algorithm != "ppo":
-            raise ValueError(
-                f"pipeline.algorithm {self.pipeline.algorithm} and pipeline.algorithms both set: keep one "
-                "(algorithm is the one-route spelling of algorithms)"
-            )
-        if self.pipeline.candidates and (self.pipeline.algorithms or self.pipeline.algorithm != "ppo"):
-            raise ValueError(
-                "pipeline.candidates and pipeline.algorithm(s) both set: keep candidates (each names its algorithm)"
-            )
         if self.serve.enabled and self.several():
             raise ValueError(
-                "serve.enabled takes one route: with several pipeline.algorithms or candidates, serve the champion "
+                "serve.enabled takes one route: with several pipeline.candidates, serve the champion "
                 "with `kubealign serve --manifest` after the run"
             )
-        if self.pipeline.candidates:
-            self._check_candidates()
-            return self
-        grouped = [r for r in self.routes() if r in ("grpo", "rloo")]
-        if grouped and self.ppo.samples_per_prompt == 1:
-            raise ValueError(f"pipeline.algorithm {grouped[0]} needs ppo.samples_per_prompt >= 2 (or unset: 4), got 1")
+        self._check_candidates()
         return self
 
     def _check_candidates(self) -> None:
-        """Each candidate's settings validated as its own run's config would be (bounds, cross-field rules)."""
+        """Each candidate validated as its own run's config would be (its settings' bounds, cross-field rules,
+        the ppo task's with ppo.algorithm set to its route): refused here, not by the ppo task after sft."""
         for candidate in self.candidates():
+            if not candidate.settings and candidate.route in ("dpo", self.ppo.algorithm):
+                continue  # this config is its run's already (and for_candidate's own config ends here)
             try:
                 self.for_candidate(candidate)
             except ValidationError as exc:

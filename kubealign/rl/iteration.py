@@ -158,7 +158,7 @@ def update(
     stats: dict[str, list[float]] = {}
     firsts: dict[str, float] = {}
     skipped = 0
-    with_critic = cfg.algorithm == "ppo"
+    with_critic = cfg.has_critic
     models.actor.train()  # the hybrid engine leaves inference mode here; dropout is off (disable_dropout)
     if with_critic:
         models.critic.train()
@@ -370,7 +370,7 @@ def iteration(
     if fault.message:  # before any update: a nan here would poison every weight it reaches
         raise NonFiniteExperience(fault)
     kl_coef = kl.value
-    targets = (ppo_targets if cfg.algorithm == "ppo" else group_targets)(exp, cfg, kl_coef)
+    targets = (ppo_targets if cfg.has_critic else group_targets)(exp, cfg, kl_coef)
     losses = update(
         models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first, targets.keep
     )

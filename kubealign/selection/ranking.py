@@ -1,4 +1,4 @@
-"""The ranking rule of several routes' evaluations (the compare stage's; see its docstring for the rule and
+"""The ranking rule of several candidates' evaluations (the compare stage's; see its docstring for the rule and
 why): pure functions of metric dicts."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ REWARD, KL = "candidate_reward_mean", "kl_to_baseline"
 
 
 class Standing(NamedTuple):
-    """One finished candidate's place (`route`: its name): rank 1 is the leader unless over the KL budget;
-    `why` says what put it behind the leader, or that it is over the budget."""
+    """One finished candidate's place (`route`: its name; the field keeps the name the compare stage's
+    result.json gives it): rank 1 is the leader unless over the KL budget; `why` says what put it behind the
+    leader, or that it is over the budget."""
 
     route: str
     rank: int
@@ -49,32 +50,32 @@ def rank(
     check, kubealign.promotion.guards): the leader is standings[0] only when eligible(it)."""
     refused = refused or {}
     measure = measure_of(metric)
-    for route, metrics in evaluations.items():
+    for candidate, metrics in evaluations.items():
         for name in (measure, REWARD):
             if name not in metrics:
-                raise UserError(f"compare: the {route} evaluation has no {name} (promote.metric {metric})")
+                raise UserError(f"compare: the {candidate} evaluation has no {name} (promote.metric {metric})")
 
-    def kl(route: str) -> float:
-        return evaluations[route].get(KL, math.inf)
+    def kl(candidate: str) -> float:
+        return evaluations[candidate].get(KL, math.inf)
 
-    def key(route: str) -> tuple[bool, float, float, float, int]:
-        m = evaluations[route]
-        eligible = within(kl(route), max_kl) and route not in refused
-        return (not eligible, -m[measure], -m[REWARD], kl(route), order.index(route))
+    def key(candidate: str) -> tuple[bool, float, float, float, int]:
+        m = evaluations[candidate]
+        eligible = within(kl(candidate), max_kl) and candidate not in refused
+        return (not eligible, -m[measure], -m[REWARD], kl(candidate), order.index(candidate))
 
     ranked = sorted(evaluations, key=key)
     leader = ranked[0] if ranked else ""
 
-    def why(route: str) -> str:
-        if route in refused:
-            return f"refused by a guard: {refused[route]}"
-        if not within(kl(route), max_kl):
-            return f"{KL} {kl(route):.4g} > pipeline.max_kl {max_kl:.4g}"
-        return "" if route == leader else behind(evaluations[route], evaluations[leader], leader, measure)
+    def why(candidate: str) -> str:
+        if candidate in refused:
+            return f"refused by a guard: {refused[candidate]}"
+        if not within(kl(candidate), max_kl):
+            return f"{KL} {kl(candidate):.4g} > pipeline.max_kl {max_kl:.4g}"
+        return "" if candidate == leader else behind(evaluations[candidate], evaluations[leader], leader, measure)
 
     return [
-        Standing(route, place + 1, evaluations[route][measure], evaluations[route][REWARD], kl(route), why(route))
-        for place, route in enumerate(ranked)
+        Standing(c, place + 1, evaluations[c][measure], evaluations[c][REWARD], kl(c), why(c))
+        for place, c in enumerate(ranked)
     ]
 
 

@@ -1,5 +1,5 @@
-"""Stage compare: rank the candidates of one pipeline run (pipeline.candidates, or one per route of
-pipeline.algorithms) by their evaluations, and draw their reward-KL frontier.
+"""Stage compare: rank the candidates of one pipeline run (pipeline.candidates) by their evaluations, and
+draw their reward-KL frontier.
 
 Every candidate was evaluated against the same SFT baseline on the same prompts with the same sampling
 seeds (one config, one evaluate.seed), so their evaluations compare directly. The rule, in order:

@@ -37,7 +37,7 @@ def model_dirs(
                 f"{rewards.model_weight:g}{'' if rewards.functions else ' and no rewards.functions are set'}; "
                 "for reward functions alone set rewards.model_weight: 0"
             )
-    critic_dir = (critic or reward_dir or actor) if cfg.algorithm == "ppo" else None
+    critic_dir = (critic or reward_dir or actor) if cfg.has_critic else None
     return critic_dir, reward_dir
 
 

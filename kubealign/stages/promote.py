@@ -199,35 +199,33 @@ def alias_plan(mode: str, leads: bool, passed: bool, ours: str, champion: str | 
     return plan
 
 
-def ranked(comparison: Path, route: str) -> dict[str, Any]:
-    """This candidate's place in the compare stage's result (`route`: its name): rank, leader (None when no
+def ranked(comparison: Path, candidate: str) -> dict[str, Any]:
+    """This candidate's place in the compare stage's result (`candidate`: its name): rank, leader (None when no
     candidate kept pipeline.max_kl), why it is not first, its settings; plus every other candidate's place, so
     that each promotion says which won and why the others did not."""
     result = read_result(comparison)
     if result.get("stage") != "compare":
         raise UserError(f"--comparison {comparison}: result.json is from stage {result.get('stage')!r}, not compare")
     standings = {s["route"]: s for s in result["standings"]}
-    if route not in standings:
-        ranked_routes = ", ".join(standings) or "none"
-        raise UserError(
-            f"--comparison {comparison}: the candidate's route {route} is not ranked there ({ranked_routes})"
-        )
-    ours, leader = standings[route], result["leader"]
+    if candidate not in standings:
+        ranked_names = ", ".join(standings) or "none"
+        raise UserError(f"--comparison {comparison}: the candidate {candidate} is not ranked there ({ranked_names})")
+    ours, leader = standings[candidate], result["leader"]
     others = {s["route"]: f"rank {s['rank']}: {s['why']}" for s in result["standings"] if s["route"] != leader}
-    others.pop(route, None)
+    others.pop(candidate, None)
     others.update({failed: "failed: not ranked" for failed in result.get("failed", [])})
     if leader is None:
         verdict = result["verdict"]
     else:
-        verdict = "the leader" if leader == route else f"not the leader (rank {ours['rank']}): {ours['why']}"
+        verdict = "the leader" if leader == candidate else f"not the leader (rank {ours['rank']}): {ours['why']}"
     listed = {c["name"]: c.get("set") or {} for c in result.get("candidates", [])}
     return {
-        "route": route,
+        "route": candidate,
         "rank": ours["rank"],
         "leader": leader,
         "verdict": verdict,
         "others": others,
-        "settings": json.dumps(listed.get(route, {}), sort_keys=True),
+        "settings": json.dumps(listed.get(candidate, {}), sort_keys=True),
     }
 
 
