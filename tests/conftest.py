@@ -48,6 +48,9 @@ def _isolated_environment(tmp_path_factory: pytest.TempPathFactory):
     """Keep tests off the user's caches and any MLflow server configured in the environment."""
     saved = dict(os.environ)
     os.environ["KUBEALIGN_CACHE_DIR"] = str(tmp_path_factory.mktemp("kubealign-cache"))
+    # Every `mlflow server` a test starts would also start MLflow's job runner (a second Python process with
+    # its own consumers, for MLflow's GenAI jobs, which kubealign never submits): CPU taken from the tests.
+    os.environ["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] = "false"
     for key in (
         "MLFLOW_TRACKING_URI",
         "MLFLOW_RUN_ID",

@@ -332,12 +332,13 @@ def test_rerun_one_route_then_the_comparison_and_promotions(routes_run, tmp_path
 
 @pytest.mark.kfp
 @pytest.mark.integration
-def test_with_no_route_left_the_run_fails_in_one_line(cli, tmp_path: Path) -> None:
-    broken = ["ppo.actor_lora.r=4", "ppo.actor_lora.only_lora=true", "ppo.actor_lora.target_modules=[no_such_module]"]
-    # one candidate at a time: dpo waits for grpo's branch, which fails; the wait runs all the same
-    broken.append("pipeline.parallelism=1")
-    args = run_args("grpo,dpo", tmp_path / "r")
-    result = cli(*args[:1], *(a for item in broken for a in ("--set", item)), *args[1:])
+def test_with_no_route_left_the_run_fails_in_one_line(routes_run, cli, tmp_path: Path) -> None:
+    # grpo fails at its start like dpo (a LoRA on no module), set on the candidate: the shared tasks' config is
+    # routes_run's, so kfp.local's cache holds them and only the branches run. One candidate at a time: dpo
+    # waits for grpo's branch, which fails; the wait runs all the same.
+    lora = "{ppo.actor_lora.r: 4, ppo.actor_lora.only_lora: true, ppo.actor_lora.target_modules: [no_such_module]}"
+    broken = [f"pipeline.candidates=[{{algorithm: grpo, set: {lora}}}, {{algorithm: dpo}}]", "pipeline.parallelism=1"]
+    result = cli(*run_args("grpo,dpo", tmp_path / "r"), *(a for item in broken for a in ("--set", item)))
     assert result.code == 2
     assert result.err.splitlines() == [
         "kubealign: error: task compare failed: UserError: compare: no candidate left: every route failed "
@@ -348,4 +349,5 @@ def test_with_no_route_left_the_run_fails_in_one_line(cli, tmp_path: Path) -> No
     states = {line.split()[0]: line.split()[1] for line in result.out.splitlines()}
     assert states["grpo"] == states["dpo"] == states["compare"] == "FAILED"
     assert states["wait-dpo"] in ("done", "cached")
+    assert states["data-split"] == states["sft"] == states["reward"] == "cached"
     assert states["promote-grpo"] == states["promote-dpo"] == "skipped"
