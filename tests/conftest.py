@@ -10,13 +10,6 @@ from pathlib import Path
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
-# Under pytest-xdist (`make test` runs two workers on a 2-core machine) each worker, and every process it
-# starts (kfp.local tasks, torchrun ranks, servers), computes on one thread: the tiny models gain nothing
-# from a second one, and two workers each spinning two OpenMP threads on two cores slow each other down
-# (measured: one DAG run takes the same wall time on one thread, with 12 % less CPU). Set before torch is
-# imported, which reads it once. A user's own setting is kept.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 
@@ -108,23 +101,24 @@ def pairs(n: int, start: int = 0) -> list[dict[str, str]]:
 # The tiers a test can be in (pyproject.toml's markers). A test that names none is pure and fast by
 # construction of this suite's conventions, so it joins the `unit` tier: `make test-unit` selects `-m unit`.
 TIERS = frozenset(
-    {"unit", "integration", "kfp", "chart", "gpu", "slow", "container", "train_image", "vllm", "serve_image", "faults"}
+    {
+        "unit",
+        "integration",
+        "kfp",
+        "chart",
+        "gpu",
+        "slow",
+        "container",
+        "train_image",
+        "vllm",
+        "serve_image",
+        "faults",
+        "system",
+    }
 )
-
-
-# Heaviest first: under `--dist loadfile` a worker takes one test file at a time in collection order, so a
-# slow file collected last leaves the other worker idle at the end. Files whose tests run the DAG through
-# kfp.local come first, then those with fault injection or tiny-model training, then the rest (each group in
-# its usual order).
-WEIGHT = {"kfp": 0, "faults": 1, "integration": 2}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if not TIERS.intersection(m.name for m in item.iter_markers()):
             item.add_marker(pytest.mark.unit)
-    weight: dict[str, int] = {}
-    for item in items:
-        tiers = [WEIGHT[m.name] for m in item.iter_markers() if m.name in WEIGHT]
-        weight[item.nodeid.split("::")[0]] = min([weight.get(item.nodeid.split("::")[0], 3), *tiers])
-    items.sort(key=lambda item: weight[item.nodeid.split("::")[0]])  # stable: a file's tests keep their order

@@ -96,6 +96,7 @@ def extensions(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("torch_extensions")
 
 
+@pytest.mark.system  # compiles a DeepSpeed C++ op twice: a slow build, in `make test-system`
 def test_stage_starts_racing_after_a_build_killed_mid_compile_clear_its_lock_once(extensions: Path):
     build_dir, lock = extensions / OP, extensions / OP / "lock"
     builder = start([sys.executable, "-c", BUILD], environment(extensions))

@@ -39,7 +39,9 @@ from tests.test_faults_registry import (
     run_together,
 )
 
-pytestmark = pytest.mark.faults
+# A PostgreSQL cluster, an S3 emulator and MLflow servers started per test, 5-6 minutes in all: a tier of its
+# own (`make test-system`), apart from `make test` (it kept that over its time budget) and from CI.
+pytestmark = [pytest.mark.faults, pytest.mark.system]
 
 BUCKET = "mlflow-artifacts"
 DB_SECRET, S3_SECRET = "mlflow-db", "minio"
