@@ -28,6 +28,7 @@ from kubealign.serving.judge import (
     verdict_line,
 )
 from tests.faults import FaultProxy, free_port
+from tests.llm_stand_in import ANSWERS, StandIn
 
 pytestmark = pytest.mark.faults
 
@@ -201,6 +202,74 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     assert verdict_line(True, lines, "challenger", "7").endswith("holds online: promoted to champion")
 
 
+LLM_JUDGED = {"llm_judge_win_rate": 0.5, "llm_judge_loss_rate": 0.25, "llm_judge_tie_rate": 0.25,
+              "llm_judge_unparsed": 0.0, "llm_judge_position_bias": 0.625}  # fmt: skip
+
+
+def test_the_llm_judges_bar_online_is_the_offline_one() -> None:
+    """promote.guards.min_llm_judge_win_rate on the online figures: "min_win_rate" is promote.min_win_rate, the bar
+    the online win-rate meets (as the held-out reward model's); met at the figure, missed just below it."""
+    promote, cfg = PromoteConfig(), CanaryConfig(min_answers=8)
+    quiet = {"error_rate": 0.0, "latency_p95_s": 0.5}
+    line = "llm judge: win-rate 0.500 >= 0.5 (both orders; position bias 0.62)"
+    ok, lines = decide({**online(0.7, 0.3), **LLM_JUDGED}, 8, quiet, promote, cfg)
+    assert ok and f"pass: {line}" in lines
+    above = PromoteConfig(min_win_rate=0.5 + 2**-20)  # 0.7 still meets it: only the LLM judge's 0.5 does not
+    ok, lines = decide({**online(0.7, 0.3), **LLM_JUDGED}, 8, quiet, above, cfg)
+    assert not ok and [line for line in lines if line.startswith("FAIL")] == [
+        f"FAIL: llm judge: win-rate 0.500 < {0.5 + 2**-20} (both orders; position bias 0.62)"
+    ]
+    assert verdict_line(ok, lines, "challenger", "3") == (
+        f"judge: challenger (version 3) rolled back: llm judge: win-rate 0.500 < {0.5 + 2**-20} (both orders; "
+        "position bias 0.62)"
+    )
+    guards = {"min_llm_judge_win_rate": 0.5}  # a number of its own, at and just below the figure
+    ok, lines = decide({**online(0.7, 0.3), **LLM_JUDGED}, 8, quiet, PromoteConfig(guards=guards), cfg)
+    assert ok and f"pass: {line}" in lines
+    guards = {"min_llm_judge_win_rate": 0.5 + 2**-20}
+    ok, lines = decide({**online(0.7, 0.3), **LLM_JUDGED}, 8, quiet, PromoteConfig(guards=guards), cfg)
+    assert not ok
+    off = PromoteConfig(guards={"min_llm_judge_win_rate": None})
+    ok, lines = decide({**online(0.7, 0.3), **LLM_JUDGED, "llm_judge_win_rate": 0.0}, 8, quiet, off, cfg)
+    assert ok and not any("llm judge" in line for line in lines)
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, cfg)  # no LLM judge: no line, nothing missing
+    assert ok and not any("llm judge" in line for line in lines)
+
+
+def test_the_llm_judge_online_asks_both_orders_of_the_pairs_both_answered(monkeypatch) -> None:
+    """Served answers of different lengths, one pair as long, a prompt only the canary answered; a judge that
+    prefers the longer answer (the first slot when both are as long). Figures by hand."""
+    from kubealign.config import KubealignConfig
+    from kubealign.stages.judge import llm_judge_verdicts
+
+    prompts = ["p0", "p1", "p2", "p3", "p4"]
+    champion = ["ab", "abcdef", "abc", "xy", None]
+    canary = ["abcd", "a", "abcde", "zw", "the longest answer of all"]
+    answers = {
+        "champion": [Answer(i, t, 0.1, None if t else "timeout") for i, t in enumerate(champion)],
+        "canary": [Answer(i, t, 0.1) for i, t in enumerate(canary)],
+    }
+    pairs = answered_pairs(answers["champion"], answers["canary"])
+    assert pairs == [0, 1, 2, 3]
+    # no URL: nothing asked, no figures, no verdicts
+    monkeypatch.setattr("kubealign.serving.ask.ask_llm_judge", lambda *a: pytest.fail("the LLM judge was asked"))
+    assert llm_judge_verdicts(KubealignConfig(), prompts, answers, pairs) == ({}, {})
+    monkeypatch.undo()
+    judge = StandIn()
+    try:
+        config = KubealignConfig(evaluate={"llm_judge": {"url": judge.url, "timeout_s": 10}})
+        figures, verdicts = llm_judge_verdicts(config, prompts, answers, pairs)
+    finally:
+        judge.stop()
+    # p0: canary longer, preferred in both orders; p1: the champion; p2: the canary; p3 as long: "1" both times
+    assert verdicts == {0: "canary", 1: "champion", 2: "canary", 3: "tie"}
+    # slots named (canary first, champion first): p0 1,2; p1 2,1; p2 1,2; p3 1,1 -> the first 5 times of 8
+    assert figures == LLM_JUDGED
+    asked = sorted(tuple(ANSWERS.search(r["prompt"]).groups()) for r, _ in judge.seen)
+    assert asked == sorted([("abcd", "ab"), ("ab", "abcd"), ("a", "abcdef"), ("abcdef", "a"),
+                            ("abcde", "abc"), ("abc", "abcde"), ("zw", "xy"), ("xy", "zw")])  # fmt: skip
+
+
 def test_every_kind_of_failed_request_is_counted_in_prompt_order(server: Completions) -> None:
     cfg = CanaryConfig(request_timeout_s=1.0, concurrency=3)
     proxy = FaultProxy(server.url).start()
@@ -298,6 +367,8 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         assert f"judge: {unchecked}\n" in done.out
         answers = json.loads((tmp_path / "good" / "answers.json").read_text())
         assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
+        assert "llm_judge" not in answers[0] and not any("llm judge" in c for c in result["checks"])  # none set
+        assert not any(k.startswith("llm_judge") for k in m)
         assert "| win_rate | 1 |" in (tmp_path / "good" / "judge.md").read_text()
         assert f"- {unchecked}" in (tmp_path / "good" / "judge.md").read_text() and result["checks"][0] == unchecked
         assert (tmp_path / "good" / "judge.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -356,3 +427,38 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
     finally:
         curt.stop()
         courteous.stop()
+
+
+def test_a_canary_the_reward_likes_and_the_llm_judge_does_not_is_rolled_back(split: Path, tmp_path: Path, cli):
+    """The reward function prefers every courteous canary answer (online win-rate 1); the LLM judge, which
+    prefers the longer answer, prefers the champion's longer curt one in both orders on every prompt: refused
+    online with the LLM judge's line alone, each prompt's verdict in answers.json and the line in judge.md."""
+    from kubealign.models import loading
+
+    curt = Completions(lambda p: " No, I cannot help with that, sorry.")
+    courteous = Completions(lambda p: " Certainly! Here it is.")
+    judge = StandIn()
+    try:
+        tokenizer = loading.resolve("tiny-opt")
+        base = ["judge", "--config", judge_config(tmp_path), "--prompts", split, "--tokenizer", tokenizer]
+        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "judged",
+                   "--set", f"evaluate.llm_judge.url={judge.url}", "--set", "evaluate.llm_judge.timeout_s=10")  # fmt: skip
+    finally:
+        curt.stop()
+        courteous.stop()
+        judge.stop()
+    assert done.code == 0, done.err
+    result = json.loads((tmp_path / "judged" / "result.json").read_text())
+    m = result["metrics"]
+    assert m["win_rate"] == 1.0 and m["reward_gain"] == 1.0  # the reward function's view
+    assert {k: m[k] for k in LLM_JUDGED} == {"llm_judge_win_rate": 0.0, "llm_judge_loss_rate": 1.0,
+                                              "llm_judge_tie_rate": 0.0, "llm_judge_unparsed": 0.0,
+                                              "llm_judge_position_bias": 0.5}  # fmt: skip
+    line = "llm judge: win-rate 0.000 < 0.5 (both orders; position bias 0.50)"
+    assert not result["promoted"] and [c for c in result["checks"] if c.startswith("FAIL")] == [f"FAIL: {line}"]
+    assert result["verdict"] == f"judge: challenger (version ?) rolled back: {line}"
+    assert len(judge.seen) == 2 * 6  # both orders of the 6 prompts
+    answers = json.loads((tmp_path / "judged" / "answers.json").read_text())
+    assert [row["llm_judge"] for row in answers] == ["champion"] * 6
+    report = (tmp_path / "judged" / "judge.md").read_text()
+    assert f"- FAIL: {line}" in report and "| llm_judge_win_rate | 0 |" in report

@@ -1,13 +1,10 @@
 """The LLM judge (issue 53, guard 4): the two prompts of a pair, a reply's verdict, both orders combined (a judge
 that always names one slot wins nothing), its guard at the boundary, and its requests against a stand-in
-completions server on 127.0.0.1 that judges by length and fails some requests. Figures by hand."""
+completions server on 127.0.0.1 (tests/llm_stand_in.py) that judges by length and fails some requests. Figures by hand."""
 
 from __future__ import annotations
 
-import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from pydantic import ValidationError
@@ -19,17 +16,11 @@ from kubealign.errors import UserError
 from kubealign.promotion import guards
 from kubealign.promotion.llm_judge import combine, judge, pair_prompts, parse
 from kubealign.serving.ask import ask_llm_judge
+from tests.llm_stand_in import ANSWERS, StandIn, longer
 
 pytestmark = pytest.mark.unit
 
 TEMPLATE = LLMJudgeConfig().template
-ANSWERS = re.compile(r"Answer 1: (?P<first>.*)\n\nAnswer 2: (?P<second>.*)\n\nThe better", re.S)
-
-
-def longer(prompt: str) -> str:
-    """A judge that prefers the longer answer, and the first slot when both are as long."""
-    found = ANSWERS.search(prompt)
-    return "2" if len(found["second"]) > len(found["first"]) else "1"
 
 
 ROWS = [  # prompt, baseline, candidate
@@ -149,40 +140,6 @@ def test_a_failed_judge_refuses_and_its_figures_are_recorded():
     assert guards.recorded({**JUDGED, "other": 1.0}) == list(JUDGED)
 
 
-class StandIn:
-    """POST /v1/completions answered by `answer(prompt)`; HTTP 500 for a prompt holding "FAIL". Records each
-    request's body and Authorization header."""
-
-    def __init__(self, answer) -> None:
-        self.seen: list[tuple[dict, str | None]] = []
-        served = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_POST(self) -> None:
-                request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                served.seen.append((request, self.headers.get("Authorization")))
-                failed = "FAIL" in request["prompt"]
-                body = b"{}" if failed else json.dumps({"choices": [{"text": answer(request["prompt"])}]}).encode()
-                self.send_response(500 if failed else 200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def stand_in():
     served = StandIn(longer)
@@ -224,3 +181,20 @@ def test_evaluate_writes_each_rows_verdict(stand_in):
     cfg = EvaluateConfig(llm_judge=LLMJudgeConfig(url=stand_in.url, timeout_s=10))
     assert llm_judged(cfg, table)["llm_judge_win_rate"] == 0.5
     assert [row["llm_judge"] for row in table] == ["candidate", "baseline"]
+
+
+def test_the_samples_page_shows_each_rows_verdict_only_with_a_judge():
+    from kubealign.stages.evaluate import sample_tables
+
+    table = [{"prompt": p, "baseline": b, "candidate": c, "baseline_score": 0.0, "candidate_score": 1.0}
+             for p, b, c in ROWS[:3]]  # fmt: skip
+    page, markdown = sample_tables(table)
+    assert "llm judge" not in page and "llm judge" not in markdown and "no verdict" not in page
+    for row, verdict in zip(table, ["candidate", "baseline", None], strict=True):
+        row["llm_judge"] = verdict
+    page, markdown = sample_tables(table)
+    assert "<th>llm judge</th></tr>" in page
+    assert "<td>1.000</td><td>candidate</td></tr>" in page and "<td>1.000</td><td>baseline</td></tr>" in page
+    assert "<td>1.000</td><td>no verdict</td></tr>" in page
+    assert markdown.splitlines()[0].endswith("| candidate score | llm judge |")
+    assert markdown.splitlines()[2] == "| q1 | ab | abcd | 0.000 | 1.000 | candidate |"

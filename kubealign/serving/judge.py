@@ -6,8 +6,10 @@ statistics (kubealign.selection.comparison.compare, the champion in the baseline
 if (1) at least `canary.min_answers` prompts were answered by both, (2) its error rate and latency stay within
 `canary.max_error_rate` and `canary.max_latency_p95_s`, and (3) the promote section's gate passes on the online
 numbers (kubealign.promotion.gate: win-rate over the champion, its bound, reward gain, and the guards that
-served answers can feed: degeneration against the champion's answers). KL to the champion and held-out
-capability are not measured online: a configured promote.max_kl or guard is said to be unchecked, not failed.
+served answers can feed: degeneration against the champion's answers, the held-out reward model's win-rate
+and, when evaluate.llm_judge.url is set, the LLM judge's, each "min_win_rate" bar promote.min_win_rate as
+offline). KL to the champion and held-out capability are not measured online: a configured promote.max_kl or
+guard is said to be unchecked, not failed.
 """
 
 from __future__ import annotations
@@ -76,7 +78,8 @@ def decide(
     cfg: CanaryConfig,
 ) -> tuple[bool, list[str]]:
     """(promote the canary?, one line per check, "pass: " or "FAIL: " first). online: compare()'s metrics of
-    the canary's scored answers against the champion's (None when too few pairs to compute them)."""
+    the canary's scored answers against the champion's, with the guards' figures of those answers (the LLM
+    judge's llm_judge_* when one judged: no figures, no line), None when too few pairs to compute them."""
     from kubealign.promotion.gate import gate
 
     checks = [(pairs >= cfg.min_answers, f"{pairs} prompts answered by both >= canary.min_answers {cfg.min_answers}")]

@@ -224,12 +224,17 @@ def sample_table(tokenizer: Any, texts: list[str], base: list[dict], cand: list[
 
 def sample_tables(table: list[dict[str, Any]], metrics: dict[str, float] | None = None) -> tuple[str, str]:
     """(HTML page, Markdown) of the sample table, headed by the guards' figures of both models (`metrics`:
-    evaluate's; a figure it lacks is left out)."""
+    evaluate's; a figure it lacks is left out); with an "llm judge" column of each row's verdict when the LLM
+    judge judged ("no verdict" for a row it gave none), none without one."""
     head = ["prompt", "baseline", "candidate", "baseline score", "candidate score"]
     cells = [
         [r["prompt"], r["baseline"], r["candidate"], f"{r['baseline_score']:.3f}", f"{r['candidate_score']:.3f}"]
         for r in table
     ]
+    if any("llm_judge" in r for r in table):
+        head.append("llm judge")
+        for row, r in zip(cells, table, strict=True):
+            row.append(r.get("llm_judge") or "no verdict")
     m = metrics or {}
     figures = [
         [said, f"{m[f'baseline_{name}']:.3f}", f"{m[f'candidate_{name}']:.3f}"]

@@ -11,9 +11,12 @@ of a cut answer is not in the text vLLM returns, so it is not scored), and compa
 statistics, the champion in the baseline's place (kubealign.selection.comparison.compare), with the degeneration
 figures the promotion guards read (kubealign.selection.comparison.degeneration) and the held-out reward model's
 win-rate when the reward model dir holds one (held-out capability is not measured online: said
-"unchecked"). The decision is kubealign.serving.judge.decide's. Output
-(atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json,
-judge.md and judge.png, logged to the stage's MLflow run. Acting on the verdict: kubealign.serving.act.
+"unchecked"), and, when evaluate.llm_judge.url is set, the LLM judge's verdicts on the same pairs in both
+orders, the canary's answer as the candidate (kubealign.stages.evaluate.llm_judged: the requests and figures
+of evaluate's). The decision is kubealign.serving.judge.decide's. Output
+(atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
+(each prompt's answers and, with an LLM judge, its verdict), judge.md and judge.png, logged to the stage's
+MLflow run. Acting on the verdict: kubealign.serving.act.
 """
 
 from __future__ import annotations
@@ -32,16 +35,19 @@ from kubealign.data.tokenize import cut_left, encode_prompt
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
+from kubealign.promotion.guards import LLM_JUDGE_FIGURES
 from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model
 from kubealign.serving import ask, judge
-from kubealign.stages.evaluate import heldout_figures, score
+from kubealign.stages.evaluate import heldout_figures, llm_judged, score
 from kubealign.tracking.runs import stage_run
 
 STAGE = "judge"
+# the LLM judge's verdicts as answers.json says them: the canary is the candidate, the champion the baseline
+ONLINE_VERDICTS = {"candidate": "canary", "baseline": "champion", "tie": "tie"}
 
 
 def answer_row(prompt_ids: list[int], text: str, finished: bool, tokenizer: Any) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def figures_table(
         "candidate_reward_mean",
         "heldout_win_rate",
         "reward_agreement",
+        *LLM_JUDGE_FIGURES,
     )
     for key in shown:
         if key in metrics:
@@ -110,6 +117,23 @@ def scored(
     size, scoring = config.evaluate.batch_size, reward if r.uses_model else None
     held = heldout_figures(scoring, tokenizer, rows["champion"], rows["canary"], size)
     return rows, tokenizer.eos_token_id, held
+
+
+def llm_judge_verdicts(
+    config: KubealignConfig, prompts: list[str], answers: dict[str, list[judge.Answer]], pairs: list[int]
+) -> tuple[dict[str, float], dict[int, str | None]]:
+    """When evaluate.llm_judge.url is set: the LLM judge asked about every prompt both answered, in both orders,
+    the canary's answer as the candidate and the champion's as the baseline, as evaluate asks it (its figures
+    llm_judge_*, which promote.guards.min_llm_judge_win_rate reads), and each pair's verdict: "canary" |
+    "champion" | "tie" | None (no verdict). Without a URL, or with no pair: ({}, {}), nothing asked."""
+    champion, canary = answers["champion"], answers["canary"]
+    table = [
+        {"prompt": prompts[i], "baseline": champion[i].text or "", "candidate": canary[i].text or ""} for i in pairs
+    ]
+    figures = llm_judged(config.evaluate, table)
+    if not figures:
+        return {}, {}
+    return figures, {i: ONLINE_VERDICTS.get(row["llm_judge"]) for i, row in zip(pairs, table, strict=True)}
 
 
 def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
@@ -185,6 +209,8 @@ def run(
         # the guards' answer figures (promote.guards), the champion in the baseline's place as for the rest
         metrics.update(degeneration(rows["champion"], eos, "baseline"))
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
+    judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
+    metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
     promoted, lines = judge.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
     verdict = judge.verdict_line(promoted, lines, "challenger", canary_version)
     lines = [*served_versions, *lines]
@@ -192,7 +218,11 @@ def run(
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})
     metrics["promoted"], metrics["wall_time_s"] = float(promoted), time.perf_counter() - started
     table = [
-        {"prompt": prompt, **{who: vars(got[i]) for who, got in answers.items()}}
+        {
+            "prompt": prompt,
+            **{who: vars(got[i]) for who, got in answers.items()},
+            **({"llm_judge": verdicts.get(i)} if config.evaluate.llm_judge.url is not None else {}),
+        }
         for i, prompt in enumerate(data.prompts)
     ]
     outputs = {"answers": "answers.json", "report": "judge.md", "plot": "judge.png"}
