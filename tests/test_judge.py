@@ -443,6 +443,9 @@ def test_a_canary_the_reward_likes_and_the_llm_judge_does_not_is_rolled_back(spl
         base = ["judge", "--config", judge_config(tmp_path), "--prompts", split, "--tokenizer", tokenizer]
         done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "judged",
                    "--set", f"evaluate.llm_judge.url={judge.url}", "--set", "evaluate.llm_judge.timeout_s=10")  # fmt: skip
+        down = f"http://127.0.0.1:{free_port()}"  # a judge that answers nothing: one line, no verdict written
+        gone = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "gone",
+                   "--set", f"evaluate.llm_judge.url={down}")  # fmt: skip
     finally:
         curt.stop()
         courteous.stop()
@@ -462,3 +465,5 @@ def test_a_canary_the_reward_likes_and_the_llm_judge_does_not_is_rolled_back(spl
     assert [row["llm_judge"] for row in answers] == ["champion"] * 6
     report = (tmp_path / "judged" / "judge.md").read_text()
     assert f"- FAIL: {line}" in report and "| llm_judge_win_rate | 0 |" in report
+    assert gone.code != 0 and f"evaluate.llm_judge: no request to {down}/v1/completions was answered" in gone.err
+    assert not (tmp_path / "gone").exists()
