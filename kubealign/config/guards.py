@@ -78,7 +78,8 @@ class GuardsConfig(Section):
         "min_win_rate",
         description="The LLM judge (evaluate.llm_judge, off by default): the share of prompts on which it prefers "
         "the candidate in both orders of the pair must be at least this; 'min_win_rate' = promote.min_win_rate. "
-        "Applies only when the evaluation has the judge's figures (a judge was configured). None = not checked.",
+        "Applies only when the evaluation, or the online judge, has the judge's figures (a judge was configured). "
+        "None = not checked.",
     )
 
     @model_validator(mode="after")

@@ -157,7 +157,8 @@ class EvaluateConfig(Section):
     llm_judge: LLMJudgeConfig = Field(
         default_factory=LLMJudgeConfig,
         description="An LLM behind an OpenAI-compatible endpoint that compares both models' answers, in both "
-        "orders (kubealign.config.llm_judge; docs/guards.md). Off by default (url None).",
+        "orders, in evaluate and in the online judge (kubealign.config.llm_judge; docs/guards.md). Off by default "
+        "(url None).",
     )
 
 
