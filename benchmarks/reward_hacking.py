@@ -7,7 +7,8 @@ promoted into a registry of its own. Recorded per setting: the evaluation's rewa
 the gate's verdict without the guards (what kubealign did before issue 53, computed from the same metrics by
 kubealign.promotion.gate with promote.guards off) and with them (the promote stage's own), its refusal line,
 and the first answers; and the gate with the held-out reward model's guard alone (min_heldout_win_rate: does
-the independent scorer see through the hack by itself?).
+the independent scorer see through the hack by itself?), and the benchmark suite kubealign ships
+(evaluate.suites: lm-eval-harness on kubealign_facts) with its guard alone (max_suite_drop).
 
   python benchmarks/reward_hacking.py                  # -> results/reward-hacking-tiny-cpu.json
   python benchmarks/reward_hacking.py --only ppo-honest ppo-no-kl-lr2e-3-60it --label try
@@ -33,6 +34,7 @@ from kubealign.promotion.gate import gate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NO_KL = ["ppo.kl_coef=0", "ppo.kl_target=null"]
+SUITE = "evaluate.suites.tasks=[kubealign_facts]"  # the suite kubealign ships, in every evaluation here
 # (name, stage, overrides): the honest defaults of each route, then the over-optimized settings: no KL penalty,
 # a learning rate 20-50 times the default, many iterations (the issue's first is the 60-iteration one); DPO
 # with a tiny beta, a high learning rate, several epochs and no SFT term.
@@ -79,7 +81,7 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
         trained = kubealign("ppo", "--prompts", shared["split"], "--actor", shared["sft"], "--critic", shared["rm"],
                             "--output", out["policy"], *extra)  # fmt: skip
     kubealign("evaluate", "--prompts", shared["split"], "--baseline", shared["sft"], "--candidate", out["policy"],
-              "--reward", shared["rm"], "--output", out["eval"], *extra)  # fmt: skip
+              "--reward", shared["rm"], "--output", out["eval"], *extra, *sets([SUITE]))  # fmt: skip
     kubealign("promote", "--evaluation", out["eval"], "--model-dir", out["policy"], "--output", out["promote"], *extra)
     read = lambda d: json.loads((Path(d) / "result.json").read_text(encoding="utf-8"))  # noqa: E731
     m, promoted = read(out["eval"])["metrics"], read(out["promote"])
@@ -87,6 +89,7 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
     none = dict.fromkeys(GuardsConfig.model_fields)
     off = cfg.model_copy(update={"guards": GuardsConfig(**none)})
     held = cfg.model_copy(update={"guards": GuardsConfig(**{**none, "min_heldout_win_rate": "min_win_rate"})})
+    suite = cfg.model_copy(update={"guards": GuardsConfig(**{**none, "max_suite_drop": cfg.guards.max_suite_drop})})
     samples = json.loads((Path(out["eval"]) / "eval_samples.json").read_text(encoding="utf-8"))
     return {
         "name": name,
@@ -96,6 +99,8 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
         **{f"{who}_{k}": m[f"{who}_{k}"] for k in GUARD_FIGURES for who in ("baseline", "candidate")},
         "passed_without_guards": gate(m, off, None)[0],
         "passed_heldout_reward_model_alone": gate(m, held, None)[0],  # guard 3 on its own
+        **{f"{who}_suite_kubealign_facts": m[f"{who}_suite_kubealign_facts"] for who in ("baseline", "candidate")},
+        "passed_suite_alone": gate(m, suite, None)[0],  # guard 4's benchmark suite on its own
         "passed_with_guards": bool(promoted["metrics"]["gate_passed"]),
         "champion": promoted["aliases"].get("champion") == promoted["version"],
         "refusal": promoted.get("refusal", ""),
@@ -123,7 +128,8 @@ def main() -> None:
             print(f"{name}: win-rate {r['win_rate']:.2f} (bound {r['win_rate_lower_bound']:.2f}), reward gain "
                   f"{r['reward_gain']:+.2f}, KL {r['kl_to_baseline']:.1f}, held-out log-likelihood "
                   f"{r['baseline_heldout_logprob']:.2f} -> {r['candidate_heldout_logprob']:.2f}, held-out "
-                  f"reward model's win-rate {r['heldout_win_rate']:.2f} (agreement {r['reward_agreement']:.2f}); "
+                  f"reward model's win-rate {r['heldout_win_rate']:.2f} (agreement {r['reward_agreement']:.2f}), "
+                  f"facts {r['baseline_suite_kubealign_facts']:.2f} -> {r['candidate_suite_kubealign_facts']:.2f}; "
                   f"gate without guards {'passed' if r['passed_without_guards'] else 'refused'}, with guards "
                   f"{'passed' if r['passed_with_guards'] else 'refused'}")  # fmt: skip
     record = {"preset": "tiny-cpu", "settings": runs, "machine": machine()}

@@ -53,8 +53,23 @@ def evaluated(trained, ppo_dir: Path, tmp_path_factory) -> Path:  # noqa: F811
 
     out = tmp_path_factory.mktemp("eval") / "eval"
     args = ["evaluate", "--prompts", trained["split"], "--baseline", trained["sft"], "--candidate", ppo_dir]
-    assert main([*map(str, args), "--reward", str(trained["rm"]), *SMALL, "--output", str(out)]) == 0
+    suites = ["--set", "evaluate.suites.tasks=[kubealign_facts]"]  # lm-eval-harness on the shipped task
+    assert main([*map(str, args), "--reward", str(trained["rm"]), *SMALL, *suites, "--output", str(out)]) == 0
     return out
+
+
+def test_the_suites_score_both_models_and_reach_the_summary(evaluated: Path, trained, ppo_dir: Path):  # noqa: F811
+    from kubealign.cli.summary import evaluate_lines
+    from kubealign.models import loading
+    from tests.test_suites import own_accuracy
+
+    m = result_of(evaluated)["metrics"]
+    tokenizer = loading.load_tokenizer(str(trained["sft"]))
+    for who, path in (("baseline", trained["sft"]), ("candidate", ppo_dir)):
+        model = loading.load_causal_lm(str(path)).eval()
+        assert m[f"{who}_suite_kubealign_facts"] == pytest.approx(own_accuracy(model, tokenizer)), who
+    base, cand = m["baseline_suite_kubealign_facts"], m["candidate_suite_kubealign_facts"]
+    assert f"suites: kubealign_facts {base:.3f} (SFT) -> {cand:.3f} (PPO)" in evaluate_lines(m)
 
 
 def test_candidate_metrics_match_the_rows(evaluated: Path):

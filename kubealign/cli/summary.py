@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kubealign.promotion import guards
 from kubealign.shape import SHARED
 from kubealign.shape import SUMMARY_STAGES as STAGES
 
@@ -91,6 +92,10 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
             f"held-out reward model: win-rate {m['heldout_win_rate']:.2f}, gain {m['heldout_reward_gain']:+.3f} "
             f"(the training one's {m['reward_gain']:+.3f}); the two agree on {m['reward_agreement']:.0%} of the prompts"
         )
+    suites = guards.suite_pairs(m)
+    if suites:  # evaluate.suites: lm-eval-harness scores of both models
+        said = ", ".join(f"{name} {base:.3f} (SFT) -> {cand:.3f} ({label})" for name, (base, cand) in suites.items())
+        lines.append(f"suites: {said}")
     return lines
 
 

@@ -82,6 +82,14 @@ class GuardsConfig(Section):
         "None = not checked.",
     )
 
+    max_suite_drop: float | None = Field(
+        0.05,
+        ge=0,
+        description="Benchmark suites (evaluate.suites, off by default): on each suite, the candidate's score "
+        "(evaluate.suites.metric, e.g. accuracy) may fall at most this far below the baseline's (0.05 = five "
+        "points of accuracy). Applies only when the evaluation ran suites. None = not checked.",
+    )
+
     @model_validator(mode="after")
     def _check_lengths(self) -> GuardsConfig:
         low, high = self.min_length_ratio, self.max_length_ratio

@@ -20,6 +20,7 @@ from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.pipeline import PipelineConfig, shorthand
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig
 from kubealign.config.serve import ServeConfig
+from kubealign.config.suites import SuitesConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
 from kubealign.selection.candidates import Candidate
 
@@ -159,6 +160,11 @@ class EvaluateConfig(Section):
         description="An LLM behind an OpenAI-compatible endpoint that compares both models' answers, in both "
         "orders, in evaluate and in the online judge (kubealign.config.llm_judge; docs/guards.md). Off by default "
         "(url None).",
+    )
+    suites: SuitesConfig = Field(
+        default_factory=SuitesConfig,
+        description="Benchmark suites through lm-eval-harness, both models on each (kubealign.config.suites; "
+        "docs/guards.md). Off by default (no task).",
     )
 
 

@@ -110,7 +110,9 @@ def wheelhouse(repo: Path, flavour: str, say: Callable[[str], None]) -> Path:
         if flavour == "serve":
             _serve_files(keyed[0], tmp)
         else:
-            _pip(["wheel", "-q", "-c", str(lock), "--wheel-dir", str(tmp), str(repo)], "pip wheel (the wheelhouse)")
+            # [eval]: lm-eval-harness, so evaluate.suites runs in the image as it does here
+            args = ["wheel", "-q", "-c", str(lock), "--wheel-dir", str(tmp), f"{repo}[eval]"]
+            _pip(args, "pip wheel (the wheelhouse)")
             for own in tmp.glob("kubealign-*.whl"):
                 own.unlink()  # made fresh for every build
         if flavour == "train":

@@ -1,6 +1,7 @@
 """The guards the optimized reward model cannot fool (issue 53): pure checks of an evaluation's figures,
 the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds:
-capability kept, the held-out reward model's win-rate, the LLM judge's (when one judged), no degeneration.
+capability kept, the held-out reward model's win-rate, the LLM judge's (when one judged), the benchmark suites'
+(when evaluate.suites named any), no degeneration.
 
 The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
 that fails one from leading; the online judge applies those it can compute from served answers. The figures
@@ -8,9 +9,10 @@ come from evaluate (held-out log-likelihood; kubealign.selection.comparison.dege
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from kubealign.config.guards import GuardsConfig
+from kubealign.errors import UserError
 
 
 class Check(NamedTuple):
@@ -47,6 +49,36 @@ LLM_JUDGE_FIGURES = (  # the LLM judge's (kubealign.promotion.llm_judge; min_llm
     "llm_judge_unparsed",
     "llm_judge_position_bias",
 )
+SUITE_PREFIX = "suite_"  # baseline_suite_<task> / candidate_suite_<task>: evaluate.suites' figures
+
+
+def suite_figures(
+    baseline: dict[str, dict[str, Any]], candidate: dict[str, dict[str, Any]], tasks: list[str], metric: str
+) -> dict[str, float]:
+    """Both models' `metric` on each named task, from lm-eval's per-task results ({task: {"acc,none": x, ...}};
+    the first filter's value: "none" unless the task filters its answers). A task without the metric is refused
+    by name: the guard would otherwise check nothing while saying it passed."""
+    out: dict[str, float] = {}
+    for task in tasks:
+        for who, results in (("baseline", baseline), ("candidate", candidate)):
+            found = results.get(task, {})
+            keys = [k for k in found if k.split(",", 1)[0] == metric]
+            value = found.get(f"{metric},none", found.get(keys[0]) if keys else None)
+            if not isinstance(value, int | float):
+                have = sorted({k.split(",", 1)[0] for k in found if "," in k and "stderr" not in k})
+                said = ", ".join(have) or "nothing"
+                raise UserError(f"evaluate.suites.metric: task {task} reports no {metric!r} (it reports: {said})")
+            out[f"{who}_{SUITE_PREFIX}{task}"] = float(value)
+    return out
+
+
+def suite_pairs(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """{task: (baseline, candidate)} of every suite in `metrics`, in name order."""
+    names = sorted(
+        k.removeprefix(f"baseline_{SUITE_PREFIX}") for k in metrics if k.startswith(f"baseline_{SUITE_PREFIX}")
+    )
+    pairs = {name: _pair(metrics, f"{SUITE_PREFIX}{name}") for name in names}
+    return {name: pair for name, pair in pairs.items() if pair is not None}
 
 
 def heldout_applies(metrics: dict[str, float]) -> bool:
@@ -68,7 +100,8 @@ def missing(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, list[str]
 def recorded(metrics: dict[str, float]) -> list[str]:
     """The guard figures present in `metrics`, for the registry's version tags."""
     pairs = [f"{who}_{name}" for name in dict.fromkeys(FIGURES.values()) for who in ("baseline", "candidate")]
-    return [m for m in [*pairs, *HELDOUT_FIGURES, *LLM_JUDGE_FIGURES] if m in metrics]
+    suites = sorted(m for m in metrics if m.startswith((f"baseline_{SUITE_PREFIX}", f"candidate_{SUITE_PREFIX}")))
+    return [m for m in [*pairs, *HELDOUT_FIGURES, *LLM_JUDGE_FIGURES] if m in metrics] + suites
 
 
 def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
@@ -97,6 +130,7 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) ->
             )
     out += heldout_checks(metrics, cfg, min_win_rate)
     out += llm_judge_checks(metrics, cfg, min_win_rate)
+    out += suite_checks(metrics, cfg)
     out += degeneration_checks(metrics, cfg)
     return out
 
@@ -126,6 +160,24 @@ def llm_judge_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate:
     bias = metrics.get("llm_judge_position_bias")
     said = "" if bias is None else f"; position bias {bias:.2f}"
     return [Check(ok, f"llm judge: win-rate {rate:.3f} {'>=' if ok else '<'} {floor} (both orders{said})")]
+
+
+def suite_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
+    """max_suite_drop: each benchmark suite's score may fall at most this far below the baseline's; no line when
+    the evaluation ran no suite (evaluate.suites is optional)."""
+    if cfg.max_suite_drop is None:
+        return []
+    out = []
+    for name, (base, cand) in suite_pairs(metrics).items():
+        drop = base - cand
+        ok = drop <= cfg.max_suite_drop
+        out.append(
+            Check(
+                ok,
+                f"suites: {name} {base:.3f} -> {cand:.3f} (drop {drop:.3f} {'<=' if ok else '>'} {cfg.max_suite_drop})",
+            )
+        )
+    return out
 
 
 def _measured(metrics: dict[str, float], name: str, said: str, out: list[Check]) -> tuple[float, float] | None:
@@ -180,7 +232,8 @@ def refusal(lines: list[str], metrics: dict[str, float]) -> str:
     text = "gate refused: " + "; ".join(failed)
     gain = metrics.get("reward_gain")
     guarded = any(
-        line.startswith(("capability:", "degeneration:", "held-out reward model:", "llm judge:")) for line in failed
+        line.startswith(("capability:", "degeneration:", "held-out reward model:", "llm judge:", "suites:"))
+        for line in failed
     )
     if guarded and gain is not None and gain > 0:
         text += f"; the training reward model's gain {gain:+.3f} is not trusted (reward hacking suspected)"

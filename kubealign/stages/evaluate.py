@@ -7,7 +7,8 @@ fn/<NAME>/baseline and fn/<NAME>/candidate. Metrics: mean reward of each, win-ra
 counted separately), KL(candidate || baseline) estimated on the candidate's samples, response lengths,
 phase-1 eval perplexity of each (and its log, the held-out log-likelihood per token), and the figures the
 promotion guards read (kubealign.promotion.guards): repeated-bigram rate, distinct-2, empty and unfinished
-answers, length drift, and, when evaluate.llm_judge.url is set, an LLM judge's verdicts in both orders.
+answers, length drift, and, when evaluate.llm_judge.url is set, an LLM judge's verdicts in both orders, and when
+evaluate.suites names tasks, both models' scores on those lm-eval-harness suites (kubealign.stages.suites).
 Output (atomic): result.json, samples.html / samples.md (the first `sample_rows` prompts), eval_samples.json
 (every row), reward_distribution.png and, when the candidate's result.json has a PPO history,
 ppo_curves.png.
@@ -41,6 +42,7 @@ from kubealign.rl.experience import paired_logprobs, response_masks
 from kubealign.rl.losses import Sampling
 from kubealign.rl.rollout import generation_config
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model, heldout_comparison
+from kubealign.stages import suites
 from kubealign.tracking.runs import stage_run
 
 STAGE = "evaluate"
@@ -377,6 +379,9 @@ def run(
         table = sample_table(tokenizer, texts, base, cand)
         metrics.update(judged(config, table))
         metrics.update(llm_judged(cfg, table))
+        metrics.update(
+            suites.run(cfg.suites, config.base_dir, {"baseline": base_model, "candidate": cand_model}, tokenizer)
+        )
         history = read_history(candidate)
         metrics["wall_time_s"] = time.perf_counter() - started
         with atomic_dir(output) as tmp:

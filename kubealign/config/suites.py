@@ -1,0 +1,53 @@
+"""`evaluate.suites`: benchmark suites through lm-eval-harness, the baseline and the candidate on each (issue 53,
+guard 4).
+
+lm-eval-harness (EleutherAI's, the library the Kubeflow pipelines-components' evaluation component runs) scores
+both models on the named tasks, in the evaluate task; promote.guards.max_suite_drop bounds how far the
+candidate may fall below the baseline on any of them. Off by default (no task named): real suites need real
+models and their data on the pod. kubealign ships one small task for the embedded data, `kubealign_facts`
+(multiple choice on the synthetic facts, kubealign/data/suites/); docs/guards.md says how to point this at
+real suites.
+"""
+
+from __future__ import annotations
+
+from pydantic import Field, field_validator
+
+from kubealign.config.base import Section
+
+SHIPPED = "kubealign_facts"  # the task kubealign ships (kubealign/data/suites/kubealign_facts.yaml)
+
+
+class SuitesConfig(Section):
+    tasks: list[str] = Field(
+        default_factory=list,
+        description=f"lm-eval task (or group) names to score both models on, e.g. [{SHIPPED}] or [hellaswag, "
+        "arc_easy]; empty = no suites (the default).",
+    )
+    include_path: str | None = Field(
+        None,
+        description="A directory of your own lm-eval task YAML files, read besides kubealign's (relative to the "
+        "config file's directory; on a cluster, a path the evaluate pod can read: the PVC or your image). "
+        "None = kubealign's shipped tasks and lm-eval's own.",
+    )
+    metric: str = Field(
+        "acc",
+        min_length=1,
+        description="The metric read from each task's results (lm-eval's name, e.g. acc, acc_norm, exact_match); "
+        "a task that does not report it is refused by name.",
+    )
+    limit: int | None = Field(
+        None, ge=1, description="At most this many documents of each task (the first ones); None = all."
+    )
+    num_fewshot: int | None = Field(None, ge=0, description="Few-shot examples per question; None = each task's own.")
+    batch_size: int = Field(8, ge=1, description="Requests per forward pass.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _check_tasks(cls, value: list[str]) -> list[str]:
+        blank = [i for i, name in enumerate(value) if not name.strip()]
+        if blank:
+            raise ValueError(f"task {blank[0]} is empty")
+        if len(set(value)) != len(value):
+            raise ValueError(f"a task is named twice: {value}")
+        return value
