@@ -121,12 +121,18 @@ def test_gpus_shm_secrets_pvc_and_placement_are_set_in_the_pipeline(tmp_path: Pa
     assert [(t.key, t.operator, t.effect) for t in ppo.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
     secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in ppo.secret_as_env}
     # ppo runs the reward functions: the tracking identity, no object store (test_secrets_follow_user_code)
-    assert secrets == {"kubealign-mlflow-tracker": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}}
+    assert secrets == {
+        "kubealign-mlflow-tracker": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    }
     # no shm, GPUs or node pinning for the CPU-only data split; the pipeline identity and the object store
     split = platform["exec-data-split"]
     assert not split.empty_dir_mounts and not split.node_selector.labels
     secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in split.secret_as_env}
-    assert secrets["kubealign-mlflow"] == {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    assert secrets["kubealign-mlflow"] == {
+        "MLFLOW_TRACKING_URI",
+        "MLFLOW_TRACKING_USERNAME",
+        "MLFLOW_TRACKING_PASSWORD",
+    }
     assert "AWS_SECRET_ACCESS_KEY" in secrets["kubealign-object-store"]
 
 
