@@ -153,6 +153,8 @@ def _registry(args: argparse.Namespace) -> None:
         print(f"registry: {line}")
     for line in registry_auth.claim_models(args.tracking_uri, args.registered_model, wanted):
         print(f"registry: {line}")
+    for line in registry_auth.claim_experiments(args.tracking_uri, args.experiment, wanted):
+        print(f"registry: {line}")
 
 
 def _run(args: argparse.Namespace) -> None:

@@ -78,6 +78,10 @@ names with and without the port, localhost for `kubectl port-forward`, and mlflo
 {{- .Values.mlflow.auth.pipelineSecret | default (printf "%s-mlflow" (include "kubealign.fullname" .)) -}}
 {{- end -}}
 
+{{- define "kubealign.mlflowTrackerSecret" -}}
+{{- .Values.mlflow.auth.trackerSecret | default (printf "%s-mlflow-tracker" (include "kubealign.fullname" .)) -}}
+{{- end -}}
+
 {{- define "kubealign.mlflowReaderSecret" -}}
 {{- .Values.mlflow.auth.readerSecret | default (printf "%s-mlflow-reader" (include "kubealign.fullname" .)) -}}
 {{- end -}}
