@@ -303,7 +303,10 @@ def test_the_pipelines_model_is_the_pipelines_even_if_the_reader_made_it_first(
             MlflowClient(registry.url).create_registered_model(name)
     done = registry.identities_job()
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"registered model '{name}' exists: kubealign-pipeline MANAGE, kubealign-tracker READ, reader READ" in done.stdout
+    assert (
+        f"registered model '{name}' exists: kubealign-pipeline MANAGE, kubealign-tracker READ, reader READ"
+        in done.stdout
+    )
     good = evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0)
     promoted = kubealign(registry, registry.identity(f"{RELEASE}-mlflow"), *promote_args(name, good, tmp_path / "p1"))
     assert promoted.returncode == 0, promoted.stderr[-3000:]
