@@ -23,7 +23,8 @@ AUTH_HINTS = {
     "UNAUTHENTICATED": " (no or wrong credentials: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD, on a"
     " cluster through kubernetes.mlflow_secret)",
     "PERMISSION_DENIED": " (this identity may not change it: the pipeline identity, which created it, or the admin"
-    " can)",
+    " can; the tracking identity of the pods that run reward functions, kubernetes.tracking_secret, logs runs only"
+    " in the experiments the chart's mlflow.auth.experiments lists)",
 }
 
 

@@ -26,7 +26,8 @@ CHECKPOINT_ROOT_ENV, RUN_ID_ENV, TASK_ENV = "KUBEALIGN_CHECKPOINT_ROOT", "KUBEAL
 POD_ENV = {"name": "KUBEALIGN_POD_NAME", "uid": "KUBEALIGN_POD_UID", "namespace": "KUBEALIGN_POD_NAMESPACE"}
 
 # MLflow location and nesting travel from the task's pod into the TrainJob's pods (credentials do not:
-# the nodes read them from the same Secrets, see kubealign.cluster.trainjob.secret_env).
+# the nodes read them from the Secrets the ppo task's pod reads, the tracking identity and no object store,
+# see kubealign.cluster.trainjob.secret_env).
 # KUBEALIGN_PARENT_RUN_ID is kubealign.tracking.PARENT_RUN_ENV.
 FORWARDED_ENV = (
     "MLFLOW_TRACKING_URI",

@@ -28,7 +28,8 @@ pipeline's outputs then have no `reward`.
 
 Everything about the cluster is set here, from `config.kubernetes`, never in the components: GPUs per
 stage, CPU/memory requests, /dev/shm as a memory emptyDir on training pods, MLflow and object-store
-credentials from Secrets, an optional PVC, node selectors and tolerations. The promotion gate is inside
+credentials from Secrets (the pods that run the reward functions get the tracking identity and no
+object store: kubealign.cluster.secrets), an optional PVC, node selectors and tolerations. The promotion gate is inside
 the promote task (it always registers a challenger; only a candidate that passes moves @champion).
 """
 
@@ -42,7 +43,7 @@ from kfp.dsl import Artifact, Dataset, Model
 
 from kubealign import pod, tasks
 from kubealign.cluster import trainjob
-from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
+from kubealign.cluster.secrets import pod_secrets
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
@@ -82,8 +83,11 @@ class FunctionOutputs(NamedTuple):
     promote: Artifact
 
 
-def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool) -> None:
-    """Image, requests, accelerators, shm, node placement, secrets and PVC of one task."""
+def _resources(
+    task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool, user_code: bool = False
+) -> None:
+    """Image, requests, accelerators, shm, node placement, secrets and PVC of one task. user_code: the task runs
+    the reward functions, and gets the tracking identity and no object store (kubealign.cluster.secrets)."""
     task.set_container_image(image)
     task.set_cpu_request(k8s.cpu_request)
     if training:
@@ -96,12 +100,8 @@ def _resources(task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: 
             kubernetes.add_node_selector(task, key, value)
         for tol in k8s.tolerations:
             kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect)
-    if k8s.mlflow_secret:
-        keys = {key: key for key in MLFLOW_SECRET_KEYS}
-        kubernetes.use_secret_as_env(task, k8s.mlflow_secret, keys, optional=True)
-    if k8s.object_store_secret:
-        keys = {key: key for key in OBJECT_STORE_SECRET_KEYS}
-        kubernetes.use_secret_as_env(task, k8s.object_store_secret, keys, optional=True)
+    for secret, keys in pod_secrets(k8s, user_code):
+        kubernetes.use_secret_as_env(task, secret, {key: key for key in keys}, optional=True)
     if k8s.pvc:
         kubernetes.mount_pvc(task, k8s.pvc, k8s.pvc_mount)
     if training:
@@ -180,12 +180,19 @@ class Tasks:
         self.settings = settings or {}
 
     def place(
-        self, task: dsl.PipelineTask, name: str, gpus: int, training: bool, scoring: bool = False
+        self,
+        task: dsl.PipelineTask,
+        name: str,
+        gpus: int,
+        training: bool,
+        scoring: bool = False,
+        registry: bool = False,
     ) -> dsl.PipelineTask:
-        """scoring: the task reads the reward functions (ppo's, evaluate)."""
+        """scoring: the task reads the reward functions (ppo's, evaluate, judge), so it runs user code and gets
+        the tracking identity, unless registry: it moves aliases itself (a judge that acts)."""
         task.set_display_name(name)
         image = self.train_image if training or gpus else self.cpu_image
-        _resources(task, self.k8s, gpus, image, training)
+        _resources(task, self.k8s, gpus, image, training, user_code=scoring and not registry)
         for key, value in sorted({**self.env, **(self.scoring_env if scoring else {})}.items()):
             task.set_env_variable(key, value)
         return task
@@ -274,7 +281,9 @@ class Tasks:
         task = stages.judge(
             config_json=p["config_json"], prompts=dataset, tokenizer=sft, reward_model=scorer, serving=serving
         )
-        self.place(task, "judge (the canary online)", 0, training=False, scoring=True)
+        # carrying the verdict out (canary.act) moves aliases: the pipeline identity, beside the reward functions
+        acts = self.config.canary.act
+        self.place(task, "judge (the canary online)", 0, training=False, scoring=True, registry=acts)
         # the served models and the registry are outside KFP's view: a cached verdict would judge nothing
         task.set_caching_options(False)
         return task

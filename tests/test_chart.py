@@ -49,9 +49,9 @@ VALUE_SETS = {
 }
 
 
-def render(values: dict) -> list[dict]:
+def render(values: dict, name: str = "ka") -> list[dict]:
     chart = helm.Chart.load(CHART)
-    out = chart.render(values, name="ka", namespace="kubeflow", is_install=True)
+    out = chart.render(values, name=name, namespace="kubeflow", is_install=True)
     return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
 
 
@@ -70,7 +70,7 @@ def test_value_sets_change_what_is_rendered() -> None:
     kinds = {name: sorted(d["kind"] for d in render(values)) for name, values in VALUE_SETS.items()}
     assert kinds["default"] == sorted(
         ["ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "Role", "RoleBinding", "ClusterTrainingRuntime",
-         "NetworkPolicy", "Secret", "Secret", "Secret", "Job"]
+         "NetworkPolicy", "Secret", "Secret", "Secret", "Secret", "Job"]
     )  # fmt: skip
     assert "NetworkPolicy" in kinds["postgres-s3-networkpolicy-upload"]
     assert kinds["postgres-s3-networkpolicy-upload"].count("Job") == 2  # the identities and the upload
@@ -225,19 +225,53 @@ def test_the_registry_signs_everyone_in_by_default() -> None:
                      ("MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_FLASK_SERVER_SECRET_KEY")):  # fmt: skip
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "ka-kubealign-mlflow-admin", "key": key}
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    assert set(secrets) == {"ka-kubealign-mlflow-admin", "ka-kubealign-mlflow", "ka-kubealign-mlflow-reader"}
+    assert set(secrets) == {"ka-kubealign-mlflow-admin", "ka-kubealign-mlflow", "ka-kubealign-mlflow-tracker",
+                            "ka-kubealign-mlflow-reader"}  # fmt: skip
     for secret in secrets.values():
         assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert len(base64.b64decode(secret["data"]["MLFLOW_TRACKING_PASSWORD"])) == 32
     passwords = {s["data"]["MLFLOW_TRACKING_PASSWORD"] for s in secrets.values()}
-    assert len(passwords) == 3  # three identities, three passwords
+    assert len(passwords) == 4  # four identities, four passwords
     off = render({"mlflow": {"auth": {"enabled": False}}})
     assert "--app-name=basic-auth" not in _server(off)["args"]
     assert not [d for d in off if d["kind"] in ("Secret", "Job")]
 
 
+def test_the_tracker_identity_is_what_the_user_code_pods_read() -> None:
+    """Issue 54: the tracker's Secret is named what kubernetes.tracking_secret names by default (release
+    `kubealign`), in the release's and the pipeline's namespaces, with the MLflow keys those pods get; the
+    identities Job creates it and grants it EDIT on the pipeline's experiments, nothing on its models."""
+    from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS
+    from kubealign.config.cluster import KubernetesConfig
+
+    docs = render({"rbac": {"namespace": "team-a"}}, name="kubealign")
+    default = KubernetesConfig().tracking_secret
+    copies = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == default]
+    assert sorted(d["metadata"]["namespace"] for d in copies) == ["kubeflow", "team-a"]
+    assert copies[0]["data"] == copies[1]["data"] and set(copies[0]["data"]) == set(MLFLOW_SECRET_KEYS)
+    assert base64.b64decode(copies[0]["data"]["MLFLOW_TRACKING_USERNAME"]) == b"kubealign-tracker"
+    pipeline = next(
+        d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == KubernetesConfig().mlflow_secret
+    )
+    assert pipeline["data"]["MLFLOW_TRACKING_PASSWORD"] != copies[0]["data"]["MLFLOW_TRACKING_PASSWORD"]
+    job = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in job["env"] if "valueFrom" in e}
+    assert refs["KUBEALIGN_TRACKER_PASSWORD"] == {"name": default, "key": "MLFLOW_TRACKING_PASSWORD"}
+    assert "--experiment=kubealign" in job["args"] and "--registered-model=kubealign-actor" in job["args"]
+    # every preset's experiment (and the config's default) is the tracker's to log runs in out of the box
+    from kubealign.config import load_config
+    from kubealign.config.schema import TrackingConfig
+
+    presets = {load_config(p.stem, []).tracking.experiment for p in (CHART.parents[1] / "configs").glob("*.yaml")}
+    presets.add(TrackingConfig().experiment)
+    assert {f"--experiment={name}" for name in presets} <= set(job["args"])
+    others = render({"mlflow": {"auth": {"experiments": ["team-a", "team b"]}}})
+    job = next(d for d in others if d["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]
+    assert [a for a in job["args"] if a.startswith("--experiment")] == ["--experiment=team-a", "--experiment=team b"]
+
+
 def test_the_users_own_secrets_replace_the_generated_ones() -> None:
-    values = {"mlflow": {"auth": {"adminSecret": "adm", "pipelineSecret": "pipe", "readerSecret": "ro"},
+    values = {"mlflow": {"auth": {"adminSecret": "adm", "pipelineSecret": "pipe", "trackerSecret": "trk", "readerSecret": "ro"},
                          "backendStore": {"type": "postgresql", "existingSecret": "mlflow-db"}}}  # fmt: skip
     docs = render(values)
     assert not [d for d in docs if d["kind"] == "Secret"]
@@ -247,6 +281,7 @@ def test_the_users_own_secrets_replace_the_generated_ones() -> None:
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in job["env"] if "valueFrom" in e}
     assert refs == {"MLFLOW_TRACKING_USERNAME": "adm", "MLFLOW_TRACKING_PASSWORD": "adm",
                     "KUBEALIGN_PIPELINE_USERNAME": "pipe", "KUBEALIGN_PIPELINE_PASSWORD": "pipe",
+                    "KUBEALIGN_TRACKER_USERNAME": "trk", "KUBEALIGN_TRACKER_PASSWORD": "trk",
                     "KUBEALIGN_READER_USERNAME": "ro", "KUBEALIGN_READER_PASSWORD": "ro"}  # fmt: skip
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     init = next(c for c in pod["initContainers"] if c["name"] == "mlflow-auth-config")

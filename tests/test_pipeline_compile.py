@@ -120,16 +120,55 @@ def test_gpus_shm_secrets_pvc_and_placement_are_set_in_the_pipeline(tmp_path: Pa
     assert dict(ppo.node_selector.labels) == {"pool": "a100"}
     assert [(t.key, t.operator, t.effect) for t in ppo.tolerations] == [("nvidia.com/gpu", "Exists", "NoSchedule")]
     secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in ppo.secret_as_env}
+    # ppo runs the reward functions: the tracking identity, no object store (test_secrets_follow_user_code)
+    assert secrets == {
+        "kubealign-mlflow-tracker": {"MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"}
+    }
+    # no shm, GPUs or node pinning for the CPU-only data split; the pipeline identity and the object store
+    split = platform["exec-data-split"]
+    assert not split.empty_dir_mounts and not split.node_selector.labels
+    secrets = {s.secret_name: {k.env_var for k in s.key_to_env} for s in split.secret_as_env}
     assert secrets["kubealign-mlflow"] == {
         "MLFLOW_TRACKING_URI",
         "MLFLOW_TRACKING_USERNAME",
         "MLFLOW_TRACKING_PASSWORD",
     }
     assert "AWS_SECRET_ACCESS_KEY" in secrets["kubealign-object-store"]
-    # no shm, GPUs or node pinning for the CPU-only data split, but the same credentials
-    split = platform["exec-data-split"]
-    assert not split.empty_dir_mounts and not split.node_selector.labels
-    assert {s.secret_name for s in split.secret_as_env} == {"kubealign-mlflow", "kubealign-object-store"}
+
+
+PIPELINE, TRACKER, STORE = "kubealign-mlflow", "kubealign-mlflow-tracker", "kubealign-object-store"
+
+
+def secret_names(platform: dict, executor: str) -> set[str]:
+    return {s.secret_name for s in platform[f"exec-{executor}"].secret_as_env}
+
+
+def test_secrets_follow_user_code(tmp_path: Path) -> None:
+    """Issue 54: the pods that run the reward functions (the route's training task, evaluate, a judge that only
+    reports) get the tracking identity and no object store; every other pod, promote above all, the pipeline
+    identity (it registers versions and moves `champion`) and the object store."""
+    trusted = {PIPELINE, STORE}
+    _, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary"])
+    assert set(platform) == {f"exec-{t}" for t in ("data-split", "sft", "reward", "ppo", "dpo", "evaluate",
+                                                   "promote", "serve", "judge")}  # fmt: skip
+    for task in ("data-split", "sft", "reward", "dpo", "promote", "serve", "judge"):  # judge: canary.act moves aliases
+        assert secret_names(platform, task) == trusted, task
+    for task in ("ppo", "evaluate"):
+        assert secret_names(platform, task) == {TRACKER}, task
+    _, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary", "canary.act=false"])
+    assert secret_names(platform, "judge") == {TRACKER}  # it only reports
+    assert secret_names(platform, "serve") == trusted
+    # several candidates: each route's training task and evaluate are user code; compare and promote are not
+    _, platform = compiled(tmp_path, [GRPO_DPO])
+    for task in ("grpo", "evaluate-grpo", "evaluate-dpo"):
+        assert secret_names(platform, task) == {TRACKER}, task
+    for task in ("dpo", "compare", "promote-grpo", "promote-dpo", "data-split"):
+        assert secret_names(platform, task) == trusted, task
+    # an MLflow that does not proxy artifacts: the object store on the user-code pods, asked for by name
+    _, platform = compiled(tmp_path, ["kubernetes.object_store_user_code=true"])
+    assert secret_names(platform, "ppo") == secret_names(platform, "evaluate") == {TRACKER, STORE}
+    _, platform = compiled(tmp_path, ["kubernetes.tracking_secret=null", "kubernetes.object_store_secret=null"])
+    assert secret_names(platform, "ppo") == set() and secret_names(platform, "promote") == {PIPELINE}
 
 
 def test_components_hold_no_install_step(tmp_path: Path) -> None:
@@ -276,6 +315,7 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
     assert producers == {"prompts": "data-split", "tokenizer": "sft", "reward_model": "reward", "serving": "serve"}
     assert not judge.caching_options.enable_cache  # the served models and the registry: outside KFP's view
     assert [s.secret_name for s in platform["exec-judge"].secret_as_env][0] == "kubealign-mlflow"  # acts there
+    # (without canary.act it only reports: the tracking identity, test_secrets_follow_user_code)
     spec, _ = compiled(tmp_path, [])
     assert "serve" not in spec.root.dag.tasks and "judge" not in spec.root.dag.tasks
 

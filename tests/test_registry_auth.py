@@ -156,10 +156,14 @@ def test_the_identities_job_creates_both_and_a_rerun_sets_their_passwords(regist
     first = registry.identities_job()
     assert first.returncode == 0, first.stderr[-3000:]
     assert "pipeline identity 'kubealign-pipeline' created" in first.stdout
+    assert "tracker identity 'kubealign-tracker' created" in first.stdout
     assert "reader identity 'reader' created" in first.stdout
+    grants = "kubealign-pipeline MANAGE, kubealign-tracker EDIT, reader READ"
+    assert f"experiment 'kubealign' created: {grants}" in first.stdout
     again = registry.identities_job()  # every helm upgrade runs it again
     assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count("exists: password set from its Secret") == 2
+    assert again.stdout.count("exists: password set from its Secret") == 3
+    assert f"experiment 'kubealign' exists: {grants}" in again.stdout
 
 
 def test_only_the_pipeline_identity_moves_champion(registry: ChartRegistry, tmp_path: Path) -> None:
@@ -192,6 +196,60 @@ def test_only_the_pipeline_identity_moves_champion(registry: ChartRegistry, tmp_
     assert "403" in one_line_error(back)
     assert admin_aliases(registry, name) == moved
     assert not (tmp_path / "p3" / "result.json").exists()
+
+
+def test_the_tracker_logs_runs_and_moves_nothing(registry: ChartRegistry, tmp_path: Path) -> None:
+    """Issue 54: the identity of the pods that run reward functions (kubernetes.tracking_secret) starts a stage's
+    run in the pipeline's experiment as those pods do (stage_run: params, the config as an artifact through the
+    server's artifact proxy, a metric), and is refused (403) registering a version or moving `champion`, which
+    the pipeline identity then does on the same server."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.config import load_config
+    from kubealign.tracking.runs import stage_run
+
+    tracker = registry.identity(f"{RELEASE}-mlflow-tracker")
+    if status(registry.url, auth=tuple(tracker.values())) == 401:
+        assert registry.identities_job().returncode == 0  # run alone: the Job has not run yet
+    config = load_config(None, [])  # the tiny preset's experiment: one of the chart's mlflow.auth.experiments
+    name = "kubealign-actor"  # the chart's registeredModels: the Job made it the pipeline's
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+        mp.delenv("MLFLOW_EXPERIMENT_ID", raising=False)
+        mp.delenv("MLFLOW_RUN_ID", raising=False)
+        for key, value in {"MLFLOW_TRACKING_URI": registry.url, **tracker}.items():
+            mp.setenv(key, value)
+        with stage_run("evaluate", config, tmp_path) as run:
+            run.log_metrics({"win_rate": 0.75})
+        client = MlflowClient(registry.url)
+        logged = client.get_run(run.run_id)
+        assert logged.data.metrics["win_rate"] == 0.75 and logged.info.status == "FINISHED"
+        assert [a.path for a in client.list_artifacts(run.run_id, "config")] == ["config/resolved.yaml"]
+        source = f"runs:/{run.run_id}/config"
+        with pytest.raises(Exception, match="PERMISSION_DENIED|403"):
+            client.create_model_version(name, source, run_id=run.run_id)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in registry.identity(f"{RELEASE}-mlflow").items():
+            mp.setenv(key, value)
+        version = MlflowClient(registry.url).create_model_version(name, source, run_id=run.run_id).version
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in tracker.items():
+            mp.setenv(key, value)
+        for move in ("set_registered_model_alias", "delete_registered_model_alias"):
+            with pytest.raises(Exception, match="PERMISSION_DENIED|403"):
+                args = (name, "champion", version) if move.startswith("set") else (name, "champion")
+                getattr(MlflowClient(registry.url), move)(*args)
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in registry.identity(f"{RELEASE}-mlflow").items():
+            mp.setenv(key, value)
+        MlflowClient(registry.url).set_registered_model_alias(name, "tracker-test", version)  # the pipeline may
+    assert admin_aliases(registry, name).get("tracker-test") == str(version)
+    with pytest.MonkeyPatch.context() as mp:  # the EDIT on the experiment is the tracker's, not everyone's
+        for key, value in registry.identity(f"{RELEASE}-mlflow-reader").items():
+            mp.setenv(key, value)
+        experiment = MlflowClient(registry.url).get_experiment_by_name(config.tracking.experiment).experiment_id
+        with pytest.raises(Exception, match="PERMISSION_DENIED|403"):
+            MlflowClient(registry.url).create_run(experiment)
 
 
 def test_the_readers_lease_squat_is_one_line_at_once(registry: ChartRegistry, tmp_path: Path) -> None:
@@ -245,7 +303,10 @@ def test_the_pipelines_model_is_the_pipelines_even_if_the_reader_made_it_first(
             MlflowClient(registry.url).create_registered_model(name)
     done = registry.identities_job()
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"registered model '{name}' exists: kubealign-pipeline MANAGE, reader READ" in done.stdout
+    assert (
+        f"registered model '{name}' exists: kubealign-pipeline MANAGE, kubealign-tracker READ, reader READ"
+        in done.stdout
+    )
     good = evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0)
     promoted = kubealign(registry, registry.identity(f"{RELEASE}-mlflow"), *promote_args(name, good, tmp_path / "p1"))
     assert promoted.returncode == 0, promoted.stderr[-3000:]

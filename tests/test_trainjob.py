@@ -36,9 +36,12 @@ def test_two_nodes_by_eight_gpus_validates_against_the_crd() -> None:
     assert body["metadata"]["namespace"] == "team-a"
     env = {e["name"]: e for e in trainer["env"]}
     assert env["A"] == {"name": "A", "value": "1"}
-    # credentials as Secret references, never copied as values into the TrainJob object
-    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "kubealign-object-store"
-    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "kubealign-mlflow"
+    # credentials as Secret references, never copied as values into the TrainJob object; the nodes run the
+    # reward functions: the tracking identity, no object store (issue 54), as on the ppo task's own pod
+    assert env["MLFLOW_TRACKING_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "kubealign-mlflow-tracker"
+    assert "AWS_SECRET_ACCESS_KEY" not in env and "AWS_ACCESS_KEY_ID" not in env
+    refs = {e["valueFrom"]["secretKeyRef"]["name"] for e in trainer["env"] if "valueFrom" in e}
+    assert refs == {"kubealign-mlflow-tracker"}
     assert body["spec"]["runtimeRef"] == {
         "name": "kubealign-deepspeed",
         "kind": "ClusterTrainingRuntime",
@@ -50,6 +53,15 @@ def test_two_nodes_by_eight_gpus_validates_against_the_crd() -> None:
     assert spec["nodeSelector"] == {"gpu": "h100"}
     # torchrun takes nnodes / node rank / master from the PET_* variables the Trainer sets: no --standalone
     assert "--standalone" not in trainer["command"] and trainer["command"][-4:-2] == ["kubealign.cli", "ppo"]
+
+
+def test_the_nodes_get_the_object_store_only_when_asked() -> None:
+    """kubernetes.object_store_user_code (an MLflow that does not proxy artifacts): the nodes' env as the ppo
+    pod's (kubealign.cluster.secrets.pod_secrets)."""
+    k8s = load_config("opt-13b-8gpu", [*TWO_BY_EIGHT, "kubernetes.object_store_user_code=true"]).kubernetes
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in trainjob.secret_env(k8s)}
+    assert refs["AWS_SECRET_ACCESS_KEY"] == "kubealign-object-store"
+    assert refs["MLFLOW_TRACKING_PASSWORD"] == "kubealign-mlflow-tracker"
 
 
 def test_the_schema_check_catches_a_misspelled_field() -> None:

@@ -147,11 +147,15 @@ def _registry(args: argparse.Namespace) -> None:
         return
     wanted = registry_auth.identities()
     if not wanted:
-        raise UserError("no identity to create: set KUBEALIGN_PIPELINE_USERNAME / _PASSWORD (and the reader's)")
+        raise UserError(
+            "no identity to create: set KUBEALIGN_PIPELINE_USERNAME / _PASSWORD (and the tracker's, the reader's)"
+        )
     registry_auth.wait_until_up(args.tracking_uri, args.wait)
     for line in registry_auth.ensure(args.tracking_uri, wanted):
         print(f"registry: {line}")
     for line in registry_auth.claim_models(args.tracking_uri, args.registered_model, wanted):
+        print(f"registry: {line}")
+    for line in registry_auth.claim_experiments(args.tracking_uri, args.experiment, wanted):
         print(f"registry: {line}")
 
 

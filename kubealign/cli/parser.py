@@ -336,14 +336,14 @@ def _add_tool_commands(sub: Any) -> None:
         "registry",
         help="the chart's MLflow with authentication: its config file and its identities (run by the chart's pods)",
         description="auth-config writes MLflow's basic-auth ini for the database in $MLFLOW_AUTH_DATABASE_URI; "
-        "identities signs in as the admin (MLFLOW_TRACKING_USERNAME / _PASSWORD) and creates the pipeline and "
-        "reader identities from KUBEALIGN_PIPELINE_USERNAME / _PASSWORD and KUBEALIGN_READER_USERNAME / _PASSWORD "
+        "identities signs in as the admin (MLFLOW_TRACKING_USERNAME / _PASSWORD) and creates the pipeline, tracker "
+        "and reader identities from KUBEALIGN_PIPELINE_, KUBEALIGN_TRACKER_ and KUBEALIGN_READER_USERNAME / _PASSWORD "
         "(or sets their passwords again). docs/reliability.md 'Trust boundaries'.",
     )
     registry_sub = registry.add_subparsers(dest="registry_command", metavar="ACTION", required=True)
     auth_config = registry_sub.add_parser("auth-config", help="write the basic-auth ini (MLFLOW_AUTH_CONFIG_PATH)")
     auth_config.add_argument("--output", required=True, type=Path, metavar="FILE", help="the ini file to write")
-    identities = registry_sub.add_parser("identities", help="create the pipeline and reader identities")
+    identities = registry_sub.add_parser("identities", help="create the pipeline, tracker and reader identities")
     identities.add_argument("--tracking-uri", required=True, metavar="URL", help="the MLflow server")
     identities.add_argument(
         "--wait", type=float, default=300.0, metavar="S", help="seconds to wait for the server to answer (default 300)"
@@ -354,7 +354,15 @@ def _add_tool_commands(sub: Any) -> None:
         default=[],
         metavar="NAME",
         help="a registered model the pipeline promotes to: created if absent, the pipeline identity's (MANAGE), "
-        "the reader's to read only (repeatable)",
+        "the tracker's and the reader's to read only (repeatable)",
+    )
+    identities.add_argument(
+        "--experiment",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an experiment the pipeline logs to (tracking.experiment): created if absent, the pipeline identity's "
+        "(MANAGE), the tracker may log runs in it (EDIT), the reader reads (repeatable)",
     )
 
     serve = sub.add_parser(

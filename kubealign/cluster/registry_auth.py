@@ -7,18 +7,23 @@ chart never puts it into a ConfigMap: an init container writes the file from the
 
 Identities. The server creates the admin from MLFLOW_AUTH_ADMIN_USERNAME / _PASSWORD on its first start.
 The chart's identities Job (`kubealign registry identities`) then signs in as that admin and creates the
-pipeline and reader identities (or sets their passwords again: a rotated Secret takes effect on the next
-`helm upgrade`). Permissions follow MLflow's rules with default_permission READ: every identity reads
-everything; whoever creates an experiment or a registered model gets MANAGE on it, so the pipeline
-identity owns what its runs create; moving `champion` needs EDIT on the model. Without credentials a
-request is 401; the reader's alias move is 403.
+pipeline, tracker and reader identities (or sets their passwords again: a rotated Secret takes effect on
+the next `helm upgrade`). Permissions follow MLflow's rules with default_permission READ: every identity
+reads everything; whoever creates an experiment or a registered model gets MANAGE on it, so the pipeline
+identity owns what its runs create; moving `champion` needs EDIT on the model, creating a run EDIT on the
+experiment. Without credentials a request is 401; the reader's alias move is 403.
+
+The tracker (issue 54) is the identity of the pods that run user code (the reward functions: the ppo task,
+evaluate, a judge that only reports; kubealign.cluster.secrets): the Job grants it EDIT on the pipeline's
+experiments, so it logs runs there, and READ on the registered models, so it cannot register a version or
+move an alias even where it created the model first.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +42,13 @@ DATABASE_ENV = "MLFLOW_AUTH_DATABASE_URI"
 # / _PASSWORD), so one Secret is both what a pipeline pod reads and what the Job creates.
 IDENTITIES = (
     ("pipeline", "KUBEALIGN_PIPELINE_USERNAME", "KUBEALIGN_PIPELINE_PASSWORD"),
+    ("tracker", "KUBEALIGN_TRACKER_USERNAME", "KUBEALIGN_TRACKER_PASSWORD"),
     ("reader", "KUBEALIGN_READER_USERNAME", "KUBEALIGN_READER_PASSWORD"),
 )
+# What each identity may do on the pipeline's registered models and experiments (claim_models,
+# claim_experiments): the pipeline owns both; the tracker logs runs and moves nothing; the reader reads.
+MODEL_GRANTS = {"pipeline": "MANAGE", "tracker": "READ", "reader": "READ"}
+EXPERIMENT_GRANTS = {"pipeline": "MANAGE", "tracker": "EDIT", "reader": "READ"}
 
 
 def config_text(database_uri: str, default_permission: str = DEFAULT_PERMISSION) -> str:
@@ -124,45 +134,79 @@ def ensure(tracking_uri: str, wanted: Mapping[str, tuple[str, str]]) -> list[str
 
 def claim_models(tracking_uri: str, names: list[str], wanted: Mapping[str, tuple[str, str]]) -> list[str]:
     """Make each registered model (created by the admin when absent) the pipeline identity's (MANAGE) and only
-    readable by the reader (READ), signed in as the admin. MLflow lets any identity create a registered model
-    and gives its creator MANAGE: without this the reader could create the pipeline's model on a fresh
-    registry and set `champion`, which the pipeline could then not move (issue 54). One line per model."""
-    from mlflow.exceptions import MlflowException
-    from mlflow.server import get_app_client
+    readable by the tracker and the reader (READ), signed in as the admin. MLflow lets any identity create a
+    registered model and gives its creator MANAGE: without this the reader (or a pod holding the tracker)
+    could create the pipeline's model on a fresh registry and set `champion`, which the pipeline could then
+    not move (issue 54). One line per model."""
     from mlflow.tracking import MlflowClient
 
-    auth = get_app_client("basic-auth", tracking_uri=tracking_uri)
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)
-    grants = {"pipeline": "MANAGE", "reader": "READ"}
+
+    def create(name: str) -> str:
+        client.create_registered_model(name)
+        return name  # a registered model's resource id is its name
+
+    return _claim(tracking_uri, "registered model", names, create, str, MODEL_GRANTS, wanted)
+
+
+def claim_experiments(tracking_uri: str, names: list[str], wanted: Mapping[str, tuple[str, str]]) -> list[str]:
+    """Each experiment the pipeline logs to (created by the admin when absent): the pipeline identity's
+    (MANAGE), the tracker's to log runs in (EDIT: MLflow's CreateRun needs it), the reader's to read. Creating
+    it here also keeps another identity from owning it first. One line per experiment."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri)
+
+    def find(name: str) -> str:
+        return client.get_experiment_by_name(name).experiment_id
+
+    return _claim(tracking_uri, "experiment", names, client.create_experiment, find, EXPERIMENT_GRANTS, wanted)
+
+
+def _claim(
+    tracking_uri: str,
+    kind: str,
+    names: list[str],
+    create: Callable[[str], str],
+    find: Callable[[str], str],
+    grants: Mapping[str, str],
+    wanted: Mapping[str, tuple[str, str]],
+) -> list[str]:
+    """Create each `kind` (or find it: its resource id), then give each identity in `wanted` its grant."""
+    from mlflow.exceptions import MlflowException
+    from mlflow.server import get_app_client
+
+    auth = get_app_client("basic-auth", tracking_uri=tracking_uri)
+    resource = kind.replace(" ", "_")  # MLflow's resource types: registered_model, experiment
     done = []
     for name in names:
         try:
             try:
-                client.create_registered_model(name)
-                how = "created"
+                key, how = str(create(name)), "created"
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-                how = "exists"
+                key, how = str(find(name)), "exists"
             for what, permission in grants.items():
                 if what in wanted:
-                    _grant(auth, wanted[what][0], name, permission)
+                    _grant(auth, wanted[what][0], resource, key, permission)
             given = ", ".join(f"{wanted[w][0]} {p}" for w, p in grants.items() if w in wanted)
-            done.append(f"registered model {name!r} {how}: {given}")
+            done.append(f"{kind} {name!r} {how}: {given}")
         except MlflowException as exc:
-            raise UserError(f"MLflow at {tracking_uri}, registered model {name!r}: {first_line(exc)}") from None
+            raise UserError(f"MLflow at {tracking_uri}, {kind} {name!r}: {first_line(exc)}") from None
     return done
 
 
-def _grant(auth: Any, user: str, name: str, permission: str) -> None:
-    """`permission` on registered model `name` for `user`, replacing the grant it had (MLflow grants once)."""
+def _grant(auth: Any, user: str, resource: str, key: str, permission: str) -> None:
+    """`permission` on `resource` (registered_model, experiment) `key` for `user`, replacing the grant it had
+    (MLflow grants once)."""
     from mlflow.exceptions import MlflowException
 
     try:
-        auth.grant_user_permission(user, "registered_model", name, permission)
+        auth.grant_user_permission(user, resource, key, permission)
     except MlflowException as exc:
         if exc.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
-        if auth.get_user_permission(user, "registered_model", name).permission != permission:
-            auth.revoke_user_permission(user, "registered_model", name)
-            auth.grant_user_permission(user, "registered_model", name, permission)
+        if auth.get_user_permission(user, resource, key).permission != permission:
+            auth.revoke_user_permission(user, resource, key)
+            auth.grant_user_permission(user, resource, key, permission)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kubealign.cluster.secrets import MLFLOW_SECRET_KEYS, OBJECT_STORE_SECRET_KEYS
+from kubealign.cluster.secrets import pod_secrets
 from kubealign.config.schema import KubernetesConfig
 from kubealign.errors import UserError
 from kubealign.pod import POD_ENV  # the task pod's identity: the TrainJob's owner
@@ -126,14 +126,14 @@ def owner_references(env: dict[str, str], namespace: str) -> list[dict[str, Any]
 
 
 def secret_env(k8s: KubernetesConfig) -> list[dict[str, Any]]:
-    """The same MLflow / object-store Secret keys the pipeline's tasks get, as secretKeyRefs (never as
-    values copied into the TrainJob object)."""
+    """The Secret keys the ppo task's own pod gets (it runs the reward functions: the tracking identity, no
+    object store unless kubernetes.object_store_user_code), as secretKeyRefs (never as values copied into the
+    TrainJob object)."""
     refs = []
-    for secret, keys in ((k8s.mlflow_secret, MLFLOW_SECRET_KEYS), (k8s.object_store_secret, OBJECT_STORE_SECRET_KEYS)):
-        if secret:
-            for key in keys:
-                ref = {"name": secret, "key": key, "optional": True}
-                refs.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
+    for secret, keys in pod_secrets(k8s, user_code=True):
+        for key in keys:
+            ref = {"name": secret, "key": key, "optional": True}
+            refs.append({"name": key, "valueFrom": {"secretKeyRef": ref}})
     return refs
 
 

@@ -43,9 +43,23 @@ class KubernetesConfig(Section):
         description="Secret whose keys become env (MLFLOW_TRACKING_URI, MLFLOW_TRACKING_USERNAME/PASSWORD ...);"
         " None = none.",
     )
+    tracking_secret: str | None = Field(
+        "kubealign-mlflow-tracker",
+        description="Secret with the same MLflow keys for the pods that run user code (the reward functions: "
+        "ppo / grpo / rloo and their TrainJob nodes, evaluate, a judge that does not act) instead of "
+        "`mlflow_secret`: an identity that logs runs but cannot register versions or move aliases (the chart's "
+        "tracker). None = none; the name of `mlflow_secret` = the pipeline identity there too.",
+    )
     object_store_secret: str | None = Field(
         "kubealign-object-store",
-        description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL; None = none.",
+        description="Secret with AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / MLFLOW_S3_ENDPOINT_URL, on the pods that "
+        "run no user code (and on those too with `object_store_user_code`); None = none.",
+    )
+    object_store_user_code: bool = Field(
+        False,
+        description="Give `object_store_secret` to the pods that run user code too. Only for an MLflow that does "
+        "not proxy artifacts (no --serve-artifacts), whose clients write to the bucket themselves; the chart's "
+        "MLflow proxies them.",
     )
     namespace: str = Field("kubeflow", min_length=1, description="Namespace of TrainJobs the ppo task creates.")
     trainjob_runtime: str = Field(

@@ -69,13 +69,17 @@ names with and without the port, localhost for `kubectl port-forward`, and mlflo
 {{- end -}}
 {{- end -}}
 
-{{/* The Secrets of the three identities of the authenticated registry: the user's own, or the chart's. */}}
+{{/* The Secrets of the four identities of the authenticated registry: the user's own, or the chart's. */}}
 {{- define "kubealign.mlflowAdminSecret" -}}
 {{- .Values.mlflow.auth.adminSecret | default (printf "%s-mlflow-admin" (include "kubealign.fullname" .)) -}}
 {{- end -}}
 
 {{- define "kubealign.mlflowPipelineSecret" -}}
 {{- .Values.mlflow.auth.pipelineSecret | default (printf "%s-mlflow" (include "kubealign.fullname" .)) -}}
+{{- end -}}
+
+{{- define "kubealign.mlflowTrackerSecret" -}}
+{{- .Values.mlflow.auth.trackerSecret | default (printf "%s-mlflow-tracker" (include "kubealign.fullname" .)) -}}
 {{- end -}}
 
 {{- define "kubealign.mlflowReaderSecret" -}}
