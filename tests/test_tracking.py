@@ -87,6 +87,22 @@ def test_only_rank_zero_logs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     assert not (tmp_path / "mlflow.db").exists()
 
 
+def test_in_a_pod_without_a_tracking_uri_the_stage_stops_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    # a pod whose MLflow Secret is absent (optional: Kubernetes skips it) has no URI: a local store there would be
+    # lost with the pod, so the stage says so instead of training untracked
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    with pytest.raises(
+        UserError, match=r"^MLflow tracking: this pod has no MLFLOW_TRACKING_URI .* data-split's run would be lost"
+    ):
+        data_split.run(load_config(None, SMALL), tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not (tmp_path / "mlflow.db").exists()
+    # with a URI (the Secret's, or tracking.uri) the same pod tracks as anywhere
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'given.db'}")
+    assert data_split.run(load_config(None, SMALL), tmp_path / "out")["run_id"]
+
+
 def test_unreachable_tracking_server_is_a_clean_error(cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     # A server that is down: nothing listens on port 9 (discard) of the loopback address.
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")

@@ -3,7 +3,8 @@
 Where runs go is decided by the environment, the way MLflow and KFP's MLflow integration expect:
 
 * MLFLOW_TRACKING_URI (else `tracking.uri`, else a sqlite store `<output root>/mlflow.db` with
-  artifacts in `<output root>/mlartifacts`, where the output root is the parent of `--output`);
+  artifacts in `<output root>/mlartifacts`, where the output root is the parent of `--output`; not in a
+  Kubernetes pod, whose filesystem goes with it: there no URI is a one-line error);
   a URI holding credentials (`https://user:password@host`) is refused: the config is copied into the
   compiled pipeline and into MLflow params, so credentials go in MLFLOW_TRACKING_USERNAME /
   MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), on a cluster from `kubernetes.mlflow_secret`;
@@ -150,10 +151,23 @@ def stage_run(stage: str, config: KubealignConfig, output_root: Path, required: 
             _end(tracker, sender, attached, status, required)
 
 
+IN_A_POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container of a Kubernetes pod
+
+
 def _start(stage: str, config: KubealignConfig, uri: str | None, output_root: Path) -> tuple[MlflowTracker, bool]:
     from mlflow.tracking import MlflowClient
 
     artifact_location = None
+    if not uri and os.environ.get(IN_A_POD_ENV):
+        # a store in the pod's own filesystem is gone with the pod: the run would be lost without a word. On a
+        # cluster the URI comes from the pod's MLflow Secret (kubealign.cluster.secrets.pod_secrets), and a
+        # Secret that is absent is skipped by Kubernetes (optional), so say which ones to look at.
+        raise UserError(
+            f"MLflow tracking: this pod has no MLFLOW_TRACKING_URI and tracking.uri is unset, so {stage}'s run "
+            f"would be lost with the pod: check the Secret kubernetes.mlflow_secret names (pods that run reward "
+            f"functions read kubernetes.tracking_secret's; the chart makes both), or set tracking.uri, or "
+            f"tracking.enabled: false"
+        )
     if not uri:
         output_root.mkdir(parents=True, exist_ok=True)
         uri, artifact_location = default_store(output_root)
