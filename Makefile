@@ -30,14 +30,14 @@ $(STAMP): $(RUNTIME_STAMP)
 demo: $(RUNTIME_STAMP)
 	$(BIN)/kubealign run --output $(DEMO_DIR)
 
-# The CPU image, built offline from a wheelhouse of the lock (docs/pipeline.md "Images"). Uses $DOCKER_HOST
-# when set, else starts kubealign's private dockerd (root; `kubealign images daemon stop` ends it).
+# The CPU image, built offline from a wheelhouse of the lock (docs/pipeline.md "Images and containers"). Uses
+# $DOCKER_HOST when set, else starts kubealign's private dockerd (root; `kubealign images daemon stop` ends it).
 images: $(RUNTIME_STAMP)
 	@if [ -z "$$DOCKER_HOST" ]; then $(BIN)/kubealign images daemon start; fi
 	$(BIN)/kubealign images build
 
 # The training image (CUDA torch from PyPI, DeepSpeed's ops compiled for TORCH_CUDA_ARCH_LIST), built and
-# checked inside by its own test tier; not part of `make test` (README "Build the images": its time and
+# checked inside by its own test tier; not part of `make test` (docs/deploy.md "Build the images": its time and
 # size). KUBEALIGN_CUDA_ARCH_LIST=9.0 narrows the archs the ops are compiled for.
 image-train: $(STAMP)
 	$(BIN)/pytest -m train_image tests/test_train_image.py -s

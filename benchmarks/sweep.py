@@ -9,7 +9,7 @@ their defaults, on the embedded default (tiny-cpu), each side from an empty kfp.
 Per side: the wall time of each `kubealign run` process and which tasks ran or came from the cache. From the
 one run: the leaderboard (rank, settings, win-rate with its interval, reward, KL, on the Pareto front), the
 leader and whether it became champion, and its frontier picture, copied to docs/images/sweep-frontier.png
-for the README.
+for docs/stages.md.
 
   python benchmarks/sweep.py                  # -> results/sweep-tiny-cpu.json, docs/images/sweep-frontier.png
 """

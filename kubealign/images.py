@@ -1,6 +1,6 @@
 """The container images kubealign's KFP components and TrainJobs run in: the one place they are named.
 
-All three are built from images/ (see README "Deploy on Kubernetes") and tagged with the package version, so
+All three are built from images/ (see docs/deploy.md "Build the images") and tagged with the package version, so
 a compiled pipeline always points at the image that carries the same kubealign code. A registry mirror
 is one environment variable away (KUBEALIGN_IMAGE_REGISTRY), or override a single image per config
 (kubernetes.train_image / kubernetes.cpu_image).

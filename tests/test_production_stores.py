@@ -45,7 +45,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.system]
 
 BUCKET = "mlflow-artifacts"
 DB_SECRET, S3_SECRET = "mlflow-db", "minio"
-# README "Deploy on Kubernetes": the production values. Authentication off: the stores are what is tested here
+# docs/deploy.md "Install the chart": the production values. Authentication off: the stores are what is tested here
 # (with the MLflow UI in a browser); the authenticated registry, its identities and a DAG run as the pipeline
 # identity are tests/test_registry_auth.py's, on the chart's default stores.
 PRODUCTION = {

@@ -1,5 +1,5 @@
 """What the compare stage shows a person: the leaderboard (Markdown for the KFP UI) and the frontier page
-(HTML with the picture inlined, the KFP UI shows one file) and picture (PNG, for MLflow and the README):
+(HTML with the picture inlined, the KFP UI shows one file) and picture (PNG, for MLflow and docs/stages.md):
 each candidate's reward against its KL to the SFT model, the Pareto front drawn and labelled, the leader
 marked, the KL budget drawn; beside it the win-rates with their intervals."""
 
