@@ -313,7 +313,7 @@ def _add_image_commands(sub: Any) -> None:
 
 
 def _add_tool_commands(sub: Any) -> None:
-    """summary, tiny-model, config, registry."""
+    """summary, tiny-model, config; registry and serve: _add_registry_commands."""
     summary = sub.add_parser("summary", help="one-screen summary of a run directory (as make demo writes)")
     summary.add_argument("run_dir", nargs="?", type=Path, default=Path("runs/demo"), help="default: runs/demo")
 
@@ -331,7 +331,11 @@ def _add_tool_commands(sub: Any) -> None:
     show = config_sub.add_parser("show", help="print the resolved config (defaults, file, --set)")
     _add_config_options(show)
     config_sub.add_parser("presets", help="list the shipped presets")
+    _add_registry_commands(sub)
 
+
+def _add_registry_commands(sub: Any) -> None:
+    """registry auth-config | identities (what the chart's MLflow pods run), and serve."""
     registry = sub.add_parser(
         "registry",
         help="the chart's MLflow with authentication: its config file and its identities (run by the chart's pods)",
