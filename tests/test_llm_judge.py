@@ -112,6 +112,15 @@ def test_the_guard_at_its_boundary():
     assert check.ok is False and check.text.startswith("llm judge: win-rate 0.500 < 0.5")
 
 
+def test_one_prompt_is_the_whole_share_and_no_verdict_no_bias():
+    one = judge([("1", "2")])  # candidate first and preferred, then second and preferred: a win
+    assert one.verdicts == ["candidate"] and one.figures["llm_judge_win_rate"] == 1.0
+    none = judge([(None, "maybe")])  # no verdict at all: no position bias to speak of, and no line for it
+    assert "llm_judge_position_bias" not in none.figures and none.figures["llm_judge_unparsed"] == 1.0
+    (check,) = guards.checks(none.figures, ONLY, 0.0)
+    assert check.text == "llm judge: win-rate 0.000 < 0.5 (both orders)"
+
+
 def test_min_win_rate_is_the_gates_bar():
     same = ONLY.model_copy(update={"min_llm_judge_win_rate": "min_win_rate"})
     assert GuardsConfig().min_llm_judge_win_rate == "min_win_rate"

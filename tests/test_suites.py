@@ -60,6 +60,11 @@ def test_suite_figures_read_the_metric_of_each_named_task():
         guards.suite_figures(base, cand, ["facts"], "f1")
     with pytest.raises(UserError, match="task other reports no 'acc'"):  # the candidate's results lack it
         guards.suite_figures(base, cand, ["other"], "acc")
+    with pytest.raises(UserError, match=r"task gone reports no 'acc' \(it reports: nothing\)"):
+        guards.suite_figures(base, cand, ["gone"], "acc")
+    # unfiltered ("none") first, wherever the task lists it
+    both = {"t": {"acc,strict": 0.125, "acc,none": 0.5}}
+    assert guards.suite_figures(both, both, ["t"], "acc")["candidate_suite_t"] == 0.5
 
 
 def suite_metrics(**pairs: tuple[float, float]) -> dict[str, float]:
@@ -86,6 +91,10 @@ def test_max_suite_drop_at_its_boundary_one_line_per_suite():
     # a suite the candidate lacks is not compared (evaluate writes both or neither)
     assert guards.suite_checks({"baseline_suite_a": 0.5}, ONLY_SUITES) == []
     assert guards.recorded(suite_metrics(a=(0.75, 0.5))) == ["baseline_suite_a", "candidate_suite_a"]
+    both = {"baseline_distinct_2": 0.5, "candidate_distinct_2": 0.25, "heldout_win_rate": 0.5, "other": 1.0}
+    assert guards.recorded({**both, **suite_metrics(a=(0.75, 0.5))}) == [
+        "baseline_distinct_2", "candidate_distinct_2", "heldout_win_rate", "baseline_suite_a", "candidate_suite_a",
+    ]  # fmt: skip
     assert guards.missing(suite_metrics(a=(0.75, 0.5)), ONLY_SUITES) == {}  # optional: never "missing"
 
 
