@@ -20,7 +20,9 @@ def rows(ratios: list[list[float | None]], advantages: list[float]):
     """(logprobs leaf with grad, old, advantages, mask) for rows of width 4: None = outside the response
     (there the log-prob is garbage), each row one advantage on every action."""
     width = 4
-    log_ratio = [[math.log(r) if r is not None else GARBAGE for r in row] + [GARBAGE] * (width - len(row)) for row in ratios]
+    log_ratio = [
+        [math.log(r) if r is not None else GARBAGE for r in row] + [GARBAGE] * (width - len(row)) for row in ratios
+    ]
     mask = [[1.0 if r is not None else 0.0 for r in row] + [0.0] * (width - len(row)) for row in ratios]
     logprobs = torch.tensor(log_ratio, dtype=torch.float64) - 1.0  # old log-probs -1: the ratio is what counts
     logprobs.requires_grad_(True)

@@ -23,13 +23,22 @@ from tests.test_ppo_speed_paths import EOS, PROMPT_MASK, PROMPTS, TOKENIZER, mod
 SAME_PATH = 1e-5  # fp32: the KV-cached decode and the full forward round differently, by ~1e-7 here
 
 
+def biased(bias: float):
+    """A forward hook adding `bias` to token 5's logit in eval mode only: the rollout's forwards (generate puts
+    the actor in eval mode), not the trainer's."""
+
+    def hook(module, _args, out):
+        if not module.training:
+            out.logits[..., 5] += bias
+
+    return hook
+
+
 def rollout_and_trainer(path: str, cfg: PPOConfig, bias: float = 0.0):
     """(rollout log-probs, trainer log-probs, response mask) of one rollout of tiny_opt(0); bias: added to token
     5's logit in eval mode only — the rollout's forwards, not the trainer's (a kernel that computes otherwise)."""
     model = tiny_opt(0)
-    handle = model.register_forward_hook(
-        lambda module, _args, out: None if module.training else out.logits.__setitem__((..., 5), out.logits[..., 5] + bias)
-    )
+    handle = model.register_forward_hook(biased(bias))
     recorder = SampledLogprobs(sampling_of(cfg))
     torch.manual_seed(0)
     batch = rl_rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg, recorder)
@@ -60,9 +69,7 @@ def test_a_truncating_sampler_is_measured_against_the_unfiltered_trainer():
 def routed_models(cfg: PPOConfig, bias: float):
     models, gen = setup(cfg)
     models.rollout, models.tokenizer = rl_rollout.ModuleRollout(models.actor, TOKENIZER, False), TOKENIZER
-    models.actor.module.register_forward_hook(
-        lambda module, _args, out: None if module.training else out.logits.__setitem__((..., 5), out.logits[..., 5] + bias)
-    )
+    models.actor.module.register_forward_hook(biased(bias))
     return models, gen
 
 

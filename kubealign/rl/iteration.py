@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.errors import UserError
 from kubealign.models.value_head import score_and_value
 from kubealign.rewards import totals
 from kubealign.rl.advantages import (
@@ -26,7 +27,6 @@ from kubealign.rl.advantages import (
     sequence_rewards,
     whiten,
 )
-from kubealign.errors import UserError
 from kubealign.rl.correction import mismatch, rollout_weights
 from kubealign.rl.experience import Experience, FirstPass, make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController, k3
@@ -158,9 +158,10 @@ def update(
     are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient.
     plan: the first epoch's minibatches, drawn from gen before the experience pass (iteration); first:
     the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping). keep:
-    the rows the policy loss counts (Targets.keep); weights: the rollout correction's (rollout_correction). A step where no rank has a row to count (every row
-    dropped, or no response token) and no PPO-ptx term is skipped on every rank alike, with no backward and
-    no optimizer step: AdamW would otherwise still move the weights by momentum and weight decay. A rank
+    the rows the policy loss counts (Targets.keep); weights: the rollout correction's (rollout_correction).
+    A step where no rank has a row to count (every row dropped, or no response token) and no PPO-ptx term
+    is skipped on every rank alike, with no backward and no optimizer step: AdamW would otherwise still move the
+    weights by momentum and weight decay. A rank
     with nothing while another has rows takes part with a zero loss (its gradient adds nothing to the
     all-reduce). skipped_steps counts the skipped steps."""
     stats: dict[str, list[float]] = {}

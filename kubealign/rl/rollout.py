@@ -221,7 +221,8 @@ class SampledLogprobs:
             return None
         sampled = torch.stack(self.steps, 1).to(ids.device)
         out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
-        cols = (batch.response_start_idx.to(ids.device) - 1)[:, None] + torch.arange(sampled.shape[1], device=ids.device)
+        first = batch.response_start_idx.to(ids.device) - 1
+        cols = first[:, None] + torch.arange(sampled.shape[1], device=ids.device)
         inside = cols < out.shape[1]
         rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(cols)
         out[rows[inside], cols[inside]] = sampled[inside].float()
@@ -253,8 +254,9 @@ class _Take:
 @contextlib.contextmanager
 def rollout_hooks(module: Any, models: PPOModels, recorder: SampledLogprobs | None = None) -> Iterator[None]:
     """module.generate — what both the rollout API and ModuleRollout call — with EndedAtEOS, RepairInvalid
-    and synced_gpus added (with a recorder: its processor after RepairInvalid, its criterion). Under ZeRO-3 on several ranks each decode forward gathers parameters
-    collectively, so every rank must run the same number of forwards: synced_gpus makes generate
+    and synced_gpus added (with a recorder: its processor after RepairInvalid, its criterion). Under
+    ZeRO-3 on several ranks each decode forward gathers parameters collectively, so every rank must run the same
+    number of forwards: synced_gpus makes generate
     all-reduce the "this rank is done" flag every step and keep a finished rank running forwards (without
     sampling) until every rank is done, so all ranks stop at the same step."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -265,7 +267,8 @@ def rollout_hooks(module: Any, models: PPOModels, recorder: SampledLogprobs | No
     def hooked(*args: Any, **kwargs: Any) -> Any:
         kept = [_Keep(recorder)] if recorder is not None else []
         taken = [_Take(recorder)] if recorder is not None else []
-        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([EndedAtEOS(models.tokenizer.eos_token_id), *taken]))
+        ended = EndedAtEOS(models.tokenizer.eos_token_id)
+        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([ended, *taken]))
         kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid(), *kept]))
         kwargs.setdefault("synced_gpus", models.synced_gpus)
         return generate(*args, **kwargs)
