@@ -226,9 +226,9 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
     seen, minibatches = [], []
     real_loss, real_batches = iteration.policy_loss, iteration._minibatches
 
-    def spy_loss(*args):
+    def spy_loss(*args, **kwargs):
         seen.append(args[2])  # the advantages the loss weights this minibatch's actions by
-        return real_loss(*args)
+        return real_loss(*args, **kwargs)
 
     def spy_batches(*args):
         minibatches.extend(real_batches(*args))
