@@ -226,9 +226,9 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
     seen, minibatches = [], []
     real_loss, real_batches = iteration.policy_loss, iteration._minibatches
 
-    def spy_loss(*args):
+    def spy_loss(*args, **kwargs):
         seen.append(args[2])  # the advantages the loss weights this minibatch's actions by
-        return real_loss(*args)
+        return real_loss(*args, **kwargs)
 
     def spy_batches(*args):
         minibatches.extend(real_batches(*args))
@@ -358,6 +358,10 @@ def test_clip_higher_widens_only_the_upper_bound():
     assert symmetric.loss.item() == pytest.approx(-0.2) and symmetric.clip_fraction.item() == 1.0
     higher = policy_loss(logprobs, old, adv, mask, 0.2, cliprange_high=0.28)
     assert higher.loss.item() == pytest.approx((-1.28 + 0.8) / 2)  # the lower bound 1 - 0.2 unchanged
+    # Each row alone: the two rows' mean is the same with the bounds swapped (clip(r, 0.72, 1.2): (-1.2 + 0.72) / 2),
+    # the rows are not.
+    rows = [policy_loss(logprobs[i : i + 1], old[:1], adv[i : i + 1], mask[:1], 0.2, 0.28).loss.item() for i in (0, 1)]
+    assert rows == pytest.approx([-1.28, 0.8])
     constant = policy_loss(logprobs, old, adv, mask, 0.2, aggregation="constant", max_tokens=4)
     assert constant.loss.item() == pytest.approx((-1.2 + 0.8) / (2 * 4))
 

@@ -299,6 +299,27 @@ def test_pooled_statistics_with_a_faked_second_rank(monkeypatch):
     assert std == pytest.approx(math.sqrt(sum((v - by_hand) ** 2 for v in values) / 4))
 
 
+def test_batch_scale_divides_by_the_std_pooled_over_every_rank_in_the_update_path(monkeypatch):
+    """group_targets (what iteration() trains on) with scale_rewards batch: the std is every rank's rewards',
+    as TRL gathers them before scaling; this rank's alone (sqrt(7 * 0.8) here) would be another number."""
+    actor, exp = hand_experience(REWARDS)  # this rank: 1 2 6 | 3 3 3
+    other = [10.0, 20.0, 30.0, 0.0, 0.0, 0.0]  # the other rank's rewards
+    calls = fake_ranks(monkeypatch, [sum(other), sum(r * r for r in other), float(len(other))])
+    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=100, scale_rewards="batch")
+    targets = iteration.group_targets(exp, cfg, beta=0.0)
+    assert calls[0][2] == 6.0  # the first pooled statistic is the batch std's: this rank's six rewards
+    pooled = REWARDS.tolist() + other
+    mean = sum(pooled) / 12
+    std = math.sqrt(sum((r - mean) ** 2 for r in pooled) / 11)
+    mine = float(REWARDS.std())
+    assert abs(std - mine) > 1
+    expected = [c / (std + GRPO_EPS) for c in (-2.0, -1.0, 3.0, 0.0, 0.0, 0.0)]
+    # each response token carries its row's advantage
+    assert targets.advantages.sum(-1).tolist() == pytest.approx(
+        [e * n for e, n in zip(expected, lengths(exp), strict=True)], abs=1e-5
+    )
+
+
 def test_batch_scale_with_one_or_two_scored_rewards_and_the_defaults():
     rewards = torch.tensor([1.0, 5.0, 2.0, 7.0], dtype=torch.float64)
     one = torch.tensor([True, False, False, False])

@@ -22,6 +22,21 @@ class HybridEngineConfig(Section):
     tp_gather_partition_size: int = Field(8, ge=1, description="Layers gathered at once for TP.")
 
 
+class RolloutCorrectionConfig(Section):
+    """How the policy loss corrects for the rollout sampling from other probabilities than the trainer computes
+    for the same tokens (kubealign.rl.correction): w = pi_trainer / pi_rollout per response token."""
+
+    kind: Literal["none", "tis", "mask"] = Field(
+        "none",
+        description="none: no correction (the mismatch is still measured and logged); tis: each token's policy loss "
+        "times min(w, cap), truncated importance sampling (TRL's token_truncate, veRL's rollout_is); mask: tokens "
+        "with w outside [low, high] are left out of the policy loss (TRL's token_mask, veRL's token rejection).",
+    )
+    cap: float = Field(2.0, ge=1, description="tis: the largest weight a token gets (w is truncated to it).")
+    low: float = Field(0.5, ge=0, le=1, description="mask: the smallest w a token may have and still count.")
+    high: float = Field(2.0, ge=1, description="mask: the largest w a token may have and still count.")
+
+
 class PPOConfig(Section):
     algorithm: Literal[RL_ROUTES] = Field(
         "ppo",
@@ -91,6 +106,27 @@ class PPOConfig(Section):
         validation_alias=AliasChoices("cliprange_high", "clip_range_high"),
         description="Upper clip epsilon: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] (DAPO's "
         "clip-higher, e.g. 0.28 with cliprange 0.2: unlikely tokens can gain more); None = cliprange.",
+    )
+    policy_loss: Literal["ppo", "gspo", "cispo", "sapo"] = Field(
+        "ppo",
+        description="How the ratio r of the new to the old policy weighs each response token's advantage "
+        "(kubealign.rl.losses): ppo = PPO's token-level clip of r to [1 - cliprange, 1 + cliprange_high]; gspo = the "
+        "same clip of the sequence ratio, the geometric mean of the response's token ratios (Zheng et al. 2025; "
+        "its paper uses loss_aggregation sequence and bounds of 3e-4 / 4e-4); cispo = r's weight clipped to those "
+        "bounds and held constant, so no token's gradient is dropped (MiniMax-M1; cliprange 1 = no lower bound); "
+        "sapo = a soft sigmoid gate of r instead of the clip (TRL's sapo, temperatures below).",
+    )
+    sapo_temperature_pos: float = Field(
+        1.0, gt=0, description="sapo: the gate's temperature for positive advantages (higher = closer to a clip)."
+    )
+    sapo_temperature_neg: float = Field(
+        1.05, gt=0, description="sapo: the gate's temperature for zero and negative advantages."
+    )
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig,
+        description="Correction of the policy loss for the rollout's log-probs differing from the trainer's (bf16 "
+        "generation, the hybrid engine's inference kernels, top-k / top-p); the mismatch, mean and max |log "
+        "ratio| of the two before the first update, is logged every iteration whatever is chosen.",
     )
     loss_aggregation: Literal["token", "sequence", "constant"] = Field(
         "token",

@@ -18,7 +18,7 @@ from kubealign.config.cluster import KubernetesConfig, Toleration
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.pipeline import PipelineConfig, shorthand
-from kubealign.config.ppo import HybridEngineConfig, PPOConfig
+from kubealign.config.ppo import HybridEngineConfig, PPOConfig, RolloutCorrectionConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.suites import SuitesConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
@@ -42,6 +42,7 @@ __all__ = [
     "RewardConfig",
     "RewardFunction",
     "RewardsConfig",
+    "RolloutCorrectionConfig",
     "SFTConfig",
     "Section",
     "Toleration",

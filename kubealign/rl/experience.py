@@ -34,6 +34,9 @@ class Experience(NamedTuple):
     scores: torch.Tensor  # [N] score of each sequence (reward model and / or reward functions: rewards.scorer)
     scored: torch.Tensor | None = None  # [N] bool: something scored it (rewards.scorer.scored_rows); None: all
     functions: dict[str, list[float | None]] | None = None  # each reward function's values (Scores.per_function)
+    # [N, A] the log-probs the rollout sampled each response token with (rollout.SampledLogprobs), 0 elsewhere;
+    # None: not known (a rollout engine other than generate's sampling loop)
+    rollout_logprobs: torch.Tensor | None = None
 
 
 def response_masks(

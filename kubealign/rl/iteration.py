@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.errors import UserError
 from kubealign.models.value_head import score_and_value
 from kubealign.rewards import totals
 from kubealign.rl.advantages import (
@@ -26,6 +27,7 @@ from kubealign.rl.advantages import (
     sequence_rewards,
     whiten,
 )
+from kubealign.rl.correction import mismatch, rollout_weights
 from kubealign.rl.experience import Experience, FirstPass, make_experience, make_experience_keeping, policy_logprobs
 from kubealign.rl.kl import KLController, k3
 from kubealign.rl.losses import (
@@ -36,7 +38,7 @@ from kubealign.rl.losses import (
     policy_loss,
     value_loss,
 )
-from kubealign.rl.rollout import PPOModels, generate, sampling_of  # noqa: F401
+from kubealign.rl.rollout import PPOModels, SampledLogprobs, generate, sampling_of  # noqa: F401
 from kubealign.training import distributed
 from kubealign.training.loop import NonFiniteLoss, check_finite
 
@@ -85,6 +87,7 @@ def actor_objective(
     first: FirstPass | None = None,
     keep: torch.Tensor | None = None,
     denominator: float | None = None,
+    weights: torch.Tensor | None = None,
 ) -> ActorObjective:
     """The actor's loss on minibatch idx. The entropy enters autograd only when the loss uses it
     (entropy_coef > 0); at 0 it is logged from the same log-softmax, without gradient work. grpo adds
@@ -93,7 +96,8 @@ def actor_objective(
     first: the experience pass's forward of exactly these rows (idx == first.rows), used instead of running
     it again. keep: [N] the rows the loss counts (drop_equal_reward_groups); None: all. The other rows are
     removed before the loss, as DAPO and veRL remove them: in no sum, no denominator and no entropy mean.
-    denominator: the policy loss's and the KL term's (minibatch_denominator); None: this minibatch's own."""
+    denominator: the policy loss's and the KL term's (minibatch_denominator); None: this minibatch's own.
+    weights: [N, A] the rollout correction's per-token weights of the policy loss (rollout_correction); None: 1."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
     use_entropy = cfg.entropy_coef > 0
     if first is not None:
@@ -113,6 +117,9 @@ def actor_objective(
         how,
         most,
         denominator,
+        kind=cfg.policy_loss,
+        weights=None if weights is None else weights[idx][rows],
+        sapo_temperatures=(cfg.sapo_temperature_pos, cfg.sapo_temperature_neg),
     )
     mean_entropy = masked_mean(entropy, resp)
     actor_loss = pl.loss - cfg.entropy_coef * mean_entropy if use_entropy else pl.loss
@@ -144,15 +151,17 @@ def update(
     plan: list[torch.Tensor] | None = None,
     first: FirstPass | None = None,
     keep: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """ppo_epochs passes of clipped policy updates (+ value updates for ppo) over shuffled minibatches of
     the whole batch's advantages, computed before (a grpo / rloo group spans minibatches: its advantages
     are fixed already); returns the mean of each loss statistic. kl_coef: grpo's KL loss coefficient.
     plan: the first epoch's minibatches, drawn from gen before the experience pass (iteration); first:
     the experience pass's forwards of plan[0], which its step then uses (make_experience_keeping). keep:
-    the rows the policy loss counts (Targets.keep). A step where no rank has a row to count (every row
-    dropped, or no response token) and no PPO-ptx term is skipped on every rank alike, with no backward and
-    no optimizer step: AdamW would otherwise still move the weights by momentum and weight decay. A rank
+    the rows the policy loss counts (Targets.keep); weights: the rollout correction's (rollout_correction).
+    A step where no rank has a row to count (every row dropped, or no response token) and no PPO-ptx term
+    is skipped on every rank alike, with no backward and no optimizer step: AdamW would otherwise still move the
+    weights by momentum and weight decay. A rank
     with nothing while another has rows takes part with a zero loss (its gradient adds nothing to the
     all-reduce). skipped_steps counts the skipped steps."""
     stats: dict[str, list[float]] = {}
@@ -175,7 +184,7 @@ def update(
                 continue
             reused = first if epoch == 0 and step == 0 else None
             pl, mean_entropy, actor_loss, kl = actor_objective(
-                models.actor, exp, idx, advantages, cfg, kl_coef, reused, keep, denominator
+                models.actor, exp, idx, advantages, cfg, kl_coef, reused, keep, denominator, weights
             )
             if unsup is not None:  # InstructGPT's PPO-ptx: keep the pretraining/SFT distribution (eq. 2, gamma)
                 lm = unsup.loss(models.actor)
@@ -278,6 +287,33 @@ def group_targets(exp: Experience, cfg: PPOConfig, beta: float) -> Targets:
     return Targets(outcome_advantages(advantages, exp.response_mask), None, seq.kl, metrics, keep)
 
 
+def rollout_correction(exp: Experience, cfg: PPOConfig) -> tuple[torch.Tensor | None, dict[str, float]]:
+    """(the policy loss's per-token weights of ppo.rollout_correction, None for none; metrics). The metrics pool
+    every rank's response tokens: rollout_logprob_diff_mean / _max, the mean and max |log pi_trainer - log
+    pi_rollout| before the first update (exp.logprobs is the trainer's then; 0 when the rollout computes
+    exactly what the trainer does), and with a correction rollout_corrected_fraction, the share of tokens
+    whose weight it changed. No rollout log-probs (another rollout engine): nothing to log, and a correction
+    asked for is refused rather than silently skipped."""
+    fix = cfg.rollout_correction
+    if exp.rollout_logprobs is None:
+        if fix.kind != "none":
+            raise UserError(
+                f"ppo.rollout_correction.kind={fix.kind} needs the rollout's log-probs, which this rollout engine "
+                "does not report (it bypasses generate's sampling loop); set ppo.rollout_correction.kind=none"
+            )
+        return None, {}
+    gap = mismatch(exp.logprobs, exp.rollout_logprobs, exp.response_mask)
+    out = rollout_weights(exp.logprobs, exp.rollout_logprobs, exp.response_mask, fix.kind, fix.cap, fix.low, fix.high)
+    total, count, corrected = distributed.all_reduce_sum([gap.abs_sum, gap.count, float(out.corrected.sum())])
+    metrics = {
+        "rollout_logprob_diff_mean": total / count if count else 0.0,
+        "rollout_logprob_diff_max": distributed.all_reduce_max([gap.abs_max])[0],
+    }
+    if fix.kind == "none":
+        return None, metrics
+    return out.weights, {**metrics, "rollout_corrected_fraction": corrected / count if count else 0.0}
+
+
 class NonFiniteExperience(NonFiniteLoss):
     """The experience an update would train on holds a nan or inf (a reward score, a log-prob, a value):
     the cause of the non-finite loss it would give is known (see ExperienceFault)."""
@@ -344,7 +380,8 @@ def iteration(
     """Rollout + update for one batch of prompts (rows: their rewards.scorer.Rows, one per prompt, for reward
     functions); returns (metrics, experience)."""
     started = time.perf_counter()
-    batch = generate(models, prompt_ids, prompt_mask, cfg)
+    recorder = SampledLogprobs(sampling_of(cfg))
+    batch = generate(models, prompt_ids, prompt_mask, cfg, recorder)
     generated = time.perf_counter()
     eos = models.tokenizer.eos_token_id
     plan = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # the first epoch's, as update() drew it
@@ -365,14 +402,16 @@ def iteration(
         )
     else:
         exp = make_experience(batch, prompt_mask, eos, models, sampling_of(cfg), scored)
+    exp = exp._replace(rollout_logprobs=recorder.actions(batch))
     experienced = time.perf_counter()
     fault = experience_fault(exp)
     if fault.message:  # before any update: a nan here would poison every weight it reaches
         raise NonFiniteExperience(fault)
     kl_coef = kl.value
     targets = (ppo_targets if cfg.has_critic else group_targets)(exp, cfg, kl_coef)
+    weights, mismatch_metrics = rollout_correction(exp, cfg)
     losses = update(
-        models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first, targets.keep
+        models, exp, targets.advantages, targets.returns, cfg, gen, unsup, kl_coef, plan, first, targets.keep, weights
     )
     trained = time.perf_counter()
     kl_mean = update_kl(kl, targets.kl.sum(-1))
@@ -385,6 +424,7 @@ def iteration(
         "kl": kl_mean,
         "kl_coef": kl_coef,
         **targets.metrics,
+        **mismatch_metrics,
         **pooled_function_means(exp),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,

@@ -1,4 +1,5 @@
-"""PPO losses and diagnostics (Schulman et al. 2017). Shapes: [B, A] over actions; see kubealign.rl."""
+"""Policy losses (PPO, Schulman et al. 2017; GSPO, CISPO, SAPO: ppo.policy_loss), the value loss and
+diagnostics. Shapes: [B, A] over actions; see kubealign.rl."""
 
 from __future__ import annotations
 
@@ -128,6 +129,95 @@ def aggregate(
     return total / (denominator if denominator > 0 else 1.0)  # nothing counted: a zero loss, not 0 / 0
 
 
+# ppo.policy_loss: how the ratio of the new to the old policy weighs each response action's advantage
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+
+
+class Surrogate(NamedTuple):
+    per_token: torch.Tensor  # [B, A] the loss of each action before aggregation (outside the response: ignored)
+    clipped: torch.Tensor  # [B, A] bool: where the bound cut the ratio (or its weight) of this action
+
+
+def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> Surrogate:
+    """[B, A] -> max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(log_ratio) (PPO eq. 7 as a loss; high > low
+    is DAPO's clip-higher, Yu et al. 2025 eq. 10). The clipped side has no gradient: a token whose ratio has
+    left the trust region in the direction its advantage pushes stops moving."""
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return Surrogate(torch.maximum(unclipped, clipped), clipped > unclipped)
+
+
+def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """[B, A] token log-ratios -> [B, 1] their mean over each row's response actions: the log of GSPO's
+    sequence ratio s_i = (pi(y_i) / pi_old(y_i)) ^ (1 / |y_i|) (Zheng et al. 2025 eq. 7); 0 for an empty row."""
+    mask = response_mask.to(log_ratio.dtype)
+    return (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def gspo_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, low: float, high: float
+) -> Surrogate:
+    """GSPO-token (Zheng et al. 2025 eq. 13-14): every action of row i carries the sequence ratio s_i in value,
+    r_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], clipped as PPO clips. Why: one ratio per response (a geometric mean)
+    is not the noise of single tokens' ratios, which a long answer or an MoE routing change makes large; a row
+    is kept or clipped as a whole. With one advantage per row (grpo, rloo) its gradient is GSPO's,
+    s_i * A_i * mean_t grad log pi(y_t) per row; with GAE's per-token advantages (ppo) each token keeps its own."""
+    seq = sequence_log_ratio(log_ratio, response_mask).detach()
+    return clipped_surrogate(seq + log_ratio - log_ratio.detach(), advantages, low, high)
+
+
+def cispo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> Surrogate:
+    """CISPO (MiniMax-M1, Chen et al. 2025 eq. 4): -sg[clip(r, 1 - low, 1 + high)] * A * log pi per action. The
+    importance weight is clipped and held constant, not the update: every token keeps a gradient,
+    sg[w] * A * grad log pi, where PPO's clip gives a token out of range none (the rare "fork" tokens a
+    reasoning model needs to learn are exactly those). Written as -A * sg[w] * exp(log r - sg[log r]): the
+    same gradient, and a value -A * w comparable with the other choices' (TRL's -A w log pi is not).
+    MiniMax-M1 bounds only the top: cliprange 1 puts the lower bound at 0, which no ratio reaches."""
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(1.0 - low, 1.0 + high).detach()
+    per_token = -advantages * weight * (log_ratio - log_ratio.detach()).exp()
+    return Surrogate(per_token, (ratio < 1.0 - low) | (ratio > 1.0 + high))
+
+
+def sapo_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+) -> Surrogate:
+    """SAPO's soft gate (Gao et al. 2025, as TRL implements it): -A * sigmoid(tau (r - 1)) * 4 / tau per action,
+    tau = temperature_pos where A > 0, temperature_neg elsewhere. Why: a hard clip drops a token's gradient at
+    a cliff; the gate's gradient weight 4 sigmoid'(tau (r - 1)) is 1 at r = 1 (the plain policy gradient) and
+    fades smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos: pushing a token's
+    probability down is the less stable direction). Its value at r = 1 is -2 A / tau, not -A. There is no
+    bound: `clipped` is left to the caller."""
+    ratio = log_ratio.exp()
+    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    return Surrogate(-advantages * gate, torch.zeros_like(ratio, dtype=torch.bool))
+
+
+def surrogate(
+    kind: str,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    low: float,
+    high: float,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+) -> Surrogate:
+    """The per-token loss of ppo.policy_loss `kind` (POLICY_LOSSES). sapo's `clipped` marks where PPO's hard
+    clip would have cut (the same [1 - low, 1 + high]): clip_fraction then compares across the choices."""
+    if kind == "ppo":
+        return clipped_surrogate(log_ratio, advantages, low, high)
+    if kind == "gspo":
+        return gspo_surrogate(log_ratio, advantages, response_mask, low, high)
+    if kind == "cispo":
+        return cispo_surrogate(log_ratio, advantages, low, high)
+    if kind == "sapo":
+        soft = sapo_surrogate(log_ratio, advantages, *sapo_temperatures)
+        return Surrogate(soft.per_token, clipped_surrogate(log_ratio.detach(), advantages, low, high).clipped)
+    raise ValueError(f"unknown policy loss {kind!r} (expected one of {', '.join(POLICY_LOSSES)})")
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -138,19 +228,22 @@ def policy_loss(
     aggregation: str = "token",
     max_tokens: int = 0,
     denominator: float | None = None,
+    kind: str = "ppo",
+    weights: torch.Tensor | None = None,
+    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> PolicyLoss:
-    """Clipped surrogate: max(-A r, -A clip(r, 1 - eps, 1 + eps_high)) per response action, aggregated
-    (`aggregate`), r = exp(logprobs - old_logprobs) (PPO paper eq. 7, as a loss to minimize; eps_high =
-    cliprange_high, DAPO's clip-higher, Yu et al. 2025 eq. 10; None = eps). Positions outside the response
-    do not matter, even at -inf. clip_fraction and approx_kl are token means whatever the aggregation.
-    denominator: see `aggregate`."""
+    """The policy loss of ppo.policy_loss `kind` (`surrogate`; ppo: the clipped surrogate, PPO paper eq. 7,
+    with eps_high = cliprange_high, None = cliprange) per response action, times `weights` ([B, A], the
+    rollout correction's, held constant; None: 1), aggregated (`aggregate`), r = exp(logprobs - old_logprobs).
+    Positions outside the response do not matter, even at -inf. clip_fraction and approx_kl are token means
+    whatever the aggregation. denominator: see `aggregate`."""
     log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = log_ratio.exp()
-    unclipped = -advantages * ratio
     high = cliprange if cliprange_high is None else cliprange_high
-    clipped = -advantages * ratio.clamp(1.0 - cliprange, 1.0 + high)
-    loss = aggregate(torch.maximum(unclipped, clipped), response_mask, aggregation, max_tokens, denominator)
-    clip_fraction = masked_mean((clipped > unclipped).to(logprobs.dtype), response_mask)
+    term = surrogate(kind, log_ratio, advantages, response_mask, cliprange, high, sapo_temperatures)
+    per_token = term.per_token if weights is None else term.per_token * weights.detach().to(term.per_token.dtype)
+    loss = aggregate(per_token, response_mask, aggregation, max_tokens, denominator)
+    clip_fraction = masked_mean(term.clipped.to(logprobs.dtype), response_mask)
+    ratio = log_ratio.exp()
     approx_kl = masked_mean((ratio - 1) - log_ratio, response_mask)  # k3: unbiased, always >= 0
     return PolicyLoss(loss, clip_fraction.detach(), approx_kl.detach())
 

@@ -127,9 +127,16 @@ def sampling_of(cfg: PPOConfig) -> Sampling:
     return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
-def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, cfg: PPOConfig) -> Any:
+def generate(
+    models: PPOModels,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    cfg: PPOConfig,
+    recorder: SampledLogprobs | None = None,
+) -> Any:
     """Sample responses with the actor in eval mode (the hybrid engine's inference kernels; the next
-    log-prob pass puts it back in train mode) and its adapters merged for the duration."""
+    log-prob pass puts it back in train mode) and its adapters merged for the duration. recorder: keeps the
+    log-prob each sampled token had in the rollout (SampledLogprobs)."""
     from deepspeed.runtime.rollout import RolloutRequest
 
     models.actor.eval()
@@ -138,7 +145,7 @@ def generate(models: PPOModels, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
     settings.min_p = None
     module = models.actor.module
-    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models):
+    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models, recorder):
         return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
 
 
@@ -169,11 +176,87 @@ class RepairInvalid:
         return InfNanRemoveLogitsProcessor()(input_ids, scores)
 
 
+class SampledLogprobs:
+    """The log-prob each sampled token had under the distribution the rollout drew it from — the logits of the
+    generating forward (the hybrid engine's inference kernels, the rollout's precision) after temperature,
+    top-k and top-p — for the rollout-trainer mismatch (kubealign.rl.correction). A logits processor (it runs
+    before generate's own warpers, so it applies the same transformers warpers itself, in generate's order)
+    keeps the step's log-softmax; a stopping criterion, called once the sampled token is appended, reads that
+    token's entry. One [N, V] step is held at a time."""
+
+    def __init__(self, sampling: Sampling):
+        from transformers.generation.logits_process import (
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.warpers: list[Any] = []
+        if sampling.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k != 0:
+            self.warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(sampling.top_p))
+        self.pending: torch.Tensor | None = None
+        self.steps: list[torch.Tensor] = []
+
+    def keep(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
+        warped = scores.float()
+        for warper in self.warpers:
+            warped = warper(input_ids, warped)
+        self.pending = torch.log_softmax(warped, -1)
+
+    def take(self, input_ids: torch.Tensor) -> None:
+        if self.pending is not None:
+            self.steps.append(self.pending.gather(-1, input_ids[:, -1:]).squeeze(-1))
+            self.pending = None
+
+    def actions(self, batch: Any) -> torch.Tensor | None:
+        """[N, A] the kept log-probs at the actions that produced the response tokens (action t produced
+        token t + 1), 0 elsewhere; None when generate's sampling loop did not run for these rows (another
+        rollout engine: continuous batching, CUDA graphs), so nothing is known of the rollout's log-probs."""
+        ids = batch.input_ids
+        if not self.steps or self.steps[0].shape[0] != ids.shape[0]:
+            return None
+        sampled = torch.stack(self.steps, 1).to(ids.device)
+        out = torch.zeros(ids.shape[0], ids.shape[1] - 1, dtype=torch.float32, device=ids.device)
+        first = batch.response_start_idx.to(ids.device) - 1
+        cols = first[:, None] + torch.arange(sampled.shape[1], device=ids.device)
+        inside = cols < out.shape[1]
+        rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(cols)
+        out[rows[inside], cols[inside]] = sampled[inside].float()
+        return out
+
+
+class _Keep:
+    """SampledLogprobs's logits processor: returns the scores untouched."""
+
+    def __init__(self, recorder: SampledLogprobs):
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.recorder.keep(input_ids, scores)
+        return scores
+
+
+class _Take:
+    """SampledLogprobs's stopping criterion: never stops a row."""
+
+    def __init__(self, recorder: SampledLogprobs):
+        self.recorder = recorder
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        self.recorder.take(input_ids)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
 @contextlib.contextmanager
-def rollout_hooks(module: Any, models: PPOModels) -> Iterator[None]:
+def rollout_hooks(module: Any, models: PPOModels, recorder: SampledLogprobs | None = None) -> Iterator[None]:
     """module.generate — what both the rollout API and ModuleRollout call — with EndedAtEOS, RepairInvalid
-    and synced_gpus added. Under ZeRO-3 on several ranks each decode forward gathers parameters
-    collectively, so every rank must run the same number of forwards: synced_gpus makes generate
+    and synced_gpus added (with a recorder: its processor after RepairInvalid, its criterion). Under
+    ZeRO-3 on several ranks each decode forward gathers parameters collectively, so every rank must run the same
+    number of forwards: synced_gpus makes generate
     all-reduce the "this rank is done" flag every step and keep a finished rank running forwards (without
     sampling) until every rank is done, so all ranks stop at the same step."""
     from transformers import LogitsProcessorList, StoppingCriteriaList
@@ -182,8 +265,11 @@ def rollout_hooks(module: Any, models: PPOModels) -> Iterator[None]:
     own = "generate" in vars(module)  # e.g. the hybrid engine's wrapper of an injected model
 
     def hooked(*args: Any, **kwargs: Any) -> Any:
-        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([EndedAtEOS(models.tokenizer.eos_token_id)]))
-        kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid()]))
+        kept = [_Keep(recorder)] if recorder is not None else []
+        taken = [_Take(recorder)] if recorder is not None else []
+        ended = EndedAtEOS(models.tokenizer.eos_token_id)
+        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([ended, *taken]))
+        kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid(), *kept]))
         kwargs.setdefault("synced_gpus", models.synced_gpus)
         return generate(*args, **kwargs)
 

@@ -93,6 +93,16 @@ def all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
+def all_reduce_max(values: list[float]) -> list[float]:
+    """The largest of each of a few scalars over all ranks (float64, on the backend's device)."""
+    import torch.distributed as dist
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=device())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
