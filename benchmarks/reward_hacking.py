@@ -34,7 +34,10 @@ from kubealign.promotion.gate import gate  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 NO_KL = ["ppo.kl_coef=0", "ppo.kl_target=null"]
-SUITE = "evaluate.suites.tasks=[kubealign_facts]"  # the suite kubealign ships, in every evaluation here
+# the suite kubealign ships, in every evaluation here, with a bar for its size: promote.guards.max_suite_drop's
+# default (0.05) is meant for public suites of thousands of questions; on these 72 one question is 0.014, and the
+# honest GRPO run of this benchmark loses 9 of them (1.00 -> 0.88) while every over-optimized run loses 48 or more
+SUITE = ["evaluate.suites.tasks=[kubealign_facts]", "promote.guards.max_suite_drop=0.25"]
 # (name, stage, overrides): the honest defaults of each route, then the over-optimized settings: no KL penalty,
 # a learning rate 20-50 times the default, many iterations (the first is the 60-iteration one); DPO
 # with a tiny beta, a high learning rate, several epochs and no SFT term.
@@ -81,11 +84,12 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
         trained = kubealign("ppo", "--prompts", shared["split"], "--actor", shared["sft"], "--critic", shared["rm"],
                             "--output", out["policy"], *extra)  # fmt: skip
     kubealign("evaluate", "--prompts", shared["split"], "--baseline", shared["sft"], "--candidate", out["policy"],
-              "--reward", shared["rm"], "--output", out["eval"], *extra, *sets([SUITE]))  # fmt: skip
-    kubealign("promote", "--evaluation", out["eval"], "--model-dir", out["policy"], "--output", out["promote"], *extra)
+              "--reward", shared["rm"], "--output", out["eval"], *extra, *sets(SUITE))  # fmt: skip
+    kubealign("promote", "--evaluation", out["eval"], "--model-dir", out["policy"], "--output", out["promote"], *extra,
+              *sets(SUITE))  # fmt: skip
     read = lambda d: json.loads((Path(d) / "result.json").read_text(encoding="utf-8"))  # noqa: E731
     m, promoted = read(out["eval"])["metrics"], read(out["promote"])
-    cfg = load_config(None, overrides).promote
+    cfg = load_config(None, [*overrides, *SUITE]).promote
     none = dict.fromkeys(GuardsConfig.model_fields)
     off = cfg.model_copy(update={"guards": GuardsConfig(**none)})
     held = cfg.model_copy(update={"guards": GuardsConfig(**{**none, "min_heldout_win_rate": "min_win_rate"})})
