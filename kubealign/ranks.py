@@ -7,6 +7,10 @@ from __future__ import annotations
 import os
 import sys
 
+# What torchrun / the deepspeed launcher set for a rank. A process that starts a job of its own (a KFP
+# task, a torchrun launch) must not pass these on, or the new job tries to join the caller's group.
+RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 def rank() -> int:
     if "RANK" in os.environ:

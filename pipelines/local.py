@@ -37,7 +37,7 @@ from kubealign.errors import UserError, first_line
 from kubealign.outputs import read_json, tree_sha256, write_json
 from kubealign.rewards import definitions
 from kubealign.tracking.runs import PARENT_RUN_ENV, default_store
-from kubealign.training.distributed import RENDEZVOUS_ENV
+from kubealign.ranks import RENDEZVOUS_ENV
 
 INDEX_FILE = "run.json"
 LOGS_DIR = "logs"

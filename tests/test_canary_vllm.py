@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kubealign.training.distributed import RENDEZVOUS_ENV
+from kubealign.ranks import RENDEZVOUS_ENV
 from tests.conftest import NO_TRACKING
 from tests.faults import free_port
 from tests.stores import process_env

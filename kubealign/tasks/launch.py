@@ -23,7 +23,7 @@ from kubealign.config import KubealignConfig, config_to_yaml
 from kubealign.errors import UserError
 from kubealign.outputs import read_result
 from kubealign.pod import CHECKPOINT_ROOT_ENV, FORWARDED_ENV, RUN_ID_ENV, TASK_ENV
-from kubealign.training.distributed import RENDEZVOUS_ENV
+from kubealign.ranks import RENDEZVOUS_ENV  # not training.distributed: that imports torch, a light task needs none
 
 
 def device_count() -> int:

@@ -13,11 +13,7 @@ import socket
 
 import torch
 
-from kubealign.ranks import is_main, rank  # noqa: F401  (re-exported: one way to ask, kubealign.ranks)
-
-# What torchrun / the deepspeed launcher set for a rank. A process that starts a job of its own (a KFP
-# task, a torchrun launch) must not pass these on, or the new job tries to join the caller's group.
-RENDEZVOUS_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+from kubealign.ranks import RENDEZVOUS_ENV, is_main, rank  # noqa: F401  (re-exported: one way to ask, kubealign.ranks)
 
 
 def _free_port() -> int:
