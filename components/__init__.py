@@ -9,6 +9,7 @@ same bodies in this environment.
 """
 
 from kubealign.components.stages import (
+    act,
     compare,
     data_split,
     dpo,
@@ -24,6 +25,7 @@ from kubealign.components.stages import (
 )
 
 __all__ = [
+    "act",
     "compare",
     "data_split",
     "dpo",

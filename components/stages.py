@@ -187,8 +187,8 @@ def judge(
     report: Output[Markdown],
 ) -> str:
     """judge: the canary serve put beside the champion, judged online by each predictor's own address (the
-    same held-out prompts to both), and the verdict carried out (canary.act): the registry's aliases, then
-    the InferenceService. tokenizer: the SFT model; reward_model is not read when reward functions alone score.
+    same held-out prompts to both); the verdict written in judgement (verdict.json) for the act task, nothing
+    moved. tokenizer: the SFT model; reward_model is not read when reward functions alone score.
 
     Returns the verdict line, or "" when serve applied no canary."""
     from kubealign import tasks
@@ -198,6 +198,21 @@ def judge(
     artifacts.to_kfp(result, metrics, judgement)
     artifacts.judge_report(judgement.path, report.path)
     return result.get("verdict") or ""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def act(config_json: str, judgement: Input[Artifact], acted: Output[Artifact], metrics: Output[Metrics]) -> str:
+    """act: the judge's verdict (judgement's verdict.json) carried out (canary.act): the registry's aliases
+    under promote's lease, then the InferenceService (the champion alone), waiting for Ready. No user code runs
+    here: the task of the pipeline identity.
+
+    Returns what it did in one line, or "" when there was nothing to carry out."""
+    from kubealign import tasks
+    from kubealign.tasks import artifacts
+
+    result = tasks.act(config_json, [], judgement.path, acted.path)
+    artifacts.to_kfp(result, metrics, acted)
+    return result.get("summary") or ""
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

@@ -25,9 +25,15 @@ SUMMARY_STAGES = (
     "promote",
     "serve",
     "judge",
+    "act",
 )  # all a run may hold
 SERVE = "serve"  # after promote, with serve.enabled (one route): the alias as a KServe InferenceService
-JUDGE = "judge"  # after serve, with promote.mode canary too: the canary judged online, the verdict carried out
+# after serve, with promote.mode canary too: the canary judged online (runs the reward functions), its verdict
+# written (verdict.json); nothing moved
+JUDGE = "judge"
+# after judge, with canary.act too: the verdict carried out (registry aliases, then the InferenceService); no
+# user code, so it alone gets the pipeline identity (kubealign.cluster.secrets)
+ACT = "act"
 # stage -> the stages whose outputs it reads. "candidate": the route's training task (ppo or dpo);
 # "scorer": the reward model, or with reward functions alone the SFT model (the critic's start; not read
 # by evaluate then).
@@ -41,6 +47,7 @@ UPSTREAM = {
     "promote": ("evaluate", "candidate"),
     "serve": ("promote",),
     "judge": ("data-split", "sft", "scorer", "serve"),
+    "act": ("judge",),  # the verdict names the version and the InferenceService
 }
 # The KFP output each task's directory is in: shared tasks by name; a several-route run's route tasks are
 # named after their route (grpo, evaluate-grpo, promote-grpo) and found by prefix.
@@ -51,13 +58,14 @@ OUTPUT_KEYS = {
     "compare": "comparison",
     "serve": "serving",
     "judge": "judgement",
+    "act": "acted",
 }
 ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
 # With pipeline.parallelism, the candidates past the first `parallelism` each wait for a slot: a no-op task
 # wait-NAME that runs once an earlier candidate's branch has ended (kubealign.pipelines.sweep).
 WAIT_PREFIX = "wait-"
 # names a candidate may not take: the DAG's own tasks (candidates.check_names also refuses the prefixes)
-RESERVED_TASKS = (*SHARED, "compare", SERVE, JUDGE, "evaluate", "promote", "wait")
+RESERVED_TASKS = (*SHARED, "compare", SERVE, JUDGE, ACT, "evaluate", "promote", "wait")
 
 
 def route_task(route: str) -> str:
@@ -76,11 +84,15 @@ def scorer(reward_model: bool) -> str:
     return "reward" if reward_model else "sft"
 
 
-def stages_for(route: str, reward_model: bool = True, serve: bool = False, judge: bool = False) -> tuple[str, ...]:
+def stages_for(
+    route: str, reward_model: bool = True, serve: bool = False, judge: bool = False, act: bool = False
+) -> tuple[str, ...]:
     """The tasks a one-route run executes, in DAG order (no reward task when reward functions alone score;
-    serve after promote with serve.enabled, judge after serve with promote.mode canary as well)."""
+    serve after promote with serve.enabled, judge after serve with promote.mode canary as well, act after judge
+    with canary.act as well)."""
     kept = (s for s in STAGES if reward_model or s != "reward")
-    served = (SERVE, *((JUDGE,) if judge else ())) if serve else ()
+    judged = (JUDGE, *((ACT,) if act else ())) if judge else ()
+    served = (SERVE, *judged) if serve else ()
     return (*(route_task(route) if stage == "ppo" else stage for stage in kept), *served)
 
 
@@ -90,13 +102,14 @@ def tasks_for_routes(
     serve: bool = False,
     judge: bool = False,
     parallelism: int = 0,
+    act: bool = False,
 ) -> tuple[str, ...]:
     """The tasks a run executes, in DAG order: with one candidate (`names`: its route alone), stages_for its
     route; with several (`names`: the candidates' names), the shared tasks, each candidate's wait (with
     pipeline.parallelism, past the first `parallelism`), training and evaluation, the comparison, each
     candidate's promotion."""
     if len(names) == 1:
-        return stages_for(names[0], reward_model, serve, judge)
+        return stages_for(names[0], reward_model, serve, judge, act)
     shared = tuple(s for s in SHARED if reward_model or s != "reward")
     waits = set(names[parallelism:]) if parallelism else set()
     trained = tuple(

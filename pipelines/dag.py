@@ -1,4 +1,4 @@
-"""The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote.
+"""The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote [-> serve [-> judge [-> act]]].
 
 The pipeline parameter `algorithm` (default: the route of the config's one candidate) picks the route with KFP
 conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
@@ -28,8 +28,9 @@ pipeline's outputs then have no `reward`.
 
 Everything about the cluster is set here, from `config.kubernetes`, never in the components: GPUs per
 stage, CPU/memory requests, /dev/shm as a memory emptyDir on training pods, MLflow and object-store
-credentials from Secrets (the pods that run the reward functions get the tracking identity and no
-object store: kubealign.cluster.secrets), an optional PVC, node selectors and tolerations. The promotion gate is inside
+credentials from Secrets (the pods that run the reward functions, the online judge's included, get the
+tracking identity and no object store; the act task that carries the judge's verdict out gets the pipeline
+identity: kubealign.cluster.secrets), an optional PVC, node selectors and tolerations. The promotion gate is inside
 the promote task (it always registers a challenger; only a candidate that passes moves @champion).
 """
 
@@ -186,13 +187,12 @@ class Tasks:
         gpus: int,
         training: bool,
         scoring: bool = False,
-        registry: bool = False,
     ) -> dsl.PipelineTask:
         """scoring: the task reads the reward functions (ppo's, evaluate, judge), so it runs user code and gets
-        the tracking identity, unless registry: it moves aliases itself (a judge that acts)."""
+        the tracking identity (kubealign.cluster.secrets)."""
         task.set_display_name(name)
         image = self.train_image if training or gpus else self.cpu_image
-        _resources(task, self.k8s, gpus, image, training, user_code=scoring and not registry)
+        _resources(task, self.k8s, gpus, image, training, user_code=scoring)
         for key, value in sorted({**self.env, **(self.scoring_env if scoring else {})}.items()):
             task.set_env_variable(key, value)
         return task
@@ -276,15 +276,23 @@ class Tasks:
     def judge(
         self, serve: dsl.PipelineTask, p: dict[str, Any], dataset: Any, sft: Any, scorer: Any
     ) -> dsl.PipelineTask:
-        """After serve (promote.mode canary): the canary judged online by its pods, the verdict carried out."""
+        """After serve (promote.mode canary): the canary judged online by its pods, its verdict written; it runs
+        the reward functions, so it moves nothing (the act task does)."""
         serving = serve.outputs["serving"]
         task = stages.judge(
             config_json=p["config_json"], prompts=dataset, tokenizer=sft, reward_model=scorer, serving=serving
         )
-        # carrying the verdict out (canary.act) moves aliases: the pipeline identity, beside the reward functions
-        acts = self.config.canary.act
-        self.place(task, "judge (the canary online)", 0, training=False, scoring=True, registry=acts)
+        self.place(task, "judge (the canary online)", 0, training=False, scoring=True)
         # the served models and the registry are outside KFP's view: a cached verdict would judge nothing
+        task.set_caching_options(False)
+        return task
+
+    def act(self, judge: dsl.PipelineTask, config_json: Any) -> dsl.PipelineTask:
+        """After judge (canary.act): its verdict carried out, the registry's aliases then the InferenceService,
+        as the pipeline identity (no user code runs here)."""
+        task = stages.act(config_json=config_json, judgement=judge.outputs["judgement"])
+        self.place(task, "act (the verdict carried out)", 0, training=False)
+        # the registry and the cluster are outside KFP's view: a cached act would carry nothing out
         task.set_caching_options(False)
         return task
 
@@ -329,7 +337,9 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
         if builder.config.serve.enabled:
             serve = builder.serve(promote, config_json)
             if builder.config.promote.mode == "canary":
-                builder.judge(serve, p, dataset, sft, scorer)
+                judge = builder.judge(serve, p, dataset, sft, scorer)
+                if builder.config.canary.act:
+                    builder.act(judge, config_json)
         done = {
             "data_split": dataset,
             "sft": sft,

@@ -50,7 +50,8 @@ def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
     judge = config.promote.mode == "canary"
     names = config.candidate_names() if config.several() else (config.route(),)
     parallelism = config.pipeline.parallelism
-    return shape.tasks_for_routes(names, config.rewards.uses_model, config.serve.enabled, judge, parallelism)
+    served = (config.rewards.uses_model, config.serve.enabled, judge, parallelism)
+    return shape.tasks_for_routes(names, *served, act=config.canary.act)
 
 
 @contextlib.contextmanager
@@ -290,7 +291,8 @@ def _stage_dirs(
     several = config.several()
     stages = {}
     for stage in (s for s in route if not shape.is_wait(s)):
-        if several or stage in (shape.SERVE, shape.JUDGE):  # serve and judge are no pipeline outputs: their tasks'
+        # serve, judge and act are no pipeline outputs: their tasks' own
+        if several or stage in (shape.SERVE, shape.JUDGE, shape.ACT):
             artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
         else:
             key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")

@@ -45,6 +45,8 @@ def _run_stage(
         return tasks.serve(config_json, [], d["promote"], str(out))
     if stage == "judge":
         return tasks.judge(config_json, [], d["data-split"], d["sft"], scorer, d["serve"], str(out))
+    if stage == "act":  # the judge's verdict carried out again: a rerun finishes one carried out halfway
+        return tasks.act(config_json, [], d["judge"], str(out))
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 
@@ -91,7 +93,8 @@ def rerun(
         config = config.for_candidate(config.candidates()[0])
     if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
         stage = "ppo"
-    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled, config.promote.mode == "canary")
+    canary = config.promote.mode == "canary"
+    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled, canary, config.canary.act)
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]

@@ -154,4 +154,4 @@ def test_the_components_package_exports_every_component():
     from kubealign.components import stages
 
     declared = {name for name, value in vars(stages).items() if isinstance(value, BaseComponent)}
-    assert set(components.__all__) == declared and len(declared) == 12
+    assert set(components.__all__) == declared and len(declared) == 13

@@ -144,19 +144,20 @@ def secret_names(platform: dict, executor: str) -> set[str]:
 
 
 def test_secrets_follow_user_code(tmp_path: Path) -> None:
-    """Issue 54: the pods that run the reward functions (the route's training task, evaluate, a judge that only
-    reports) get the tracking identity and no object store; every other pod, promote above all, the pipeline
-    identity (it registers versions and moves `champion`) and the object store."""
+    """Issue 54: the pods that run the reward functions (the route's training task, evaluate, the online judge)
+    get the tracking identity and no object store; every other pod, promote above all, the pipeline identity (it
+    registers versions and moves `champion`) and the object store: the act task that carries the judge's verdict
+    out too, and only with canary.act."""
     trusted = {PIPELINE, STORE}
     _, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary"])
     assert set(platform) == {f"exec-{t}" for t in ("data-split", "sft", "reward", "ppo", "dpo", "evaluate",
-                                                   "promote", "serve", "judge")}  # fmt: skip
-    for task in ("data-split", "sft", "reward", "dpo", "promote", "serve", "judge"):  # judge: canary.act moves aliases
+                                                   "promote", "serve", "judge", "act")}  # fmt: skip
+    for task in ("data-split", "sft", "reward", "dpo", "promote", "serve", "act"):  # act: moves the aliases
         assert secret_names(platform, task) == trusted, task
-    for task in ("ppo", "evaluate"):
+    for task in ("ppo", "evaluate", "judge"):  # judge: scores with the reward functions, moves nothing
         assert secret_names(platform, task) == {TRACKER}, task
     _, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary", "canary.act=false"])
-    assert secret_names(platform, "judge") == {TRACKER}  # it only reports
+    assert secret_names(platform, "judge") == {TRACKER} and "exec-act" not in platform  # it only reports
     assert secret_names(platform, "serve") == trusted
     # several candidates: each route's training task and evaluate are user code; compare and promote are not
     _, platform = compiled(tmp_path, [GRPO_DPO])
@@ -310,14 +311,22 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
     assert [s.secret_name for s in platform["exec-serve"].secret_as_env][0] == "kubealign-mlflow"  # the registry
     assert "judge" not in tasks  # promote.mode direct: no canary to judge
     spec, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary"])
-    judge = spec.root.dag.tasks["judge"]
+    tasks = spec.root.dag.tasks
+    judge, act = tasks["judge"], tasks["act"]
     producers = {k: a.task_output_artifact.producer_task for k, a in judge.inputs.artifacts.items()}
     assert producers == {"prompts": "data-split", "tokenizer": "sft", "reward_model": "reward", "serving": "serve"}
     assert not judge.caching_options.enable_cache  # the served models and the registry: outside KFP's view
-    assert [s.secret_name for s in platform["exec-judge"].secret_as_env][0] == "kubealign-mlflow"  # acts there
-    # (without canary.act it only reports: the tracking identity, test_secrets_follow_user_code)
+    # act after judge, on its verdict alone; judge scores as the tracking identity, act moves as the pipeline's
+    assert {k: a.task_output_artifact.producer_task for k, a in act.inputs.artifacts.items()} == {"judgement": "judge"}
+    assert set(act.dependent_tasks) == {"judge"} and "act" not in judge.dependent_tasks
+    assert not act.caching_options.enable_cache
+    assert act.inputs.artifacts["judgement"].task_output_artifact.output_artifact_key == "judgement"
+    assert [s.secret_name for s in platform["exec-judge"].secret_as_env] == ["kubealign-mlflow-tracker"]
+    assert [s.secret_name for s in platform["exec-act"].secret_as_env][0] == "kubealign-mlflow"  # acts there
+    spec, _ = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary", "canary.act=false"])
+    assert "judge" in spec.root.dag.tasks and "act" not in spec.root.dag.tasks  # the judge only reports
     spec, _ = compiled(tmp_path, [])
-    assert "serve" not in spec.root.dag.tasks and "judge" not in spec.root.dag.tasks
+    assert not {"serve", "judge", "act"} & set(spec.root.dag.tasks)
 
 
 def test_serve_takes_one_route(cli, tmp_path: Path) -> None:

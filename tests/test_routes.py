@@ -209,6 +209,21 @@ def test_task_list_of_a_several_route_run() -> None:
     assert tasks_for(load_config(None, [])) == ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 
 
+def test_task_list_of_a_served_canary() -> None:
+    """serve, judge (the canary online, user code) and act (its verdict carried out, the pipeline identity) end a
+    one-route run; with canary.act false the judge only reports. act reads the judge's verdict alone, so a rerun
+    of act needs only the judge's output, and a rerun of judge --downstream carries its new verdict out."""
+    from kubealign import shape
+
+    served = ["serve.enabled=true", "promote.mode=canary"]
+    route = tasks_for(load_config(None, served))
+    assert route[-4:] == ("promote", "serve", "judge", "act")
+    assert tasks_for(load_config(None, [*served, "canary.act=false"]))[-3:] == ("promote", "serve", "judge")
+    assert shape.upstream("act", route) == ("judge",)
+    assert shape.downstream_of("judge", route) == ["act"] and shape.downstream_of("serve", route) == ["judge", "act"]
+    assert "act" in shape.RESERVED_TASKS and shape.output_key("act") == "acted" and shape.route_of("act") is None
+
+
 # --- through kfp.local ------------------------------------------------------------------------------------
 
 SHORT = [

@@ -8,6 +8,7 @@ stand-in API on 127.0.0.1 that checks what it stores against KServe v0.20.0's CR
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -514,10 +515,11 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A canary that answers worse, judged by the pipeline's judge task through each predictor's pods: rolled
-    back, challenger cleared and tagged, the canary removed from the service, champion and its files
-    unchanged. A promoted one whose service update fails halfway (a crash between the registry and the
-    cluster): the registry is decided, the rerun moves no alias and finishes the service."""
+    """A canary that answers worse, judged by the pipeline's judge task through each predictor's pods: its
+    verdict written and nothing moved; the act task then rolls it back: challenger cleared and tagged, the canary
+    removed from the service, champion and its files unchanged. A promoted one whose service update fails halfway
+    (a crash between the registry and the cluster): the registry is decided, the act task run again moves no
+    alias and finishes the service."""
     import functools
 
     from mlflow.tracking import MlflowClient
@@ -525,6 +527,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     from kubealign.config import load_config
     from kubealign.models import loading
     from kubealign.serving import act
+    from kubealign.stages import act as act_task
     from kubealign.stages import judge_task
     from kubealign.stages import serve as stage
     from tests.test_faults_registry import aliases
@@ -554,42 +557,52 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     kube.ports = {"stable": courteous.port, "canary": curt.port}  # the pods of each predictor: these servers
     courteous.models, curt.models = listing(name, "1", first=name), listing(name, "2", first=name)  # vllm runtime's
     judged = load_config(judge_config(tmp_path), [*sets, "tracking.enabled=true", "canary.min_answers=3"])
-    judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None,
-                              apis=(kube.client(), kube.core()))  # fmt: skip
+    judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None, core=kube.core())
+    carry_out = functools.partial(act_task.run, judged, custom=kube.client())
     assert judge(tmp_path / "s0", tmp_path / "j0")["why"] == "serve applied no canary: nothing to judge"
+    nothing = carry_out(tmp_path / "j0", tmp_path / "a0")
+    assert not nothing["acted"] and nothing["why"] == "nothing to carry out: serve applied no canary: nothing to judge"
     promote_canary(1, "tiny-llama", 1.2)
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
     stable = served()["spec"]["predictor"]["model"]["storageUri"]
-    # the judge task: the canary's pods answer curtly, the champion's courteously: rolled back
+    # the judge task: the canary's pods answer curtly, the champion's courteously: its verdict, a roll-back
     try:
         result = judge(tmp_path / "s1", tmp_path / "j1")
     finally:
         courteous.stop()
         curt.stop()
     assert not result["promoted"] and result["metrics"]["win_rate"] == 0.0 and result["metrics"]["prompts"] == 6
-    assert result["acted"] == {"registry": {"challenger": None, "champion": "1", "previous-champion": None},
-                               "inference_service": f"team-a/{name}", "action": "updated"}  # fmt: skip
+    verdict = json.loads((tmp_path / "j1" / judge_task.VERDICT_FILE).read_text())
+    assert verdict == {"judged": True, "promoted": False, "version": "2", "registered_model": name,
+                       "inference_service": f"team-a/{name}", "verdict": result["verdict"]}  # fmt: skip
+    # the judge (user code, the tracking identity) moved nothing: the registry and the service are as they were
+    assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
+    # the act task carries it out
+    acted = carry_out(tmp_path / "j1", tmp_path / "a1")
+    assert acted["registry"] == {"challenger": None, "champion": "1", "previous-champion": None}
+    assert (acted["inference_service"], acted["action"]) == (f"team-a/{name}", "updated")
     assert MlflowClient(registry.url).get_model_version(name, "2").tags[act.REJECTED_TAG] == "rejected"
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == stable
     assert errors(served()) == []
-    assert act.in_registry(config, registry.url, False, "2")["champion"] == "1"  # a rerun: nothing moves
-    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "unchanged"
-    # promoted, the service update failing once
+    again = carry_out(tmp_path / "j1", tmp_path / "a1")  # a rerun of act: nothing moves, nothing changes
+    assert again["registry"]["champion"] == "1" and again["action"] == "unchanged"
+    # promoted (a verdict on version 3), the service update failing once
     promote_canary(2, "tiny-llama", 1.3)
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "3"} and "canary" in served()["spec"]
     canary_files = served()["spec"]["canary"][0]["predictor"]["model"]["storageUri"]
+    (tmp_path / "j2").mkdir()
+    (tmp_path / "j2" / judge_task.VERDICT_FILE).write_text(json.dumps({**verdict, "promoted": True, "version": "3"}))
     kube.fail[("PATCH", len(kube.calls("PATCH")) + 1)] = 500
-    assert act.in_registry(config, registry.url, True, "3") == {"challenger": None, "champion": "3",
-                                                                 "previous-champion": "1"}  # fmt: skip
     with pytest.raises(UserError, match=f"updating InferenceService team-a/{name}: HTTP 500"):
-        act.in_serving(config, registry.url, "team-a", kube.client())
-    assert "canary" in served()["spec"]  # the crash: decided in the registry, still split in the cluster
-    assert act.served_canary(kube.client(), "team-a", name) == "3"  # what the rerun judges (challenger cleared)
-    assert act.in_registry(config, registry.url, True, "3")["champion"] == "3"  # the rerun moves nothing
+        carry_out(tmp_path / "j2", tmp_path / "a2")
+    assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}  # decided in the registry
+    assert "canary" in served()["spec"] and not (tmp_path / "a2").exists()  # still split in the cluster
+    assert act.served_canary(kube.client(), "team-a", name) == "3"  # what a rerun of the judge judges
+    finished = carry_out(tmp_path / "j2", tmp_path / "a2")  # the rerun of act: moves nothing, finishes the service
+    assert finished["registry"] == {"challenger": None, "champion": "3", "previous-champion": "1"}
     assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}
-    assert act.in_serving(config, registry.url, "team-a", kube.client()) == "updated"
+    assert finished["action"] == "updated" and act.served_canary(kube.client(), "team-a", name) is None
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == canary_files
-    assert act.served_canary(kube.client(), "team-a", name) is None
     assert act.served_canary(kube.client(), "team-b", name) is None  # no such service
     # a verdict about a version that is not challenger any more is refused
     with pytest.raises(UserError, match="challenger is now version None, not the judged version 2: judge again"):

@@ -89,3 +89,15 @@ def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_
         "held-out reward model: win-rate 0.25, gain -0.500 (the training one's +3.750); the two agree on 30% of "
         "the prompts"
     )
+
+
+def test_summary_says_what_the_judge_decided_and_what_act_did(cli, tmp_path: Path):
+    run = tmp_path / "canary"
+    verdict = "judge: challenger (version 2) rolled back: win_rate 0.000 >= 0.5"
+    write(run, "judge", {"verdict": verdict, "metrics": {"wall_time_s": 4.0}})
+    done = (
+        "registry challenger = None, champion = 1, previous-champion = None; InferenceService team-a/a updated, Ready"
+    )
+    write(run, "act", {"acted": True, "summary": done, "metrics": {"acted": 1.0}})
+    lines = cli("summary", run).out.splitlines()
+    assert lines[1:] == [f"{'judge':<11}{'4.0 s':>8}  {verdict}", f"{'act':<11}{'-':>8}  {done}"]

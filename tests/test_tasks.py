@@ -269,3 +269,86 @@ def test_trust_remote_code_only_where_the_pipeline_was_compiled_with_it(monkeypa
         ]
         == "sft,dpo"
     )
+
+
+# --- the act task: the judge's verdict file -----------------------------------------------------------------
+
+CANARY = ["serve.enabled=true", "promote.mode=canary"]
+VERDICT = {"judged": True, "promoted": True, "version": "3", "registered_model": "kubealign-actor",
+           "inference_service": "team-a/kubealign-actor", "verdict": "judge: challenger (version 3) holds online"}  # fmt: skip
+
+
+def judgement(tmp_path: Path, text: str) -> Path:
+    """A judge task's output whose verdict.json holds `text`."""
+    from kubealign.stages.judge_task import VERDICT_FILE
+
+    out = tmp_path / "judge"
+    out.mkdir()
+    (out / "result.json").write_text(json.dumps({"stage": "judge", "metrics": {}}), encoding="utf-8")
+    (out / VERDICT_FILE).write_text(text, encoding="utf-8")
+    return out
+
+
+@pytest.mark.unit
+def test_rerun_act_refuses_a_malformed_verdict_in_one_line(cli, tmp_path: Path) -> None:
+    """`kubealign rerun act` on a judge output whose verdict.json is cut short: exit 2, one line naming the file,
+    no output written and nothing asked of a registry (none is configured: the refusal comes first)."""
+    from kubealign.outputs import tree_sha256
+
+    judged = judgement(tmp_path, json.dumps(VERDICT)[:40])
+    run = tmp_path / "run"
+    run.mkdir()
+    stages = {"judge": {"dir": str(judged), "sha256": tree_sha256(judged)}}
+    index = {"config_json": config_to_json(load_config(None, CANARY)), "stages": stages}
+    (run / "run.json").write_text(json.dumps(index), encoding="utf-8")
+    done = cli("rerun", "act", "--from", run, "--output", tmp_path / "again")
+    assert done.code == 2 and "Traceback" not in done.err  # (MLflow's own INFO lines above it: the rerun's store)
+    assert [line for line in done.err.splitlines() if line.startswith("kubealign")] == [
+        f"kubealign: error: {judged / 'verdict.json'}:1: not a verdict: invalid JSON: Unterminated string starting at"
+    ]
+    assert not (tmp_path / "again" / "act").exists()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("edit", "said"),
+    [
+        ([], "a JSON list, not an object"),
+        ({**VERDICT, "judged": "yes"}, "\"judged\" is 'yes', not true or false"),
+        ({k: v for k, v in VERDICT.items() if k != "promoted"}, '"promoted" is None, not true or false'),
+        ({**VERDICT, "version": "?"}, "\"version\" is '?', not a registered version number"),
+        ({**VERDICT, "version": 3}, '"version" is 3, not a registered version number'),
+        (
+            {**VERDICT, "registered_model": "other"},
+            "\"registered_model\" is 'other', not promote.registered_model 'kubealign-actor'",
+        ),  # fmt: skip
+        ({**VERDICT, "inference_service": "team-a"}, "\"inference_service\" is 'team-a', not NAMESPACE/NAME"),
+    ],
+)
+def test_the_act_task_refuses_what_is_not_a_whole_verdict(tmp_path: Path, edit, said: str) -> None:
+    from kubealign.stages import act
+
+    judged = judgement(tmp_path, json.dumps(edit))
+    with pytest.raises(UserError) as refused:
+        act.run(load_config(None, CANARY), judged, tmp_path / "act")
+    assert str(refused.value) == f"{judged / 'verdict.json'}: not a verdict: {said}"
+    assert not (tmp_path / "act").exists()
+
+
+@pytest.mark.unit
+def test_the_act_task_carries_nothing_out_without_a_verdict_or_with_canary_act_off(tmp_path: Path) -> None:
+    """Nothing judged, or a run whose config_json says canary.act false: said, written, no registry needed. No
+    verdict file at all (a judge stopped before writing it): one line naming it."""
+    from kubealign.stages import act
+
+    config = load_config(None, CANARY)
+    nothing = judgement(tmp_path, json.dumps({"judged": False, "why": "serve applied no canary: nothing to judge"}))
+    done = act.run(config, nothing, tmp_path / "a1")
+    assert done["why"] == "nothing to carry out: serve applied no canary: nothing to judge" and not done["acted"]
+    assert json.loads((tmp_path / "a1" / "result.json").read_text())["stage"] == "act"
+    (nothing / "verdict.json").write_text(json.dumps(VERDICT))
+    off = act.run(load_config(None, [*CANARY, "canary.act=false"]), nothing, tmp_path / "a2")
+    assert off["why"] == "canary.act is false: the verdict is reported, not carried out"
+    (nothing / "verdict.json").unlink()
+    with pytest.raises(UserError, match=f"^{nothing / 'verdict.json'}: no such file: the judge task writes it last"):
+        act.run(config, nothing, tmp_path / "a3")

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign import __version__
-from kubealign.shape import ROUTES, SHARED
+from kubealign.shape import ACT, JUDGE, ROUTES, SERVE, SHARED
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -260,7 +260,8 @@ def _add_pipeline_commands(sub: Any) -> None:
     rerun.add_argument(
         "stage",
         metavar="STAGE",
-        help=f"a stage ({', '.join([*SHARED, *ROUTES, 'evaluate', 'promote'])}); in a run comparing several "
+        help=f"a stage ({', '.join([*SHARED, *ROUTES, 'evaluate', 'promote', SERVE, JUDGE, ACT])}; {ACT}: the "
+        "judge's verdict carried out again, which finishes one carried out halfway); in a run comparing several "
         "candidates, a candidate's name (its training, evaluation, then the comparison and the promotions) or compare",
     )
     rerun.add_argument(

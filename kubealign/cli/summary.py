@@ -55,6 +55,8 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         return f"{r.get('inference_service')} {r.get('action')}: version {r.get('version')}, Ready at {r.get('url')}"
     if stage == "judge":  # the verdict line, or why there was nothing to judge
         return r.get("why") or r.get("verdict", "")
+    if stage == "act":  # what carrying the verdict out did, or why nothing was done
+        return r.get("why") or r.get("summary", "")
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
     why = f"\n{r['refusal']}" if r.get("refusal") else ""  # the one line naming every failed check

@@ -30,6 +30,6 @@ class CanaryConfig(Section):
     max_new_tokens: int = Field(64, ge=1, description="max_tokens of each completion (temperature 0).")
     act: bool = Field(
         True,
-        description="The pipeline's judge task carries its verdict out (registry, then the InferenceService); "
-        "false: it only reports.",
+        description="The pipeline's act task, after its judge task, carries the judge's verdict out (registry, "
+        "then the InferenceService) as the pipeline identity; false: no act task, the judge only reports.",
     )

@@ -46,7 +46,7 @@ class KubernetesConfig(Section):
     tracking_secret: str | None = Field(
         "kubealign-mlflow-tracker",
         description="Secret with the same MLflow keys for the pods that run user code (the reward functions: "
-        "ppo / grpo / rloo and their TrainJob nodes, evaluate, a judge that does not act) instead of "
+        "ppo / grpo / rloo and their TrainJob nodes, evaluate, the online judge) instead of "
         "`mlflow_secret`: an identity that logs runs but cannot register versions or move aliases (the chart's "
         "tracker). None = none; the name of `mlflow_secret` = the pipeline identity there too.",
     )

@@ -1,4 +1,5 @@
-"""The online judge's verdict made true: first in the registry, then in what is served (issue 39).
+"""The online judge's verdict made true: first in the registry, then in what is served (issue 39). Called by
+`kubealign judge --act` and, in the DAG, by the act task (kubealign.stages.act) on the judge task's verdict.json.
 
 Registry, under promote's lease and alias journal (kubealign.promotion): a promoted canary's version becomes
 `champion` (the old one kept as `previous-champion`) and `challenger` is cleared; a rolled-back one loses

@@ -1,13 +1,14 @@
 """The DAG's optional `judge` task (issue 39), after `serve` in promote.mode canary: the canary the serve task
-put beside the champion is judged online, in the cluster, and the verdict carried out.
+put beside the champion is judged online, in the cluster, and the verdict written down for the `act` task.
 
 Reads serve's result: when it applied no canary (promote moved nothing, or made a first champion), there is
 nothing to judge and the task says so. Otherwise each predictor is asked by its own pods' address
 (kubealign.serving.endpoints: the service URL would split the prompts between them), each checked to serve the
-version the registry says (kubealign.serving.identity: the champion's, the canary's), the judge runs as
-`kubealign judge` does (kubealign.stages.judge), and with canary.act (the default) its verdict is carried out
-as `kubealign judge --act --namespace` does: the registry under promote's lease and journal, then the
-InferenceService (the champion alone), waiting for Ready. OUTPUT holds the judge's files and acted.json.
+version the registry says (kubealign.serving.identity: the champion's, the canary's), and the judge runs as
+`kubealign judge` does (kubealign.stages.judge). It scores with the reward functions (user code), so its pod
+holds the tracking identity (kubealign.cluster.secrets): it reads the registry and moves nothing. OUTPUT holds
+the judge's files and verdict.json, what the `act` task (kubealign.stages.act; canary.act) carries out: the
+registry under promote's lease and journal, then the InferenceService, as the pipeline identity.
 """
 
 from __future__ import annotations
@@ -20,6 +21,10 @@ from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
 
 STAGE = "judge"
+# the verdict as the act task reads it: {"judged": false, "why"} when nothing was judged, else {"judged": true,
+# "promoted", "version" (the judged canary's), "registered_model", "inference_service" ("NAMESPACE/NAME"),
+# "verdict" (the line)}
+VERDICT_FILE = "verdict.json"
 
 
 def run(
@@ -29,10 +34,10 @@ def run(
     reward: Path | None,
     serving_dir: Path,
     output: Path,
-    apis: tuple[Any, Any] | None = None,
+    core: Any = None,
 ) -> dict[str, Any]:
-    """apis: (CustomObjectsApi, CoreV1Api) of the cluster (default: the one this pod runs in)."""
-    from kubealign.serving import act, ask, endpoints, identity
+    """core: the CoreV1Api of the cluster (default: the one this pod runs in)."""
+    from kubealign.serving import ask, endpoints, identity
     from kubealign.stages import judge
 
     check_output_path(output, STAGE)
@@ -44,13 +49,13 @@ def run(
         why = "serve applied no canary: nothing to judge"
         print(f"judge: {why}", flush=True)
         with atomic_dir(output) as tmp:
-            return write_result(tmp, STAGE, {"judged": 0.0}, {}, judged=False, why=why)
+            write_json(tmp / VERDICT_FILE, {"judged": False, "why": why})
+            return write_result(tmp, STAGE, {"judged": 0.0}, {"verdict": VERDICT_FILE}, judged=False, why=why)
     namespace, name = serving["inference_service"].split()[-1].split("/")
-    if apis is None:
+    if core is None:
         from kubealign.cluster.trainjob import connect
 
-        apis = connect()
-    custom, core = apis
+        core = connect()[1]
     stable = endpoints.predictor_url(core, namespace, name, endpoints.STABLE, str(serving["version"]))
     version = str(canary["version"])
     other = endpoints.predictor_url(core, namespace, name, endpoints.CANARY, version)
@@ -68,11 +73,7 @@ def run(
         print(f"judge: {checked[0]}", flush=True)
     inputs = (stable, other, output, names, version, tuple(checked))
     result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
-    if not config.canary.act:
-        return result
-    after = act.in_registry(config, uri, result["promoted"], version)
-    action = act.in_serving(config, uri, namespace, custom)
-    acted = {"registry": after, "inference_service": f"{namespace}/{name}", "action": action}
-    write_json(output / "acted.json", acted)
-    print(f"judge: registry {after}; InferenceService {namespace}/{name} {action}, Ready", flush=True)
-    return {**result, "acted": acted}
+    verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}
+    verdict.update(registered_model=registered, inference_service=f"{namespace}/{name}", verdict=result["verdict"])
+    write_json(output / VERDICT_FILE, verdict)  # last: a judge that stopped before it has no verdict to act on
+    return result

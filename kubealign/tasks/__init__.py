@@ -174,13 +174,20 @@ def serve(config_json: str, overrides: list[str], promotion: str, output: str) -
 def judge(
     config_json: str, overrides: list[str], prompts: str, tokenizer: str, reward: str, serving: str, output: str
 ) -> dict[str, Any]:
-    """serving: the serve task's output; its canary judged online, the verdict carried out (canary.act).
-    reward: the reward model (not read when the reward functions alone score)."""
+    """serving: the serve task's output; its canary judged online, the verdict written (verdict.json), nothing
+    moved. reward: the reward model (not read when the reward functions alone score)."""
     from kubealign.stages import judge_task
 
     config = load(config_json, overrides)
     scorer = Path(reward) if config.rewards.uses_model else None
     return judge_task.run(config, Path(prompts), Path(tokenizer), scorer, Path(serving), Path(output))
+
+
+def act(config_json: str, overrides: list[str], judgement: str, output: str) -> dict[str, Any]:
+    """judgement: the judge task's output; its verdict carried out (canary.act): the registry, then serving."""
+    from kubealign.stages import act
+
+    return act.run(load(config_json, overrides), Path(judgement), Path(output))
 
 
 def compare(
