@@ -35,9 +35,9 @@ from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.cache import cache_root
 from kubealign.errors import UserError, first_line
 from kubealign.outputs import read_json, tree_sha256, write_json
+from kubealign.ranks import RENDEZVOUS_ENV
 from kubealign.rewards import definitions
 from kubealign.tracking.runs import PARENT_RUN_ENV, default_store
-from kubealign.ranks import RENDEZVOUS_ENV
 
 INDEX_FILE = "run.json"
 LOGS_DIR = "logs"
