@@ -12,6 +12,10 @@ TOOLS := .venv-tools
 TOOLS_STAMP := $(TOOLS)/.installed
 TOOLS_LOCK := requirements/lock-tools.txt
 DEMO_DIR ?= runs/demo
+# `make test` runs a pytest worker per core (pytest-xdist; a test file's tests stay on one worker, so its
+# module fixtures are built once; at most 4: each holds torch and a tiny model or two). TEST_WORKERS=0 runs them
+# in this one process.
+TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
@@ -61,7 +65,7 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container and not system"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container and not system"
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed
