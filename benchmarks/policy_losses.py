@@ -22,7 +22,7 @@ stage the harness waits (up to --max-wait s) for a 1-minute load average below 1
 run back to back, in an order rotated from seed to seed. The record is rewritten after every seed.
 
   python benchmarks/policy_losses.py           # seeds 1234 1 2 -> results/policy-losses-tiny-cpu-verifiable.json
-  python benchmarks/policy_losses.py --quick --out /tmp/pl   # smoke: 1 seed, 1 SFT epoch, 3 GRPO iterations
+  python benchmarks/policy_losses.py --quick --out DIR       # smoke: 1 seed, 1 SFT epoch, 3 GRPO iterations
   python benchmarks/policy_losses.py --seeds 7 --losses ppo cispo --set ppo.ppo_epochs=2 --label try
 """
 
