@@ -1,9 +1,9 @@
 """The code's shape (issue 36): no import circle in the package, the layers point one way, files stay small.
 
-Layers, lowest first: the library (kubealign.*), the task functions (kubealign.tasks.*), the KFP component
-declarations (components/ = kubealign.components), the DAG (pipelines/ = kubealign.pipelines). A module
-imports only its own layer or lower ones; kubealign.cli (the package and its modules) is the top of the library
-and may reach the DAG (`kubealign run`, `compile`, `submit`). Imports inside functions count: they are still a
+Layers, lowest first: the library (kubealign.*, itself in layers: LIBRARY), the task functions
+(kubealign.tasks.*), the KFP component declarations (components/ = kubealign.components), the DAG (pipelines/ =
+kubealign.pipelines). A module imports only its own layer or lower ones; kubealign.cli (the package and its
+modules) sits above the task functions and may reach the DAG (`kubealign run`, `compile`, `submit`). Imports inside functions count: they are still a
 dependency. Modules are filed into packages named by what they hold: few live loose at the package root (issue 55).
 """
 
@@ -77,12 +77,38 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def layer(name: str) -> int:
+# The library's own layers, lowest first, by the package (or root module) a module is filed in. A module
+# imports its own group or lower ones: the foundation (errors, paths, the DAG's shape) imports nothing of
+# kubealign's above it; the core (configs, data, models, the math and rules, tracking, the registry) knows no
+# cluster, server or stage; the outside world (the cluster's API, containers, serving) knows no stage; a stage
+# is reached only from tasks and the command line.
+LIBRARY = (
+    ("kubealign", "errors", "ranks", "pod", "shape", "images", "outputs"),
+    ("config", "selection", "data", "models", "rewards", "training", "rl", "tracking", "promotion", "registry"),
+    ("cluster", "containers", "serving"),
+    ("stages",),
+)
+LIBRARY_LAYER = {part: index for index, group in enumerate(LIBRARY) for part in group}
+
+
+def library_part(name: str) -> str:
+    """kubealign.rl.losses -> rl; kubealign.errors -> errors; kubealign -> kubealign."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layer(name: str) -> float:
+    """The DAG (pipelines/) over the components over the task functions over the library, whose own layers
+    (LIBRARY) sit under the task functions: stages 0.3, the lowest group 0.0."""
     if name.startswith("kubealign.pipelines"):
         return 3
     if name.startswith("kubealign.components"):
         return 2
-    return 1 if name == "kubealign.tasks" or name.startswith("kubealign.tasks.") else 0
+    if name == "kubealign.tasks" or name.startswith("kubealign.tasks."):
+        return 1
+    if is_cli(name):
+        return 1.5  # the command line: above the task functions; its reach up to the DAG is test_layers' exception
+    return LIBRARY_LAYER[library_part(name)] / 10
 
 
 def is_cli(name: str) -> bool:
@@ -113,6 +139,19 @@ def test_layers_point_one_way():
         if layer(target) > layer(name) and not is_cli(name)
     )
     assert upward == []
+
+
+def test_every_library_package_has_a_layer():
+    parts = {library_part(name) for name in modules() if layer(name) < 1}
+    assert parts <= set(LIBRARY_LAYER), sorted(parts - set(LIBRARY_LAYER))
+    assert set(LIBRARY_LAYER) <= parts | {"kubealign"}, "a layer names a package that is gone"
+
+
+def test_the_library_layers_order_what_may_import_what():
+    assert layer("kubealign.errors") < layer("kubealign.config.schema") < layer("kubealign.serving.act")
+    assert layer("kubealign.rl.losses") == layer("kubealign.training.loop") < layer("kubealign.cluster.secrets")
+    assert layer("kubealign.serving.deploy") < layer("kubealign.stages.ppo") < layer("kubealign.tasks.launch")
+    assert layer("kubealign.tasks") < layer("kubealign.cli.commands") < layer("kubealign.components.stages")
 
 
 def test_the_cli_exception_covers_its_package_only():
