@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 # Set before anything imports tqdm, datasets or huggingface_hub: they read these at import time.
@@ -15,6 +16,13 @@ os.environ["TQDM_DISABLE"] = "1"
 # 336 s of CPU, 219 s of CPU with 1), and `make test` runs a pytest worker per core (pytest-xdist), which
 # two-thread processes would oversubscribe.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed's CPU backend JIT-builds its shared-memory op in every process (kubealign.training.oplocks), by
+# default into ~/.cache/torch_extensions, one directory for every Python environment of the machine. ninja then
+# rebuilds it (a minute of both cores, every DeepSpeed start waiting on its lock) each time a start from another
+# environment follows (its headers' paths differ): seen with two clones' suites on one machine. In a virtual
+# environment the tests build it beside that environment's own packages, once.
+if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions"))
 
 import pytest  # noqa: E402
 
