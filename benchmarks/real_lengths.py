@@ -125,8 +125,8 @@ class Stage:
 
 def stages(config: Any, tokenizer: Any) -> dict[str, Stage]:
     from kubealign.data.tokenize import cut_left
+    from kubealign.models.token_logprobs import forward_logits
     from kubealign.models.value_head import last_token_scores, token_values
-    from kubealign.rl.experience import forward_logits
     from kubealign.rl.losses import logprobs_from_logits
     from kubealign.stages import dpo, reward
     from kubealign.training import lm

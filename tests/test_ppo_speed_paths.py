@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.models.token_logprobs import forward_logits
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl import iteration
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import masked_mean
-from kubealign.rl.experience import forward_logits, make_experience, response_masks, response_only
+from kubealign.rl.experience import make_experience, response_masks, response_only
 from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
 from kubealign.rl.rollout import PPOModels, generation_config
 from tests.test_experience import TableLM, TokenValue
@@ -260,14 +261,15 @@ def test_generate_passes_synced_gpus_so_zero3_ranks_stop_at_the_same_step():
 
 
 def test_log_prob_passes_skip_the_prompt_and_keep_the_ratio_exactly_one():
-    from kubealign.rl.experience import first_response_action, keeps_logits, paired_logprobs, policy_logprobs
+    from kubealign.models.token_logprobs import first_target_column, keeps_logits
+    from kubealign.rl.experience import paired_logprobs, policy_logprobs
 
     model = tiny_opt()
     cfg = PPOConfig(max_new_tokens=6)
     batch = seeded(lambda: rl_rollout.generate(models_for(model, "he"), PROMPTS, PROMPT_MASK, cfg), 0)
     attention, response = masks(batch)
-    assert keeps_logits(model) and first_response_action(response) == PROMPTS.shape[1] - 1
-    assert first_response_action(torch.zeros(2, 4, dtype=torch.long)) == 0
+    assert keeps_logits(model) and first_target_column(response) == PROMPTS.shape[1] - 1  # the fallback's cut
+    assert first_target_column(torch.zeros(2, 4, dtype=torch.long)) == 0
     for sampling in (Sampling(), Sampling(0.7, 5, 0.9)):
         logprobs, ref = paired_logprobs(model, model, batch.input_ids, attention, response, sampling)
         full = scaled_logits(forward_logits(model, batch.input_ids, attention), sampling)

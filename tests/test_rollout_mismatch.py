@@ -25,10 +25,11 @@ SAME_PATH = 1e-5  # fp32: the KV-cached decode and the full forward round differ
 
 def biased(bias: float):
     """A forward hook adding `bias` to token 5's logit in eval mode only: the rollout's forwards (generate puts
-    the actor in eval mode), not the trainer's."""
+    the actor in eval mode), not the trainer's (which return the target log-probs, models.token_logprobs,
+    not logits, whatever the mode: here the frozen reference is the same module, in eval mode)."""
 
     def hook(module, _args, out):
-        if not module.training:
+        if not module.training and hasattr(out, "logits"):
             out.logits[..., 5] += bias
 
     return hook

@@ -41,8 +41,13 @@ def sequence_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: 
 
     Any leading columns may be cut from all three alike (a forward that skips prompt-only columns): the
     result is the same as long as no masked token is cut."""
+    return sequence_sums(logprobs_from_logits(logits, input_ids), loss_mask)
+
+
+def sequence_sums(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> SequenceLogprobs:
+    """[B, T-1] float32 log-probs of the next tokens (models.token_logprobs's, or logprobs_from_logits's)
+    and [B, T] loss_mask -> per-sequence sums over the response tokens and their counts."""
     mask = loss_mask[:, 1:].float()
-    logprobs = logprobs_from_logits(logits, input_ids)  # [B, T-1], float32
     return SequenceLogprobs((logprobs * mask).sum(-1), mask.sum(-1))
 
 

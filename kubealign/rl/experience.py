@@ -4,7 +4,8 @@ Generation goes through DeepSpeed's rollout API (HybridEngineRollout) on the hyb
 through the module's generate on the plain-engine path; both return prompt (left-padded) + response.
 Everything after the first EOS of a response is padding. Log-probs, the reference's included, are of
 the temperature-scaled distribution, unfiltered by top-k / top-p (kubealign.rl.losses.scaled_logits: the
-peers' convention; finite for every sampled token in any precision). The actor is in eval mode while
+peers' convention; finite for every sampled token in any precision), with the LM head and the log-softmax
+at the response actions only (kubealign.models.token_logprobs). The actor is in eval mode while
 it generates (the hybrid engine's inference kernels) and in train mode for every log-prob pass, with its
 dropout disabled, so the PPO ratio is exactly 1 before the first update — DeepSpeed-Chat computes them
 with dropout live.
@@ -12,15 +13,14 @@ with dropout live.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, NamedTuple
 
 import torch
 
-from kubealign.models.inputs import position_ids
+from kubealign.models.token_logprobs import Settings, target_logprobs
 from kubealign.models.value_head import score_and_value
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl.losses import Sampling, logprobs_and_entropy, logprobs_from_logits, scaled_logits
+from kubealign.rl.losses import Sampling
 from kubealign.rl.rollout import PPOModels
 
 
@@ -60,48 +60,6 @@ def response_masks(
     return attention.long(), response_tokens[:, 1:].long()
 
 
-def forward_logits(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, first: int = 0) -> torch.Tensor:
-    """[N, T - first, V] logits of positions first..T-1 (a causal LM's logits_to_keep: the LM head and
-    everything after it skip the prompt); all T positions for first 0 or a model without logits_to_keep."""
-    keep = {"logits_to_keep": input_ids.shape[1] - first} if first > 0 and keeps_logits(model) else {}
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids(attention_mask),
-        use_cache=False,
-        **keep,
-    ).logits
-    return logits if keep else logits[:, first:]
-
-
-def keeps_logits(model: Any) -> bool:
-    """Whether the causal LM under the engine / PEFT wrappers takes logits_to_keep (transformers' LMs do)."""
-    module = getattr(model, "module", model)
-    base = module.get_base_model() if hasattr(module, "get_base_model") else module
-    return "logits_to_keep" in inspect.signature(base.forward).parameters
-
-
-def first_response_action(response_mask: torch.Tensor) -> int:
-    """The first action column that any row's response occupies: the actions before it are prompt for
-    every row, so no log-prob pass needs their logits (left-padded prompts: the prompt width - 1)."""
-    columns = response_mask.any(0)
-    return int(columns.int().argmax()) if bool(columns.any()) else 0
-
-
-def action_logits(
-    model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, response_mask: torch.Tensor, sampling: Sampling
-) -> tuple[torch.Tensor, int]:
-    """(scaled_logits of positions first..T-1, first = first_response_action): what every action from
-    `first` on needs; the actions before it get 0 (left_pad)."""
-    first = first_response_action(response_mask)
-    return scaled_logits(forward_logits(model, input_ids, attention_mask, first), sampling), first
-
-
-def left_pad(x: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, A - width] -> [N, A]: zeros for the first `width` actions."""
-    return torch.nn.functional.pad(x, (width, 0))
-
-
 def response_only(x: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """x on response actions, 0 elsewhere (also where x is not finite)."""
     return torch.where(response_mask.bool(), x, torch.zeros_like(x))
@@ -116,12 +74,12 @@ def policy_logprobs(
     entropy_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs, entropies) [N, A] of the policy at the sampling temperature (scaled_logits) on the
-    response actions, 0 elsewhere: one forward serves the experience and the update. entropy_grad False:
-    the entropy carries no gradient (logging only)."""
-    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
-    logprobs, entropy = logprobs_and_entropy(logits, input_ids[:, first:], entropy_grad, response_mask[:, first:])
-    logprobs, entropy = left_pad(logprobs, first), left_pad(entropy, first)
-    return response_only(logprobs, response_mask), response_only(entropy, response_mask)
+    response actions, 0 elsewhere: one forward serves the experience and the update, with the LM head and
+    the log-softmax at the response actions only (models.token_logprobs). entropy_grad False: the entropy
+    carries no gradient (logging only)."""
+    settings = Settings(temperature=sampling.temperature, entropy=True, entropy_grad=entropy_grad)
+    out = target_logprobs(model, input_ids, attention_mask, response_mask, settings)
+    return out.logprobs, out.entropy
 
 
 def model_logprobs(
@@ -129,8 +87,7 @@ def model_logprobs(
 ) -> torch.Tensor:
     """[N, A] log-probs of the sampled response tokens at the sampling temperature, 0 elsewhere —
     policy_logprobs without the entropy, for the actor's other rows, the reference or a baseline."""
-    logits, first = action_logits(model, input_ids, attention_mask, response_mask, sampling)
-    return response_only(left_pad(logprobs_from_logits(logits, input_ids[:, first:]), first), response_mask)
+    return target_logprobs(model, input_ids, attention_mask, response_mask, Settings(sampling.temperature)).logprobs
 
 
 def paired_logprobs(

@@ -26,6 +26,7 @@ from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference
 from kubealign.errors import UserError
 from kubealign.models import loading
+from kubealign.models.token_logprobs import first_target_column, forward_logits, target_logprobs
 from kubealign.rl.dpo import (
     SequenceLogprobs,
     chosen_nll,
@@ -33,9 +34,9 @@ from kubealign.rl.dpo import (
     pair_logprobs,
     reward_metrics,
     sequence_logprobs,
+    sequence_sums,
     token_kl,
 )
-from kubealign.rl.experience import first_response_action, forward_logits
 from kubealign.rl.rollout import disable_dropout
 from kubealign.training import distributed, lm, loop, stage
 from kubealign.training import engine as engines
@@ -67,15 +68,19 @@ def pair_length(pair: dict[str, Any]) -> int:
 
 
 def response_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> SequenceLogprobs:
-    """Summed log-probs of each row's response tokens; the logits of columns that are prompt in every row
-    are never computed (rl.experience.forward_logits)."""
-    return _forward(model, batch)[0]
+    """Summed log-probs of each row's response tokens, with the LM head and the log-softmax at those
+    tokens only (models.token_logprobs): the policy's in training and the reference table's."""
+    device = distributed.device()
+    ids, attention, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
+    return sequence_sums(target_logprobs(model, ids, attention, mask[:, 1:]).logprobs, mask)
 
 
 def _forward(model: Any, batch: dict[str, torch.Tensor]) -> tuple[SequenceLogprobs, torch.Tensor, int]:
+    """(response log-probs, logits, first) with the full logits of positions first.. (first: the first
+    column any row's response occupies), for evaluate's exact KL, which needs every token's probability."""
     device = distributed.device()
     ids, attention, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
-    first = first_response_action(mask[:, 1:])
+    first = first_target_column(mask[:, 1:])
     logits = forward_logits(model, ids, attention, first)
     return sequence_logprobs(logits, ids[:, first:], mask[:, first:]), logits, first
 

@@ -1,5 +1,6 @@
 """Causal-LM examples and their loss: (prompt, response) rows -> token ids with a loss mask -> batches ->
-masked next-token NLL. Used by SFT, by PPO's unsupervised (PPO-ptx) term and by evaluation's perplexity."""
+masked next-token NLL, the LM head computed at the loss tokens only. Used by SFT, by PPO's unsupervised
+(PPO-ptx) term and by evaluation's perplexity."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Any
 import torch
 
 from kubealign.data.tokenize import Encoded, encode_pair, pad_batch
-from kubealign.models.inputs import position_ids
+from kubealign.models.token_logprobs import Settings, target_logprobs
 from kubealign.training import distributed
-from kubealign.training.losses import TokenLoss, lm_loss
+from kubealign.training.losses import TokenLoss, token_loss
 
 
 def tokenize(rows: Any, tokenizer: Any, max_len: int, include_prompt: bool) -> list[dict[str, list[int]]]:
@@ -40,15 +41,14 @@ def collate(examples: list[dict[str, list[int]]], pad_id: int) -> dict[str, torc
 
 
 def batch_loss(model: Any, batch: dict[str, torch.Tensor], fp32: bool) -> TokenLoss:
+    """The masked next-token NLL of a collated batch, with the LM head and the log-softmax at the loss
+    tokens only (models.token_logprobs: equal to lm_loss on the full logits to float32 rounding). fp32:
+    the log-softmax in float32 (else in the model's dtype)."""
     device = distributed.device()
     batch = {k: v.to(device) for k, v in batch.items()}
-    logits = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids(batch["attention_mask"]),
-        use_cache=False,
-    ).logits
-    return lm_loss(logits, batch["input_ids"], batch["loss_mask"], fp32)
+    mask = batch["loss_mask"]
+    out = target_logprobs(model, batch["input_ids"], batch["attention_mask"], mask[:, 1:], Settings(fp32=fp32))
+    return token_loss(out.logprobs, mask)
 
 
 def loss_tokens(example: dict[str, list[int]]) -> int:

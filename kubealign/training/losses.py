@@ -31,6 +31,15 @@ def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tens
     return TokenLoss(nll_sum / tokens.clamp(min=1), nll_sum, tokens)
 
 
+def token_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor) -> TokenLoss:
+    """lm_loss from the targets' log-probs: [B, T-1] log-probs of input_ids[:, 1:] (0 or anything where
+    not a target) and the [B, T] loss_mask -> the same TokenLoss, without the [B, T, V] logits."""
+    mask = loss_mask[:, 1:].to(logprobs.dtype)
+    nll_sum = -(logprobs * mask).sum()
+    tokens = mask.sum()
+    return TokenLoss(nll_sum / tokens.clamp(min=1), nll_sum, tokens)
+
+
 def bradley_terry_loss(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """-log sigmoid(r_chosen - r_rejected), averaged over pairs ([B] scores each).
 
