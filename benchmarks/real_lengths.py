@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import gzip
 import json
 import math
@@ -398,13 +399,24 @@ def measure(stage: Stage, model_dir: Path, rounds: int, steps: int) -> dict[str,
     modes = ["padded", "grouped", *(["packed"] if stage.name == "sft" else [])]
     engines = {mode: engine_for(stage, model_dir, 10 * rounds * steps) for mode in modes}
     runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
+    if torch.cuda.is_available():  # one untimed step per mode first: CUDA's first kernels and allocations
+        for mode in modes:  # took most of round 1 on the H200 (2.7 s against 0.2 s for the same step later)
+            warm = batches_of(stage, "grouped" if mode == "packed" else mode, seed=99)[:1]
+            timed_pass(stage, engines[mode], warm, pack=mode == "packed")
     for r in range(rounds):
         for mode in modes if r % 2 == 0 else modes[::-1]:
             # packed: the grouped mode's micro-batches, each packed into one row
             batches = batches_of(stage, "grouped" if mode == "packed" else mode, seed=100 + r)[:steps]
             runs[mode].append(timed_pass(stage, engines[mode], batches, pack=mode == "packed"))
             print(f"  {stage.name} round {r + 1} {mode}: {runs[mode][-1]['seconds']:.1f} s", file=sys.stderr)
+    # Freed before the next stage: `del` alone left every stage's engines (fp32 master weights and Adam
+    # states of OPT-1.3B per mode) on the H200 until PPO's engines ran out of its 139 GiB.
+    for engine in engines.values():
+        engine.destroy()
     del engines
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     out: dict[str, Any] = {}
     for mode, key in (("padded", "padded"), ("grouped", "padding_free")):
         real = sum(x["real_tokens"] for x in runs[mode])
@@ -470,22 +482,33 @@ def main() -> None:
     found = stages(config, tokenizer)
     started = time.perf_counter()
     results: dict[str, Any] = {}
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    label = args.label or f"{args.shape}-{'quick-' if args.quick else ''}{device}"
+    losses: list[float] = []
+
+    def record() -> dict[str, Any]:  # rewritten after every stage: a run cut short keeps what it measured
+        summary = {
+            "stages": results,
+            "dpo_initial_loss": max(losses, key=lambda x: abs(x - math.log(2))) if losses else None,
+            "dpo_initial_loss_per_batch": losses,
+            "wall_s": time.perf_counter() - started,
+        }
+        whole = {
+            "result": summary,
+            "machine": machine(),
+            "command": " ".join(["python", *sys.argv]),
+            "model": f"{args.shape} shape, random weights, HH-trained BPE (16384)",
+            "data": str(HH.name),
+        }
+        (HERE / "results" / f"real-lengths-{label}.json").write_text(json.dumps(whole, indent=2) + "\n")
+        return summary
+
     for name in args.stages:
         results[name] = measure(found[name], model_dir, rounds, steps)
         print(f"{name}: {results[name]['speedup']:.2f}x", file=sys.stderr)
+        record()
     losses = dpo_initial_loss(found["dpo"], model_dir, tokenizer.pad_token_id) if "dpo" in args.stages else []
-    summary = {
-        "stages": results,
-        "dpo_initial_loss": max(losses, key=lambda x: abs(x - math.log(2))) if losses else None,
-        "dpo_initial_loss_per_batch": losses,
-        "wall_s": time.perf_counter() - started,
-    }
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    label = args.label or f"{args.shape}-{'quick-' if args.quick else ''}{device}"
-    record = {"result": summary, "machine": machine(), "command": " ".join(["python", *sys.argv]),
-              "model": f"{args.shape} shape, random weights, HH-trained BPE (16384)", "data": str(HH.name)}  # fmt: skip
-    (HERE / "results" / f"real-lengths-{label}.json").write_text(json.dumps(record, indent=2) + "\n")
-    print(json.dumps(summary))
+    print(json.dumps(record()))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ benchmarks/results/<label>.json together with the machine they ran on.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -66,6 +67,12 @@ def machine() -> dict:
     }  # fmt: skip
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        found = subprocess.run(query, capture_output=True, text=True, check=False)
+        info["driver"] = found.stdout.strip() or None
+        for name in ("transformers", "deepspeed"):  # the two a GPU figure depends on besides torch
+            info[name] = importlib.metadata.version(name)
     return info
 
 

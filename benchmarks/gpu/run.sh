@@ -94,7 +94,7 @@ main() {
         label="opt-1.3b-quick-$(python3 -c 'import torch; print(torch.cuda.get_device_name(0).lower().replace(" ", "-"))' 2>/dev/null || echo cpu)"
         timeout -k 10 "$left" python3 benchmarks/real_lengths.py --quick --shape opt-1.3b --hh "$HH" \
             --label "$label" "$@" || status=$?
-        [ "$(realpath "$OUT")" = "$(realpath benchmarks/results)" ] || cp benchmarks/results/real-lengths-"$label".json "$OUT"/ 2>/dev/null || true
+        [ "$(realpath "$OUT")" = "$(realpath benchmarks/results)" ] || cp benchmarks/results/real-lengths-opt-1.3b-*.json "$OUT"/ 2>/dev/null || true
         return "$status"
     fi
     python3 benchmarks/gpu_rollout.py "$step" --out "$OUT" --work "$WORK" --legacy-site "$LEGACY_SITE" \
