@@ -367,6 +367,24 @@ def test_the_chart_renders_an_inference_service_only_when_asked_and_as_the_serve
     assert isvc["metadata"]["namespace"] == "kubeflow"  # the release's, without rbac.namespace
 
 
+@pytest.mark.parametrize("gpus", [0, 1])
+def test_the_charts_runtime_table_agrees_with_the_librarys(gpus: int) -> None:
+    """Every row of kubealign/serving/runtimes.py renders in the chart as inference_service writes it."""
+    from kubealign.config.serve import ServeConfig
+    from kubealign.serving.location import Served
+    from kubealign.serving.manifest import inference_service
+    from kubealign.serving.runtimes import RUNTIMES
+
+    uri = "s3://models/run-1/model/artifacts/abc"
+    for name in RUNTIMES:
+        values = {"enabled": True, "storageUri": uri, "runtime": name, "gpus": gpus, "registeredModel": "m",
+                  "modelVersion": "2"}  # fmt: skip
+        [isvc] = [d for d in render({"serving": values}) if d["kind"] == "InferenceService"]
+        cfg = ServeConfig(runtime=name, gpus=gpus, name="kubealign-served")
+        expected = inference_service(Served("m", "2", "champion", "r", "x"), uri, cfg, "kubeflow")
+        assert isvc["spec"] == expected["spec"], name
+
+
 @pytest.mark.parametrize(
     ("values", "named"),
     [

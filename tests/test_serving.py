@@ -179,6 +179,33 @@ def test_storage_uris() -> None:
     assert missing_files(["config.json", "tokenizer_config.json"]) == ["weights (*.safetensors)"]
 
 
+def test_each_serve_runtime_is_one_row_that_the_manifest_follows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve.runtime's names are the table's rows, and a row alone decides the predictor: a stand-in row (an
+    OpenAI server with its own CPU image) under the huggingface name changes format, runtime, image and args."""
+    from typing import get_args
+
+    from kubealign.serving import runtimes
+
+    assert set(get_args(ServeConfig.model_fields["runtime"].annotation)) == set(runtimes.RUNTIMES)
+    served = Served(NAME, "3", "champion", "run1", "mlflow-artifacts:/1/run1/artifacts/model/artifacts/actor")
+    cpu = ServeConfig(gpus=0)
+    plain = inference_service(served, "s3://b/1/model", cpu, "team-a", chat_template="T")["spec"]["predictor"]
+    assert plain["model"]["modelFormat"] == {"name": "huggingface"}
+    assert plain["model"]["runtime"] == "kserve-huggingfaceserver"
+    assert "image" not in plain["model"] and "args" not in plain["model"]  # the template only for an OpenAI server
+    row = runtimes.Runtime("other", "kserve-other", openai_server=True, cpu_image=lambda: "example.org/other:1")
+    monkeypatch.setitem(runtimes.RUNTIMES, "huggingface", row)
+    model = inference_service(served, "s3://b/1/model", cpu, "team-a", chat_template="T")["spec"]["predictor"]["model"]
+    assert model["modelFormat"] == {"name": "other"} and model["runtime"] == "kserve-other"
+    assert model["image"] == "example.org/other:1"
+    assert model["args"] == [
+        "--served-model-name", NAME, f"models:/{NAME}/3", "--dtype=float32", "--chat-template=T",
+    ]  # fmt: skip
+    # with GPUs the runtime keeps its own image
+    on_gpu = inference_service(served, "s3://b/1/model", ServeConfig(), "team-a")["spec"]["predictor"]["model"]
+    assert "image" not in on_gpu and "--dtype=float32" not in on_gpu["args"]
+
+
 def body(storage: str = "s3://b/1/model") -> dict:
     served = Served(NAME, "3", "champion", "run1", "mlflow-artifacts:/1/run1/artifacts/model/artifacts/actor")
     return inference_service(served, storage, ServeConfig(), "team-a")

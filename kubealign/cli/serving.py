@@ -116,7 +116,7 @@ def rollback_command(args: argparse.Namespace) -> None:
 
 def serve_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.serving import manifest_for, write_manifest
+    from kubealign.serving.service import Canary, manifest_for, write_manifest
     from kubealign.tracking.runs import check_uri, resolve_uri
 
     config = load_config(args.config, args.overrides)
@@ -127,7 +127,7 @@ def serve_command(args: argparse.Namespace) -> None:
     cfg = config.serve.model_copy(update={"alias": args.alias} if args.alias else {})
     name = args.model or config.promote.registered_model
     percent = canary_percent(args, cfg, config.canary.percent)
-    canary = (args.canary, percent) if args.canary else None
+    canary = Canary(args.canary, percent) if args.canary else None
     if args.manifest is None:
         from kubealign.serving import local
 

@@ -90,7 +90,8 @@ def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str)
 
 def in_serving(config: KubealignConfig, uri: str, namespace: str, custom: Any) -> str:
     """The champion's InferenceService, no canary, applied; waits for Ready; "created" / "updated" / "unchanged"."""
-    from kubealign.serving import deploy, manifest_for
+    from kubealign.serving import deploy
+    from kubealign.serving.service import manifest_for
 
     cfg = config.serve.model_copy(update={"alias": CHAMPION})
     body = manifest_for(cfg, uri, config.promote.registered_model, namespace, config.kubernetes.accelerator_type)

@@ -20,12 +20,15 @@ import subprocess
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kubealign.config.serve import ServeConfig
 from kubealign.errors import UserError, first_line
 from kubealign.serving.identity import version_name
 from kubealign.serving.location import Served, missing_files
+
+if TYPE_CHECKING:
+    from kubealign.serving.service import Canary
 
 
 def check_dir(path: Path) -> None:
@@ -183,14 +186,14 @@ def resolved(cfg: ServeConfig, tracking_uri: str, name: str, aliases: list[str])
     return list(zip(found, dirs, strict=True))
 
 
-def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tuple[str, int] | None = None) -> None:
-    """Serve `cfg.alias` of `name` on 127.0.0.1:port until SIGINT or SIGTERM; with canary (alias, percent),
+def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: Canary | None = None) -> None:
+    """Serve `cfg.alias` of `name` on 127.0.0.1:port until SIGINT or SIGTERM; with a canary (alias, percent),
     both aliases' servers on free ports behind the traffic split (kubealign.serving.split) on the port."""
     from kubealign.serving import split, vllm_env
 
     port_free(port)
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # quiet: one line says what is served
-    models_ = resolved(cfg, tracking_uri, name, [cfg.alias, *([canary[0]] if canary else [])])
+    models_ = resolved(cfg, tracking_uri, name, [cfg.alias, *([canary.alias] if canary else [])])
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib)}
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
     procs: dict[str, subprocess.Popen] = {}
@@ -206,7 +209,7 @@ def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: tup
             procs[served.version] = launch(argv, env, model_dir.parent / "vllm.log")
         for (served, model_dir), own in zip(models_, ports, strict=True):
             wait_answering(procs[served.version], model_dir.parent / "vllm.log", own, cfg.start_timeout_s)
-        route = split.Route(backends[0], backends[1], canary[1]) if canary else None
+        route = split.Route(backends[0], backends[1], canary.percent) if canary else None
         front = split.start(port, route) if route else None
         logs = {served.version: model_dir.parent / "vllm.log" for served, model_dir in models_}
         print(ready_line(name, backends, port, route, time.monotonic() - started, logs), flush=True)

@@ -1,7 +1,7 @@
 """The InferenceService (serving.kserve.io/v1beta1, KServe v0.20) that serves a registry alias. Pure.
 
-The predictor names a model format and the runtime KServe ships for it (kserve-huggingfaceserver for
-`huggingface`, kserve-vllmserver for `vLLM`; ../shared/k8s-schemas/kserve-v0.20.0), the storage URI of the
+The predictor names a model format and the runtime KServe ships for it (kubealign.serving.runtimes: one row
+per `serve.runtime`; ../shared/k8s-schemas/kserve-v0.20.0), the storage URI of the
 registered HF directory (kubealign.serving.location) and the resources from `serve`. Cluster-local unless
 `serve.public`: KServe's `networking.kserve.io/visibility: cluster-local` label. Labels and annotations name
 the registered model, version, alias and the pipeline run, so `kubectl get isvc -l kubealign.io/alias=champion`
@@ -15,15 +15,14 @@ import hashlib
 import re
 from typing import Any
 
-from kubealign import images
 from kubealign.config.serve import ServeConfig
 from kubealign.serving.endpoints import CANARY, ROLE_LABEL, STABLE, predictor_labels
 from kubealign.serving.identity import version_name
 from kubealign.serving.location import Served
+from kubealign.serving.runtimes import runtime
 
 API_VERSION, KIND = "serving.kserve.io/v1beta1", "InferenceService"
 PLURAL, GROUP, VERSION = "inferenceservices", "serving.kserve.io", "v1beta1"
-RUNTIMES = {"huggingface": ("huggingface", "kserve-huggingfaceserver"), "vllm": ("vLLM", "kserve-vllmserver")}
 PREFIX = "kubealign.io"
 
 
@@ -47,10 +46,10 @@ def label_value(text: str) -> str:
 
 
 def image(cfg: ServeConfig) -> str | None:
-    """The predictor's image; None keeps the runtime's. KServe's own CPU rewrite of the vLLM runtime's image
-    (vllm/vllm-openai -> vllm/vllm-openai-cpu) is not one the project builds and checks: auto names ours."""
+    """The predictor's image; None keeps the runtime's. auto: the runtime's row's CPU image without GPUs."""
     if cfg.image == "auto":
-        return images.serve_image() if cfg.runtime == "vllm" and not cfg.gpus else None
+        cpu_image = runtime(cfg.runtime).cpu_image
+        return cpu_image() if cpu_image and not cfg.gpus else None
     return None if cfg.image == "runtime" else cfg.image
 
 
@@ -62,12 +61,13 @@ def inference_service(
     accelerator: str = "nvidia.com/gpu",
     chat_template: str | None = None,
 ) -> dict[str, Any]:
-    """chat_template: the template the vllm runtime is given (kubealign.serving.chat; None: the tokenizer's)."""
-    fmt, runtime = RUNTIMES[cfg.runtime]
+    """chat_template: the template an OpenAI-server runtime is given (kubealign.serving.chat; None: the
+    tokenizer's)."""
+    row = runtime(cfg.runtime)
     amounts = {"cpu": cfg.cpu, "memory": cfg.memory, **({accelerator: str(cfg.gpus)} if cfg.gpus else {})}
     model: dict[str, Any] = {
-        "modelFormat": {"name": fmt},
-        "runtime": runtime,
+        "modelFormat": {"name": row.model_format},
+        "runtime": row.kserve_runtime,
         "storageUri": storage_uri,
         "resources": {"requests": dict(amounts), "limits": dict(amounts)},
     }
@@ -76,7 +76,7 @@ def inference_service(
         model["image"] = chosen
     args = [f"--max-model-len={cfg.max_model_len}"] if cfg.max_model_len else []
     name = cfg.name or dns_name(served.name)
-    if cfg.runtime == "vllm":
+    if row.openai_server:
         # The runtime's command is vLLM's OpenAI server (runtime-kserve-vllmserver.yaml); these follow its args.
         # Its --served-model-name={{.Name}} (the InferenceService's name) again, and the version's model URI
         # (the last --served-model-name is vLLM's): /v1/models then says which version this predictor serves,

@@ -37,8 +37,9 @@ def moved(promotion: dict[str, Any], alias: str) -> tuple[bool, Any]:
 
 def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """`custom`: a kubernetes CustomObjectsApi (default: the cluster this pod runs in)."""
-    from kubealign.serving import deploy, manifest_for
+    from kubealign.serving import deploy
     from kubealign.serving.manifest import with_pipeline_run
+    from kubealign.serving.service import Canary, manifest_for
     from kubealign.tracking.runs import resolve_uri
 
     cfg = config.serve
@@ -48,9 +49,10 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         raise UserError(f"--promotion {promotion_dir}: result.json is from stage {promotion.get('stage')!r}")
     changed, version = moved(promotion, cfg.alias)
     # promote.mode canary: a challenger promote made is served beside the alias, as its canary
-    canary = config.promote.mode == "canary" and not changed and moved(promotion, CHALLENGER)[0]
+    challenger_moved = config.promote.mode == "canary" and not changed and moved(promotion, CHALLENGER)[0]
+    canary = Canary(CHALLENGER, config.canary.percent) if challenger_moved else None
     name = promotion.get("registered_model") or config.promote.registered_model
-    if not changed and not canary:
+    if not changed and canary is None:
         why = f"promote did not move {cfg.alias} (version {version}): the served model stays as it is"
         print(f"serve: {why}", flush=True)
         with atomic_dir(output) as tmp:
@@ -61,8 +63,7 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
     uri = resolve_uri(config)
     if not uri:
         raise UserError("serve: no registry (MLFLOW_TRACKING_URI, tracking.uri) to read the alias from")
-    beside = (CHALLENGER, config.canary.percent) if canary else None
-    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, beside)
+    body = manifest_for(cfg, uri, name, namespace, config.kubernetes.accelerator_type, canary)
     body = with_pipeline_run(body, os.environ.get(RUN_ID_ENV))  # the pod's pipeline/runid label
     if custom is None:
         from kubealign.cluster.trainjob import connect
@@ -70,7 +71,7 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         custom, _ = connect()
     where = f"InferenceService {namespace}/{body['metadata']['name']}"
     action = deploy.apply(custom, body)
-    served = f"{name}@{cfg.alias}" + (f", canary @{CHALLENGER} at {config.canary.percent} %" if canary else "")
+    served = f"{name}@{cfg.alias}" + (f", canary @{canary.alias} at {canary.percent} %" if canary else "")
     print(f"serve: {where} {action} ({served}); waiting for Ready", flush=True)
     isvc = deploy.wait_ready(custom, body["metadata"]["name"], namespace, cfg.ready_timeout_s)
     url = (isvc.get("status") or {}).get("url")
@@ -83,5 +84,5 @@ def run(config: KubealignConfig, promotion_dir: Path, output: Path, custom: Any 
         details["storage_uri"] = annotations["kubealign.io/storage-uri"]
         if canary:
             version = annotations["kubealign.io/canary-model-version"]
-            details["canary"] = {"alias": CHALLENGER, "version": version, "percent": config.canary.percent}
+            details["canary"] = {"alias": canary.alias, "version": version, "percent": canary.percent}
         return write_result(tmp, STAGE, {"applied": 1.0}, {"manifest": "inferenceservice.yaml"}, **details)
