@@ -281,17 +281,32 @@ def preferred_rate(model_dir: Path, split: Path, n: int = 48) -> float:
     return sum(synthetic.judge(p, a).preferred for p, a in zip(texts, answers, strict=True)) / len(texts)
 
 
+JUDGE = """from kubealign.data import synthetic
+
+
+def preferred(prompts, completions, **_):
+    return [float(synthetic.judge(p, c).preferred) for p, c in zip(prompts, completions)]
+"""
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_each_route_raises_the_preferred_rate_without_a_critic(cli, trained, tmp_path: Path, algorithm):  # noqa: F811
+    """Rewarded by the synthetic task's own judge (a reward function, no reward model), each critic-free route
+    raises the preferred rate of the held-out greedy answers. Scored by the module's half-trained reward model
+    instead, the rise was the model's blind spots: +0.19 to +0.3 on some machines, -0.06 and +0.06 on another
+    (2026-11-28), where the reward model's score rose by 2 while the preferred rate fell. With the judge, the
+    preset's learning rate and seeds 1234, 7, 99: grpo +0.31 to +0.40, rloo +0.25 to +0.31 (1 and 2 threads
+    alike); a flipped advantage sign or a mask that trains on the prompt would not rise."""
     out = tmp_path / algorithm
-    # the tiny-cpu preset otherwise, with test_ppo's learning rate. The rise of the preferred rate over 48
-    # samples from this half-trained SFT model depends on the float rounding of the thread count: seen
-    # +0.19 (1 thread) to > +0.3 (2 threads) here; benchmarks/algorithms.py measures the full route.
-    args = ["--set", NO_TRACKING, "--set", f"ppo.algorithm={algorithm}", "--set", "ppo.actor_learning_rate=3e-4"]
+    (tmp_path / "judge.py").write_text(JUDGE, encoding="utf-8")
+    config = tmp_path / "judge.yaml"
+    config.write_text("rewards:\n  model_weight: 0\n  functions:\n    - path: judge.py:preferred\n", "utf-8")
     measured = algorithm == "rloo"  # rloo runs the first minibatch's forward again, to measure its ratio
-    args += ["--set", f"ppo.reuse_first_forward={'none' if measured else 'actor'}"]
-    result = cli(*ppo_args(trained, *args, "--output", out))
+    args = ["ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"]]
+    args += ["--set", NO_TRACKING, "--set", f"ppo.algorithm={algorithm}"]
+    args += ["--set", f"ppo.reuse_first_forward={'none' if measured else 'actor'}", "--output", out]
+    result = cli(*args)
     assert result.code == 0, result.err
     res = result_of(out)
     assert (res["algorithm"], res["samples_per_prompt"], res["rollout_path"]) == (algorithm, 4, cpu_opt_path())
@@ -305,9 +320,9 @@ def test_each_route_raises_the_preferred_rate_without_a_critic(cli, trained, tmp
     assert all(0 <= h["zero_std_fraction"] <= 1 and h["group_reward_std"] >= 0 for h in history)
     assert ("kl_loss" in history[0]) == (algorithm == "grpo")
     m = res["metrics"]
-    assert m["reward_after"] > m["reward_before"] + 0.5, m
+    assert m["reward_after"] > m["reward_before"], m  # the sampled rollouts' share the judge prefers
     before, after = preferred_rate(trained["sft"], trained["split"]), preferred_rate(out, trained["split"])
-    assert after > before + 0.1, (before, after)
+    assert after > before + 0.15, (before, after)
 
 
 @pytest.mark.integration
