@@ -42,10 +42,22 @@ HERE = Path(__file__).resolve().parent
 ROUTES = ("ppo", "grpo", "rloo", "dpo")
 SEEDS = (*SEEDED, "dpo.seed")
 QUIET = ("--set", "tracking.enabled=false")
-EVAL_KEYS = ("win_rate", "win_rate_lower_bound", "tie_rate", "kl_to_baseline", "baseline_preferred_rate",
-             "candidate_preferred_rate", "baseline_well_formed_rate", "candidate_well_formed_rate",
-             "baseline_on_topic_rate", "candidate_on_topic_rate", "baseline_reward_mean", "candidate_reward_mean",
-             "candidate_length_mean", "prompts")  # fmt: skip
+EVAL_KEYS = (
+    "win_rate",
+    "win_rate_lower_bound",
+    "tie_rate",
+    "kl_to_baseline",
+    "baseline_preferred_rate",
+    "candidate_preferred_rate",
+    "baseline_well_formed_rate",
+    "candidate_well_formed_rate",
+    "baseline_on_topic_rate",
+    "candidate_on_topic_rate",
+    "baseline_reward_mean",
+    "candidate_reward_mean",
+    "candidate_length_mean",
+    "prompts",
+)
 
 
 def wait_for_quiet(limit: float = 1.5, poll_s: float = 10.0, max_wait_s: float = 300.0) -> dict:
@@ -66,8 +78,12 @@ def timed(args: list[str], log: Path) -> dict:
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - started
     proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by wait4; keeps Popen from waiting again
-    record = {"wall_s": wall, "cpu_s": usage.ru_utime + usage.ru_stime, "peak_rss_mib": usage.ru_maxrss / 1024,
-              "exit_code": proc.returncode}  # fmt: skip
+    record = {
+        "wall_s": wall,
+        "cpu_s": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "exit_code": proc.returncode,
+    }
     if proc.returncode != 0:
         lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
         record["error"] = next((line for line in reversed(lines) if "rror" in line), lines[-1] if lines else "")
@@ -97,8 +113,20 @@ def train_route(route: str, d: dict[str, str], sets: list[str], work: Path) -> d
     if route == "dpo":
         args = ["dpo", "--data", d["split"], "--model", d["sft"], "--output", out, *sets]
     else:
-        args = ["ppo", "--prompts", d["split"], "--actor", d["sft"], "--critic", d["rm"], "--output", out,
-                *sets, "--set", f"ppo.algorithm={route}"]  # fmt: skip
+        args = [
+            "ppo",
+            "--prompts",
+            d["split"],
+            "--actor",
+            d["sft"],
+            "--critic",
+            d["rm"],
+            "--output",
+            out,
+            *sets,
+            "--set",
+            f"ppo.algorithm={route}",
+        ]
     record = {**wait_for_quiet(), **timed(args, work / f"{route}.log")}
     if record["exit_code"] == 0:
         result = json.loads((work / route / "result.json").read_text())
@@ -110,8 +138,20 @@ def train_route(route: str, d: dict[str, str], sets: list[str], work: Path) -> d
 
 def evaluate_route(route: str, d: dict[str, str], sets: list[str], work: Path, seed: int) -> dict:
     out = work / f"eval-{route}"
-    args = ["evaluate", "--prompts", d["split"], "--baseline", d["sft"], "--candidate", str(work / route),
-            "--reward", d["rm"], "--output", str(out), *sets]  # fmt: skip
+    args = [
+        "evaluate",
+        "--prompts",
+        d["split"],
+        "--baseline",
+        d["sft"],
+        "--candidate",
+        str(work / route),
+        "--reward",
+        d["rm"],
+        "--output",
+        str(out),
+        *sets,
+    ]
     run = timed(args, work / f"eval-{route}.log")
     if run["exit_code"] != 0:
         return {"evaluate": run}
@@ -133,9 +173,12 @@ def one_seed(work: Path, seed: int, routes: list[str], overrides: list[str]) -> 
     runs = {}
     for route in routes:
         runs[route] = train_route(route, d, sets, work)
-        print(f"  seed {seed} {route}: {runs[route]['wall_s']:.1f} s, {runs[route]['peak_rss_mib']:.0f} MiB, "
-              f"load {runs[route]['loadavg_at_start'][0]:.2f}" + (f"  FAILED: {runs[route]['error']}"
-              if runs[route]["exit_code"] else ""), flush=True)  # fmt: skip
+        print(
+            f"  seed {seed} {route}: {runs[route]['wall_s']:.1f} s, {runs[route]['peak_rss_mib']:.0f} MiB, "
+            f"load {runs[route]['loadavg_at_start'][0]:.2f}"
+            + (f"  FAILED: {runs[route]['error']}" if runs[route]["exit_code"] else ""),
+            flush=True,
+        )
     for route in routes:
         if runs[route]["exit_code"] == 0:
             runs[route].update(evaluate_route(route, d, sets, work, seed))
@@ -144,8 +187,13 @@ def one_seed(work: Path, seed: int, routes: list[str], overrides: list[str]) -> 
         r["wall_vs_ppo"] = r["wall_s"] / base if base else None
     # evaluate samples the baseline with the same seed each time, so these must all be one value
     baseline = sorted({r["baseline_preferred_rate"] for r in runs.values() if "baseline_preferred_rate" in r})
-    return {"seed": seed, "route_order": routes, "shared_stage_wall_s": shared, "baseline_preferred_rates": baseline,
-            "routes": runs}  # fmt: skip
+    return {
+        "seed": seed,
+        "route_order": routes,
+        "shared_stage_wall_s": shared,
+        "baseline_preferred_rates": baseline,
+        "routes": runs,
+    }
 
 
 def spread(values: list[float], fmt: str) -> str:
@@ -156,11 +204,15 @@ def spread(values: list[float], fmt: str) -> str:
     return mean if len(values) == 1 else f"{mean} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
-COLUMNS = (("preferred answers", "candidate_preferred_rate", ".0%"),
-           ("well formed", "candidate_well_formed_rate", ".0%"),
-           ("win-rate vs SFT", "win_rate", ".2f"), ("KL to SFT", "kl_to_baseline", ".2f"),
-           ("wall time (s)", "wall_s", ".1f"), ("wall / PPO's", "wall_vs_ppo", ".2f"),
-           ("peak RSS (MiB)", "peak_rss_mib", ".0f"))  # fmt: skip
+COLUMNS = (
+    ("preferred answers", "candidate_preferred_rate", ".0%"),
+    ("well formed", "candidate_well_formed_rate", ".0%"),
+    ("win-rate vs SFT", "win_rate", ".2f"),
+    ("KL to SFT", "kl_to_baseline", ".2f"),
+    ("wall time (s)", "wall_s", ".1f"),
+    ("wall / PPO's", "wall_vs_ppo", ".2f"),
+    ("peak RSS (MiB)", "peak_rss_mib", ".0f"),
+)
 
 
 def table(runs: list[dict], routes: list[str]) -> str:
@@ -193,9 +245,15 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra config overrides")
     parser.add_argument("--label", default="algorithms-tiny-cpu")
     args = parser.parse_args()
-    record = {"preset": "tiny-cpu", "command": " ".join(["python", *sys.argv]), "overrides": args.overrides,
-              "git": git_revision(), "machine": machine(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-              "runs": []}  # fmt: skip
+    record = {
+        "preset": "tiny-cpu",
+        "command": " ".join(["python", *sys.argv]),
+        "overrides": args.overrides,
+        "git": git_revision(),
+        "machine": machine(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "runs": [],
+    }
     out = HERE / "results" / f"{args.label}.json"
     for i, seed in enumerate(args.seeds):
         order = args.routes[i % len(args.routes) :] + args.routes[: i % len(args.routes)]

@@ -64,9 +64,15 @@ def measure(shape: str, where: Path) -> dict:
     checkpoints.seal = original_seal
     written = directory_bytes(task.checkpoint_dir)
     params = sum(p.numel() for p in model.parameters())
-    return {"shape": shape, "parameters": params, "dtype": cfg.dtype, "bytes": written,
-            "bytes_per_parameter": written / params, **times,
-            "mb_per_s": written / 2**20 / times["total_s"]}  # fmt: skip
+    return {
+        "shape": shape,
+        "parameters": params,
+        "dtype": cfg.dtype,
+        "bytes": written,
+        "bytes_per_parameter": written / params,
+        **times,
+        "mb_per_s": written / 2**20 / times["total_s"],
+    }
 
 
 def main() -> None:

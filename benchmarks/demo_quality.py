@@ -57,19 +57,44 @@ def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
         "data-split": kubealign("data-split", "--output", d["split"], *sets),
         "sft": kubealign("sft", "--data", d["split"], "--output", d["sft"], *sets),
         "reward": kubealign("reward", "--data", d["split"], "--output", d["rm"], *sets),
-        "ppo": kubealign("ppo", "--prompts", d["split"], "--actor", d["sft"], "--critic", d["rm"],
-                         "--output", d["ppo"], *sets),
-        "evaluate": kubealign("evaluate", "--prompts", d["split"], "--baseline", d["sft"], "--candidate", d["ppo"],
-                              "--reward", d["rm"], "--output", d["eval"], *sets),
-        "promote": kubealign("promote", "--evaluation", d["eval"], "--model-dir", d["ppo"], "--output", d["promote"],
-                             *sets),
-    }  # fmt: skip
+        "ppo": kubealign(
+            "ppo", "--prompts", d["split"], "--actor", d["sft"], "--critic", d["rm"], "--output", d["ppo"], *sets
+        ),
+        "evaluate": kubealign(
+            "evaluate",
+            "--prompts",
+            d["split"],
+            "--baseline",
+            d["sft"],
+            "--candidate",
+            d["ppo"],
+            "--reward",
+            d["rm"],
+            "--output",
+            d["eval"],
+            *sets,
+        ),
+        "promote": kubealign(
+            "promote", "--evaluation", d["eval"], "--model-dir", d["ppo"], "--output", d["promote"], *sets
+        ),
+    }
     read = lambda name: json.loads((work / name / "result.json").read_text())  # noqa: E731
     ev, ppo, rm, sft, promote = read("eval")["metrics"], read("ppo"), read("rm"), read("sft"), read("promote")
-    keys = ("baseline_well_formed_rate", "candidate_well_formed_rate", "baseline_preferred_rate",
-            "candidate_preferred_rate", "baseline_on_topic_rate", "candidate_on_topic_rate", "win_rate",
-            "win_rate_lower_bound", "tie_rate", "kl_to_baseline", "baseline_reward_mean", "candidate_reward_mean",
-            "prompts")  # fmt: skip
+    keys = (
+        "baseline_well_formed_rate",
+        "candidate_well_formed_rate",
+        "baseline_preferred_rate",
+        "candidate_preferred_rate",
+        "baseline_on_topic_rate",
+        "candidate_on_topic_rate",
+        "win_rate",
+        "win_rate_lower_bound",
+        "tie_rate",
+        "kl_to_baseline",
+        "baseline_reward_mean",
+        "candidate_reward_mean",
+        "prompts",
+    )
     return {
         "seed": seed,
         "sft_data_preferred_share": demonstration_share(work / "split"),
@@ -96,11 +121,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             runs.append(one_seed(Path(tmp), seed, args.overrides))
         r = runs[-1]
-        print(f"seed {seed}: preferred {r['sft_data_preferred_share']:.2f} (SFT data) -> "
-              f"{r['baseline_preferred_rate']:.2f} (SFT) -> {r['candidate_preferred_rate']:.2f} (PPO); well-formed "
-              f"{r['baseline_well_formed_rate']:.2f} -> {r['candidate_well_formed_rate']:.2f}; win-rate "
-              f"{r['win_rate']:.2f} (lower bound {r['win_rate_lower_bound']:.2f}); KL {r['kl_to_baseline']:.2f} "
-              f"(PPO {r['ppo_kl_after']:.2f}, target {r['ppo_kl_target']}); champion {r['champion']}")  # fmt: skip
+        print(
+            f"seed {seed}: preferred {r['sft_data_preferred_share']:.2f} (SFT data) -> "
+            f"{r['baseline_preferred_rate']:.2f} (SFT) -> {r['candidate_preferred_rate']:.2f} (PPO); well-formed "
+            f"{r['baseline_well_formed_rate']:.2f} -> {r['candidate_well_formed_rate']:.2f}; win-rate "
+            f"{r['win_rate']:.2f} (lower bound {r['win_rate_lower_bound']:.2f}); KL {r['kl_to_baseline']:.2f} "
+            f"(PPO {r['ppo_kl_after']:.2f}, target {r['ppo_kl_target']}); champion {r['champion']}"
+        )
     record = {"preset": "tiny-cpu", "overrides": args.overrides, "runs": runs, "machine": machine()}
     out = HERE / "results" / f"{args.label}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")

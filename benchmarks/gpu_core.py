@@ -17,42 +17,98 @@ REPO = Path(__file__).resolve().parent.parent
 
 SPECIAL = {"pad": 0, "bos": 1, "eos": 2}  # the tiny tokenizer's special ids (kubealign.models.tiny)
 SHAPES = {
-    "opt-1.3b": {"arch": "opt", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 32,
-                 "ffn_dim": 8192, "vocab_size": 50272, "word_embed_proj_dim": 2048, "max_position_embeddings": 2048},
-    "opt-350m": {"arch": "opt", "hidden_size": 1024, "num_hidden_layers": 24, "num_attention_heads": 16,
-                 "ffn_dim": 4096, "vocab_size": 50272, "word_embed_proj_dim": 512, "max_position_embeddings": 2048,
-                 "do_layer_norm_before": False},
+    "opt-1.3b": {
+        "arch": "opt",
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "ffn_dim": 8192,
+        "vocab_size": 50272,
+        "word_embed_proj_dim": 2048,
+        "max_position_embeddings": 2048,
+    },
+    "opt-350m": {
+        "arch": "opt",
+        "hidden_size": 1024,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "ffn_dim": 4096,
+        "vocab_size": 50272,
+        "word_embed_proj_dim": 512,
+        "max_position_embeddings": 2048,
+        "do_layer_norm_before": False,
+    },
     # About OPT-1.3B's size (1.35e9 parameters), multi-head attention (kv heads == heads: no GQA), the layout
     # DeepSpeed's LLaMA injection policy supports.
-    "llama-1.3b": {"arch": "llama", "hidden_size": 2048, "num_hidden_layers": 24, "num_attention_heads": 16,
-                   "num_key_value_heads": 16, "intermediate_size": 5504, "vocab_size": 32000,
-                   "max_position_embeddings": 2048, "tie_word_embeddings": False},
-}  # fmt: skip
+    "llama-1.3b": {
+        "arch": "llama",
+        "hidden_size": 2048,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "intermediate_size": 5504,
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "tie_word_embeddings": False,
+    },
+}
 DRY_SHAPES = {
-    "opt-1.3b": {**SHAPES["opt-1.3b"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "ffn_dim": 256, "vocab_size": 1024, "word_embed_proj_dim": 64},
-    "opt-350m": {**SHAPES["opt-350m"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                 "ffn_dim": 256, "vocab_size": 1024, "word_embed_proj_dim": 32},
-    "llama-1.3b": {**SHAPES["llama-1.3b"], "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-                   "num_key_value_heads": 4, "intermediate_size": 256, "vocab_size": 1024},
-}  # fmt: skip
+    "opt-1.3b": {
+        **SHAPES["opt-1.3b"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "ffn_dim": 256,
+        "vocab_size": 1024,
+        "word_embed_proj_dim": 64,
+    },
+    "opt-350m": {
+        **SHAPES["opt-350m"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "ffn_dim": 256,
+        "vocab_size": 1024,
+        "word_embed_proj_dim": 32,
+    },
+    "llama-1.3b": {
+        **SHAPES["llama-1.3b"],
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "intermediate_size": 256,
+        "vocab_size": 1024,
+    },
+}
 ACTORS = {"opt": "opt-1.3b", "llama": "llama-1.3b"}
 
 # Peak memory bandwidth from the vendors' data sheets, by a substring of torch.cuda.get_device_name(); the
 # first match wins. The decode roofline: every step reads every weight once, so
 #   min_step_s = weight_bytes / bandwidth   (and, counting the KV cache read, + kv_bytes_mean / bandwidth).
 SPEC_BANDWIDTH = (
-    ("H200", 4.8e12), ("H100 NVL", 3.9e12), ("H100 PCIe", 2.0e12), ("H100", 3.35e12),
-    ("A100-SXM4-80GB", 2.039e12), ("A100 80GB PCIe", 1.935e12), ("A100", 1.555e12), ("L40S", 0.864e12),
-)  # fmt: skip
+    ("H200", 4.8e12),
+    ("H100 NVL", 3.9e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100", 3.35e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 0.864e12),
+)
 ROOFLINE_FORMULA = (
     "min_step_ms = weight_bytes / bandwidth_Bps * 1e3 (weights only, the issue's bound); "
     "min_step_ms_with_kv = (weight_bytes + kv_bytes_mean) / bandwidth_Bps * 1e3, kv_bytes_mean = 2 * layers * "
     "kv_dim * batch * (prompt_len + (new_tokens + 1) / 2) * dtype_bytes; fraction = min_step_ms / ms_per_step"
 )
 # DeepSpeed-Chat's step 3 for OPT-1.3B (actor) + OPT-350M (reward), one epoch, as stated in the issue.
-DSCHAT_EPOCH = {"prompts": 131_900, "prompt_tokens": 256, "new_tokens": 256, "published_hours": 11.7,
-                "published_hardware": "1 x A100-80G"}  # fmt: skip
+DSCHAT_EPOCH = {
+    "prompts": 131_900,
+    "prompt_tokens": 256,
+    "new_tokens": 256,
+    "published_hours": 11.7,
+    "published_hardware": "1 x A100-80G",
+}
 GEN_PATHS = ("hf-eager", "hf-static-compile", "kubealign-engine-z2", "kubealign-he-z2", "kubealign-he-z3", "legacy")
 LEGACY_VARIANTS = (("he-injected-z2", 2, False), ("he-injected-z2-cuda-graph", 2, True), ("he-injected-z3", 3, False))
 NEEDS_CUDA = "skipped: needs CUDA"
@@ -75,12 +131,26 @@ def free_port() -> int:
 def settings(dry: bool) -> dict[str, Any]:
     """Everything a measurement's size depends on; written into every record."""
     if dry:
-        return {"dry": True, "dtype": "fp32", "prompt_len": 8, "new_tokens": 8, "batches": [2, 3], "reps": 1,
-                "correctness": {"updates": 1, "batch": 2, "prompt_len": 8, "new_tokens": 8},
-                "iteration": {"iterations": 2, "prompt_len": 8, "new_tokens": 8, "batch": 2}}  # fmt: skip
-    return {"dry": False, "dtype": "bf16", "prompt_len": 256, "new_tokens": 256, "batches": [16, 64], "reps": 2,
-            "correctness": {"updates": 3, "batch": 4, "prompt_len": 32, "new_tokens": 32},
-            "iteration": {"iterations": 4, "prompt_len": 256, "new_tokens": 256, "batch": None}}  # fmt: skip
+        return {
+            "dry": True,
+            "dtype": "fp32",
+            "prompt_len": 8,
+            "new_tokens": 8,
+            "batches": [2, 3],
+            "reps": 1,
+            "correctness": {"updates": 1, "batch": 2, "prompt_len": 8, "new_tokens": 8},
+            "iteration": {"iterations": 2, "prompt_len": 8, "new_tokens": 8, "batch": 2},
+        }
+    return {
+        "dry": False,
+        "dtype": "bf16",
+        "prompt_len": 256,
+        "new_tokens": 256,
+        "batches": [16, 64],
+        "reps": 2,
+        "correctness": {"updates": 3, "batch": 4, "prompt_len": 32, "new_tokens": 32},
+        "iteration": {"iterations": 4, "prompt_len": 256, "new_tokens": 256, "batch": None},
+    }
 
 
 def scrub(text: str) -> str:
@@ -116,8 +186,11 @@ def environment() -> dict[str, Any]:
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu=torch.cuda.get_device_name(0), gpu_memory_bytes=props.total_memory,
-                   compute_capability=f"{props.major}.{props.minor}")  # fmt: skip
+        env.update(
+            gpu=torch.cuda.get_device_name(0),
+            gpu_memory_bytes=props.total_memory,
+            compute_capability=f"{props.major}.{props.minor}",
+        )
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
             env["driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip() or None
@@ -132,8 +205,11 @@ def slug(env: dict[str, Any], dry: bool) -> str:
 
 def failure(exc: BaseException) -> dict[str, str]:
     lines = [line for line in traceback.format_exception(exc) if line.strip()]
-    return {"status": "error", "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"),
-            "where": scrub(lines[-2].strip()[:400]) if len(lines) > 1 else ""}  # fmt: skip
+    return {
+        "status": "error",
+        "error": scrub(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"),
+        "where": scrub(lines[-2].strip()[:400]) if len(lines) > 1 else "",
+    }
 
 
 def hf_config(shape: dict[str, Any]) -> Any:
@@ -180,9 +256,17 @@ def measure(generate: Any, batch: int, prompt_len: int, new_tokens: int, reps: i
     full_s, out = min(runs, key=lambda r: r[0])
     generated = int(out.shape[1]) - prompt_len
     step_s = (full_s - prefill_s) / max(generated - 1, 1)
-    return {"batch": batch, "generated_tokens": generated, "warmup_s": warm_s, "prefill_s": prefill_s,
-            "full_s": full_s, "full_s_runs": [r[0] for r in runs], "ms_per_decode_step": step_s * 1e3,
-            "tokens_per_s": batch * generated / full_s, "decode_tokens_per_s": batch / max(step_s, 1e-12)}  # fmt: skip
+    return {
+        "batch": batch,
+        "generated_tokens": generated,
+        "warmup_s": warm_s,
+        "prefill_s": prefill_s,
+        "full_s": full_s,
+        "full_s_runs": [r[0] for r in runs],
+        "ms_per_decode_step": step_s * 1e3,
+        "tokens_per_s": batch * generated / full_s,
+        "decode_tokens_per_s": batch / max(step_s, 1e-12),
+    }
 
 
 def spec_bandwidth(gpu: str | None) -> float | None:
@@ -194,8 +278,12 @@ def spec_bandwidth(gpu: str | None) -> float | None:
 def dschat_epoch(samples_per_s: float, comparable: bool) -> dict[str, Any]:
     """DeepSpeed-Chat's step-3 epoch (one sample per prompt) at this loop speed, beside its published time."""
     hours = DSCHAT_EPOCH["prompts"] / samples_per_s / 3600
-    return {"hours": hours, "published_hours": DSCHAT_EPOCH["published_hours"],
-            "speedup_vs_published": DSCHAT_EPOCH["published_hours"] / hours, "comparable": comparable}  # fmt: skip
+    return {
+        "hours": hours,
+        "published_hours": DSCHAT_EPOCH["published_hours"],
+        "speedup_vs_published": DSCHAT_EPOCH["published_hours"] / hours,
+        "comparable": comparable,
+    }
 
 
 def bandwidth(env: dict[str, Any]) -> dict[str, Any]:
@@ -214,9 +302,13 @@ def bandwidth(env: dict[str, Any]) -> dict[str, Any]:
     src = dst = None  # noqa: F841  (freed: the lambda above held them)
     if device == "cuda":
         torch.cuda.empty_cache()  # the jobs run in children: this process keeps no GPU memory it does not use
-    return {"spec_Bps": spec, "measured_copy_Bps": measured, "used_Bps": spec or measured,
-            "used": "data sheet" if spec else "measured copy (no data-sheet figure for this device)",
-            "formula": ROOFLINE_FORMULA}  # fmt: skip
+    return {
+        "spec_Bps": spec,
+        "measured_copy_Bps": measured,
+        "used_Bps": spec or measured,
+        "used": "data sheet" if spec else "measured copy (no data-sheet figure for this device)",
+        "formula": ROOFLINE_FORMULA,
+    }
 
 
 def roofline(case: dict[str, Any], shape: dict[str, Any], params: int, s: dict[str, Any], bw: float) -> None:
@@ -228,9 +320,14 @@ def roofline(case: dict[str, Any], shape: dict[str, Any], params: int, s: dict[s
     context = s["prompt_len"] + (s["new_tokens"] + 1) / 2
     kv = 2 * shape["num_hidden_layers"] * kv_dim * case["batch"] * context * nbytes
     bound, bound_kv = weight / bw * 1e3, (weight + kv) / bw * 1e3
-    case.update(weight_bytes=weight, kv_bytes_mean=kv, min_step_ms=bound, min_step_ms_with_kv=bound_kv,
-                roofline_fraction=bound / case["ms_per_decode_step"],
-                roofline_fraction_with_kv=bound_kv / case["ms_per_decode_step"])  # fmt: skip
+    case.update(
+        weight_bytes=weight,
+        kv_bytes_mean=kv,
+        min_step_ms=bound,
+        min_step_ms_with_kv=bound_kv,
+        roofline_fraction=bound / case["ms_per_decode_step"],
+        roofline_fraction_with_kv=bound_kv / case["ms_per_decode_step"],
+    )
 
 
 def compare(rollout: Any, reference: Any, scores: Any, tie: float) -> dict[str, Any]:

@@ -118,8 +118,9 @@ def write_prompts(root: Path, train: int, evaluation: int) -> Path:
         return directory
     texts = prompt_texts(train + evaluation, seed=0)
     split = {"train": texts[:train], "eval": texts[train:]}
-    dd = datasets.DatasetDict({k: datasets.Dataset.from_dict({"prompt": v, "chosen": [""] * len(v)})
-                               for k, v in split.items()})  # fmt: skip
+    dd = datasets.DatasetDict(
+        {k: datasets.Dataset.from_dict({"prompt": v, "chosen": [""] * len(v)}) for k, v in split.items()}
+    )
     dd.save_to_disk(str(directory / "phase3_prompts"))
     return directory
 
@@ -153,13 +154,21 @@ def ppo_config(spec: dict[str, Any]) -> Any:
 
     zero = spec["zero"]
     lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]} if spec.get("lora") else {}
-    return PPOConfig.model_validate({
-        "actor_zero_stage": zero, "critic_zero_stage": zero, "dtype": spec["dtype"],
-        "generation_batch_size": spec["batch"], "micro_batch_size": spec["batch"],
-        "max_prompt_len": spec["prompt_len"], "max_new_tokens": spec["new_tokens"],
-        "num_iterations": max(spec.get("updates", 1), 1), "reuse_first_forward": "none",
-        "sample_every_iterations": 0, "actor_lora": lora,
-    })  # fmt: skip
+    return PPOConfig.model_validate(
+        {
+            "actor_zero_stage": zero,
+            "critic_zero_stage": zero,
+            "dtype": spec["dtype"],
+            "generation_batch_size": spec["batch"],
+            "micro_batch_size": spec["batch"],
+            "max_prompt_len": spec["prompt_len"],
+            "max_new_tokens": spec["new_tokens"],
+            "num_iterations": max(spec.get("updates", 1), 1),
+            "reuse_first_forward": "none",
+            "sample_every_iterations": 0,
+            "actor_lora": lora,
+        }
+    )
 
 
 def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
@@ -279,12 +288,21 @@ def job_correctness(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     with torch.no_grad():
         reference, scores = greedy(model, ids, mask, cfg.max_new_tokens)
     first = history[0]
-    checks = {"ratio_is_one_at_step_0": abs(first["approx_kl_first"]) < 1e-6 and first["clip_fraction_first"] == 0,
-              "kl_is_zero_at_step_0": abs(first["kl"]) < 1e-4, "weights_changed": before != after}  # fmt: skip
+    checks = {
+        "ratio_is_one_at_step_0": abs(first["approx_kl_first"]) < 1e-6 and first["clip_fraction_first"] == 0,
+        "kl_is_zero_at_step_0": abs(first["kl"]) < 1e-4,
+        "weights_changed": before != after,
+    }
     tokens = compare(rollout, reference, scores, tie=1e-4 if spec["dtype"] == "fp32" else 0.1)
     passed = all(checks.values()) and (tokens["greedy_equal"] or tokens["near_tie"])
-    return {"rollout_path": check.path, "rollout_notes": check.notes, "history": history, **checks, **tokens,
-            "passed": passed}  # fmt: skip
+    return {
+        "rollout_path": check.path,
+        "rollout_notes": check.notes,
+        "history": history,
+        **checks,
+        **tokens,
+        "passed": passed,
+    }
 
 
 def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
@@ -300,20 +318,30 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")):
-        result = ppo.run(config, Path(spec["prompts"]), Path(spec["actor"]), Path(spec["critic"]), None,
-                         Path(tmp) / "ppo")  # fmt: skip
+        result = ppo.run(
+            config, Path(spec["prompts"]), Path(spec["actor"]), Path(spec["critic"]), None, Path(tmp) / "ppo"
+        )
     history = result["history"][1:] or result["history"]  # the first iteration holds one-time warm-up
     keys = ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s", "response_length")
     mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
     total = sum(mean[k] for k in keys[:3])
     peak = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if torch.cuda.is_available():
-        peak.update(peak_gpu_allocated_bytes=torch.cuda.max_memory_allocated(),
-                    peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved())  # fmt: skip
-    return {"rollout_path": result["rollout_path"], "rollout_notes": result["rollout_notes"],
-            "iterations": len(result["history"]), "iterations_averaged": len(history), "per_iteration_mean": mean,
-            "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in keys[:3]},
-            "history": result["history"], "wall_time_s": result["metrics"]["wall_time_s"], **peak}  # fmt: skip
+        peak.update(
+            peak_gpu_allocated_bytes=torch.cuda.max_memory_allocated(),
+            peak_gpu_reserved_bytes=torch.cuda.max_memory_reserved(),
+        )
+    return {
+        "rollout_path": result["rollout_path"],
+        "rollout_notes": result["rollout_notes"],
+        "iterations": len(result["history"]),
+        "iterations_averaged": len(history),
+        "per_iteration_mean": mean,
+        "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in keys[:3]},
+        "history": result["history"],
+        "wall_time_s": result["metrics"]["wall_time_s"],
+        **peak,
+    }
 
 
 def run_job(spec: dict[str, Any], isolate: bool, timeout: float) -> dict[str, Any]:
@@ -330,8 +358,14 @@ def run_job(spec: dict[str, Any], isolate: bool, timeout: float) -> dict[str, An
 
 
 def jobs() -> dict[str, Any]:
-    return {"hf": job_hf, "rollout": job_rollout, "correctness": job_correctness, "iteration": job_iteration,
-            "legacy": job_legacy, "probe": job_probe}  # fmt: skip
+    return {
+        "hf": job_hf,
+        "rollout": job_rollout,
+        "correctness": job_correctness,
+        "iteration": job_iteration,
+        "legacy": job_legacy,
+        "probe": job_probe,
+    }
 
 
 def subprocess_job(spec: dict[str, Any], timeout: float, env: Any) -> dict[str, Any]:
@@ -414,8 +448,7 @@ def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
         return {"status": NEEDS_CUDA}
     from transformers import AutoModelForCausalLM
 
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(free_port()))  # fmt: skip
+    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl", verbose=False)
     torch.manual_seed(0)
     config = hf_config(spec["shape"])
@@ -429,22 +462,38 @@ def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
         "tp_gather_partition_size": 8,
         "enable_cuda_graph": spec["cuda_graph"],
     }
-    ds = {"train_micro_batch_size_per_gpu": 4, "train_batch_size": 4, "bf16": {"enabled": True},
-          "zero_optimization": {"stage": spec["zero"]}, "hybrid_engine": block,
-          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9}  # fmt: skip
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "train_batch_size": 4,
+        "bf16": {"enabled": True},
+        "zero_optimization": {"stage": spec["zero"]},
+        "hybrid_engine": block,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "steps_per_print": 10**9,
+    }
     start = time.perf_counter()
     with oplocks.guard():  # loads (or, without the prebuilt ops, JIT-builds) fused_adam, transformer_inference
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    progress.update(init_s=time.perf_counter() - start, injected_layers=len(engine._inference_containers),
-                    cuda_graphs=getattr(engine, "_decode_graphs", None) is not None)  # fmt: skip
+    progress.update(
+        init_s=time.perf_counter() - start,
+        injected_layers=len(engine._inference_containers),
+        cuda_graphs=getattr(engine, "_decode_graphs", None) is not None,
+    )
     ids, mask = random_prompts(max(spec["batches"]), spec["prompt_len"], spec["shape"]["vocab_size"], "cuda")
     engine.eval()
 
     def run(batch: int) -> Any:
         def once(n: int) -> Any:
-            return engine.module.generate(input_ids=ids[:batch], attention_mask=mask[:batch], do_sample=True,
-                                          top_k=0, max_new_tokens=n, min_new_tokens=n, pad_token_id=SPECIAL["pad"],
-                                          eos_token_id=SPECIAL["eos"])  # fmt: skip
+            return engine.module.generate(
+                input_ids=ids[:batch],
+                attention_mask=mask[:batch],
+                do_sample=True,
+                top_k=0,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                pad_token_id=SPECIAL["pad"],
+                eos_token_id=SPECIAL["eos"],
+            )
 
         return once
 
@@ -469,9 +518,14 @@ def legacy_correctness(engine: Any, config: Any, spec: dict[str, Any]) -> dict[s
     ids, mask = random_prompts(c["batch"], c["prompt_len"], spec["shape"]["vocab_size"], "cuda", seed=99)
     engine.eval()
     with torch.no_grad():
-        out = engine.module.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                     max_new_tokens=c["new_tokens"], pad_token_id=SPECIAL["pad"],
-                                     eos_token_id=SPECIAL["eos"])  # fmt: skip
+        out = engine.module.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=c["new_tokens"],
+            pad_token_id=SPECIAL["pad"],
+            eos_token_id=SPECIAL["eos"],
+        )
     engine.train()
     reference = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
     params = list(engine.module.parameters())

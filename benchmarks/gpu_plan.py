@@ -64,10 +64,14 @@ ESTIMATES_S: dict[str, dict[str, Any]] = {
         "legacy-he-injected-z2-cuda-graph": (85, 65),
         "legacy-he-injected-z3": (95, 75),
     },
-    "correctness": {"kubealign-engine-z2": 90, "kubealign-he-z2": 96, "kubealign-he-z2-lora": 102,
-                    "kubealign-he-z3": 128},
+    "correctness": {
+        "kubealign-engine-z2": 90,
+        "kubealign-he-z2": 96,
+        "kubealign-he-z2-lora": 102,
+        "kubealign-he-z3": 128,
+    },
     "iteration": {"z2-lora": 138, "z2-full": 150, "z3-lora": 199, "z3-full": 199},
-}  # fmt: skip
+}
 # The fixed part of a call on a fresh machine: run.sh installing the carried wheels and checking that they
 # and the prebuilt ops import; gpu_rollout.py's own start (imports, the environment, the bandwidth copy);
 # each model dir (random weights saved as safetensors) and the prompt split, built once per machine.
@@ -89,8 +93,12 @@ PADDING_FREE_S = 180.0
 # A case of one batch is named by the GPU's batch size (hf-static-compile-b16, ...), also in a dry run, where
 # it runs at the dry batch of the same rank: `--only` then picks the same cases in both.
 GPU_BATCHES = settings(False)["batches"]
-CORRECTNESS = (("kubealign-he-z2", "he-plain", 2, False), ("kubealign-he-z3", "he-plain", 3, False),
-               ("kubealign-he-z2-lora", "he-plain", 2, True), ("kubealign-engine-z2", "engine", 2, False))  # fmt: skip
+CORRECTNESS = (
+    ("kubealign-he-z2", "he-plain", 2, False),
+    ("kubealign-he-z3", "he-plain", 3, False),
+    ("kubealign-he-z2-lora", "he-plain", 2, True),
+    ("kubealign-engine-z2", "engine", 2, False),
+)
 ITERATION = (("z2-lora", 2, True), ("z2-full", 2, False), ("z3-lora", 3, True), ("z3-full", 3, False))
 
 
@@ -120,28 +128,62 @@ def generation_cases(args: argparse.Namespace, cuda: bool) -> list[Case]:
     cases = []
     for arch in args.arch:
         model = ACTORS[arch]
-        base = {"model": model, "dtype": s["dtype"], "prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"],
-                "sampling": "temperature 1, top_k 0, top_p 1"}  # fmt: skip
-        common = {"dtype": s["dtype"], "reps": s["reps"], "prompt_len": s["prompt_len"],
-                  "new_tokens": s["new_tokens"], "vocab": shapes[model]["vocab_size"]}  # fmt: skip
+        base = {
+            "model": model,
+            "dtype": s["dtype"],
+            "prompt_len": s["prompt_len"],
+            "new_tokens": s["new_tokens"],
+            "sampling": "temperature 1, top_k 0, top_p 1",
+        }
+        common = {
+            "dtype": s["dtype"],
+            "reps": s["reps"],
+            "prompt_len": s["prompt_len"],
+            "new_tokens": s["new_tokens"],
+            "vocab": shapes[model]["vocab_size"],
+        }
         for path in [p for p in GEN_PATHS if p in args.paths]:
             if path == "hf-eager":
                 spec = {"job": "hf", "compiled": False, "actor": model, "batches": s["batches"], **common}
-                cases.append(Case("generation", path, estimate("generation", path), {**base, "path": path}, spec,
-                                  models=(model,)))  # fmt: skip
+                cases.append(
+                    Case(
+                        "generation", path, estimate("generation", path), {**base, "path": path}, spec, models=(model,)
+                    )
+                )
             elif path == "hf-static-compile":
                 for rank, batch in enumerate(s["batches"]):
                     spec = {"job": "hf", "compiled": True, "actor": model, "batches": [batch], **common}
-                    case = Case("generation", f"{path}-b{GPU_BATCHES[rank]}", estimate("generation", path, rank),
-                                {**base, "path": path}, spec if cuda else None, models=(model,))  # fmt: skip
+                    case = Case(
+                        "generation",
+                        f"{path}-b{GPU_BATCHES[rank]}",
+                        estimate("generation", path, rank),
+                        {**base, "path": path},
+                        spec if cuda else None,
+                        models=(model,),
+                    )
                     case.status = None if cuda else NEEDS_CUDA
                     cases.append(case)
             elif path.startswith("kubealign-"):
-                spec = {"job": "rollout", "path": "engine" if "engine" in path else "he-plain", "zero": int(path[-1]),
-                        "batch": max(s["batches"]), "batches": s["batches"], "actor": model, "critic": "opt-350m",
-                        **common}  # fmt: skip
-                cases.append(Case("generation", path, estimate("generation", path), {**base, "path": path}, spec,
-                                  models=(model, "opt-350m")))  # fmt: skip
+                spec = {
+                    "job": "rollout",
+                    "path": "engine" if "engine" in path else "he-plain",
+                    "zero": int(path[-1]),
+                    "batch": max(s["batches"]),
+                    "batches": s["batches"],
+                    "actor": model,
+                    "critic": "opt-350m",
+                    **common,
+                }
+                cases.append(
+                    Case(
+                        "generation",
+                        path,
+                        estimate("generation", path),
+                        {**base, "path": path},
+                        spec,
+                        models=(model, "opt-350m"),
+                    )
+                )
             else:
                 cases += legacy_cases(args, cuda, base, shapes[model])
     return cases
@@ -156,13 +198,27 @@ def legacy_cases(args: argparse.Namespace, cuda: bool, base: dict[str, Any], sha
     for variant, zero, graphs in LEGACY_VARIANTS:
         path = f"legacy-{variant}"
         for rank, batch in enumerate(s["batches"]):
-            spec = {"job": "legacy", "shape": shape, "zero": zero, "cuda_graph": graphs, "batches": [batch],
-                    "reps": s["reps"], "prompt_len": s["prompt_len"], "new_tokens": s["new_tokens"],
-                    "correctness": s["correctness"] if rank == 0 else None}  # fmt: skip
+            spec = {
+                "job": "legacy",
+                "shape": shape,
+                "zero": zero,
+                "cuda_graph": graphs,
+                "batches": [batch],
+                "reps": s["reps"],
+                "prompt_len": s["prompt_len"],
+                "new_tokens": s["new_tokens"],
+                "correctness": s["correctness"] if rank == 0 else None,
+            }
             runs = cuda or not cases
             name = f"{path}-b{GPU_BATCHES[rank]}"
-            case = Case("generation", name, estimate("generation", path, rank), {**base, "path": path},
-                        spec if runs else None, None if runs else NEEDS_CUDA)  # fmt: skip
+            case = Case(
+                "generation",
+                name,
+                estimate("generation", path, rank),
+                {**base, "path": path},
+                spec if runs else None,
+                None if runs else NEEDS_CUDA,
+            )
             cases.append(case)
     return cases
 
@@ -174,21 +230,39 @@ def correctness_cases(args: argparse.Namespace) -> list[Case]:
     cases = []
     for name, path, zero, lora in CORRECTNESS:
         fields = {"path": name, "model": "opt-1.3b", "critic": "opt-350m", "dtype": s["dtype"], **c}
-        spec = {"job": "correctness", "path": path, "zero": zero, "lora": lora, "dtype": s["dtype"],
-                "batch": c["batch"], "prompt_len": c["prompt_len"], "new_tokens": c["new_tokens"],
-                "updates": c["updates"], "vocab": vocab, "actor": "opt-1.3b", "critic": "opt-350m"}  # fmt: skip
-        cases.append(Case("correctness", name, estimate("correctness", name), fields, spec,
-                          models=("opt-1.3b", "opt-350m")))  # fmt: skip
+        spec = {
+            "job": "correctness",
+            "path": path,
+            "zero": zero,
+            "lora": lora,
+            "dtype": s["dtype"],
+            "batch": c["batch"],
+            "prompt_len": c["prompt_len"],
+            "new_tokens": c["new_tokens"],
+            "updates": c["updates"],
+            "vocab": vocab,
+            "actor": "opt-1.3b",
+            "critic": "opt-350m",
+        }
+        cases.append(
+            Case("correctness", name, estimate("correctness", name), fields, spec, models=("opt-1.3b", "opt-350m"))
+        )
     return cases
 
 
 def iteration_cases(args: argparse.Namespace) -> list[Case]:
     it = settings(args.dry)["iteration"]
     batch = it["batch"] or 4  # the preset's generation_batch_size (4) unless dry
-    common = ["tracking.enabled=false", f"ppo.num_iterations={it['iterations']}", "ppo.sample_every_iterations=0",
-              "ppo.save_every_iterations=0", f"ppo.max_prompt_len={it['prompt_len']}",
-              f"ppo.max_new_tokens={it['new_tokens']}", f"ppo.generation_batch_size={batch}",
-              f"ppo.micro_batch_size={batch}"]  # fmt: skip
+    common = [
+        "tracking.enabled=false",
+        f"ppo.num_iterations={it['iterations']}",
+        "ppo.sample_every_iterations=0",
+        "ppo.save_every_iterations=0",
+        f"ppo.max_prompt_len={it['prompt_len']}",
+        f"ppo.max_new_tokens={it['new_tokens']}",
+        f"ppo.generation_batch_size={batch}",
+        f"ppo.micro_batch_size={batch}",
+    ]
     if args.dry:  # no fp16 on a CPU; a LoRA rank that fits width 64
         common += ["ppo.dtype=fp32", "ppo.actor_lora.r=8", "ppo.actor_lora.alpha=8"]
     cases = []
@@ -196,10 +270,19 @@ def iteration_cases(args: argparse.Namespace) -> list[Case]:
         overrides = [*common, f"ppo.actor_zero_stage={zero}", f"ppo.critic_zero_stage={zero}"]
         overrides += [] if lora else ["ppo.actor_lora.r=0", "ppo.actor_lora.only_lora=false"]
         fields = {"variant": name, "preset": "configs/opt-1.3b-1gpu.yaml", "overrides": overrides}
-        spec = {"job": "iteration", "overrides": overrides, "prompts": "prompts", "actor": "opt-1.3b",
-                "critic": "opt-350m", "path": args.iteration_path}  # fmt: skip
-        cases.append(Case("iteration", name, estimate("iteration", name), fields, spec,
-                          models=("opt-1.3b", "opt-350m", "prompts")))  # fmt: skip
+        spec = {
+            "job": "iteration",
+            "overrides": overrides,
+            "prompts": "prompts",
+            "actor": "opt-1.3b",
+            "critic": "opt-350m",
+            "path": args.iteration_path,
+        }
+        cases.append(
+            Case(
+                "iteration", name, estimate("iteration", name), fields, spec, models=("opt-1.3b", "opt-350m", "prompts")
+            )
+        )
     return cases
 
 

@@ -76,10 +76,15 @@ class Record:
 
     def __init__(self, out: Path, measurement: str, args: argparse.Namespace, env: dict[str, Any]):
         self.path = out / f"gpu-{measurement}-{args.label or slug(env, args.dry)}.json"
-        self.data: dict[str, Any] = {"measurement": measurement, "environment": env,
-                                     "command": command_line(args.argv, out), "settings": settings(args.dry),
-                                     "random_init": True, "tokenizer": "kubealign tiny-opt (vocabulary 1024)",
-                                     "cases": []}  # fmt: skip
+        self.data: dict[str, Any] = {
+            "measurement": measurement,
+            "environment": env,
+            "command": command_line(args.argv, out),
+            "settings": settings(args.dry),
+            "random_init": True,
+            "tokenizer": "kubealign tiny-opt (vocabulary 1024)",
+            "cases": [],
+        }
 
     def add(self, case: dict[str, Any]) -> None:
         self.data["cases"].append(case)
@@ -134,8 +139,14 @@ def setup(cases: list[Case], work: Path, dry: bool) -> dict[str, str]:
     return dirs
 
 
-def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, Any], log: RunLog,
-        budget: Budget | None = None) -> list[Path]:  # fmt: skip
+def run(
+    cases: list[Case],
+    args: argparse.Namespace,
+    work: Path,
+    env: dict[str, Any],
+    log: RunLog,
+    budget: Budget | None = None,
+) -> list[Path]:
     """The planned cases in order, each within the call's budget: a case whose estimate does not fit the
     time left is skipped; one that runs gets a timeout (gpu_plan.timeout_s). One record per measurement."""
     budget = budget or Budget(args.deadline_s)
@@ -143,8 +154,11 @@ def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, 
     for case in cases:
         if case.measurement not in records:
             records[case.measurement] = rec = Record(args.out, case.measurement, args, env)
-            rec.data["plan"] = [{"case": c.name, "model": c.fields.get("model"), "estimate_s": c.estimate_s}
-                                for c in cases if c.measurement == case.measurement]  # fmt: skip
+            rec.data["plan"] = [
+                {"case": c.name, "model": c.fields.get("model"), "estimate_s": c.estimate_s}
+                for c in cases
+                if c.measurement == case.measurement
+            ]
             if case.measurement == "generation":
                 rec.data["roofline"] = bandwidth(env)
             if case.measurement == "iteration":
@@ -166,8 +180,11 @@ def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, 
             log(event="case", case=case_id(case), status=status)
             continue
         limit = timeout_s(case, left)
-        print(f"{case.measurement}: {case.fields.get('model')} {case.name} (estimated {case.estimate_s:.0f} s, "
-              f"timeout {limit:.0f} s)", flush=True)  # fmt: skip
+        print(
+            f"{case.measurement}: {case.fields.get('model')} {case.name} (estimated {case.estimate_s:.0f} s, "
+            f"timeout {limit:.0f} s)",
+            flush=True,
+        )
         spec = {**case.spec, "case": case_id(case), "run_log": str(log.path)}
         spec.update({k: dirs[spec[k]] for k in ("actor", "critic", "prompts") if k in spec})
         started = time.perf_counter()
@@ -179,8 +196,7 @@ def run(cases: list[Case], args: argparse.Namespace, work: Path, env: dict[str, 
         seconds = time.perf_counter() - started
         for line in lines(case, result, rec, args.dry):
             rec.add({**base, "timeout_s": limit, "case_s": seconds, **line})
-        log(event="case", case=case_id(case), status=result.get("status"), case_s=seconds,
-            estimate_s=case.estimate_s)  # fmt: skip
+        log(event="case", case=case_id(case), status=result.get("status"), case_s=seconds, estimate_s=case.estimate_s)
     return [rec.path for rec in records.values()]
 
 
@@ -233,20 +249,31 @@ def parse(argv: list[str]) -> argparse.Namespace:
         "--paths", default=",".join(GEN_PATHS), help="generation: comma-separated, of " + ",".join(GEN_PATHS)
     )
     parser.add_argument("--only", default="", help="comma-separated case names or globs (gpu_plan): run only these")
-    parser.add_argument("--legacy-site", default=os.environ.get("KUBEALIGN_LEGACY_SITE"),
-                        help="dir with transformers 4.44, tokenizers 0.19, huggingface-hub 0.x: path (d)")  # fmt: skip
+    parser.add_argument(
+        "--legacy-site",
+        default=os.environ.get("KUBEALIGN_LEGACY_SITE"),
+        help="dir with transformers 4.44, tokenizers 0.19, huggingface-hub 0.x: path (d)",
+    )
     parser.add_argument(
         "--iteration-path",
         choices=("he-plain", "engine"),
         default=None,
         help="iteration: force a rollout path (default: the preflight decides, as in a real run)",
     )
-    parser.add_argument("--deadline-s", type=float, default=0.0,
-                        help="the call's budget from this script's start: a case whose estimate does not fit "
-                             "what is left is skipped, one that runs is killed when it is spent (0: none)")  # fmt: skip
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=0.0,
+        help="the call's budget from this script's start: a case whose estimate does not fit "
+        "what is left is skipped, one that runs is killed when it is spent (0: none)",
+    )
     parser.add_argument("--work", type=Path, default=None, help="model dirs (built once, reused when present)")
-    parser.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
-                        help="each case in its own process, with a timeout (default: on CUDA)")  # fmt: skip
+    parser.add_argument(
+        "--isolate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="each case in its own process, with a timeout (default: on CUDA)",
+    )
     parser.add_argument("--label", default=None, help="results file suffix (default: the GPU's name)")
     args = parser.parse_args(argv)
     args.argv = argv
@@ -277,8 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     cases = plan(args, cuda)
     if not cases:
         sys.exit(f"gpu_rollout.py: no case matches --only {','.join(args.only)} (case names: benchmarks/gpu_plan.py)")
-    log(event="start", measurement=args.measurement, command=command_line(argv, args.out),
-        cases=[case_id(c) for c in cases])  # fmt: skip
+    log(
+        event="start",
+        measurement=args.measurement,
+        command=command_line(argv, args.out),
+        cases=[case_id(c) for c in cases],
+    )
     with contextlib.ExitStack() as stack:
         work = args.work or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gpu-rollout-")))
         work.mkdir(parents=True, exist_ok=True)

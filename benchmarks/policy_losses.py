@@ -72,8 +72,18 @@ def grpo_figures(result: dict) -> dict:
 
 def train_loss(loss: str, d: dict[str, str], sets: list[str], work: Path, max_wait_s: float) -> dict:
     """One GRPO stage with ppo.policy_loss=LOSS, timed after a quiet load average."""
-    args = ["ppo", "--prompts", d["split"], "--actor", d["sft"], "--output", str(work / loss), *sets,
-            "--set", f"ppo.policy_loss={loss}"]  # fmt: skip
+    args = [
+        "ppo",
+        "--prompts",
+        d["split"],
+        "--actor",
+        d["sft"],
+        "--output",
+        str(work / loss),
+        *sets,
+        "--set",
+        f"ppo.policy_loss={loss}",
+    ]
     record = {**wait_for_quiet(max_wait_s=max_wait_s), **timed(args, work / f"{loss}.log")}
     if record["exit_code"] == 0:
         record.update(grpo_figures(json.loads((work / loss / "result.json").read_text())))
@@ -84,16 +94,32 @@ def train_loss(loss: str, d: dict[str, str], sets: list[str], work: Path, max_wa
 
 def evaluate_loss(loss: str, d: dict[str, str], sets: list[str], work: Path) -> dict:
     out = work / f"eval-{loss}"
-    args = ["evaluate", "--prompts", d["split"], "--baseline", d["sft"], "--candidate", str(work / loss),
-            "--output", str(out), *sets]  # fmt: skip
+    args = [
+        "evaluate",
+        "--prompts",
+        d["split"],
+        "--baseline",
+        d["sft"],
+        "--candidate",
+        str(work / loss),
+        "--output",
+        str(out),
+        *sets,
+    ]
     run = timed(args, work / f"eval-{loss}.log")
     if run["exit_code"] != 0:
         return {"evaluate": run}
     m = json.loads((out / "result.json").read_text())["metrics"]
     base, cand = m[f"{METRIC}/baseline"], m[f"{METRIC}/candidate"]
-    return {"baseline_accuracy": base, "candidate_accuracy": cand, "accuracy_gain": cand - base,
-            "kl_to_baseline": m["kl_to_baseline"], "candidate_length_mean": m["candidate_length_mean"],
-            "prompts": m["prompts"], "evaluate_wall_s": run["wall_s"]}  # fmt: skip
+    return {
+        "baseline_accuracy": base,
+        "candidate_accuracy": cand,
+        "accuracy_gain": cand - base,
+        "kl_to_baseline": m["kl_to_baseline"],
+        "candidate_length_mean": m["candidate_length_mean"],
+        "prompts": m["prompts"],
+        "evaluate_wall_s": run["wall_s"],
+    }
 
 
 def ratios_to_ppo(losses: dict[str, dict]) -> None:
@@ -116,8 +142,11 @@ def one_seed(work: Path, seed: int, order: list[str], overrides: list[str], max_
     runs = {}
     for loss in order:
         runs[loss] = r = train_loss(loss, d, sets, work, max_wait_s)
-        print(f"  seed {seed} {loss}: {r['wall_s']:.1f} s ({r['cpu_s']:.0f} CPU s), load {r['loadavg_at_start'][0]:.2f}"
-              + (f"  FAILED: {r['error']}" if r["exit_code"] else ""), flush=True)  # fmt: skip
+        print(
+            f"  seed {seed} {loss}: {r['wall_s']:.1f} s ({r['cpu_s']:.0f} CPU s), load {r['loadavg_at_start'][0]:.2f}"
+            + (f"  FAILED: {r['error']}" if r["exit_code"] else ""),
+            flush=True,
+        )
     for loss in order:
         if runs[loss]["exit_code"] == 0:
             runs[loss].update(evaluate_loss(loss, d, sets, work))
@@ -125,9 +154,15 @@ def one_seed(work: Path, seed: int, order: list[str], overrides: list[str], max_
     sft = json.loads((work / "sft" / "result.json").read_text())["metrics"]
     # evaluate samples the baseline with the same seed for every candidate: one value per seed
     baseline = sorted({r["baseline_accuracy"] for r in runs.values() if "baseline_accuracy" in r})
-    return {"seed": seed, "loss_order": order, "sft_data_accuracy": demonstration_accuracy(Path(d["split"])),
-            "sft_eval_perplexity": sft.get("after_perplexity"), "shared_stage_wall_s": shared,
-            "baseline_accuracies": baseline, "losses": runs}  # fmt: skip
+    return {
+        "seed": seed,
+        "loss_order": order,
+        "sft_data_accuracy": demonstration_accuracy(Path(d["split"])),
+        "sft_eval_perplexity": sft.get("after_perplexity"),
+        "shared_stage_wall_s": shared,
+        "baseline_accuracies": baseline,
+        "losses": runs,
+    }
 
 
 def spread(values: list[float | None]) -> dict | None:
@@ -137,9 +172,19 @@ def spread(values: list[float | None]) -> dict | None:
     return {"mean": statistics.fmean(values), "min": min(values), "max": max(values), "seeds": len(values)}
 
 
-SUMMARIZED = ("accuracy_gain", "candidate_accuracy", "baseline_accuracy", "kl_to_baseline", "wall_s", "cpu_s",
-              "wall_vs_ppo", "cpu_vs_ppo", "rollout_logprob_diff_mean", "rollout_logprob_diff_max",
-              "clip_fraction_mean")  # fmt: skip
+SUMMARIZED = (
+    "accuracy_gain",
+    "candidate_accuracy",
+    "baseline_accuracy",
+    "kl_to_baseline",
+    "wall_s",
+    "cpu_s",
+    "wall_vs_ppo",
+    "cpu_vs_ppo",
+    "rollout_logprob_diff_mean",
+    "rollout_logprob_diff_max",
+    "clip_fraction_mean",
+)
 
 
 def summary(runs: list[dict], losses: list[str]) -> dict:
@@ -157,10 +202,15 @@ def summary(runs: list[dict], losses: list[str]) -> dict:
     return out
 
 
-COLUMNS = (("accuracy", "candidate_accuracy", ".0%"), ("gain over SFT", "accuracy_gain", "+.0%"),
-           ("KL to SFT", "kl_to_baseline", ".2f"), ("wall (s)", "wall_s", ".1f"),
-           ("wall / ppo's", "wall_vs_ppo", ".2f"), ("CPU / ppo's", "cpu_vs_ppo", ".2f"),
-           ("rollout diff max", "rollout_logprob_diff_max", ".2g"))  # fmt: skip
+COLUMNS = (
+    ("accuracy", "candidate_accuracy", ".0%"),
+    ("gain over SFT", "accuracy_gain", "+.0%"),
+    ("KL to SFT", "kl_to_baseline", ".2f"),
+    ("wall (s)", "wall_s", ".1f"),
+    ("wall / ppo's", "wall_vs_ppo", ".2f"),
+    ("CPU / ppo's", "cpu_vs_ppo", ".2f"),
+    ("rollout diff max", "rollout_logprob_diff_max", ".2g"),
+)
 
 
 def cell(figure: dict | None, fmt: str) -> str:
@@ -173,8 +223,10 @@ def cell(figure: dict | None, fmt: str) -> str:
 
 def table(summaries: dict) -> str:
     """Markdown: per loss, the mean (min to max over seeds) of the main figures."""
-    rows = ["| policy_loss | " + " | ".join(name for name, _, _ in COLUMNS) + " | failed / non-finite |",
-            "|---" * (len(COLUMNS) + 2) + "|"]  # fmt: skip
+    rows = [
+        "| policy_loss | " + " | ".join(name for name, _, _ in COLUMNS) + " | failed / non-finite |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
     for loss, s in summaries.items():
         cells = [cell(s[key], fmt) for _, key, fmt in COLUMNS]
         rows.append(f"| {loss} | " + " | ".join(cells) + f" | {s['failed']} / {s['non_finite_loss']} |")
@@ -208,10 +260,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    record = {"preset": PRESET, "command": " ".join(["python", *sys.argv]), "overrides": args.overrides,
-              "losses": args.losses, "quick": args.quick, "ppo_settings": ppo_settings(args.overrides),
-              "git": git_revision(), "machine": machine(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-              "runs": []}  # fmt: skip
+    record = {
+        "preset": PRESET,
+        "command": " ".join(["python", *sys.argv]),
+        "overrides": args.overrides,
+        "losses": args.losses,
+        "quick": args.quick,
+        "ppo_settings": ppo_settings(args.overrides),
+        "git": git_revision(),
+        "machine": machine(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "runs": [],
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     out = args.out / f"{args.label}.json"
     for i, seed in enumerate(args.seeds):

@@ -67,16 +67,37 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         kubealign("data-split", "--output", str(work / "split"))
-        kubealign("sft", "--data", str(work / "split"), "--output", str(work / "sft"),
-                  "--set", f"sft.num_train_epochs={args.sft_epochs}")  # fmt: skip
+        kubealign(
+            "sft",
+            "--data",
+            str(work / "split"),
+            "--output",
+            str(work / "sft"),
+            "--set",
+            f"sft.num_train_epochs={args.sft_epochs}",
+        )
         kubealign("reward", "--data", str(work / "split"), "--output", str(work / "rm"))
         extra = [a for o in args.overrides for a in ("--set", o)]
-        kubealign("ppo", "--prompts", str(work / "split"), "--actor", str(work / "sft"), "--critic", str(work / "rm"),
-                  "--output", str(work / "ppo"), "--set", f"ppo.num_iterations={args.iterations}", *extra)  # fmt: skip
+        kubealign(
+            "ppo",
+            "--prompts",
+            str(work / "split"),
+            "--actor",
+            str(work / "sft"),
+            "--critic",
+            str(work / "rm"),
+            "--output",
+            str(work / "ppo"),
+            "--set",
+            f"ppo.num_iterations={args.iterations}",
+            *extra,
+        )
         result = json.loads((work / "ppo" / "result.json").read_text())
     history = result["history"][1:] or result["history"]  # the first iteration includes one-time warm-up
-    mean = {k: sum(h[k] for h in history) / len(history) for k in
-            ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s")}  # fmt: skip
+    mean = {
+        k: sum(h[k] for h in history) / len(history)
+        for k in ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s")
+    }
     total = mean["generation_time_s"] + mean["experience_time_s"] + mean["training_time_s"]
     record = {
         "preset": "tiny-cpu",
@@ -106,8 +127,14 @@ SHAPES = {  # OPT dimensions; the tokenizer (vocabulary 1024) is tiny-opt's for 
 }
 SFT_EPOCHS = {"tiny": 6.0, "4x256": 3.0}  # half-trained actors: responses of mixed length, most with EOS
 # The measurement: batch 16, 16 new tokens, ZeRO 0, fp32, one optimizer step per iteration.
-PPO_SETTINGS = ["ppo.max_new_tokens=16", "ppo.generation_batch_size=16", "ppo.micro_batch_size=16",
-                "ppo.actor_zero_stage=0", "ppo.critic_zero_stage=0", "ppo.dtype=fp32"]  # fmt: skip
+PPO_SETTINGS = [
+    "ppo.max_new_tokens=16",
+    "ppo.generation_batch_size=16",
+    "ppo.micro_batch_size=16",
+    "ppo.actor_zero_stage=0",
+    "ppo.critic_zero_stage=0",
+    "ppo.dtype=fp32",
+]
 
 
 def prepare(shape: str, work: Path) -> dict[str, str]:
@@ -119,10 +146,28 @@ def prepare(shape: str, work: Path) -> dict[str, str]:
         base = "tiny-opt"
         if shape != "tiny":
             base = str(build_shape(shape, work / f"{shape}-init"))
-        kubealign("sft", "--data", str(work / "split"), "--output", str(sft),
-                  "--set", f"sft.model={base}", "--set", f"sft.num_train_epochs={SFT_EPOCHS[shape]}")  # fmt: skip
-        kubealign("reward", "--data", str(work / "split"), "--output", str(rm), "--set", f"reward.model={base}",
-                  "--set", "reward.num_train_epochs=1")  # fmt: skip
+        kubealign(
+            "sft",
+            "--data",
+            str(work / "split"),
+            "--output",
+            str(sft),
+            "--set",
+            f"sft.model={base}",
+            "--set",
+            f"sft.num_train_epochs={SFT_EPOCHS[shape]}",
+        )
+        kubealign(
+            "reward",
+            "--data",
+            str(work / "split"),
+            "--output",
+            str(rm),
+            "--set",
+            f"reward.model={base}",
+            "--set",
+            "reward.num_train_epochs=1",
+        )
     return {"split": str(work / "split"), "actor": str(sft), "critic": str(rm)}
 
 
@@ -160,9 +205,17 @@ def child(spec: dict) -> None:
     def timed(*args, **kwargs):
         start, cpu = time.perf_counter(), time.process_time()
         metrics, exp = inner(*args, **kwargs)
-        calls.append({"start": start, "cpu": cpu, "samples": int(exp.input_ids.shape[0]),
-                      **{k: metrics[k] for k in ("generation_time_s", "experience_time_s", "training_time_s",
-                                                 "response_length")}})  # fmt: skip
+        calls.append(
+            {
+                "start": start,
+                "cpu": cpu,
+                "samples": int(exp.input_ids.shape[0]),
+                **{
+                    k: metrics[k]
+                    for k in ("generation_time_s", "experience_time_s", "training_time_s", "response_length")
+                },
+            }
+        )
         return metrics, exp
 
     ppo.iteration = timed
@@ -176,23 +229,50 @@ def child(spec: dict) -> None:
     for this, following in zip(calls[1:], calls[2:], strict=False):  # the first iteration warms up
         loop = following["start"] - this["start"]
         phases = {k.removesuffix("_time_s"): this[k] for k in this if k.endswith("_time_s")}
-        loops.append({"loop_s": loop, "cpu_s": following["cpu"] - this["cpu"], "samples": this["samples"], **phases,
-                      "outside": loop - sum(phases.values()), "response_length": this["response_length"]})  # fmt: skip
-    record = {"loops": loops, "rollout_path": result["rollout_path"],
-              "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}  # fmt: skip
+        loops.append(
+            {
+                "loop_s": loop,
+                "cpu_s": following["cpu"] - this["cpu"],
+                "samples": this["samples"],
+                **phases,
+                "outside": loop - sum(phases.values()),
+                "response_length": this["response_length"],
+            }
+        )
+    record = {
+        "loops": loops,
+        "rollout_path": result["rollout_path"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
     (out / "timing.json").write_text(json.dumps(record))
 
 
 def run_child(src: Path, prepared: dict, threads: int, iterations: int, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
-        spec = {**prepared, "src": str(src), "threads": threads, "iterations": iterations, "out": tmp,
-                "overrides": overrides}  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-               "TQDM_DISABLE": "1"}  # fmt: skip
+        spec = {
+            **prepared,
+            "src": str(src),
+            "threads": threads,
+            "iterations": iterations,
+            "out": tmp,
+            "overrides": overrides,
+        }
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(src),
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TQDM_DISABLE": "1",
+        }
         for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_ID", "MLFLOW_EXPERIMENT_NAME"):
             env.pop(name, None)  # tracking on, to a fresh local store in the run's temp dir (the default)
-        subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], check=True, env=env, cwd=tmp,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            [sys.executable, __file__, "--child", json.dumps(spec)],
+            check=True,
+            env=env,
+            cwd=tmp,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads((Path(tmp) / "timing.json").read_text())
 
 
@@ -203,15 +283,19 @@ def summarize(runs: list[dict]) -> dict:
     for run in runs:
         loops = run["loops"]
         loop = med(x["loop_s"] for x in loops)
-        per_run.append({
-            "samples_per_s": med(x["samples"] / x["loop_s"] for x in loops),
-            "samples_per_cpu_s": med(x["samples"] / x["cpu_s"] for x in loops),  # less sensitive to other load
-            "loop_s": loop,
-            **{f"{k}_share": med(x[k] / x["loop_s"] for x in loops)
-               for k in ("generation", "experience", "training", "outside")},
-            "response_length": med(x["response_length"] for x in loops),
-            "peak_rss_mb": run["peak_rss_mb"],
-        })  # fmt: skip
+        per_run.append(
+            {
+                "samples_per_s": med(x["samples"] / x["loop_s"] for x in loops),
+                "samples_per_cpu_s": med(x["samples"] / x["cpu_s"] for x in loops),  # less sensitive to other load
+                "loop_s": loop,
+                **{
+                    f"{k}_share": med(x[k] / x["loop_s"] for x in loops)
+                    for k in ("generation", "experience", "training", "outside")
+                },
+                "response_length": med(x["response_length"] for x in loops),
+                "peak_rss_mb": run["peak_rss_mb"],
+            }
+        )
     return {
         **{k: med(r[k] for r in per_run) for k in per_run[0]},
         "peak_rss_mb": max(r["peak_rss_mb"] for r in per_run),
@@ -225,11 +309,15 @@ def compare(args: argparse.Namespace) -> None:
     shapes, threads = args.shapes.split(","), [int(t) for t in args.threads.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         old_src = Path(tmp) / "old"
-        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(old_src), args.compare],
-                       check=True, stdout=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(old_src), args.compare],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         try:
-            rev = subprocess.run(["git", "-C", str(old_src), "rev-parse", "HEAD"], check=True, capture_output=True,
-                                 text=True).stdout.strip()  # fmt: skip
+            rev = subprocess.run(
+                ["git", "-C", str(old_src), "rev-parse", "HEAD"], check=True, capture_output=True, text=True
+            ).stdout.strip()
             work = Path(args.work) if args.work else Path(tmp) / "work"
             work.mkdir(parents=True, exist_ok=True)
             prepared = {shape: prepare(shape, work) for shape in shapes}
@@ -242,40 +330,60 @@ def compare(args: argparse.Namespace) -> None:
                             extra = args.overrides + (args.new_overrides if name == "new" else [])
                             timing = run_child(src, prepared[shape], n, args.iterations, extra)
                             runs.setdefault((shape, n, name), []).append(timing)
-                            print(f"round {r + 1} {shape} threads {n} {name}: "
-                                  f"{statistics.median(x['samples'] / x['loop_s'] for x in timing['loops']):.1f} "
-                                  "samples/s", flush=True)  # fmt: skip
+                            print(
+                                f"round {r + 1} {shape} threads {n} {name}: "
+                                f"{statistics.median(x['samples'] / x['loop_s'] for x in timing['loops']):.1f} "
+                                "samples/s",
+                                flush=True,
+                            )
         finally:
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(old_src)], check=False)
     table = []
     for shape in shapes:
         for n in threads:
             old, new = summarize(runs[(shape, n, "old")]), summarize(runs[(shape, n, "new")])
-            table.append({"shape": shape, "threads": n, "old": old, "new": new,
-                          "ratio": new["samples_per_s"] / old["samples_per_s"],
-                          "ratio_cpu": new["samples_per_cpu_s"] / old["samples_per_cpu_s"]})  # fmt: skip
+            table.append(
+                {
+                    "shape": shape,
+                    "threads": n,
+                    "old": old,
+                    "new": new,
+                    "ratio": new["samples_per_s"] / old["samples_per_s"],
+                    "ratio_cpu": new["samples_per_cpu_s"] / old["samples_per_cpu_s"],
+                }
+            )
     record = {
         "harness": "ppo_iteration.py --compare",
         "old_rev": rev,
-        "new": "this checkout: " + subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty"],
-                                                  capture_output=True, text=True).stdout.strip(),  # fmt: skip
-        "settings": {"ppo": PPO_SETTINGS + args.overrides, "new_only": args.new_overrides,
-                     "iterations": args.iterations, "rounds": args.rounds,
-                     "shapes": {s: SHAPES[s] for s in shapes}, "sft_epochs": {s: SFT_EPOCHS[s] for s in shapes},
-                     "tracking": "on (local sqlite store per run)", "measure": "median over rounds of the median "
-                     "per-iteration loop (iteration start to next iteration start), first iteration excluded; "
-                     "samples_per_cpu_s: the same per CPU-second of the process (user + system, all its threads)"},
+        "new": "this checkout: "
+        + subprocess.run(
+            ["git", "-C", str(repo), "describe", "--always", "--dirty"], capture_output=True, text=True
+        ).stdout.strip(),
+        "settings": {
+            "ppo": PPO_SETTINGS + args.overrides,
+            "new_only": args.new_overrides,
+            "iterations": args.iterations,
+            "rounds": args.rounds,
+            "shapes": {s: SHAPES[s] for s in shapes},
+            "sft_epochs": {s: SFT_EPOCHS[s] for s in shapes},
+            "tracking": "on (local sqlite store per run)",
+            "measure": "median over rounds of the median "
+            "per-iteration loop (iteration start to next iteration start), first iteration excluded; "
+            "samples_per_cpu_s: the same per CPU-second of the process (user + system, all its threads)",
+        },
         "table": table,
         "machine": machine(),
-    }  # fmt: skip
+    }
     out = HERE / "results" / f"{args.label or 'ppo-compare-cpu'}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")
     for row in table:
         o, n = row["old"], row["new"]
         split = ", ".join(f"{k} {n[k + '_share']:.1%}" for k in ("generation", "experience", "training", "outside"))
-        print(f"{row['shape']:>6} threads {row['threads']}: {o['samples_per_s']:.1f} -> {n['samples_per_s']:.1f} "
-              f"samples/s ({row['ratio']:.2f}x; per CPU-second {row['ratio_cpu']:.2f}x); new split {split}; "
-              f"peak RSS {o['peak_rss_mb']:.0f} -> {n['peak_rss_mb']:.0f} MB")  # fmt: skip
+        print(
+            f"{row['shape']:>6} threads {row['threads']}: {o['samples_per_s']:.1f} -> {n['samples_per_s']:.1f} "
+            f"samples/s ({row['ratio']:.2f}x; per CPU-second {row['ratio_cpu']:.2f}x); new split {split}; "
+            f"peak RSS {o['peak_rss_mb']:.0f} -> {n['peak_rss_mb']:.0f} MB"
+        )
     print(f"written to {out}")
 
 

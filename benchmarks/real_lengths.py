@@ -53,11 +53,21 @@ PRESET = REPO / "configs" / "hh-real-lengths.yaml"
 MODELS = REPO / "build" / "models"
 VOCAB = 16384
 SHAPES = {  # facebook/opt-* config dimensions; the vocabulary is OPT's (the BPE uses its first 16,384 ids)
-    "opt-125m": {"hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12, "num_attention_heads": 12,
-                 "word_embed_proj_dim": 768},
-    "opt-1.3b": {"hidden_size": 2048, "ffn_dim": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
-                 "word_embed_proj_dim": 2048},
-}  # fmt: skip
+    "opt-125m": {
+        "hidden_size": 768,
+        "ffn_dim": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "word_embed_proj_dim": 768,
+    },
+    "opt-1.3b": {
+        "hidden_size": 2048,
+        "ffn_dim": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "word_embed_proj_dim": 2048,
+    },
+}
 
 
 def hh_dialogues() -> list[dict[str, str]]:
@@ -81,14 +91,19 @@ def build_model(shape: str = "opt-125m") -> Path:
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=list(SPECIAL_TOKENS.values()),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
-    )  # fmt: skip
+        vocab_size=VOCAB,
+        special_tokens=list(SPECIAL_TOKENS.values()),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator((d[k] for d in hh_dialogues() for k in ("chosen", "rejected")), trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **SPECIAL_TOKENS)
     tokenizer.model_max_length = 2048
-    ids = {"pad_token_id": tokenizer.pad_token_id, "bos_token_id": tokenizer.bos_token_id,
-           "eos_token_id": tokenizer.eos_token_id}  # fmt: skip
+    ids = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
     config = OPTConfig(**SHAPES[shape], vocab_size=50272, max_position_embeddings=2048, dropout=0.1, **ids)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -140,13 +155,18 @@ def stages(config: Any, tokenizer: Any) -> dict[str, Stage]:
     def per_sequence_nll(model, batch):
         from kubealign.models.inputs import position_ids
 
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                       position_ids=position_ids(batch["attention_mask"]), use_cache=False).logits  # fmt: skip
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids(batch["attention_mask"]),
+            use_cache=False,
+        ).logits
         logprobs = logprobs_from_logits(logits, batch["input_ids"])
         return -(logprobs * batch["loss_mask"][:, 1:]).sum(-1)
 
-    dpo_examples = [{"index": i, "chosen": lm.example(c, False), "rejected": lm.example(r, False)}
-                    for i, (c, r) in enumerate(pairs)]  # fmt: skip
+    dpo_examples = [
+        {"index": i, "chosen": lm.example(c, False), "rejected": lm.example(r, False)} for i, (c, r) in enumerate(pairs)
+    ]
     reward_examples = [(c.input_ids, r.input_ids) for c, r in pairs]
 
     def reward_loss(model, batch):
@@ -194,15 +214,29 @@ def stages(config: Any, tokenizer: Any) -> dict[str, Stage]:
         return (logprobs_from_logits(logits, batch["input_ids"]) * batch["loss_mask"][:, 1:]).sum(-1)
 
     return {
-        "sft": Stage("sft", config.sft, sft_examples, lambda b: lm.collate(b, pad),
-                     lambda m, b: lm.step_loss(lm.batch_loss(m, b, True), b, scale),
-                     lambda m, b: -per_sequence_nll(m, b), lambda e: len(e["input_ids"])),
-        "reward": Stage("reward", config.reward, reward_examples, lambda b: reward.collate(b, pad), reward_loss,
-                        reward_measure, reward.pair_length),
-        "dpo": Stage("dpo", config.dpo, dpo_examples, lambda b: dpo.collate(b, pad), dpo_loss, dpo_measure,
-                     dpo.pair_length),
+        "sft": Stage(
+            "sft",
+            config.sft,
+            sft_examples,
+            lambda b: lm.collate(b, pad),
+            lambda m, b: lm.step_loss(lm.batch_loss(m, b, True), b, scale),
+            lambda m, b: -per_sequence_nll(m, b),
+            lambda e: len(e["input_ids"]),
+        ),
+        "reward": Stage(
+            "reward",
+            config.reward,
+            reward_examples,
+            lambda b: reward.collate(b, pad),
+            reward_loss,
+            reward_measure,
+            reward.pair_length,
+        ),
+        "dpo": Stage(
+            "dpo", config.dpo, dpo_examples, lambda b: dpo.collate(b, pad), dpo_loss, dpo_measure, dpo.pair_length
+        ),
         "ppo": Stage("ppo", config.sft, rollouts, ppo_collate, ppo_loss, ppo_measure, lambda r: len(r["prompt"])),
-    }  # fmt: skip
+    }
 
 
 def rollout_batch(rows: list[dict[str, list[int]]], pad: int) -> dict[str, torch.Tensor]:
@@ -258,8 +292,15 @@ def engine_for(stage: Stage, model_dir: Path, steps: int) -> Any:
 def subset(stage: Stage, size: int) -> Stage:
     """The stage on `size` examples of its pool (those of its first grouped micro-batches: lengths vary)."""
     chosen = [i for b in batches_of(stage, "padded", seed=7) for i in b][:size]
-    return Stage(stage.name, stage.cfg, [stage.examples[i] for i in chosen], stage.collate, stage.loss,
-                 stage.measure, stage.length)  # fmt: skip
+    return Stage(
+        stage.name,
+        stage.cfg,
+        [stage.examples[i] for i in chosen],
+        stage.collate,
+        stage.loss,
+        stage.measure,
+        stage.length,
+    )
 
 
 def differences(stage: Stage, model_dir: Path, size: int = 8) -> dict[str, float]:
@@ -285,8 +326,11 @@ def differences(stage: Stage, model_dir: Path, size: int = 8) -> dict[str, float
                     start = ends[k - 1] if k else 0
                     found["packed"][(i, False)] = -nll[start : ends[k] - 1].sum()
     diffs = [(float((found["padded"][k] - v).abs()), float(v.abs())) for k, v in found["grouped"].items()]
-    out = {"max_abs_diff": max(d for d, _ in diffs), "max_rel_diff": max(d / max(m, 1e-12) for d, m in diffs),
-           "diff_examples": len(diffs)}  # fmt: skip
+    out = {
+        "max_abs_diff": max(d for d, _ in diffs),
+        "max_rel_diff": max(d / max(m, 1e-12) for d, m in diffs),
+        "diff_examples": len(diffs),
+    }
     if "packed" in found:
         out["packed_max_abs_diff"] = max(float((found["padded"][k] - v).abs()) for k, v in found["packed"].items())
     return out
@@ -305,8 +349,10 @@ def dpo_initial_loss(stage: Stage, model_dir: Path, pad: int, size: int = 16) ->
     loss = dpo.train_loss(stage.cfg, table)
     engine = _Boundary(model)
     with torch.no_grad():
-        return [float(loss(engine, on_device(stage.collate([stage.examples[i] for i in b]))).value)
-                for b in batches_of(stage, "grouped", seed=7, micro=size // 4)]  # fmt: skip
+        return [
+            float(loss(engine, on_device(stage.collate([stage.examples[i] for i in b]))).value)
+            for b in batches_of(stage, "grouped", seed=7, micro=size // 4)
+        ]
 
 
 class _Boundary(torch.nn.Module):
@@ -332,8 +378,13 @@ def packed(examples: list[dict[str, list[int]]]) -> dict[str, torch.Tensor]:
     causal = torch.ones(len(ids), len(ids), dtype=torch.bool).tril()
     blocks = (segment[:, None] == segment[None, :]) & causal
     mask = [0 if k == 0 else m for e in examples for k, m in enumerate(e["loss_mask"])]
-    return {"input_ids": torch.tensor([ids]), "position_ids": torch.tensor([positions]), "blocks": blocks[None, None],
-            "loss_mask": torch.tensor([mask]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}  # fmt: skip
+    return {
+        "input_ids": torch.tensor([ids]),
+        "position_ids": torch.tensor([positions]),
+        "blocks": blocks[None, None],
+        "loss_mask": torch.tensor([mask]),
+        "attention_mask": torch.ones(1, len(ids), dtype=torch.long),
+    }
 
 
 def packed_nll(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:

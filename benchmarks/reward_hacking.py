@@ -47,19 +47,39 @@ SETTINGS = [
     ("ppo-no-kl-lr5e-3-15it", "ppo", [*NO_KL, "ppo.actor_learning_rate=5e-3", "ppo.num_iterations=15"]),
     ("ppo-no-kl-lr1e-3-40it", "ppo", [*NO_KL, "ppo.actor_learning_rate=1e-3", "ppo.num_iterations=40"]),
     ("grpo-honest", "ppo", ["ppo.algorithm=grpo"]),
-    ("grpo-no-kl-lr5e-3-10it", "ppo", ["ppo.algorithm=grpo", *NO_KL, "ppo.actor_learning_rate=5e-3",
-                                        "ppo.num_iterations=10"]),
-    ("grpo-no-kl-lr2e-3-30it", "ppo", ["ppo.algorithm=grpo", *NO_KL, "ppo.actor_learning_rate=2e-3",
-                                        "ppo.num_iterations=30"]),
+    (
+        "grpo-no-kl-lr5e-3-10it",
+        "ppo",
+        ["ppo.algorithm=grpo", *NO_KL, "ppo.actor_learning_rate=5e-3", "ppo.num_iterations=10"],
+    ),
+    (
+        "grpo-no-kl-lr2e-3-30it",
+        "ppo",
+        ["ppo.algorithm=grpo", *NO_KL, "ppo.actor_learning_rate=2e-3", "ppo.num_iterations=30"],
+    ),
     ("dpo-honest", "dpo", []),
-    ("dpo-beta0.01-no-sft-lr2e-3-3ep", "dpo", ["dpo.beta=0.01", "dpo.rpo_alpha=0", "dpo.learning_rate=2e-3",
-                                               "dpo.num_train_epochs=3"]),
-]  # fmt: skip
+    (
+        "dpo-beta0.01-no-sft-lr2e-3-3ep",
+        "dpo",
+        ["dpo.beta=0.01", "dpo.rpo_alpha=0", "dpo.learning_rate=2e-3", "dpo.num_train_epochs=3"],
+    ),
+]
 GUARD_FIGURES = ("heldout_logprob", "repetition_rate", "distinct_2", "empty_rate", "unfinished_rate", "length_mean")
-REWARD_FIGURES = ("win_rate", "win_rate_lower_bound", "reward_gain", "kl_to_baseline", "baseline_reward_mean",
-                  "candidate_reward_mean", "baseline_preferred_rate", "candidate_preferred_rate",
-                  "baseline_well_formed_rate", "candidate_well_formed_rate", "heldout_win_rate", "heldout_reward_gain",
-                  "reward_agreement")  # fmt: skip
+REWARD_FIGURES = (
+    "win_rate",
+    "win_rate_lower_bound",
+    "reward_gain",
+    "kl_to_baseline",
+    "baseline_reward_mean",
+    "candidate_reward_mean",
+    "baseline_preferred_rate",
+    "candidate_preferred_rate",
+    "baseline_well_formed_rate",
+    "candidate_well_formed_rate",
+    "heldout_win_rate",
+    "heldout_reward_gain",
+    "reward_agreement",
+)
 
 
 def kubealign(*args: str) -> float:
@@ -78,15 +98,48 @@ def one_setting(work: Path, shared: dict[str, str], name: str, stage: str, overr
     out = {k: str(work / name / k) for k in ("policy", "eval", "promote")}
     extra = sets(overrides)
     if stage == "dpo":
-        trained = kubealign("dpo", "--data", shared["split"], "--model", shared["sft"], "--output", out["policy"],
-                            *extra)  # fmt: skip
+        trained = kubealign(
+            "dpo", "--data", shared["split"], "--model", shared["sft"], "--output", out["policy"], *extra
+        )
     else:
-        trained = kubealign("ppo", "--prompts", shared["split"], "--actor", shared["sft"], "--critic", shared["rm"],
-                            "--output", out["policy"], *extra)  # fmt: skip
-    kubealign("evaluate", "--prompts", shared["split"], "--baseline", shared["sft"], "--candidate", out["policy"],
-              "--reward", shared["rm"], "--output", out["eval"], *extra, *sets(SUITE))  # fmt: skip
-    kubealign("promote", "--evaluation", out["eval"], "--model-dir", out["policy"], "--output", out["promote"], *extra,
-              *sets(SUITE))  # fmt: skip
+        trained = kubealign(
+            "ppo",
+            "--prompts",
+            shared["split"],
+            "--actor",
+            shared["sft"],
+            "--critic",
+            shared["rm"],
+            "--output",
+            out["policy"],
+            *extra,
+        )
+    kubealign(
+        "evaluate",
+        "--prompts",
+        shared["split"],
+        "--baseline",
+        shared["sft"],
+        "--candidate",
+        out["policy"],
+        "--reward",
+        shared["rm"],
+        "--output",
+        out["eval"],
+        *extra,
+        *sets(SUITE),
+    )
+    kubealign(
+        "promote",
+        "--evaluation",
+        out["eval"],
+        "--model-dir",
+        out["policy"],
+        "--output",
+        out["promote"],
+        *extra,
+        *sets(SUITE),
+    )
     read = lambda d: json.loads((Path(d) / "result.json").read_text(encoding="utf-8"))  # noqa: E731
     m, promoted = read(out["eval"])["metrics"], read(out["promote"])
     cfg = load_config(None, [*overrides, *SUITE]).promote
@@ -129,13 +182,15 @@ def main() -> None:
         for name, stage, overrides in chosen:
             runs.append(one_setting(work, shared, name, stage, overrides))
             r = runs[-1]
-            print(f"{name}: win-rate {r['win_rate']:.2f} (bound {r['win_rate_lower_bound']:.2f}), reward gain "
-                  f"{r['reward_gain']:+.2f}, KL {r['kl_to_baseline']:.1f}, held-out log-likelihood "
-                  f"{r['baseline_heldout_logprob']:.2f} -> {r['candidate_heldout_logprob']:.2f}, held-out "
-                  f"reward model's win-rate {r['heldout_win_rate']:.2f} (agreement {r['reward_agreement']:.2f}), "
-                  f"facts {r['baseline_suite_kubealign_facts']:.2f} -> {r['candidate_suite_kubealign_facts']:.2f}; "
-                  f"gate without guards {'passed' if r['passed_without_guards'] else 'refused'}, with guards "
-                  f"{'passed' if r['passed_with_guards'] else 'refused'}")  # fmt: skip
+            print(
+                f"{name}: win-rate {r['win_rate']:.2f} (bound {r['win_rate_lower_bound']:.2f}), reward gain "
+                f"{r['reward_gain']:+.2f}, KL {r['kl_to_baseline']:.1f}, held-out log-likelihood "
+                f"{r['baseline_heldout_logprob']:.2f} -> {r['candidate_heldout_logprob']:.2f}, held-out "
+                f"reward model's win-rate {r['heldout_win_rate']:.2f} (agreement {r['reward_agreement']:.2f}), "
+                f"facts {r['baseline_suite_kubealign_facts']:.2f} -> {r['candidate_suite_kubealign_facts']:.2f}; "
+                f"gate without guards {'passed' if r['passed_without_guards'] else 'refused'}, with guards "
+                f"{'passed' if r['passed_with_guards'] else 'refused'}"
+            )
     record = {"preset": "tiny-cpu", "settings": runs, "machine": machine()}
     out = HERE / "results" / f"{args.label}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")

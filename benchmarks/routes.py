@@ -73,17 +73,19 @@ def leaderboard(output: Path) -> list[dict]:
         route = standing["route"]
         m = json.loads((Path(index["stages"][f"evaluate-{route}"]["dir"]) / "result.json").read_text())["metrics"]
         promoted = json.loads((Path(index["stages"][f"promote-{route}"]["dir"]) / "result.json").read_text())
-        rows.append({
-            "rank": standing["rank"],
-            "route": route,
-            "win_rate": m["win_rate"],
-            "win_rate_interval": [m["win_rate_lower_bound"], m["win_rate_upper_bound"]],
-            "candidate_reward_mean": m["candidate_reward_mean"],
-            "baseline_reward_mean": m["baseline_reward_mean"],
-            "kl_to_baseline": m["kl_to_baseline"],
-            "champion": promoted["aliases"]["champion"] == promoted["version"],
-            "behind": standing["why"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "rank": standing["rank"],
+                "route": route,
+                "win_rate": m["win_rate"],
+                "win_rate_interval": [m["win_rate_lower_bound"], m["win_rate_upper_bound"]],
+                "candidate_reward_mean": m["candidate_reward_mean"],
+                "baseline_reward_mean": m["baseline_reward_mean"],
+                "kl_to_baseline": m["kl_to_baseline"],
+                "champion": promoted["aliases"]["champion"] == promoted["version"],
+                "behind": standing["why"],
+            }
+        )
     return rows
 
 
@@ -98,8 +100,7 @@ def main() -> None:
         timed_seed = args.seeds[0]
         seeded = [f"{key}={timed_seed}" for key in SEEDS]
         one = run([*seeded, candidates(ROUTES)], work / "one", work / "cache-one")
-        singles = {r: run([*seeded, candidates([r])], work / f"single-{r}", work / "cache-four")
-                   for r in ROUTES}  # fmt: skip
+        singles = {r: run([*seeded, candidates([r])], work / f"single-{r}", work / "cache-four") for r in ROUTES}
         four_wall = sum(s["wall_s"] for s in singles.values())
         boards = {str(timed_seed): leaderboard(work / "one")}
         for seed in args.seeds[1:]:
@@ -126,8 +127,10 @@ def main() -> None:
     }
     path = HERE / "results" / f"routes-{args.label}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one run, four routes: {one['wall_s']} s; four single-route runs: {four_wall:.1f} s "
-          f"(x{result['ratio_four_runs_to_one']}); leaders {wins} -> {path}")  # fmt: skip
+    print(
+        f"one run, four routes: {one['wall_s']} s; four single-route runs: {four_wall:.1f} s "
+        f"(x{result['ratio_four_runs_to_one']}); leaders {wins} -> {path}"
+    )
 
 
 if __name__ == "__main__":

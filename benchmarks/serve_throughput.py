@@ -27,8 +27,16 @@ sys.path.insert(0, str(HERE))
 
 from train_throughput import SHAPES, build_shaped, machine  # noqa: E402
 
-SHAPES.setdefault("opt-125m", {"hidden_size": 768, "ffn_dim": 3072, "num_hidden_layers": 12,
-                               "num_attention_heads": 12, "word_embed_proj_dim": 768})  # fmt: skip
+SHAPES.setdefault(
+    "opt-125m",
+    {
+        "hidden_size": 768,
+        "ffn_dim": 3072,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "word_embed_proj_dim": 768,
+    },
+)
 
 
 def prompts(n: int) -> list[str]:
@@ -40,8 +48,11 @@ def prompts(n: int) -> list[str]:
 
 
 def post(port: int, payload: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=600) as reply:
         return json.loads(reply.read())
 
@@ -63,8 +74,12 @@ def transformers_rate(model_dir: Path, texts: list[str], new_tokens: int, batch:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    settings = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-                "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
+    settings = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
     with torch.no_grad():
         model.generate(**tokenizer(texts[:1], return_tensors="pt"), **settings)  # warm
         start, tokens = time.perf_counter(), 0
@@ -104,11 +119,22 @@ def main() -> None:
             local.stop(proc)
         for batch in (1, 16):
             results[f"transformers_b{batch}"] = transformers_rate(model_dir, texts, args.new_tokens, batch)
-    ratios = {f"vllm_over_transformers_at_{c}": results[f"vllm_c{c}"]["tokens_per_s"]
-              / results[f"transformers_b{c}"]["tokens_per_s"] for c in (1, 16)}  # fmt: skip
-    record = {"model": args.shape, "requests": args.requests, "new_tokens": args.new_tokens, "dtype": "float32",
-              "vllm_start_s": start_s, "results": results, "ratios": ratios, "machine": machine(),
-              "command": "python " + " ".join(sys.argv)}  # fmt: skip
+    ratios = {
+        f"vllm_over_transformers_at_{c}": results[f"vllm_c{c}"]["tokens_per_s"]
+        / results[f"transformers_b{c}"]["tokens_per_s"]
+        for c in (1, 16)
+    }
+    record = {
+        "model": args.shape,
+        "requests": args.requests,
+        "new_tokens": args.new_tokens,
+        "dtype": "float32",
+        "vllm_start_s": start_s,
+        "results": results,
+        "ratios": ratios,
+        "machine": machine(),
+        "command": "python " + " ".join(sys.argv),
+    }
     device = "gpu" if "gpu" in record["machine"] else "cpu"
     out = HERE / "results" / f"serve-{args.shape}-{device}.json"
     out.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")

@@ -53,19 +53,21 @@ def board(output: Path) -> dict:
         name = standing["route"]
         m = comparison["evaluation_metrics"][name]
         promoted = json.loads((Path(index["stages"][f"promote-{name}"]["dir"]) / "result.json").read_text())
-        rows.append({
-            "rank": standing["rank"],
-            "candidate": name,
-            "settings": settings[name],
-            "win_rate": m["win_rate"],
-            "win_rate_interval": [m["win_rate_lower_bound"], m["win_rate_upper_bound"]],
-            "candidate_reward_mean": m["candidate_reward_mean"],
-            "baseline_reward_mean": m["baseline_reward_mean"],
-            "kl_to_baseline": m["kl_to_baseline"],
-            "on_front": name in comparison["front"],
-            "champion": promoted["aliases"].get("champion") == promoted["version"],
-            "behind": standing["why"],
-        })  # fmt: skip
+        rows.append(
+            {
+                "rank": standing["rank"],
+                "candidate": name,
+                "settings": settings[name],
+                "win_rate": m["win_rate"],
+                "win_rate_interval": [m["win_rate_lower_bound"], m["win_rate_upper_bound"]],
+                "candidate_reward_mean": m["candidate_reward_mean"],
+                "baseline_reward_mean": m["baseline_reward_mean"],
+                "kl_to_baseline": m["kl_to_baseline"],
+                "on_front": name in comparison["front"],
+                "champion": promoted["aliases"].get("champion") == promoted["version"],
+                "behind": standing["why"],
+            }
+        )
     picture = Path(index["stages"]["compare"]["dir"]) / "frontier.png"
     return {"rows": rows, "leader": comparison["leader"], "front": comparison["front"], "picture": str(picture)}
 
@@ -107,8 +109,10 @@ def main() -> None:
     }
     path = HERE / "results" / f"sweep-{args.label}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"one run, six candidates: {one['wall_s']} s; six single-candidate runs: {six_wall:.1f} s "
-          f"(x{result['ratio_six_runs_to_one']}); leader {result_board['leader']} -> {path}")  # fmt: skip
+    print(
+        f"one run, six candidates: {one['wall_s']} s; six single-candidate runs: {six_wall:.1f} s "
+        f"(x{result['ratio_six_runs_to_one']}); leader {result_board['leader']} -> {path}"
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,16 @@ def model():
     from transformers import OPTConfig, OPTForCausalLM
 
     torch.manual_seed(0)
-    config = OPTConfig(hidden_size=256, word_embed_proj_dim=256, ffn_dim=1024, num_hidden_layers=2,
-                       num_attention_heads=4, vocab_size=50272, max_position_embeddings=512, dropout=0.0)  # fmt: skip
+    config = OPTConfig(
+        hidden_size=256,
+        word_embed_proj_dim=256,
+        ffn_dim=1024,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        vocab_size=50272,
+        max_position_embeddings=512,
+        dropout=0.0,
+    )
     return OPTForCausalLM(config).train()
 
 
@@ -119,8 +127,13 @@ def measure(stage: str, path: str, steps: int) -> dict:
         lm_model.zero_grad(set_to_none=True)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"tokens_per_s": tokens * steps / seconds, "seconds": seconds, "tokens_per_step": tokens,
-            "peak_rss_mib": peak / 1024, "peak_rss_above_start_mib": (peak - before) / 1024}  # fmt: skip
+    return {
+        "tokens_per_s": tokens * steps / seconds,
+        "seconds": seconds,
+        "tokens_per_step": tokens,
+        "peak_rss_mib": peak / 1024,
+        "peak_rss_above_start_mib": (peak - before) / 1024,
+    }
 
 
 def main() -> None:

@@ -26,11 +26,21 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 SHAPES = {  # facebook/opt-* config dimensions
-    "opt-350m": {"hidden_size": 1024, "ffn_dim": 4096, "num_hidden_layers": 24, "num_attention_heads": 16,
-                 "word_embed_proj_dim": 512},
-    "opt-1.3b": {"hidden_size": 2048, "ffn_dim": 8192, "num_hidden_layers": 24, "num_attention_heads": 32,
-                 "word_embed_proj_dim": 2048},
-}  # fmt: skip
+    "opt-350m": {
+        "hidden_size": 1024,
+        "ffn_dim": 4096,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 16,
+        "word_embed_proj_dim": 512,
+    },
+    "opt-1.3b": {
+        "hidden_size": 2048,
+        "ffn_dim": 8192,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 32,
+        "word_embed_proj_dim": 2048,
+    },
+}
 
 
 def build_shaped(shape: str, directory: Path) -> Path:
@@ -62,9 +72,15 @@ def machine() -> dict:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
-        "cpu": next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                     if line.startswith("model name")), platform.processor()),
-    }  # fmt: skip
+        "cpu": next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            platform.processor(),
+        ),
+    }
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
         info["cuda"] = torch.version.cuda
@@ -78,8 +94,19 @@ def machine() -> dict:
 
 def run_stage(stage: str, split: Path, model: str, out: Path, extra: list[str]) -> dict:
     kubealign = Path(sys.executable).parent / "kubealign"
-    cmd = [str(kubealign), stage, "--data", str(split), "--model", model, "--output", str(out),
-           "--set", "tracking.enabled=false", *extra]  # fmt: skip
+    cmd = [
+        str(kubealign),
+        stage,
+        "--data",
+        str(split),
+        "--model",
+        model,
+        "--output",
+        str(out),
+        "--set",
+        "tracking.enabled=false",
+        *extra,
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, "TQDM_DISABLE": "1"})
     metrics = json.loads((out / "result.json").read_text())["metrics"]
     keys = ("tokens_per_s", "peak_memory_mb", "train_time_s", "steps", "train_tokens", "world_size")
@@ -106,8 +133,14 @@ def main() -> None:
             extra = ["--set", f"{stage}.num_train_epochs={args.epochs}"]
             extra += [a for o in args.overrides for a in ("--set", o)]
             results[stage] = run_stage(stage, split, model, work / stage, extra)
-    record = {"model": args.shape or "tiny-opt", "preset": "tiny-cpu", "overrides": args.overrides,
-              "epochs": args.epochs, "machine": machine(), "results": results}  # fmt: skip
+    record = {
+        "model": args.shape or "tiny-opt",
+        "preset": "tiny-cpu",
+        "overrides": args.overrides,
+        "epochs": args.epochs,
+        "machine": machine(),
+        "results": results,
+    }
     label = args.label or f"{args.shape or 'tiny-opt'}-{'gpu' if 'gpu' in record['machine'] else 'cpu'}"
     out = HERE / "results" / f"{label}.json"
     out.write_text(json.dumps(record, indent=2) + "\n")

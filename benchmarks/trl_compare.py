@@ -66,8 +66,12 @@ import trl_grpo  # noqa: E402
 from train_throughput import machine  # noqa: E402
 from trl_common import Counter, alone, trl_callback  # noqa: E402
 
-SIDES = {"sft": ["kubealign", "trl", "trl-default", "trl-padding-free"], "reward": ["kubealign", "trl", "trl-default"],
-         "dpo": ["kubealign", "trl", "trl-default"], "grpo": ["kubealign", "trl"]}  # fmt: skip
+SIDES = {
+    "sft": ["kubealign", "trl", "trl-default", "trl-padding-free"],
+    "reward": ["kubealign", "trl", "trl-default"],
+    "dpo": ["kubealign", "trl", "trl-default"],
+    "grpo": ["kubealign", "trl"],
+}
 
 
 def trl_dataset(stage: rl.Stage) -> Any:
@@ -94,15 +98,26 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
 
     cfg = stage.cfg
     common = dict(
-        output_dir=out, per_device_train_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=1,
-        learning_rate=cfg.learning_rate, max_steps=steps, seed=seed, data_seed=seed, report_to="none",
-        save_strategy="no", logging_steps=1, disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-        bf16=torch.cuda.is_available(), max_grad_norm=cfg.gradient_clipping, dataloader_num_workers=0,
+        output_dir=out,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=1,
+        learning_rate=cfg.learning_rate,
+        max_steps=steps,
+        seed=seed,
+        data_seed=seed,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=torch.cuda.is_available(),
+        max_grad_norm=cfg.gradient_clipping,
+        dataloader_num_workers=0,
         train_sampling_strategy="random" if side == "trl-default" else "sequential",
         # TRL's configs turn activation checkpointing on (a forward recomputed in every backward, to save
         # memory); the preset has it off and 24 GiB hold the model: off, except where TRL runs as it comes
         gradient_checkpointing=side == "trl-default",
-    )  # fmt: skip
+    )
     from kubealign.models import loading
 
     tokenizer = loading.load_tokenizer(str(model_dir))
@@ -115,8 +130,9 @@ def trl_trainer(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: in
     model = rl.load_model(stage, model_dir)
     if stage.name == "sft":
         free = side == "trl-padding-free"
-        args = trl.SFTConfig(**common, padding_free=free, max_length=None if free else cfg.max_seq_len,
-                             completion_only_loss=True)  # fmt: skip
+        args = trl.SFTConfig(
+            **common, padding_free=free, max_length=None if free else cfg.max_seq_len, completion_only_loss=True
+        )
         return trl.SFTTrainer(model=model, args=args, train_dataset=data, processing_class=tokenizer)
     args = trl.DPOConfig(**common, beta=cfg.beta, max_length=cfg.max_seq_len, precompute_ref_log_probs=True)
     return _dpo_class()(model=model, args=args, train_dataset=data, processing_class=tokenizer)
@@ -197,12 +213,20 @@ def measure(stage: rl.Stage, model_dir: Path, rounds: int, steps: int, sides: li
         # their order (TRL's grouped sides read them sequentially; trl-default draws random batches of them)
         chosen = [i for b in rl.batches_of(stage, "grouped", seed)[:steps] for i in b]
         for side in sides if r % 2 == 0 else sides[::-1]:
-            found = (run_kubealign(stage, model_dir, seed, steps) if side == "kubealign"
-                     else run_trl(stage, side, model_dir, data.select(chosen), seed, steps))  # fmt: skip
+            found = (
+                run_kubealign(stage, model_dir, seed, steps)
+                if side == "kubealign"
+                else run_trl(stage, side, model_dir, data.select(chosen), seed, steps)
+            )
             runs[side].append(found)
             print(f"  {stage.name} round {r + 1} {side}: {found['seconds']:.1f} s", file=sys.stderr)
-    out: dict[str, Any] = {"pool": len(stage.examples), "micro_batch_size": stage.cfg.micro_batch_size,
-                           "steps_per_round": steps, "rounds": rounds, "sides": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "pool": len(stage.examples),
+        "micro_batch_size": stage.cfg.micro_batch_size,
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "sides": {},
+    }
     for side, found in runs.items():
         real = sum(x["real_tokens"] for x in found)
         out["sides"][side] = {
@@ -253,8 +277,10 @@ def main() -> None:
     try:
         import trl
     except ImportError:
-        print("trl_compare.py: TRL is not installed in this Python; `make bench-trl` builds .venv-trl with it",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "trl_compare.py: TRL is not installed in this Python; `make bench-trl` builds .venv-trl with it",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from None
     if not rl.HH.exists():
         print(f"trl_compare.py: {rl.HH}: absent (../shared/data beside the repo)", file=sys.stderr)
@@ -280,8 +306,13 @@ def main() -> None:
         print(f"{name}: {results[name]['speedup']:.2f}x {results[name]['best_trl']}", file=sys.stderr)
     summary = {"stages": results, "wall_s": time.perf_counter() - started, "trl": trl.__version__}
     label = args.label or f"opt-125m-{'quick-' if args.quick else ''}{'gpu' if torch.cuda.is_available() else 'cpu'}"
-    record = {"result": summary, "machine": machine(), "command": " ".join(["python", *sys.argv]),
-              "model": "opt-125m shape, random weights, HH-trained BPE (16384)", "data": rl.HH.name}  # fmt: skip
+    record = {
+        "result": summary,
+        "machine": machine(),
+        "command": " ".join(["python", *sys.argv]),
+        "model": "opt-125m shape, random weights, HH-trained BPE (16384)",
+        "data": rl.HH.name,
+    }
     (HERE / "results" / f"trl-compare-{label}.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(summary))
 

@@ -33,9 +33,14 @@ REWARD = Path(__file__).resolve().parent / "grpo_reward.py"
 
 
 def settings(config: Any) -> dict[str, Any]:
-    return {"prompts": PROMPTS, "group": GROUP, "max_new_tokens": config.ppo.max_new_tokens,
-            "max_prompt_len": config.ppo.max_prompt_len, "kl_coef": KL,
-            "learning_rate": config.ppo.actor_learning_rate}  # fmt: skip
+    return {
+        "prompts": PROMPTS,
+        "group": GROUP,
+        "max_new_tokens": config.ppo.max_new_tokens,
+        "max_prompt_len": config.ppo.max_prompt_len,
+        "kl_coef": KL,
+        "learning_rate": config.ppo.actor_learning_rate,
+    }
 
 
 def split(work: Path) -> Path:
@@ -60,18 +65,41 @@ def kubealign(*args: str) -> None:
 
 def run_kubealign(work: Path, model_dir: Path, seed: int, iterations: int) -> dict[str, Any]:
     out = work / f"kubealign-{seed}"
-    sets = {"ppo.algorithm": "grpo", "ppo.samples_per_prompt": GROUP, "ppo.generation_batch_size": PROMPTS,
-            "ppo.micro_batch_size": PROMPTS * GROUP, "ppo.num_iterations": iterations, "ppo.seed": seed,
-            "ppo.kl_coef": KL, "ppo.sample_every_iterations": 0, "rewards.model_weight": 0,
-            "rewards.functions": json.dumps([{"path": f"{REWARD}:brevity"}]), "tracking.enabled": "false"}  # fmt: skip
+    sets = {
+        "ppo.algorithm": "grpo",
+        "ppo.samples_per_prompt": GROUP,
+        "ppo.generation_batch_size": PROMPTS,
+        "ppo.micro_batch_size": PROMPTS * GROUP,
+        "ppo.num_iterations": iterations,
+        "ppo.seed": seed,
+        "ppo.kl_coef": KL,
+        "ppo.sample_every_iterations": 0,
+        "rewards.model_weight": 0,
+        "rewards.functions": json.dumps([{"path": f"{REWARD}:brevity"}]),
+        "tracking.enabled": "false",
+    }
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
-    kubealign("ppo", "--config", str(rl.PRESET), *args, "--prompts", str(split(work)), "--actor", str(model_dir),
-              "--output", str(out))  # fmt: skip
+    kubealign(
+        "ppo",
+        "--config",
+        str(rl.PRESET),
+        *args,
+        "--prompts",
+        str(split(work)),
+        "--actor",
+        str(model_dir),
+        "--output",
+        str(out),
+    )
     history = json.loads((out / "result.json").read_text())["history"]
     parts = {k: sum(h[f"{k}_time_s"] for h in history) for k in ("generation", "experience", "training")}
-    return {"seconds": sum(parts.values()), "responses": PROMPTS * GROUP * len(history), "split_s": parts,
-            "response_length": [round(h["response_length"], 1) for h in history],
-            "reward": [round(h["reward_mean"], 4) for h in history]}  # fmt: skip
+    return {
+        "seconds": sum(parts.values()),
+        "responses": PROMPTS * GROUP * len(history),
+        "split_s": parts,
+        "response_length": [round(h["response_length"], 1) for h in history],
+        "reward": [round(h["reward_mean"], 4) for h in history],
+    }
 
 
 def trl_prompts(work: Path, tokenizer: Any, max_prompt_len: int) -> list[str]:
@@ -80,8 +108,10 @@ def trl_prompts(work: Path, tokenizer: Any, max_prompt_len: int) -> list[str]:
     from kubealign.stages.ppo import encode_prompts
 
     dataset = phases.load(split(work), "phase3_prompts")
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in encode_prompts(dataset["train"], tokenizer,
-                                                                                    max_prompt_len)]  # fmt: skip
+    return [
+        tokenizer.decode(ids, skip_special_tokens=True)
+        for ids in encode_prompts(dataset["train"], tokenizer, max_prompt_len)
+    ]
 
 
 def run_trl(prompts: list[str], model_dir: Path, seed: int, iterations: int, config: Any) -> dict[str, Any]:
@@ -96,21 +126,41 @@ def run_trl(prompts: list[str], model_dir: Path, seed: int, iterations: int, con
     model = rl.no_dropout(loading.load_causal_lm(str(model_dir)))
     with tempfile.TemporaryDirectory() as out, alone():
         args = trl.GRPOConfig(
-            output_dir=out, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-            max_completion_length=config.ppo.max_new_tokens, temperature=1.0, beta=KL,
-            learning_rate=config.ppo.actor_learning_rate, max_grad_norm=config.ppo.gradient_clipping,
-            max_steps=iterations, seed=seed, data_seed=seed, logging_steps=1, report_to="none", save_strategy="no",
-            disable_tqdm=True, use_cpu=True, gradient_checkpointing=False,  # as trl_compare's "trl" side
-        )  # fmt: skip
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=[brevity], args=args, processing_class=tokenizer,
-                                  train_dataset=Dataset.from_dict({"prompt": prompts}))  # fmt: skip
+            output_dir=out,
+            per_device_train_batch_size=PROMPTS * GROUP,
+            num_generations=GROUP,
+            max_completion_length=config.ppo.max_new_tokens,
+            temperature=1.0,
+            beta=KL,
+            learning_rate=config.ppo.actor_learning_rate,
+            max_grad_norm=config.ppo.gradient_clipping,
+            max_steps=iterations,
+            seed=seed,
+            data_seed=seed,
+            logging_steps=1,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            use_cpu=True,
+            gradient_checkpointing=False,  # as trl_compare's "trl" side
+        )
+        trainer = trl.GRPOTrainer(
+            model=model,
+            reward_funcs=[brevity],
+            args=args,
+            processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": prompts}),
+        )
         counter = Counter(trainer.model)
         trainer.add_callback(trl_callback(counter))
         trainer.train()
         logs = [h for h in trainer.state.log_history if "reward" in h]
-    return {"seconds": counter.marks[-1][0] - counter.marks[0][0], "responses": PROMPTS * GROUP * iterations,
-            "response_length": [round(h.get("completions/mean_length", 0), 1) for h in logs],
-            "reward": [round(h["reward"], 4) for h in logs]}  # fmt: skip
+    return {
+        "seconds": counter.marks[-1][0] - counter.marks[0][0],
+        "responses": PROMPTS * GROUP * iterations,
+        "response_length": [round(h.get("completions/mean_length", 0), 1) for h in logs],
+        "reward": [round(h["reward"], 4) for h in logs],
+    }
 
 
 def measure(model_dir: Path, config: Any, tokenizer: Any, rounds: int, iterations: int) -> dict[str, Any]:
@@ -121,12 +171,19 @@ def measure(model_dir: Path, config: Any, tokenizer: Any, rounds: int, iteration
         for r in range(rounds):
             for side in ("kubealign", "trl") if r % 2 == 0 else ("trl", "kubealign"):
                 seed = 100 + r
-                found = (run_kubealign(work, model_dir, seed, iterations) if side == "kubealign"
-                         else run_trl(prompts, model_dir, seed, iterations, config))  # fmt: skip
+                found = (
+                    run_kubealign(work, model_dir, seed, iterations)
+                    if side == "kubealign"
+                    else run_trl(prompts, model_dir, seed, iterations, config)
+                )
                 runs[side].append(found)
                 print(f"  grpo round {r + 1} {side}: {found['seconds']:.1f} s", file=sys.stderr)
-    out: dict[str, Any] = {"settings": settings(config), "iterations_per_round": iterations, "rounds": rounds,
-                           "sides": {}}  # fmt: skip
+    out: dict[str, Any] = {
+        "settings": settings(config),
+        "iterations_per_round": iterations,
+        "rounds": rounds,
+        "sides": {},
+    }
     for side, found in runs.items():
         out["sides"][side] = {
             "responses_per_s": sum(x["responses"] for x in found) / sum(x["seconds"] for x in found),

@@ -49,11 +49,22 @@ def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
         "data-split": kubealign("data-split", "--output", d["split"], *sets),
         "sft": kubealign("sft", "--data", d["split"], "--output", d["sft"], *sets),
         "grpo": kubealign("ppo", "--prompts", d["split"], "--actor", d["sft"], "--output", d["grpo"], *sets),
-        "evaluate": kubealign("evaluate", "--prompts", d["split"], "--baseline", d["sft"], "--candidate", d["grpo"],
-                              "--output", d["eval"], *sets),
-        "promote": kubealign("promote", "--evaluation", d["eval"], "--model-dir", d["grpo"], "--output", d["promote"],
-                             *sets),
-    }  # fmt: skip
+        "evaluate": kubealign(
+            "evaluate",
+            "--prompts",
+            d["split"],
+            "--baseline",
+            d["sft"],
+            "--candidate",
+            d["grpo"],
+            "--output",
+            d["eval"],
+            *sets,
+        ),
+        "promote": kubealign(
+            "promote", "--evaluation", d["eval"], "--model-dir", d["grpo"], "--output", d["promote"], *sets
+        ),
+    }
     read = lambda name: json.loads((work / name / "result.json").read_text())  # noqa: E731
     ev, grpo, sft, promote = read("eval")["metrics"], read("grpo"), read("sft"), read("promote")
     history = grpo["history"]
@@ -90,9 +101,11 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             runs.append(one_seed(Path(tmp), seed, args.overrides))
         r = runs[-1]
-        print(f"seed {seed}: right {r['sft_data_accuracy']:.2f} (SFT data) -> {r['baseline_accuracy']:.2f} (SFT) -> "
-              f"{r['candidate_accuracy']:.2f} (GRPO) on {r['prompts']} prompts; KL {r['kl_to_baseline']:.2f}; "
-              f"champion {r['champion']}; {r['total_wall_s']:.0f} s")  # fmt: skip
+        print(
+            f"seed {seed}: right {r['sft_data_accuracy']:.2f} (SFT data) -> {r['baseline_accuracy']:.2f} (SFT) -> "
+            f"{r['candidate_accuracy']:.2f} (GRPO) on {r['prompts']} prompts; KL {r['kl_to_baseline']:.2f}; "
+            f"champion {r['champion']}; {r['total_wall_s']:.0f} s"
+        )
         # written after every seed: a run cut short still records the seeds it finished
         record = {"preset": PRESET, "overrides": args.overrides, "runs": runs, "machine": machine()}
         out.write_text(json.dumps(record, indent=2) + "\n")

@@ -45,10 +45,19 @@ class MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         mlflow = Path(sys.executable).with_name("mlflow")
         cmd = self.command or [
-            str(mlflow), "server", "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
-            "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-            "--artifacts-destination", str(self.root / "artifacts"),
-        ]  # fmt: skip
+            str(mlflow),
+            "server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--workers",
+            "1",
+            "--backend-store-uri",
+            f"sqlite:///{self.root / 'mlflow.db'}",
+            "--artifacts-destination",
+            str(self.root / "artifacts"),
+        ]
         log = (self.root / "server.log").open("ab")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=log, start_new_session=True, env=self.env)
         deadline = time.monotonic() + START_TIMEOUT_S

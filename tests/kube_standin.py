@@ -86,12 +86,17 @@ class StandInKube:
                 if ns != namespace or any(labels.get(k) != v for k, v in wanted.items()):
                     continue
                 port = self.ports.get(labels.get("kubealign.io/predictor", ""), 8080)
-                items.append({
-                    "metadata": {"name": f"{name}-{i}", "namespace": ns, "labels": labels},
-                    "spec": {"containers": [{"name": "kserve-container", "ports": [{"containerPort": port}]}]},
-                    "status": {"phase": "Running", "podIP": "127.0.0.1",
-                               "conditions": [{"type": "Ready", "status": "True"}]},
-                })  # fmt: skip
+                items.append(
+                    {
+                        "metadata": {"name": f"{name}-{i}", "namespace": ns, "labels": labels},
+                        "spec": {"containers": [{"name": "kserve-container", "ports": [{"containerPort": port}]}]},
+                        "status": {
+                            "phase": "Running",
+                            "podIP": "127.0.0.1",
+                            "conditions": [{"type": "Ready", "status": "True"}],
+                        },
+                    }
+                )
         return {"kind": "PodList", "apiVersion": "v1", "items": items}
 
     def stop(self) -> None:
@@ -188,5 +193,11 @@ class StandInKube:
 
 
 def _status(code: int, reason: str, message: str) -> dict:
-    return {"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": code, "reason": reason,
-            "message": message}  # fmt: skip
+    return {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "status": "Failure",
+        "code": code,
+        "reason": reason,
+        "message": message,
+    }

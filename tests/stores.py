@@ -89,11 +89,33 @@ class PostgresCluster:
         if self.owner is not None:
             for path in (self.dir, pwfile):
                 os.chown(path, self.owner.pw_uid, self.owner.pw_gid)
-        self._run(pg_bin("initdb"), "-D", self.data, "-U", PG_USER, f"--pwfile={pwfile}", "--auth=scram-sha-256",
-                  "-E", "UTF8", "--locale=C", "--no-sync")  # fmt: skip
+        self._run(
+            pg_bin("initdb"),
+            "-D",
+            self.data,
+            "-U",
+            PG_USER,
+            f"--pwfile={pwfile}",
+            "--auth=scram-sha-256",
+            "-E",
+            "UTF8",
+            "--locale=C",
+            "--no-sync",
+        )
         options = f"-h 127.0.0.1 -p {self.port} -k {self.dir} -c fsync=off -c full_page_writes=off"
-        self._run(pg_bin("pg_ctl"), "-D", self.data, "-l", self.dir / "server.log", "-w", "-t", PG_TIMEOUT_S,
-                  "-o", options, "start")  # fmt: skip
+        self._run(
+            pg_bin("pg_ctl"),
+            "-D",
+            self.data,
+            "-l",
+            self.dir / "server.log",
+            "-w",
+            "-t",
+            PG_TIMEOUT_S,
+            "-o",
+            options,
+            "start",
+        )
         import psycopg
 
         with psycopg.connect(self.admin_uri("postgres"), autocommit=True, connect_timeout=10) as conn:
@@ -142,8 +164,14 @@ class S3Server:
         from botocore.config import Config
 
         config = Config(connect_timeout=10, read_timeout=30, retries={"max_attempts": 2})
-        return boto3.client("s3", endpoint_url=self.url, aws_access_key_id=self.ACCESS_KEY,
-                            aws_secret_access_key=self.SECRET_KEY, region_name="us-east-1", config=config)  # fmt: skip
+        return boto3.client(
+            "s3",
+            endpoint_url=self.url,
+            aws_access_key_id=self.ACCESS_KEY,
+            aws_secret_access_key=self.SECRET_KEY,
+            region_name="us-east-1",
+            config=config,
+        )
 
     def object_keys(self) -> list[str]:
         pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket)

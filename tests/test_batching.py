@@ -287,9 +287,16 @@ def test_the_loop_hands_each_micro_batch_its_steps_token_count(tmp_path):
     examples = [{"input_ids": [5] * n, "loss_mask": [0] + [1] * (n - 1)} for n in sizes]
     cfg = SFTConfig(micro_batch_size=2, gradient_accumulation_steps=2, batching="grouped", seed=1)
     task = loop.Task(
-        name="sft", cfg=cfg, train=examples, collate=lambda b: lm.collate(b, 0), loss=None, evaluate=None,
-        checkpoint_dir=tmp_path, length=lambda e: len(e["input_ids"]), units=lm.loss_tokens,
-    )  # fmt: skip
+        name="sft",
+        cfg=cfg,
+        train=examples,
+        collate=lambda b: lm.collate(b, 0),
+        loss=None,
+        evaluate=None,
+        checkpoint_dir=tmp_path,
+        length=lambda e: len(e["input_ids"]),
+        units=lm.loss_tokens,
+    )
     lengths = loop.example_lengths(task)
     batches = list(loop.micro_batches(task, lengths, 0, 1, epoch=0))
     assert len(batches) == 4  # two steps of two micro-batches

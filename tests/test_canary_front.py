@@ -120,8 +120,17 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     courteous, curt = Completions(lambda p: " Certainly! Here it is."), Completions(lambda p: " No, I cannot help.")
     courteous.models, curt.models = listing(name, "1"), listing(name, "2")  # as kubealign serve names them
     sets = ["--set", f"promote.registered_model={name}", "--set", "canary.min_answers=3"]
-    base = ["judge", "--config", judge_config(tmp_path), *sets, "--prompts", split_dir,
-            "--tokenizer", loading.resolve("tiny-opt"), "--act"]  # fmt: skip
+    base = [
+        "judge",
+        "--config",
+        judge_config(tmp_path),
+        *sets,
+        "--prompts",
+        split_dir,
+        "--tokenizer",
+        loading.resolve("tiny-opt"),
+        "--act",
+    ]
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     route = split.Route(split.Backend("champion", "1", courteous.url), split.Backend("challenger", "2", curt.url), 50)
@@ -199,8 +208,20 @@ def test_the_judge_refuses_to_act_when_the_canary_url_serves_the_champions_versi
     champion = Completions(lambda p: " No, I cannot help.", listing(name, "1"))
     wrong = Completions(lambda p: asked.append(p) or " Certainly! Here it is.", listing(name, "1"))
     canary = Completions(lambda p: " Certainly! Here it is.", listing(name, "2"))
-    base = ["judge", "--config", judge_config(tmp_path), "--set", f"promote.registered_model={name}", "--set",
-            "canary.min_answers=3", "--prompts", split_dir, "--tokenizer", loading.resolve("tiny-opt"), "--act"]  # fmt: skip
+    base = [
+        "judge",
+        "--config",
+        judge_config(tmp_path),
+        "--set",
+        f"promote.registered_model={name}",
+        "--set",
+        "canary.min_answers=3",
+        "--prompts",
+        split_dir,
+        "--tokenizer",
+        loading.resolve("tiny-opt"),
+        "--act",
+    ]
     try:
         done = cli(*base, "--champion", champion.url, "--canary", wrong.url, "--output", tmp_path / "wrong")
         assert done.code == 2 and done.err.count("\n") == 1, done.err
@@ -244,11 +265,18 @@ def pod(name: str, version: str, ready: bool = True, ip: str | None = "10.0.0.1"
     ports = [{"containerPort": port}] if port else []
     return {
         "metadata": {"name": name, "labels": {"kubealign.io/model-version": version}},
-        "spec": {"containers": [{"name": "queue-proxy", "ports": [{"containerPort": 1}]},
-                                {"name": "kserve-container", "ports": ports}]},
-        "status": {"phase": "Running", **({"podIP": ip} if ip else {}),
-                   "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
-    }  # fmt: skip
+        "spec": {
+            "containers": [
+                {"name": "queue-proxy", "ports": [{"containerPort": 1}]},
+                {"name": "kserve-container", "ports": ports},
+            ]
+        },
+        "status": {
+            "phase": "Running",
+            **({"podIP": ip} if ip else {}),
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
 
 
 def test_a_predictor_is_a_ready_pod_of_its_version_at_its_model_containers_port() -> None:

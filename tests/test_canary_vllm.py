@@ -48,8 +48,20 @@ def kubealign(uri: str, *args: object, timeout: float = 900) -> str:
 
 def register(uri: str, root: Path, model: Path, mode: str, i: int) -> None:
     """`kubealign promote` of `model` with an offline evaluation that passed the gate, in `mode`."""
-    kubealign(uri, "promote", "--evaluation", evaluation(root, f"e{i}", 0.8, 0.4, 1.0 + i), "--model-dir", model,
-              "--output", root / f"p{i}", "--set", f"promote.registered_model={NAME}", "--set", f"promote.mode={mode}")  # fmt: skip
+    kubealign(
+        uri,
+        "promote",
+        "--evaluation",
+        evaluation(root, f"e{i}", 0.8, 0.4, 1.0 + i),
+        "--model-dir",
+        model,
+        "--output",
+        root / f"p{i}",
+        "--set",
+        f"promote.registered_model={NAME}",
+        "--set",
+        f"promote.mode={mode}",
+    )
 
 
 class Serving:
@@ -58,8 +70,20 @@ class Serving:
     def __init__(self, uri: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [str(KUBEALIGN), "serve", "--tracking-uri", uri, "--model", NAME, "--port", str(self.port),
-                "--canary", "challenger", "--canary-percent", "50"]  # fmt: skip
+        argv = [
+            str(KUBEALIGN),
+            "serve",
+            "--tracking-uri",
+            uri,
+            "--model",
+            NAME,
+            "--port",
+            str(self.port),
+            "--canary",
+            "challenger",
+            "--canary-percent",
+            "50",
+        ]
         env = {k: v for k, v in process_env({}).items() if k not in RENDEZVOUS_ENV}
         self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         self.printed = ""
@@ -83,8 +107,9 @@ class Serving:
         labels = []
         for _ in range(n):
             body = json.dumps({"model": NAME, "prompt": "\n\nHuman: Hi\n\nAssistant:", "max_tokens": 4}).encode()
-            request = urllib.request.Request(f"{self.url}/v1/completions", data=body,
-                                             headers={"Content-Type": "application/json"})  # fmt: skip
+            request = urllib.request.Request(
+                f"{self.url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
             with urllib.request.urlopen(request, timeout=120) as reply:
                 labels.append(reply.headers["x-kubealign-served"])
         return labels
@@ -107,19 +132,47 @@ def test_a_sabotaged_challenger_is_rolled_back_online_and_a_good_one_promoted_an
     fast = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=10", "--set", "ppo.actor_learning_rate=3e-4"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     for out, critic in (("ppo-bad", bad_rm), ("ppo-good", trained["rm"])):
-        kubealign(uri, "ppo", "--prompts", trained["split"], "--actor", trained["sft"], "--critic", critic, *fast,
-                  "--output", tmp_path / out)  # fmt: skip
+        kubealign(
+            uri,
+            "ppo",
+            "--prompts",
+            trained["split"],
+            "--actor",
+            trained["sft"],
+            "--critic",
+            critic,
+            *fast,
+            "--output",
+            tmp_path / out,
+        )
     register(uri, tmp_path, trained["sft"], "direct", 1)
     register(uri, tmp_path, tmp_path / "ppo-bad", "canary", 2)
     assert aliases(uri, NAME) == {"champion": "1", "challenger": "2"}
-    doc = {"promote": {"registered_model": NAME}, "tracking": {"enabled": False},
-           "canary": {"prompts": PROMPTS, "min_answers": PROMPTS}}  # fmt: skip
+    doc = {
+        "promote": {"registered_model": NAME},
+        "tracking": {"enabled": False},
+        "canary": {"prompts": PROMPTS, "min_answers": PROMPTS},
+    }
     (tmp_path / "judge.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
 
     def judge(front: str, out: str) -> dict:
-        printed = kubealign(uri, "judge", "--config", tmp_path / "judge.yaml", "--front", front, "--prompts",
-                            trained["split"], "--tokenizer", trained["sft"], "--reward", trained["rm"], "--act",
-                            "--output", tmp_path / out)  # fmt: skip
+        printed = kubealign(
+            uri,
+            "judge",
+            "--config",
+            tmp_path / "judge.yaml",
+            "--front",
+            front,
+            "--prompts",
+            trained["split"],
+            "--tokenizer",
+            trained["sft"],
+            "--reward",
+            trained["rm"],
+            "--act",
+            "--output",
+            tmp_path / out,
+        )
         print(f"\n{printed}")
         return {"printed": printed, **json.loads((tmp_path / out / "result.json").read_text())}
 

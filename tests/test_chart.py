@@ -36,7 +36,7 @@ VALUE_SETS = {
         "image": {"registry": "registry.internal/ml", "tag": "0.1.0-rc1", "pullSecrets": ["regcred"]},
         "nodeSelector": {"pool": "system"},
         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
-    },  # fmt: skip
+    },
     "postgres-pvc-artifacts": {
         "mlflow": {"backendStore": {"type": "postgresql", "existingSecret": "mlflow-db", "secretKey": "url"}},
     },
@@ -69,9 +69,22 @@ def test_every_manifest_validates_strictly(name: str) -> None:
 def test_value_sets_change_what_is_rendered() -> None:
     kinds = {name: sorted(d["kind"] for d in render(values)) for name, values in VALUE_SETS.items()}
     assert kinds["default"] == sorted(
-        ["ConfigMap", "Deployment", "Service", "PersistentVolumeClaim", "Role", "RoleBinding", "ClusterTrainingRuntime",
-         "NetworkPolicy", "Secret", "Secret", "Secret", "Secret", "Job"]
-    )  # fmt: skip
+        [
+            "ConfigMap",
+            "Deployment",
+            "Service",
+            "PersistentVolumeClaim",
+            "Role",
+            "RoleBinding",
+            "ClusterTrainingRuntime",
+            "NetworkPolicy",
+            "Secret",
+            "Secret",
+            "Secret",
+            "Secret",
+            "Job",
+        ]
+    )
     assert "NetworkPolicy" in kinds["postgres-s3-networkpolicy-upload"]
     assert kinds["postgres-s3-networkpolicy-upload"].count("Job") == 2  # the identities and the upload
     assert "PersistentVolumeClaim" not in kinds["postgres-s3-networkpolicy-upload"]  # nothing on a PVC
@@ -220,13 +233,19 @@ def test_the_registry_signs_everyone_in_by_default() -> None:
     assert {"name": "auth", "emptyDir": {}} in pod["volumes"]
     [uri] = [e for e in init["env"] if e["name"] == "MLFLOW_AUTH_DATABASE_URI"]
     assert uri["value"] == "sqlite:////data/basic_auth.db"  # on the PVC, beside mlflow.db
-    for var, key in (("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"),
-                     ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD"),
-                     ("MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_FLASK_SERVER_SECRET_KEY")):  # fmt: skip
+    for var, key in (
+        ("MLFLOW_AUTH_ADMIN_USERNAME", "MLFLOW_TRACKING_USERNAME"),
+        ("MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_TRACKING_PASSWORD"),
+        ("MLFLOW_FLASK_SERVER_SECRET_KEY", "MLFLOW_FLASK_SERVER_SECRET_KEY"),
+    ):
         assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "ka-kubealign-mlflow-admin", "key": key}
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
-    assert set(secrets) == {"ka-kubealign-mlflow-admin", "ka-kubealign-mlflow", "ka-kubealign-mlflow-tracker",
-                            "ka-kubealign-mlflow-reader"}  # fmt: skip
+    assert set(secrets) == {
+        "ka-kubealign-mlflow-admin",
+        "ka-kubealign-mlflow",
+        "ka-kubealign-mlflow-tracker",
+        "ka-kubealign-mlflow-reader",
+    }
     for secret in secrets.values():
         assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
         assert len(base64.b64decode(secret["data"]["MLFLOW_TRACKING_PASSWORD"])) == 32
@@ -271,18 +290,28 @@ def test_the_tracker_identity_is_what_the_user_code_pods_read() -> None:
 
 
 def test_the_users_own_secrets_replace_the_generated_ones() -> None:
-    values = {"mlflow": {"auth": {"adminSecret": "adm", "pipelineSecret": "pipe", "trackerSecret": "trk", "readerSecret": "ro"},
-                         "backendStore": {"type": "postgresql", "existingSecret": "mlflow-db"}}}  # fmt: skip
+    values = {
+        "mlflow": {
+            "auth": {"adminSecret": "adm", "pipelineSecret": "pipe", "trackerSecret": "trk", "readerSecret": "ro"},
+            "backendStore": {"type": "postgresql", "existingSecret": "mlflow-db"},
+        }
+    }
     docs = render(values)
     assert not [d for d in docs if d["kind"] == "Secret"]
     env = {e["name"]: e for e in _server(docs)["env"]}
     assert env["MLFLOW_AUTH_ADMIN_PASSWORD"]["valueFrom"]["secretKeyRef"]["name"] == "adm"
     job = next(d for d in docs if d["kind"] == "Job")["spec"]["template"]["spec"]["containers"][0]
     refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["name"] for e in job["env"] if "valueFrom" in e}
-    assert refs == {"MLFLOW_TRACKING_USERNAME": "adm", "MLFLOW_TRACKING_PASSWORD": "adm",
-                    "KUBEALIGN_PIPELINE_USERNAME": "pipe", "KUBEALIGN_PIPELINE_PASSWORD": "pipe",
-                    "KUBEALIGN_TRACKER_USERNAME": "trk", "KUBEALIGN_TRACKER_PASSWORD": "trk",
-                    "KUBEALIGN_READER_USERNAME": "ro", "KUBEALIGN_READER_PASSWORD": "ro"}  # fmt: skip
+    assert refs == {
+        "MLFLOW_TRACKING_USERNAME": "adm",
+        "MLFLOW_TRACKING_PASSWORD": "adm",
+        "KUBEALIGN_PIPELINE_USERNAME": "pipe",
+        "KUBEALIGN_PIPELINE_PASSWORD": "pipe",
+        "KUBEALIGN_TRACKER_USERNAME": "trk",
+        "KUBEALIGN_TRACKER_PASSWORD": "trk",
+        "KUBEALIGN_READER_USERNAME": "ro",
+        "KUBEALIGN_READER_PASSWORD": "ro",
+    }
     pod = next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["spec"]
     init = next(c for c in pod["initContainers"] if c["name"] == "mlflow-auth-config")
     [uri] = [e for e in init["env"] if e["name"] == "MLFLOW_AUTH_DATABASE_URI"]
@@ -341,8 +370,18 @@ def test_the_chart_renders_an_inference_service_only_when_asked_and_as_the_serve
 
     assert not [d for d in render({}) if d["kind"] == "InferenceService"]
     uri = "s3://models/run-1/model/artifacts/abc"
-    values = {"enabled": True, "storageUri": uri, "runtime": "vllm", "gpus": 0, "cpu": "2", "memory": "8Gi",
-              "kvCacheGib": 3, "registeredModel": "rlhf-actor", "modelVersion": "7", "serviceAccount": "s3-reader"}  # fmt: skip
+    values = {
+        "enabled": True,
+        "storageUri": uri,
+        "runtime": "vllm",
+        "gpus": 0,
+        "cpu": "2",
+        "memory": "8Gi",
+        "kvCacheGib": 3,
+        "registeredModel": "rlhf-actor",
+        "modelVersion": "7",
+        "serviceAccount": "s3-reader",
+    }
     [isvc] = [
         d for d in render({"serving": values, "rbac": {"namespace": "team-a"}}) if d["kind"] == "InferenceService"
     ]
@@ -351,8 +390,15 @@ def test_the_chart_renders_an_inference_service_only_when_asked_and_as_the_serve
     labels = isvc["metadata"]["labels"]
     assert labels["networking.kserve.io/visibility"] == "cluster-local"
     assert labels["kubealign.io/registered-model"] == "rlhf-actor" and labels["kubealign.io/model-version"] == "7"
-    cfg = ServeConfig(runtime="vllm", gpus=0, cpu="2", memory="8Gi", kv_cache_gib=3, service_account="s3-reader",
-                      name="kubealign-served")  # fmt: skip
+    cfg = ServeConfig(
+        runtime="vllm",
+        gpus=0,
+        cpu="2",
+        memory="8Gi",
+        kv_cache_gib=3,
+        service_account="s3-reader",
+        name="kubealign-served",
+    )
     expected = inference_service(Served("rlhf-actor", "7", "champion", "r", "m"), uri, cfg, "team-a")
     assert isvc["spec"] == expected["spec"]
     assert isvc["spec"]["predictor"]["model"]["image"] == "ghcr.io/kubealign/kubealign-serve:0.1.0"
@@ -377,8 +423,14 @@ def test_the_charts_runtime_table_agrees_with_the_librarys(gpus: int) -> None:
 
     uri = "s3://models/run-1/model/artifacts/abc"
     for name in RUNTIMES:
-        values = {"enabled": True, "storageUri": uri, "runtime": name, "gpus": gpus, "registeredModel": "m",
-                  "modelVersion": "2"}  # fmt: skip
+        values = {
+            "enabled": True,
+            "storageUri": uri,
+            "runtime": name,
+            "gpus": gpus,
+            "registeredModel": "m",
+            "modelVersion": "2",
+        }
         [isvc] = [d for d in render({"serving": values}) if d["kind"] == "InferenceService"]
         cfg = ServeConfig(runtime=name, gpus=gpus, name="kubealign-served")
         expected = inference_service(Served("m", "2", "champion", "r", "x"), uri, cfg, "kubeflow")

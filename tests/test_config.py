@@ -126,9 +126,17 @@ def test_flatten_gives_dotted_params():
 
 @pytest.mark.parametrize(
     "override",
-    ["sft.learning_rate=.inf", "reward.learning_rate=.nan", "ppo.kl_coef=.inf", "ppo.cliprange=.nan",
-     "ppo.entropy_coef=1e400", "sft.weight_decay=.inf", "sft.lora.learning_rate=.inf", "data.split_ratios=[2,.nan,4]"],
-)  # fmt: skip
+    [
+        "sft.learning_rate=.inf",
+        "reward.learning_rate=.nan",
+        "ppo.kl_coef=.inf",
+        "ppo.cliprange=.nan",
+        "ppo.entropy_coef=1e400",
+        "sft.weight_decay=.inf",
+        "sft.lora.learning_rate=.inf",
+        "data.split_ratios=[2,.nan,4]",
+    ],
+)
 def test_non_finite_numbers_are_refused_naming_the_field(cli, tmp_path: Path, override: str):
     """inf passes gt=0 and nan fails no comparison: either would train a NaN model and exit 0."""
     field = override.partition("=")[0].replace("[", "")

@@ -86,16 +86,24 @@ def test_source_hash_follows_the_code_and_not_the_bytecode(tmp_path: Path) -> No
 def test_staged_context_holds_the_dockerfile_install_steps_and_two_wheel_dirs(tmp_path: Path) -> None:
     wheels = tmp_path / "wheelhouse"
     wheels.mkdir()
-    for name in ("mlflow_skinny-3.17.2-py3-none-any.whl", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
-                 "deepspeed-0.19.8.tar.gz", ".complete"):  # fmt: skip
+    for name in (
+        "mlflow_skinny-3.17.2-py3-none-any.whl",
+        "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+        "deepspeed-0.19.8.tar.gz",
+        ".complete",
+    ):
         (wheels / name).write_bytes(b"x")
     context = build.stage_context(REPO, "cpu", wheels, tmp_path / "context")
     assert (context / "Dockerfile").read_bytes() == (REPO / "images" / "cpu" / "Dockerfile").read_bytes()
     assert (context / "install.sh").read_bytes() == (REPO / "images" / "install.sh").read_bytes()
     assert sorted(p.name for p in (context / "deps").iterdir()) == sorted(
-        ["mlflow_skinny-3.17.2-py3-none-any.whl", "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
-         "deepspeed-0.19.8.tar.gz", "requirements.txt"]
-    )  # fmt: skip
+        [
+            "mlflow_skinny-3.17.2-py3-none-any.whl",
+            "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl",
+            "deepspeed-0.19.8.tar.gz",
+            "requirements.txt",
+        ]
+    )
     # what the dependency layer installs: each distribution once, normalized names, local versions kept
     required = (context / "deps" / "requirements.txt").read_text(encoding="utf-8").splitlines()
     assert required == ["deepspeed==0.19.8", "mlflow-skinny==3.17.2", "torch==2.13.0+cpu"]
@@ -272,9 +280,11 @@ def test_the_dag_in_containers_matches_the_subprocess_runner(cpu_image, docker_c
     in_docker, docker_s, printed = _run_dag(tmp_path / "docker", "docker")
     in_process, process_s, _ = _run_dag(tmp_path / "subprocess", "subprocess")
     assert in_docker["runner"] == "docker" and in_process["runner"] == "subprocess"
-    assert set(in_docker["stages"]) == set(in_process["stages"]) == {
-        "data-split", "sft", "reward", "ppo", "evaluate", "promote"
-    }  # fmt: skip
+    assert (
+        set(in_docker["stages"])
+        == set(in_process["stages"])
+        == {"data-split", "sft", "reward", "ppo", "evaluate", "promote"}
+    )
     phases, other = _phase_hashes(in_docker), _phase_hashes(in_process)
     assert phases == other and len(phases) == 3
     for stage in ("sft", "reward", "ppo", "evaluate"):
@@ -306,16 +316,24 @@ def test_the_charts_mlflow_server_runs_from_the_image_on_postgresql_and_s3(cpu_i
     if reason:
         pytest.skip(reason)
     pg, s3 = PostgresCluster().start(), S3Server(BUCKET).start()
-    pod = {"network_mode": "host", "user": "10001:10001", "read_only": True, "tmpfs": {"/tmp": ""},
-           "cap_drop": ["ALL"], "security_opt": ["no-new-privileges"]}  # fmt: skip
+    pod = {
+        "network_mode": "host",
+        "user": "10001:10001",
+        "read_only": True,
+        "tmpfs": {"/tmp": ""},
+        "cap_drop": ["ALL"],
+        "security_opt": ["no-new-privileges"],
+    }
     server = None
     try:
         prod = Production(tmp_path / "server", pg, s3)
-        docker_client.containers.run(images.cpu_image(), prod.migration_argv, environment=prod.migration_vars,
-                                     remove=True, **pod)  # fmt: skip  # raises ContainerError on a non-zero exit
+        docker_client.containers.run(
+            images.cpu_image(), prod.migration_argv, environment=prod.migration_vars, remove=True, **pod
+        )  # raises ContainerError on a non-zero exit
         assert pg.query("SELECT count(*) FROM alembic_version") == [(1,)]
-        server = docker_client.containers.run(images.cpu_image(), prod.server_argv, environment=prod.server_vars,
-                                              detach=True, **pod)  # fmt: skip
+        server = docker_client.containers.run(
+            images.cpu_image(), prod.server_argv, environment=prod.server_vars, detach=True, **pod
+        )
         deadline = time.monotonic() + 180
         while True:
             server.reload()
@@ -328,8 +346,9 @@ def test_the_charts_mlflow_server_runs_from_the_image_on_postgresql_and_s3(cpu_i
                 pass
             assert time.monotonic() < deadline, server.logs()[-3000:].decode(errors="replace")
             time.sleep(0.5)
-        done, _ = promote(prod.url, "in-image", evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0),
-                          tmp_path / "out")  # fmt: skip
+        done, _ = promote(
+            prod.url, "in-image", evaluation(tmp_path, "good", win=0.7, gain=0.3, reward=1.0), tmp_path / "out"
+        )
         assert done.returncode == 0, done.stderr[-3000:] + server.logs()[-3000:].decode(errors="replace")
         assert aliases(prod.url, "in-image") == {"champion": "1", "challenger": "1"}
         assert any(k.endswith("/MLmodel") for k in s3.object_keys())

@@ -190,8 +190,9 @@ def test_prompt_completion_rows_feed_sft_and_an_undeclared_answer_is_refused(cli
     one-line error naming the file, the line and the field unless the source declares the column."""
     rows = [{"prompt": f"Q: {i}+{i}?", "completion": f" {2 * i}"} for i in range(60)]
     out = tmp_path / "pc"
-    result = cli("data-split", "--source", write_jsonl(tmp_path / "pc.jsonl", rows), "--set", NO_TRACKING,
-                 "--output", out)  # fmt: skip
+    result = cli(
+        "data-split", "--source", write_jsonl(tmp_path / "pc.jsonl", rows), "--set", NO_TRACKING, "--output", out
+    )
     assert result.code == 0, result.err
     loaded = load_phases(out)
     sft = loaded["phase1_sft"]
@@ -209,8 +210,11 @@ def test_prompt_completion_rows_feed_sft_and_an_undeclared_answer_is_refused(cli
         "`columns` to give it to reward functions, or name it `completion` to train on it"
     )
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({"data": {"sources": [{"path": str(prompts), "columns": ["answer"]}]},
-                                  "tracking": {"enabled": False}}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {"data": {"sources": [{"path": str(prompts), "columns": ["answer"]}]}, "tracking": {"enabled": False}}
+        )
+    )
     declared = tmp_path / "declared"
     assert cli("data-split", "--config", config, "--output", declared).code == 0
     phase3 = load_phases(declared)["phase3_prompts"]

@@ -186,17 +186,25 @@ def test_one_token_responses_and_the_defaults_by_hand():
     out = dpo_loss(torch.tensor([0.0]), torch.tensor([-2 * math.log(3)]), torch.zeros(1), torch.zeros(1), 0.5)
     assert float(out.loss) == pytest.approx(math.log(1 + 1 / 3))  # -log sigmoid(ln 3)
     assert set(reward_metrics(out, torch.zeros(1), torch.zeros(1))) == {
-        "loss", "rewards_chosen", "rewards_rejected", "rewards_accuracy", "rewards_margin", "logps_chosen",
+        "loss",
+        "rewards_chosen",
+        "rewards_rejected",
+        "rewards_accuracy",
+        "rewards_margin",
+        "logps_chosen",
         "logps_rejected",
-    }  # fmt: skip
+    }
 
 
 def test_pairs_follow_the_one_sequence_convention():
     from kubealign.data.tokenize import encode_pair
 
     tokenizer = loading.load_tokenizer("tiny-opt")
-    rows = {"prompt": ["\n\nHuman: Tell me about owls.\n\nAssistant:"], "chosen": [" Sure! Owls hunt."],
-            "rejected": [" No."]}  # fmt: skip
+    rows = {
+        "prompt": ["\n\nHuman: Tell me about owls.\n\nAssistant:"],
+        "chosen": [" Sure! Owls hunt."],
+        "rejected": [" No."],
+    }
     (pair,) = dpo.tokenize(rows, tokenizer, 64)
     for side in ("chosen", "rejected"):
         enc = encode_pair(tokenizer, rows["prompt"][0], rows[side][0], 64)
@@ -267,8 +275,13 @@ def test_lora_reference_is_the_same_module_with_adapters_disabled(trained):
     from kubealign.training import engine as engines
 
     distributed.init()
-    cfg = DPOConfig(model=str(trained["sft"]), micro_batch_size=4, learning_rate=5e-2, lr_scheduler="constant",
-                    lora=LoraConfig(r=8, only_lora=True))  # fmt: skip
+    cfg = DPOConfig(
+        model=str(trained["sft"]),
+        micro_batch_size=4,
+        learning_rate=5e-2,
+        lr_scheduler="constant",
+        lora=LoraConfig(r=8, only_lora=True),
+    )
     assert dpo.build_reference(cfg, 1) is None  # no second copy is ever loaded
     tokenizer = loading.load_tokenizer(cfg.model)
     pairs = dpo.tokenize(phases.load(trained["split"], "phase2_reward")["eval"][:8], tokenizer, 64)
@@ -289,9 +302,15 @@ def test_lora_reference_is_the_same_module_with_adapters_disabled(trained):
         with view(engine) as reference:
             from_view = dpo.response_logprobs(reference, batch).total
         policy = dpo.response_logprobs(engine, batch).total
-        full = sequence_logprobs(sft(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)).logits,
-                                 batch["input_ids"], batch["loss_mask"]).total  # fmt: skip
+        full = sequence_logprobs(
+            sft(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=(batch["attention_mask"].cumsum(-1) - 1).clamp(min=0),
+            ).logits,
+            batch["input_ids"],
+            batch["loss_mask"],
+        ).total
     assert torch.allclose(from_view, base, atol=1e-4)
     assert torch.allclose(base, full, atol=1e-4)  # skipping the prompt-only logits changes nothing
     assert (policy - base).abs().max() > 1e-2  # the adapters did move the policy
@@ -316,8 +335,18 @@ def test_lora_run_exports_merged_and_keeps_the_base(cli, trained, tmp_path: Path
 
 @pytest.mark.integration
 def test_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Path):
-    common = ["--data", trained["split"], "--model", trained["sft"], "--set", NO_TRACKING,
-              "--set", "dpo.num_train_epochs=0.15", "--set", "dpo.save_every_steps=4"]  # fmt: skip
+    common = [
+        "--data",
+        trained["split"],
+        "--model",
+        trained["sft"],
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "dpo.num_train_epochs=0.15",
+        "--set",
+        "dpo.save_every_steps=4",
+    ]
     straight = kubealign_subprocess("dpo", *common, "--output", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-2000:]
     killed = kubealign_subprocess(
@@ -396,11 +425,13 @@ def test_bad_dpo_inputs(cli, trained, tmp_path: Path):
         (["--data", empty, "--model", sft], r"the phase2_reward train split is empty"),
         (["--data", split, "--model", sft, "--set", "dpo.lora.r=4"], r"field 'dpo'.*only_lora: true"),
         (["--data", split, "--model", sft, "--set", "dpo.loss_type=hinge"], r"dpo\.loss_type"),
-        (["--data", split, "--model", sft, "--set", "dpo.loss_type=ipo", "--set", "dpo.label_smoothing=0.1"],
-         r"label_smoothing applies to loss_type sigmoid"),
+        (
+            ["--data", split, "--model", sft, "--set", "dpo.loss_type=ipo", "--set", "dpo.label_smoothing=0.1"],
+            r"label_smoothing applies to loss_type sigmoid",
+        ),
         (["--data", split, "--model", sft, "--set", "dpo.beta=0"], r"dpo\.beta"),
         (["--data", split, "--model", sft, "--set", "dpo.micro_batch_size=5000"], r"dpo\.micro_batch_size: 5000"),
-    ]  # fmt: skip
+    ]
     out = tmp_path / "out"
     for args, pattern in cases:
         result = cli("dpo", *args, "--set", NO_TRACKING, "--output", out)

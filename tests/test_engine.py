@@ -24,12 +24,19 @@ def tiny_engine(stage: int, allreduce: bool | None = None):
     from kubealign.training import distributed
 
     distributed.init()
-    config = OPTConfig(vocab_size=32, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-                       word_embed_proj_dim=16, max_position_embeddings=32, dropout=0.0)  # fmt: skip
+    config = OPTConfig(
+        vocab_size=32,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=32,
+        dropout=0.0,
+    )
     torch.manual_seed(0)
     model = OPTForCausalLM(config)
-    cfg = SFTConfig(learning_rate=1e-2, weight_decay=0.1, zero_stage=stage, micro_batch_size=2,
-                    lr_scheduler="constant")  # fmt: skip
+    cfg = SFTConfig(learning_rate=1e-2, weight_decay=0.1, zero_stage=stage, micro_batch_size=2, lr_scheduler="constant")
     engine = engines.create(model, cfg, engines.ds_config(cfg, 1, cuda=False), total_steps=3)
     if allreduce is not None:
         engine.enable_backward_allreduce = allreduce

@@ -111,10 +111,18 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 def test_sample_page_renders_its_table_in_headless_chromium(evaluated: Path, tmp_path: Path):
     shot = tmp_path / "samples.png"
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,900", f"--screenshot={shot}",
-    ]  # fmt: skip
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={tmp_path / 'profile'}",
+        "--window-size=1200,900",
+        f"--screenshot={shot}",
+    ]
     subprocess.run([CHROMIUM, *flags, (evaluated / "samples.html").as_uri()], capture_output=True, timeout=120)
     from PIL import Image
 
@@ -146,12 +154,27 @@ def test_bad_evaluate_inputs_are_clean_errors(cli, trained, tmp_path: Path):  # 
 
     split, sft, rm = trained["split"], trained["sft"], trained["rm"]
     cases = [
-        (["--reward", sft], r"--reward .*sft: is OPTForCausalLM, expected a \*ForSequenceClassification model \(the reward stage's output\)"),
-        (["--reward", rm, "--baseline", rm], r"--baseline .*rm: is OPTForSequenceClassification, expected a \*ForCausalLM"),
-        (["--reward", rm, "--set", "evaluate.max_new_tokens=600"], r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 648 exceeds the baseline's max_position_embeddings 512 \(--baseline\)"),
-        (["--reward", rm, "--set", "ppo.max_prompt_len=500"], r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 524 exceeds"),
-        (["--reward", rm, "--set", "sft.max_seq_len=513"], r"sft\.max_seq_len = 513 exceeds the baseline's max_position_embeddings 512"),
-    ]  # fmt: skip
+        (
+            ["--reward", sft],
+            r"--reward .*sft: is OPTForCausalLM, expected a \*ForSequenceClassification model \(the reward stage's output\)",
+        ),
+        (
+            ["--reward", rm, "--baseline", rm],
+            r"--baseline .*rm: is OPTForSequenceClassification, expected a \*ForCausalLM",
+        ),
+        (
+            ["--reward", rm, "--set", "evaluate.max_new_tokens=600"],
+            r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 648 exceeds the baseline's max_position_embeddings 512 \(--baseline\)",
+        ),
+        (
+            ["--reward", rm, "--set", "ppo.max_prompt_len=500"],
+            r"ppo\.max_prompt_len \+ evaluate\.max_new_tokens = 524 exceeds",
+        ),
+        (
+            ["--reward", rm, "--set", "sft.max_seq_len=513"],
+            r"sft\.max_seq_len = 513 exceeds the baseline's max_position_embeddings 512",
+        ),
+    ]
     for args, pattern in cases:
         base = ["evaluate", "--prompts", split, "--baseline", sft, "--candidate", sft, *args]
         result = cli(*base, *SMALL, "--output", tmp_path / "out")
@@ -224,8 +247,9 @@ def test_gate_refuses_a_candidate_trained_against_a_sabotaged_reward_model(cli, 
     bad_rm = sabotaged_copy(trained["rm"], tmp_path / "bad-rm")
     ppo = tmp_path / "runs" / "ppo"
     args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=10", "--set", "ppo.actor_learning_rate=3e-4"]
-    result = cli("ppo", "--prompts", trained["split"], "--actor", trained["sft"], "--critic", bad_rm, *args,
-                 "--output", ppo)  # fmt: skip
+    result = cli(
+        "ppo", "--prompts", trained["split"], "--actor", trained["sft"], "--critic", bad_rm, *args, "--output", ppo
+    )
     assert result.code == 0, result.err
     evaluation = tmp_path / "runs" / "evaluate"
     args = ["evaluate", "--prompts", trained["split"], "--baseline", trained["sft"], "--candidate", ppo]

@@ -307,10 +307,23 @@ def test_generation_config_turns_every_other_processor_off():
     tokenizer = SimpleNamespace(pad_token_id=EOS, eos_token_id=3, bos_token_id=0)
     cfg = generation_config(Sampling(0.8, 7, 0.9), 12, tokenizer)
     fields = [
-        "do_sample", "temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff", "eta_cutoff",
-        "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size", "min_new_tokens",
-        "max_new_tokens", "pad_token_id", "eos_token_id", "bos_token_id",
-    ]  # fmt: skip
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "min_p",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "repetition_penalty",
+        "encoder_repetition_penalty",
+        "no_repeat_ngram_size",
+        "min_new_tokens",
+        "max_new_tokens",
+        "pad_token_id",
+        "eos_token_id",
+        "bos_token_id",
+    ]
     assert [getattr(cfg, f) for f in fields] == [True, 0.8, 7, 0.9, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0, 0, 12, EOS, 3, 0]
 
 

@@ -78,8 +78,16 @@ def test_a_checkpoint_without_manifest_loads_with_a_warning(tmp_path: Path, capl
 
 
 def test_resume_from_a_tampered_checkpoint_is_refused_and_the_checkpoint_kept(split_dir: Path, tmp_path: Path):  # noqa: F811
-    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.3",
-              "--set", "sft.save_every_steps=2"]  # fmt: skip
+    common = [
+        "--data",
+        split_dir,
+        "--set",
+        "tracking.enabled=false",
+        "--set",
+        "sft.num_train_epochs=0.3",
+        "--set",
+        "sft.save_every_steps=2",
+    ]
     killed = kubealign_subprocess("sft", *common, "--output", tmp_path / "run", env={"KUBEALIGN_FAULT_AT_STEP": "3"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     saved = tmp_path / "run.checkpoints"
@@ -204,8 +212,16 @@ def test_ppo_moves_latest_only_after_the_actor_and_the_critic_are_sealed(tmp_pat
 def test_an_empty_latest_left_by_a_killed_save_resumes_from_the_last_sealed_step(split_dir: Path, tmp_path: Path):  # noqa: F811
     """Before: an empty `latest` (DeepSpeed's truncate-then-write killed halfway) made every --resume die in a
     multi-line DeepSpeed assertion until someone edited the file by hand."""
-    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.3",
-              "--set", "sft.save_every_steps=2"]  # fmt: skip
+    common = [
+        "--data",
+        split_dir,
+        "--set",
+        "tracking.enabled=false",
+        "--set",
+        "sft.num_train_epochs=0.3",
+        "--set",
+        "sft.save_every_steps=2",
+    ]
     killed = kubealign_subprocess("sft", *common, "--output", tmp_path / "run", env={"KUBEALIGN_FAULT_AT_STEP": "3"})
     assert killed.returncode == -9, killed.stderr[-2000:]
     saved = tmp_path / "run.checkpoints"
@@ -286,12 +302,23 @@ def small_disk(tmp_path: Path):
     subprocess.run(["umount", str(mount)], check=True)
 
 
-def test_a_full_disk_while_saving_is_one_line_and_the_last_good_checkpoint_stays(split_dir: Path, tmp_path: Path,  # noqa: F811
-                                                                                   small_disk: Path):  # fmt: skip
+def test_a_full_disk_while_saving_is_one_line_and_the_last_good_checkpoint_stays(
+    split_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    small_disk: Path,
+):
     """Before: a 25-line traceback ending in torch's zip writer ("unexpected pos ..."), never "no space left",
     and the torn tag left behind, filling the disk further."""
-    common = ["--data", split_dir, "--set", "tracking.enabled=false", "--set", "sft.num_train_epochs=0.3",
-              "--set", "sft.save_every_steps=2"]  # fmt: skip
+    common = [
+        "--data",
+        split_dir,
+        "--set",
+        "tracking.enabled=false",
+        "--set",
+        "sft.num_train_epochs=0.3",
+        "--set",
+        "sft.save_every_steps=2",
+    ]
     full = kubealign_subprocess("sft", *common, "--output", tmp_path / "run")
     assert full.returncode == 2 and "Traceback" not in full.stderr, full.stderr[-3000:]
     last = full.stderr.strip().splitlines()[-1]
@@ -324,8 +351,13 @@ def test_a_linked_checkpoint_directory_is_refused_and_its_target_kept(split_dir:
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr
     assert "run.checkpoints is a symbolic link" in refused.stderr.strip().splitlines()[-1]
     assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == [
-        "latest", "step9", "step9/mp_rank_00_model_states.pt", "step9/notes.txt", "step9/sub", "step9/sub/optim.pt",
-    ]  # fmt: skip
+        "latest",
+        "step9",
+        "step9/mp_rank_00_model_states.pt",
+        "step9/notes.txt",
+        "step9/sub",
+        "step9/sub/optim.pt",
+    ]
     save = tmp_path / "ppo.checkpoints"
     save.mkdir()
     (save / "critic").symlink_to(mine)  # a part directory of PPO's: the same

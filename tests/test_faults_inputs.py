@@ -153,9 +153,17 @@ def test_a_stage_gets_through_a_lock_whose_owner_was_sigkilled(built_extensions:
     lock = stale_lock(extensions)
     started = time.monotonic()
     code, _, err = kubealign(
-        "sft", "--data", split_dir, "--set", NO_TRACKING, "--set", "sft.num_train_epochs=0.05",
-        "--output", tmp_path / "sft", env=environment(extensions),
-    )  # fmt: skip
+        "sft",
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "sft.num_train_epochs=0.05",
+        "--output",
+        tmp_path / "sft",
+        env=environment(extensions),
+    )
     assert code == 0, err[-2000:]
     assert any(STALE in line and str(lock) in line for line in err.splitlines()), err[-2000:]
     assert not lock.exists() and (tmp_path / "sft" / "model.safetensors").is_file()
@@ -173,9 +181,16 @@ def test_a_lock_held_by_a_live_process_is_waited_for_bounded_and_never_removed(
     try:
         started = time.monotonic()
         code, _, err = kubealign(
-            "sft", "--data", split_dir, "--set", NO_TRACKING, "--output", tmp_path / "sft",
-            env=environment(extensions, **{WAIT_ENV: "4"}), timeout=120,
-        )  # fmt: skip
+            "sft",
+            "--data",
+            split_dir,
+            "--set",
+            NO_TRACKING,
+            "--output",
+            tmp_path / "sft",
+            env=environment(extensions, **{WAIT_ENV: "4"}),
+            timeout=120,
+        )
         elapsed = time.monotonic() - started
         last = err.strip().splitlines()[-1]
         assert code == 2 and last.startswith("kubealign: error: the DeepSpeed op deepspeed_shm_comm"), err[-2000:]
@@ -200,8 +215,19 @@ def test_a_lock_held_by_a_live_process_is_waited_for_bounded_and_never_removed(
 def test_sft_stops_at_the_first_non_finite_loss_and_keeps_the_last_checkpoint(split_dir: Path, tmp_path: Path):  # noqa: F811
     out, checkpoints = tmp_path / "sft", tmp_path / "sft.checkpoints"
     # inf is refused by the config now; 1e30 is finite, and the warmup makes step 3 the first nan loss
-    common = ["sft", "--data", split_dir, "--set", NO_TRACKING, "--set", "sft.learning_rate=1e30",
-              "--set", "sft.save_every_steps=2", "--output", out]  # fmt: skip
+    common = [
+        "sft",
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "sft.learning_rate=1e30",
+        "--set",
+        "sft.save_every_steps=2",
+        "--output",
+        out,
+    ]
     code, _, err = kubealign(*common, env=environment())
     lines = err.strip().splitlines()
     pattern = (
@@ -227,9 +253,19 @@ def test_sft_stops_at_the_first_non_finite_loss_and_keeps_the_last_checkpoint(sp
 def test_sft_whose_last_step_diverges_exports_nothing(split_dir: Path, tmp_path: Path):  # noqa: F811
     out = tmp_path / "sft"
     code, _, err = kubealign(
-        "sft", "--data", split_dir, "--set", NO_TRACKING, "--set", "sft.learning_rate=1e30",
-        "--set", "sft.num_train_epochs=0.05", "--output", out, env=environment(),
-    )  # fmt: skip
+        "sft",
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "sft.learning_rate=1e30",
+        "--set",
+        "sft.num_train_epochs=0.05",
+        "--output",
+        out,
+        env=environment(),
+    )
     last = err.strip().splitlines()[-1]
     assert code == 2 and "sft: the evaluation after the last step (2) gives perplexity nan, loss nan" in last, err
     assert not out.exists() and "Traceback" not in err
@@ -261,10 +297,25 @@ def test_ppo_stops_at_the_first_non_finite_loss_and_keeps_the_last_checkpoint(
 
     out = tmp_path / "ppo"
     code, _, err = kubealign(
-        "ppo", "--prompts", split_dir, "--actor", loading.resolve("tiny-opt"), "--critic", tiny_critic,
-        "--set", NO_TRACKING, "--set", "ppo.actor_learning_rate=1e30", "--set", "ppo.num_iterations=4",
-        "--set", "ppo.save_every_iterations=1", "--output", out, env=environment(),
-    )  # fmt: skip
+        "ppo",
+        "--prompts",
+        split_dir,
+        "--actor",
+        loading.resolve("tiny-opt"),
+        "--critic",
+        tiny_critic,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "ppo.actor_learning_rate=1e30",
+        "--set",
+        "ppo.num_iterations=4",
+        "--set",
+        "ppo.save_every_iterations=1",
+        "--output",
+        out,
+        env=environment(),
+    )
     last = err.strip().splitlines()[-1]
     assert code == 2 and "Traceback" not in err, err[-3000:]
     # The diverged actor's log-probs are what is not finite in iteration 2's experience, and the learning rate
@@ -278,8 +329,17 @@ def test_ppo_stops_at_the_first_non_finite_loss_and_keeps_the_last_checkpoint(
 
 
 def test_two_ranks_stop_together_at_a_non_finite_loss(split_dir: Path, tmp_path: Path):  # noqa: F811
-    args = ["sft", "--data", split_dir, "--set", NO_TRACKING, "--set", "sft.learning_rate=1e30",
-            "--output", tmp_path / "sft"]  # fmt: skip
+    args = [
+        "sft",
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "sft.learning_rate=1e30",
+        "--output",
+        tmp_path / "sft",
+    ]
     proc = start([*launcher("torchrun"), *args], environment(OMP_NUM_THREADS="1"))
     code, _, err = finish(proc, BOUND_S)  # a rank left behind in a collective would hang here
     assert code != 0

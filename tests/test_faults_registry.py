@@ -78,8 +78,17 @@ def kubealign(uri: str, *args: object) -> tuple[subprocess.CompletedProcess, flo
 
 def promote_args(name: str, eval_dir: Path, out: Path) -> list[str]:
     model = loading.resolve("tiny-opt")
-    return ["promote", "--evaluation", str(eval_dir), "--model-dir", str(model), "--output", str(out),
-            "--set", f"promote.registered_model={name}"]  # fmt: skip
+    return [
+        "promote",
+        "--evaluation",
+        str(eval_dir),
+        "--model-dir",
+        str(model),
+        "--output",
+        str(out),
+        "--set",
+        f"promote.registered_model={name}",
+    ]
 
 
 def promote(uri: str, name: str, eval_dir: Path, out: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -189,8 +198,17 @@ def test_rollback_with_a_503_on_reading_the_champion_moves_nothing(
     model = loading.resolve("tiny-opt")
     for i, reward in enumerate((1.0, 1.2)):  # champion 2, previous-champion 1
         setup = evaluation(tmp_path, f"e{i}", win=0.7, gain=0.3, reward=reward)
-        result = cli("promote", "--evaluation", setup, "--model-dir", model, "--output", tmp_path / f"p{i}",
-                     "--set", f"promote.registered_model={name}")  # fmt: skip
+        result = cli(
+            "promote",
+            "--evaluation",
+            setup,
+            "--model-dir",
+            model,
+            "--output",
+            tmp_path / f"p{i}",
+            "--set",
+            f"promote.registered_model={name}",
+        )
         assert result.code == 0, result.err
     before = aliases(server.url, name)
     assert before == {"champion": "2", "previous-champion": "1", "challenger": "2"}
@@ -251,8 +269,9 @@ def test_the_registry_dying_after_previous_champion_is_set_loses_no_champion(cli
     try:
         # half-moved, but the champion was never lost; the previous-champion it replaced is in the journal
         assert aliases(server.url, "kubealign-actor") == {"champion": "2", "previous-champion": "2", "challenger": "3"}
-        journal = json.loads(MlflowClient(server.url).get_registered_model("kubealign-actor").tags[
-            "kubealign.alias_journal"])  # fmt: skip
+        journal = json.loads(
+            MlflowClient(server.url).get_registered_model("kubealign-actor").tags["kubealign.alias_journal"]
+        )
         assert journal["before"] == {"challenger": "2", "previous-champion": "1", "champion": "2"}
         # the next promotion (one that fails the gate) first puts the aliases back as they were
         monkeypatch.setenv("MLFLOW_TRACKING_URI", server.url)

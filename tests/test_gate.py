@@ -29,8 +29,13 @@ def test_gate_by_hand():
 
 def test_gate_on_the_win_rate_lower_bound():
     cfg = PromoteConfig(min_win_rate=0.5, min_win_rate_lower_bound=0.5)
-    good = {"win_rate": 0.8, "win_rate_lower_bound": 0.62, "reward_gain": 1.0, "kl_to_baseline": 1.0,
-            "candidate_reward_mean": 1.0}  # fmt: skip
+    good = {
+        "win_rate": 0.8,
+        "win_rate_lower_bound": 0.62,
+        "reward_gain": 1.0,
+        "kl_to_baseline": 1.0,
+        "candidate_reward_mean": 1.0,
+    }
     passed, lines = gate(good, cfg, None)
     assert passed and "pass: win_rate_lower_bound 0.620 >= 0.5" in lines
     # a high point estimate on few prompts: the bound below 0.5 refuses it
@@ -49,8 +54,11 @@ def test_every_threshold_holds_at_its_boundary():
     """A value equal to its threshold passes (>= / <=); beating the champion needs strictly more."""
     cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0, guards=NO_GUARDS)
     passed, lines = gate(GOOD, cfg, None)
-    assert passed and lines == ["pass: win_rate 0.500 >= 0.5", "pass: reward_gain 0.100 >= 0.1",
-                                "pass: kl_to_baseline 2.000 <= 2.0"]  # fmt: skip
+    assert passed and lines == [
+        "pass: win_rate 0.500 >= 0.5",
+        "pass: reward_gain 0.100 >= 0.1",
+        "pass: kl_to_baseline 2.000 <= 2.0",
+    ]
     for key, worse in (("win_rate", 0.4999), ("reward_gain", 0.0999), ("kl_to_baseline", 2.0001)):
         assert gate({**GOOD, key: worse}, cfg, None)[0] is False, key
     passed, lines = gate(GOOD, cfg, {"candidate_reward_mean": 1.0})  # a tie with the champion

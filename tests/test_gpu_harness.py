@@ -105,8 +105,9 @@ def test_scrub_keeps_machine_paths_out_of_committed_results():
 
 def test_run_sh_without_wheels_says_how_to_make_them(tmp_path: Path):
     env = {**os.environ, "WHL": str(tmp_path / "none"), "SITE": str(tmp_path / "site"), "OUT": str(tmp_path / "out")}
-    proc = subprocess.run(["bash", "benchmarks/gpu/run.sh", "generation"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu/run.sh", "generation"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2 and "benchmarks/gpu/wheels.sh" in proc.stderr and not (tmp_path / "site").exists()
 
 
@@ -119,8 +120,13 @@ def dry(tmp_path_factory) -> dict[str, dict]:
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
-        launcher = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(held.getsockname()[1])}  # fmt: skip
+        launcher = {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(held.getsockname()[1]),
+        }
         env = {**os.environ, **launcher, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
         cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "all", "--dry", "--out", str(out), "--work", str(work)]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -184,7 +190,9 @@ def test_dry_generation_times_each_path_or_says_why_not(dry):
             assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
     # a case per batch, named by the GPU's batch size
     assert [(c["case"], c["status"]) for c in opt["hf-static-compile"]] == [
-        ("hf-static-compile-b16", "skipped: needs CUDA"), ("hf-static-compile-b64", "skipped: needs CUDA")]  # fmt: skip
+        ("hf-static-compile-b16", "skipped: needs CUDA"),
+        ("hf-static-compile-b64", "skipped: needs CUDA"),
+    ]
     # on a CPU only the first legacy case runs a child (the side environment imports); the rest need CUDA
     legacy = sorted(opt["legacy-he-injected-z2"], key=lambda c: int(c["case"].rsplit("-b", 1)[1]))
     assert [c["case"] for c in legacy] == ["legacy-he-injected-z2-b16", "legacy-he-injected-z2-b64"]
@@ -227,8 +235,9 @@ def test_dry_iteration_runs_the_ppo_stage_at_each_variant(dry):
 
 
 def probe(name: str, estimate: float, *steps: dict) -> gpu_plan.Case:
-    return gpu_plan.Case("generation", name, estimate, {"model": "opt-1.3b", "path": "probe"},
-                         {"job": "probe", "steps": list(steps)})  # fmt: skip
+    return gpu_plan.Case(
+        "generation", name, estimate, {"model": "opt-1.3b", "path": "probe"}, {"job": "probe", "steps": list(steps)}
+    )
 
 
 def figures(n: int) -> dict:
@@ -248,26 +257,41 @@ def test_a_failing_dying_or_hanging_case_keeps_its_figures_and_stops_no_other(tm
         probe("fine", 1, figures(5)),
         probe("too-long", 19, figures(6)),
     ]
-    args = argparse.Namespace(out=tmp_path / "out", label="probe", dry=True, argv=["generation"], deadline_s=20.0,
-                              isolate=True, legacy_site=None)  # fmt: skip
+    args = argparse.Namespace(
+        out=tmp_path / "out",
+        label="probe",
+        dry=True,
+        argv=["generation"],
+        deadline_s=20.0,
+        isolate=True,
+        legacy_site=None,
+    )
     env = {"gpu": None}
     log = gpu_rollout.RunLog(args.out, args, env)
     (path,) = gpu_rollout.run(cases, args, tmp_path / "work", env, log)
     lines = json.loads(path.read_text())["cases"]
     assert [(c["case"], c["status"], c.get("figure")) for c in lines] == [
-        ("raises", "ok", 1), ("raises", "ok", 2), ("raises", "error", None),
-        ("dies", "ok", 3), ("dies", "error", None),
-        ("hangs", "ok", 4), ("hangs", "timeout", None),
+        ("raises", "ok", 1),
+        ("raises", "ok", 2),
+        ("raises", "error", None),
+        ("dies", "ok", 3),
+        ("dies", "error", None),
+        ("hangs", "ok", 4),
+        ("hangs", "timeout", None),
         ("fine", "ok", 5),
         ("too-long", lines[-1]["status"], None),
-    ]  # fmt: skip
+    ]
     assert "illegal memory access" in lines[2]["error"] and "exited with 3" in lines[4]["error"]
     assert lines[6]["timeout_s"] == 3.0 and 3.0 <= lines[6]["case_s"] < 10
     assert lines[-1]["status"].startswith("skipped: time budget (19 s estimated")
     assert all(c["roofline_fraction"] > 0 for c in lines if c["status"] == "ok")  # figures carry their roofline
     events = [json.loads(line) for line in log.path.read_text().splitlines()]
     assert sorted(e["case"].rsplit(":", 1)[1] for e in events if e["event"] == "child") == [
-        "dies", "fine", "hangs", "raises"]  # fmt: skip
+        "dies",
+        "fine",
+        "hangs",
+        "raises",
+    ]
 
 
 def test_legacy_runs_one_process_per_batch_size():
@@ -286,8 +310,17 @@ def test_the_legacy_job_clears_a_stale_build_lock_first(tmp_path: Path):
     lock = tmp_path / "ext" / "transformer_inference" / "lock"
     lock.parent.mkdir(parents=True)
     lock.write_text("")  # no process holds it: its builder is gone
-    spec = {"job": "legacy", "shape": gpu_core.DRY_SHAPES["opt-1.3b"], "zero": 2, "cuda_graph": False,
-            "batches": [2], "reps": 1, "prompt_len": 8, "new_tokens": 8, "correctness": None}  # fmt: skip
+    spec = {
+        "job": "legacy",
+        "shape": gpu_core.DRY_SHAPES["opt-1.3b"],
+        "zero": 2,
+        "cuda_graph": False,
+        "batches": [2],
+        "reps": 1,
+        "prompt_len": 8,
+        "new_tokens": 8,
+        "correctness": None,
+    }
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext"), "CUDA_VISIBLE_DEVICES": ""}
     result = gpu_jobs.subprocess_job(spec, 300, env)
     assert result["status"] == "skipped: needs CUDA" and result["stale_locks_removed"] == ["transformer_inference"]
@@ -295,8 +328,16 @@ def test_the_legacy_job_clears_a_stale_build_lock_first(tmp_path: Path):
 
 
 def test_an_only_that_matches_no_case_stops_before_any_work(tmp_path: Path):
-    cmd = [sys.executable, str(BENCH / "gpu_rollout.py"), "generation", "--dry", "--only", "hf-eagre",
-           "--out", str(tmp_path / "out")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        str(BENCH / "gpu_rollout.py"),
+        "generation",
+        "--dry",
+        "--only",
+        "hf-eagre",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "no case matches --only hf-eagre" in proc.stderr
     assert [p.name for p in (tmp_path / "out").iterdir()] == []  # no records, and no run log line either

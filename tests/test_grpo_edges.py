@@ -49,8 +49,14 @@ def test_constant_aggregation_divides_by_the_kept_rows_only():
     """Dr. GRPO's constant: sum over the kept rows' tokens / (kept rows * max_new_tokens). At the first step the
     ratio is 1, so each token's loss is -A of its row; group 1 (rewards 3 3 3) is dropped."""
     actor, exp = hand_experience(REWARDS)
-    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True,
-                    loss_aggregation="constant", max_new_tokens=4)  # fmt: skip
+    cfg = PPOConfig(
+        algorithm="grpo",
+        samples_per_prompt=3,
+        reward_clip=10,
+        drop_equal_reward_groups=True,
+        loss_aggregation="constant",
+        max_new_tokens=4,
+    )
     targets = iteration.group_targets(exp, cfg, beta=0.1)
     n = lengths(exp)
     policy = sum(-GROUP0[i] * n[i] for i in range(3)) / (3 * 4)
@@ -63,8 +69,9 @@ def test_constant_aggregation_divides_by_the_kept_rows_only():
 
 def test_the_entropy_bonus_averages_over_the_kept_rows_only():
     actor, exp = hand_experience(REWARDS)
-    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True,
-                    entropy_coef=0.01)  # fmt: skip
+    cfg = PPOConfig(
+        algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True, entropy_coef=0.01
+    )
     targets = iteration.group_targets(exp, cfg, beta=0.1)
     # the entropy of the actor's next-token distribution at each kept response action, by hand from its table
     probs = torch.softmax(actor.table.float(), -1)
@@ -155,8 +162,14 @@ def test_a_step_where_every_rank_dropped_every_row_is_skipped(monkeypatch):
     _, exp = hand_experience(REWARDS)
     actor = CountingActor(torch.randn(6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     before = actor.table.detach().clone()
-    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True,
-                    micro_batch_size=3, ppo_epochs=1)  # fmt: skip
+    cfg = PPOConfig(
+        algorithm="grpo",
+        samples_per_prompt=3,
+        reward_clip=10,
+        drop_equal_reward_groups=True,
+        micro_batch_size=3,
+        ppo_epochs=1,
+    )
     # minibatch 0 = prompt 0's rows (kept), minibatch 1 = prompt 1's (dropped: rewards 3 3 3)
     plan = [torch.tensor([0, 1, 2]), torch.tensor([3, 4, 5])]
     keep = torch.tensor([True] * 3 + [False] * 3)
@@ -167,8 +180,9 @@ def test_a_step_where_every_rank_dropped_every_row_is_skipped(monkeypatch):
     # nothing anywhere: no step at all, and the weights are exactly as they were (no momentum, no decay)
     actor = CountingActor(before.clone())
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan,
-                           keep=torch.zeros(6, dtype=torch.bool))  # fmt: skip
+    stats = iteration.update(
+        models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan, keep=torch.zeros(6, dtype=torch.bool)
+    )
     assert (actor.backwards, actor.steps, stats["skipped_steps"]) == (0, 0, 2.0)
     assert torch.equal(actor.table, before) and "policy_loss" not in stats
 
@@ -181,12 +195,19 @@ def test_a_rank_with_nothing_steps_with_a_zero_loss_while_another_rank_has_rows(
     _, exp = hand_experience(REWARDS)
     actor = CountingActor(torch.randn(6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     before = actor.table.detach().clone()
-    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True,
-                    micro_batch_size=6, ppo_epochs=1)  # fmt: skip
+    cfg = PPOConfig(
+        algorithm="grpo",
+        samples_per_prompt=3,
+        reward_clip=10,
+        drop_equal_reward_groups=True,
+        micro_batch_size=6,
+        ppo_epochs=1,
+    )
     adv = torch.ones_like(exp.logprobs)
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0),
-                           keep=torch.zeros(6, dtype=torch.bool))  # fmt: skip
+    stats = iteration.update(
+        models, exp, adv, None, cfg, torch.Generator().manual_seed(0), keep=torch.zeros(6, dtype=torch.bool)
+    )
     assert (actor.backwards, actor.steps, stats["skipped_steps"], stats["policy_loss"]) == (1, 1, 0.0, 0.0)
     assert torch.equal(actor.table, before)  # a zero gradient, and plain SGD has no momentum
 

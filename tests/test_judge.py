@@ -52,8 +52,13 @@ def listing(registered: str, version: str, first: str | None = None) -> dict:
     """/v1/models as vLLM answers it for `version` of `registered` served by kubealign (kubealign.serving.identity):
     its first name (default the registered model's), then the version's model URI, one root for both."""
     root = f"/cache/served/{registered}/{version}/model"
-    return {"object": "list", "data": [{"id": name, "object": "model", "root": root, "parent": None}
-                                       for name in (first or registered, f"models:/{registered}/{version}")]}  # fmt: skip
+    return {
+        "object": "list",
+        "data": [
+            {"id": name, "object": "model", "root": root, "parent": None}
+            for name in (first or registered, f"models:/{registered}/{version}")
+        ],
+    }
 
 
 class Completions:
@@ -132,15 +137,22 @@ def test_percentile_is_the_nearest_rank() -> None:
 
 
 def test_serving_figures_count_errors_by_kind_and_time_answers_only() -> None:
-    answers = [Answer(0, "a", 0.2), Answer(1, None, 9.0, "HTTP 500"), Answer(2, "b", 0.4),
-               Answer(3, None, 30.0, "timeout"), Answer(4, None, 0.1, "garbage: b'<html>'"), Answer(5, None, 0.0, "HTTP 500"),
-               Answer(6, "c", 0.1)]  # fmt: skip
+    answers = [
+        Answer(0, "a", 0.2),
+        Answer(1, None, 9.0, "HTTP 500"),
+        Answer(2, "b", 0.4),
+        Answer(3, None, 30.0, "timeout"),
+        Answer(4, None, 0.1, "garbage: b'<html>'"),
+        Answer(5, None, 0.0, "HTTP 500"),
+        Answer(6, "c", 0.1),
+    ]
     figures = serving_figures(answers)
     assert figures["requests"] == 7 and figures["errors"] == 4 and figures["error_rate"] == 4 / 7
     assert figures["errors/HTTP 500"] == 2 and figures["errors/timeout"] == 1 and figures["errors/garbage"] == 1
     assert figures["latency_p50_s"] == 0.2 and figures["latency_p95_s"] == 0.4  # 9 s and 30 s were errors
-    assert answered_pairs(answers, [Answer(0, "x", 1), Answer(2, None, 1, "timeout"), Answer(6, "y", 1),
-                                    Answer(1, "z", 1)]) == [0, 6]  # fmt: skip
+    assert answered_pairs(
+        answers, [Answer(0, "x", 1), Answer(2, None, 1, "timeout"), Answer(6, "y", 1), Answer(1, "z", 1)]
+    ) == [0, 6]
 
 
 def test_histogram_quantile_interpolates_as_prometheus_does() -> None:
@@ -162,9 +174,16 @@ def online(win: float, gain: float) -> dict[str, float]:
     """The online figures, the degeneration ones the same for both models (no held-out log-likelihood: the
     judge does not measure one)."""
     same = {"repetition_rate": 0.0, "distinct_2": 0.5, "empty_rate": 0.0, "unfinished_rate": 0.0, "length_mean": 6.0}
-    return {"win_rate": win, "win_rate_lower_bound": win - 0.1, "reward_gain": gain, "kl_to_baseline": math.nan,
-            "candidate_reward_mean": 1.0, **{f"{who}_{k}": v for k, v in same.items() for who in ("baseline", "candidate")},
-            "heldout_win_rate": win, "reward_agreement": 1.0}  # fmt: skip
+    return {
+        "win_rate": win,
+        "win_rate_lower_bound": win - 0.1,
+        "reward_gain": gain,
+        "kl_to_baseline": math.nan,
+        "candidate_reward_mean": 1.0,
+        **{f"{who}_{k}": v for k, v in same.items() for who in ("baseline", "candidate")},
+        "heldout_win_rate": win,
+        "reward_agreement": 1.0,
+    }
 
 
 def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
@@ -202,8 +221,13 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     assert verdict_line(True, lines, "challenger", "7").endswith("holds online: promoted to champion")
 
 
-LLM_JUDGED = {"llm_judge_win_rate": 0.5, "llm_judge_loss_rate": 0.25, "llm_judge_tie_rate": 0.25,
-              "llm_judge_unparsed": 0.0, "llm_judge_position_bias": 0.625}  # fmt: skip
+LLM_JUDGED = {
+    "llm_judge_win_rate": 0.5,
+    "llm_judge_loss_rate": 0.25,
+    "llm_judge_tie_rate": 0.25,
+    "llm_judge_unparsed": 0.0,
+    "llm_judge_position_bias": 0.625,
+}
 
 
 def test_the_llm_judges_bar_online_is_the_offline_one() -> None:
@@ -266,8 +290,18 @@ def test_the_llm_judge_online_asks_both_orders_of_the_pairs_both_answered(monkey
     # slots named (canary first, champion first): p0 1,2; p1 2,1; p2 1,2; p3 1,1 -> the first 5 times of 8
     assert figures == LLM_JUDGED
     asked = sorted(tuple(ANSWERS.search(r["prompt"]).groups()) for r, _ in judge.seen)
-    assert asked == sorted([("abcd", "ab"), ("ab", "abcd"), ("a", "abcdef"), ("abcdef", "a"),
-                            ("abcde", "abc"), ("abc", "abcde"), ("zw", "xy"), ("xy", "zw")])  # fmt: skip
+    assert asked == sorted(
+        [
+            ("abcd", "ab"),
+            ("ab", "abcd"),
+            ("a", "abcdef"),
+            ("abcdef", "a"),
+            ("abcde", "abc"),
+            ("abc", "abcde"),
+            ("zw", "xy"),
+            ("xy", "zw"),
+        ]
+    )
 
 
 def test_every_kind_of_failed_request_is_counted_in_prompt_order(server: Completions) -> None:
@@ -333,8 +367,11 @@ def judge_config(tmp_path: Path, **canary: object) -> Path:
     import yaml
 
     (tmp_path / "fns.py").write_text(COURTESY, encoding="utf-8")
-    doc = {"rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:courteous"}]},
-           "canary": {"prompts": 6, "min_answers": 4, **canary}, "tracking": {"enabled": False}}  # fmt: skip
+    doc = {
+        "rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:courteous"}]},
+        "canary": {"prompts": 6, "min_answers": 4, **canary},
+        "tracking": {"enabled": False},
+    }
     (tmp_path / "judge.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
     return tmp_path / "judge.yaml"
 
@@ -386,8 +423,17 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         result = json.loads((tmp_path / "bad" / "result.json").read_text())
         assert done.code == 0 and not result["promoted"] and result["metrics"]["win_rate"] == 0.0
         # served as `actor`: each server's own latency from its /metrics histogram (METRICS: p50 0.4 s, p95 in +Inf)
-        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "named",
-                   "--served-name", "actor")  # fmt: skip
+        done = cli(
+            *base,
+            "--champion",
+            curt.url,
+            "--canary",
+            courteous.url,
+            "--output",
+            tmp_path / "named",
+            "--served-name",
+            "actor",
+        )
         m = json.loads((tmp_path / "named" / "result.json").read_text())["metrics"]
         assert m["canary/server_latency_p50_s"] == pytest.approx(0.4) and m["champion/server_latency_p95_s"] == 1.0
         assert "| server_latency_p50_s | 0.4 | 0.4 |" in (tmp_path / "named" / "judge.md").read_text()
@@ -396,8 +442,17 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         proxy = FaultProxy(courteous.url).start()
         proxy.rules.append(every_other(500))
         try:
-            done = cli(*base, "--champion", curt.url, "--canary", proxy.url, "--output", tmp_path / "flaky",
-                       "--set", "canary.min_answers=3")  # fmt: skip
+            done = cli(
+                *base,
+                "--champion",
+                curt.url,
+                "--canary",
+                proxy.url,
+                "--output",
+                tmp_path / "flaky",
+                "--set",
+                "canary.min_answers=3",
+            )
         finally:
             proxy.stop()
         result = json.loads((tmp_path / "flaky" / "result.json").read_text())
@@ -405,8 +460,9 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         assert result["verdict"].endswith("rolled back: canary error_rate 0.500 <= 0.05")
         assert result["metrics"]["win_rate"] == 1.0  # what it did answer was better: the errors decide
         # a canary that never answers: nothing to score, never promoted, the first reason is the count
-        done = cli(*base, "--champion", curt.url, "--canary", f"http://127.0.0.1:{free_port()}", "--output",
-                   tmp_path / "down")  # fmt: skip
+        done = cli(
+            *base, "--champion", curt.url, "--canary", f"http://127.0.0.1:{free_port()}", "--output", tmp_path / "down"
+        )
         result = json.loads((tmp_path / "down" / "result.json").read_text())
         assert result["verdict"].endswith("rolled back: 0 prompts answered by both >= canary.min_answers 4")
         assert result["metrics"]["canary/errors/refused"] == 6
@@ -441,11 +497,31 @@ def test_a_canary_the_reward_likes_and_the_llm_judge_does_not_is_rolled_back(spl
     try:
         tokenizer = loading.resolve("tiny-opt")
         base = ["judge", "--config", judge_config(tmp_path), "--prompts", split, "--tokenizer", tokenizer]
-        done = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "judged",
-                   "--set", f"evaluate.llm_judge.url={judge.url}", "--set", "evaluate.llm_judge.timeout_s=10")  # fmt: skip
+        done = cli(
+            *base,
+            "--champion",
+            curt.url,
+            "--canary",
+            courteous.url,
+            "--output",
+            tmp_path / "judged",
+            "--set",
+            f"evaluate.llm_judge.url={judge.url}",
+            "--set",
+            "evaluate.llm_judge.timeout_s=10",
+        )
         down = f"http://127.0.0.1:{free_port()}"  # a judge that answers nothing: one line, no verdict written
-        gone = cli(*base, "--champion", curt.url, "--canary", courteous.url, "--output", tmp_path / "gone",
-                   "--set", f"evaluate.llm_judge.url={down}")  # fmt: skip
+        gone = cli(
+            *base,
+            "--champion",
+            curt.url,
+            "--canary",
+            courteous.url,
+            "--output",
+            tmp_path / "gone",
+            "--set",
+            f"evaluate.llm_judge.url={down}",
+        )
     finally:
         curt.stop()
         courteous.stop()
@@ -454,9 +530,13 @@ def test_a_canary_the_reward_likes_and_the_llm_judge_does_not_is_rolled_back(spl
     result = json.loads((tmp_path / "judged" / "result.json").read_text())
     m = result["metrics"]
     assert m["win_rate"] == 1.0 and m["reward_gain"] == 1.0  # the reward function's view
-    assert {k: m[k] for k in LLM_JUDGED} == {"llm_judge_win_rate": 0.0, "llm_judge_loss_rate": 1.0,
-                                              "llm_judge_tie_rate": 0.0, "llm_judge_unparsed": 0.0,
-                                              "llm_judge_position_bias": 0.5}  # fmt: skip
+    assert {k: m[k] for k in LLM_JUDGED} == {
+        "llm_judge_win_rate": 0.0,
+        "llm_judge_loss_rate": 1.0,
+        "llm_judge_tie_rate": 0.0,
+        "llm_judge_unparsed": 0.0,
+        "llm_judge_position_bias": 0.5,
+    }
     line = "llm judge: win-rate 0.000 < 0.5 (both orders; position bias 0.50)"
     assert not result["promoted"] and [c for c in result["checks"] if c.startswith("FAIL")] == [f"FAIL: {line}"]
     assert result["verdict"] == f"judge: challenger (version ?) rolled back: {line}"

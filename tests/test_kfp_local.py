@@ -219,8 +219,11 @@ def test_a_reward_hacked_policy_is_refused_by_a_guard(first_run, tmp_path: Path,
     m = evaluation["metrics"]
     assert m["reward_gain"] > 1.0 and m["win_rate"] >= 0.5  # by the reward model it trained against: a success
     # every reward check passed (this run's gate asks little); a guard refused it, said in one line
-    assert all(line.startswith(("pass: ", "unchecked: ")) for line in promoted["gate"] if "degeneration" not in line
-               and "capability" not in line)  # fmt: skip
+    assert all(
+        line.startswith(("pass: ", "unchecked: "))
+        for line in promoted["gate"]
+        if "degeneration" not in line and "capability" not in line
+    )
     assert promoted["metrics"]["gate_passed"] == 0.0 and promoted["aliases"]["champion"] is None
     refusal = promoted["refusal"]
     assert refusal.startswith("gate refused: capability: held-out log-likelihood per token ")

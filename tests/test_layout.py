@@ -15,8 +15,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"kubealign": ROOT / "kubealign", "kubealign.components": ROOT / "components",
-            "kubealign.pipelines": ROOT / "pipelines"}  # fmt: skip
+PACKAGES = {
+    "kubealign": ROOT / "kubealign",
+    "kubealign.components": ROOT / "components",
+    "kubealign.pipelines": ROOT / "pipelines",
+}
 MAX_LINES = 450
 MAX_FUNCTION = 80
 # Files still over MAX_LINES: each must shrink under it (then leave this list); none may be added.

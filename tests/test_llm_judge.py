@@ -65,16 +65,26 @@ def test_both_orders_must_agree():
 def test_a_judge_that_always_says_first_wins_nothing():
     verdicts, figures = judge(replies_of(lambda prompt: "1"))
     assert verdicts == ["tie"] * 4
-    assert figures == {"llm_judge_win_rate": 0.0, "llm_judge_loss_rate": 0.0, "llm_judge_tie_rate": 1.0,
-                       "llm_judge_unparsed": 0.0, "llm_judge_position_bias": 1.0}  # fmt: skip
+    assert figures == {
+        "llm_judge_win_rate": 0.0,
+        "llm_judge_loss_rate": 0.0,
+        "llm_judge_tie_rate": 1.0,
+        "llm_judge_unparsed": 0.0,
+        "llm_judge_position_bias": 1.0,
+    }
 
 
 def test_a_judge_of_length_by_hand():
     verdicts, figures = judge(replies_of(longer))
     assert verdicts == ["candidate", "baseline", "candidate", "tie"]
     # slots named: q1 1,2; q2 2,1; q3 1,2; q4 1,1 -> the first 5 times of 8
-    assert figures == {"llm_judge_win_rate": 0.5, "llm_judge_loss_rate": 0.25, "llm_judge_tie_rate": 0.25,
-                       "llm_judge_unparsed": 0.0, "llm_judge_position_bias": 5 / 8}  # fmt: skip
+    assert figures == {
+        "llm_judge_win_rate": 0.5,
+        "llm_judge_loss_rate": 0.25,
+        "llm_judge_tie_rate": 0.25,
+        "llm_judge_unparsed": 0.0,
+        "llm_judge_position_bias": 5 / 8,
+    }
 
 
 def test_replies_without_a_verdict_are_counted_and_judge_no_prompt():
@@ -84,8 +94,13 @@ def test_replies_without_a_verdict_are_counted_and_judge_no_prompt():
     verdicts, figures = judge(replies)
     assert verdicts == [None, None, "candidate", "tie"]
     # shares of all 4 prompts: a win on 1 of them; 3 of 8 replies lack a verdict; slots named: 1; 1,2; 1,1
-    assert figures == {"llm_judge_win_rate": 0.25, "llm_judge_loss_rate": 0.0, "llm_judge_tie_rate": 0.25,
-                       "llm_judge_unparsed": 3 / 8, "llm_judge_position_bias": 4 / 5}  # fmt: skip
+    assert figures == {
+        "llm_judge_win_rate": 0.25,
+        "llm_judge_loss_rate": 0.0,
+        "llm_judge_tie_rate": 0.25,
+        "llm_judge_unparsed": 3 / 8,
+        "llm_judge_position_bias": 4 / 5,
+    }
     assert "llm_judge_position_bias" not in judge([(None, "no")]).figures  # no slot named: no bias measured
 
 
@@ -97,11 +112,24 @@ def test_the_config_is_off_by_default_and_checks_its_template():
         LLMJudgeConfig(api_key="secret")  # the key comes from the environment only
 
 
-JUDGED = {"llm_judge_win_rate": 0.5, "llm_judge_loss_rate": 0.25, "llm_judge_tie_rate": 0.25,
-          "llm_judge_unparsed": 0.0, "llm_judge_position_bias": 0.625}  # fmt: skip
-ONLY = GuardsConfig(max_logprob_drop=None, max_repetition_rise=None, min_distinct_ratio=None, max_empty_rise=None,
-                    max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None,
-                    min_heldout_win_rate=None, min_llm_judge_win_rate=0.5)  # fmt: skip
+JUDGED = {
+    "llm_judge_win_rate": 0.5,
+    "llm_judge_loss_rate": 0.25,
+    "llm_judge_tie_rate": 0.25,
+    "llm_judge_unparsed": 0.0,
+    "llm_judge_position_bias": 0.625,
+}
+ONLY = GuardsConfig(
+    max_logprob_drop=None,
+    max_repetition_rise=None,
+    min_distinct_ratio=None,
+    max_empty_rise=None,
+    max_unfinished_rise=None,
+    min_length_ratio=None,
+    max_length_ratio=None,
+    min_heldout_win_rate=None,
+    min_llm_judge_win_rate=0.5,
+)
 
 
 def test_the_guard_at_its_boundary():
@@ -163,8 +191,13 @@ def test_the_judge_over_http_with_a_failed_request(stand_in, monkeypatch):
     table.append({"prompt": "q5 FAIL", "baseline": "a", "candidate": "abc"})  # both its requests answer 500
     verdicts, figures = ask_llm_judge(cfg, table)
     assert verdicts == ["candidate", "baseline", "candidate", "tie", None]
-    assert figures == {"llm_judge_win_rate": 2 / 5, "llm_judge_loss_rate": 1 / 5, "llm_judge_tie_rate": 1 / 5,
-                       "llm_judge_unparsed": 2 / 10, "llm_judge_position_bias": 5 / 8}  # fmt: skip
+    assert figures == {
+        "llm_judge_win_rate": 2 / 5,
+        "llm_judge_loss_rate": 1 / 5,
+        "llm_judge_tie_rate": 1 / 5,
+        "llm_judge_unparsed": 2 / 10,
+        "llm_judge_position_bias": 5 / 8,
+    }
     assert len(stand_in.seen) == 10
     assert {(r["model"], r["temperature"], r["max_tokens"], key) for r, key in stand_in.seen} == {
         ("judge-7b", 0, 4, "Bearer k-123")
@@ -195,8 +228,10 @@ def test_evaluate_writes_each_rows_verdict(stand_in):
 def test_the_samples_page_shows_each_rows_verdict_only_with_a_judge():
     from kubealign.stages.evaluate import sample_tables
 
-    table = [{"prompt": p, "baseline": b, "candidate": c, "baseline_score": 0.0, "candidate_score": 1.0}
-             for p, b, c in ROWS[:3]]  # fmt: skip
+    table = [
+        {"prompt": p, "baseline": b, "candidate": c, "baseline_score": 0.0, "candidate_score": 1.0}
+        for p, b, c in ROWS[:3]
+    ]
     page, markdown = sample_tables(table)
     assert "llm judge" not in page and "llm judge" not in markdown and "no verdict" not in page
     for row, verdict in zip(table, ["candidate", "baseline", None], strict=True):

@@ -150,8 +150,10 @@ def test_secrets_follow_user_code(tmp_path: Path) -> None:
     out too, and only with canary.act."""
     trusted = {PIPELINE, STORE}
     _, platform = compiled(tmp_path, ["serve.enabled=true", "promote.mode=canary"])
-    assert set(platform) == {f"exec-{t}" for t in ("data-split", "sft", "reward", "ppo", "dpo", "evaluate",
-                                                   "promote", "serve", "judge", "act")}  # fmt: skip
+    assert set(platform) == {
+        f"exec-{t}"
+        for t in ("data-split", "sft", "reward", "ppo", "dpo", "evaluate", "promote", "serve", "judge", "act")
+    }
     for task in ("data-split", "sft", "reward", "dpo", "promote", "serve", "act"):  # act: moves the aliases
         assert secret_names(platform, task) == trusted, task
     for task in ("ppo", "evaluate", "judge"):  # judge: scores with the reward functions, moves nothing
@@ -213,8 +215,11 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
     training = {"sft", "reward", "grpo", "dpo"}
     assert {name for name, task in tasks.items() if "retryPolicy" in task} == training
     assert tasks["grpo"]["retryPolicy"] == {
-        "maxRetryCount": 3, "backoffDuration": "60s", "backoffFactor": 2.0, "backoffMaxDuration": "1800s"
-    }  # fmt: skip
+        "maxRetryCount": 3,
+        "backoffDuration": "60s",
+        "backoffFactor": 2.0,
+        "backoffMaxDuration": "1800s",
+    }
     executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
 
     def env_of(name: str) -> dict[str, str]:  # without what every task gets (the compile-time pins)
@@ -241,8 +246,10 @@ def test_training_tasks_retry_keep_checkpoints_on_the_pvc_and_join_the_queue(tmp
     assert {e["name"] for e in container["env"]} == PINS - {"KUBEALIGN_REWARD_FUNCTIONS_SHA256"}
     assert not platform["exec-sft"].pod_metadata.labels
     assert [f.name for f in platform["exec-sft"].field_path_as_env] == [
-        "KUBEALIGN_POD_NAME", "KUBEALIGN_POD_UID", "KUBEALIGN_POD_NAMESPACE"
-    ]  # fmt: skip
+        "KUBEALIGN_POD_NAME",
+        "KUBEALIGN_POD_UID",
+        "KUBEALIGN_POD_NAMESPACE",
+    ]
 
 
 def test_cache_keys_ignore_the_preemption_settings(tmp_path: Path) -> None:
@@ -262,8 +269,15 @@ def test_cache_keys_ignore_the_preemption_settings(tmp_path: Path) -> None:
         }
 
     plain = keyed(["kubernetes.pvc=rlhf"])
-    assert plain == keyed(["kubernetes.pvc=rlhf", "kubernetes.queue=q", "kubernetes.retries=5",
-                           "kubernetes.retry_backoff=5m", "kubernetes.retry_backoff_max=2h"])  # fmt: skip
+    assert plain == keyed(
+        [
+            "kubernetes.pvc=rlhf",
+            "kubernetes.queue=q",
+            "kubernetes.retries=5",
+            "kubernetes.retry_backoff=5m",
+            "kubernetes.retry_backoff_max=2h",
+        ]
+    )
     assert plain != keyed(["kubernetes.pvc=other"])  # the tasks read the PVC's mount (a TrainJob's nodes)
 
 
@@ -330,6 +344,13 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
 
 
 def test_serve_takes_one_route(cli, tmp_path: Path) -> None:
-    done = cli("compile", "--set", "serve.enabled=true", "--set", "pipeline.candidates=[{algorithm: ppo}, {algorithm: dpo}]",
-               "-o", str(tmp_path / "p.yaml"))  # fmt: skip
+    done = cli(
+        "compile",
+        "--set",
+        "serve.enabled=true",
+        "--set",
+        "pipeline.candidates=[{algorithm: ppo}, {algorithm: dpo}]",
+        "-o",
+        str(tmp_path / "p.yaml"),
+    )
     assert done.code == 2 and "serve.enabled takes one route" in done.err

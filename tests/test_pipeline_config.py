@@ -152,7 +152,7 @@ def test_an_error_is_one_line_with_no_deprecation_line(cli) -> None:
         (
             ["pipeline.algorithms=[grpo,dpo,grpo]"],
             "preset tiny-cpu: pipeline.algorithms: each route at most once; repeated: grpo",
-        ),  # fmt: skip
+        ),
         (["pipeline.algorithms=[]"], "preset tiny-cpu: pipeline.algorithms: List should have at least 1 item"),
         (["pipeline.algorithms=[sac]"], "preset tiny-cpu: pipeline.algorithms.0: Input should be 'ppo', 'grpo'"),
         (["pipeline.algorithm=sac"], "preset tiny-cpu: pipeline.algorithm: Input should be 'ppo', 'grpo'"),

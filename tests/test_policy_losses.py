@@ -131,8 +131,10 @@ def sapo_by_hand(ratio: float, adv: float, tau: float) -> tuple[float, float]:
 def test_sapo_gates_softly_with_a_temperature_per_advantage_sign():
     taus = (1.0, 2.0)  # far apart: using tau_pos for a negative advantage would show
     out, grad = loss_and_grad("sapo", TOKEN_RATIOS, TOKEN_ADV, sapo_temperatures=taus)
-    expected = [[sapo_by_hand(r, a, taus[0] if a > 0 else taus[1]) if r else (0, 0) for r in row] for row, a in
-                zip(TOKEN_RATIOS, TOKEN_ADV, strict=True)]  # fmt: skip
+    expected = [
+        [sapo_by_hand(r, a, taus[0] if a > 0 else taus[1]) if r else (0, 0) for r in row]
+        for row, a in zip(TOKEN_RATIOS, TOKEN_ADV, strict=True)
+    ]
     loss = sum(v for row in expected for v, _ in row) / 6
     assert out.loss.item() == pytest.approx(loss)
     grads = [[g for _, g in row] + [0] * (4 - len(row)) for row in expected]

@@ -64,11 +64,22 @@ def test_one_seed_is_shown_without_a_range():
 
 def test_grpo_figures_reads_the_check_the_mismatch_and_non_finite_history():
     history = [
-        {"iteration": 1, "reward_mean": 0.2, "clip_fraction": 0.0, "rollout_logprob_diff_mean": 0.0,
-         "rollout_logprob_diff_max": 0.0},
-        {"iteration": 2, "reward_mean": 0.4, "clip_fraction": 0.1, "rollout_logprob_diff_mean": 2e-6,
-         "rollout_logprob_diff_max": 5e-6, "policy_loss": float("nan")},
-    ]  # fmt: skip
+        {
+            "iteration": 1,
+            "reward_mean": 0.2,
+            "clip_fraction": 0.0,
+            "rollout_logprob_diff_mean": 0.0,
+            "rollout_logprob_diff_max": 0.0,
+        },
+        {
+            "iteration": 2,
+            "reward_mean": 0.4,
+            "clip_fraction": 0.1,
+            "rollout_logprob_diff_mean": 2e-6,
+            "rollout_logprob_diff_max": 5e-6,
+            "policy_loss": float("nan"),
+        },
+    ]
     metrics = {"wall_time_s": 9.0, "kl_after": 0.5, "fn/exact_answer/before": 0.25, "fn/exact_answer/after": 0.75}
     out = policy_losses.grpo_figures({"metrics": metrics, "history": history})
     assert out["check_accuracy_before_after"] == [0.25, 0.75] and out["grpo_kl_after"] == 0.5

@@ -178,15 +178,33 @@ def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
     )
     cases = [
         (["--prompts", split, "--actor", tmp_path / "nope", "--critic", rm], r"--actor .*nope: not a model directory"),
-        (["--prompts", split, "--actor", rm, "--critic", rm], r"--actor .*: is OPTForSequenceClassification, expected a \*ForCausalLM"),
-        (["--prompts", split, "--actor", sft, "--critic", sft], r"--critic .*: is OPTForCausalLM, expected a \*ForSequenceClassification"),
+        (
+            ["--prompts", split, "--actor", rm, "--critic", rm],
+            r"--actor .*: is OPTForSequenceClassification, expected a \*ForCausalLM",
+        ),
+        (
+            ["--prompts", split, "--actor", sft, "--critic", sft],
+            r"--critic .*: is OPTForCausalLM, expected a \*ForSequenceClassification",
+        ),
         (["--prompts", split / "phase1_sft", "--actor", sft, "--critic", rm], r"trains on phase3_prompts"),
         (["--prompts", empty, "--actor", sft, "--critic", rm], r"the phase3_prompts train split is empty"),
-        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_prompt_len=600"], r"exceeds the actor's max_position_embeddings 512"),
-        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_new_tokens=100"], r"ppo\.hybrid_engine\.max_out_tokens 128 is less than"),
-        (["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.generation_batch_size=100000"], r"ppo\.generation_batch_size: 100000"),
-        (["--prompts", split / "phase3_prompts", "--actor", sft, "--critic", rm, "--set", "ppo.unsup_coef=0.1"], r"ppo\.unsup_coef > 0 needs --prompts to be the data-split dir"),
-    ]  # fmt: skip
+        (
+            ["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_prompt_len=600"],
+            r"exceeds the actor's max_position_embeddings 512",
+        ),
+        (
+            ["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.max_new_tokens=100"],
+            r"ppo\.hybrid_engine\.max_out_tokens 128 is less than",
+        ),
+        (
+            ["--prompts", split, "--actor", sft, "--critic", rm, "--set", "ppo.generation_batch_size=100000"],
+            r"ppo\.generation_batch_size: 100000",
+        ),
+        (
+            ["--prompts", split / "phase3_prompts", "--actor", sft, "--critic", rm, "--set", "ppo.unsup_coef=0.1"],
+            r"ppo\.unsup_coef > 0 needs --prompts to be the data-split dir",
+        ),
+    ]
     import re
 
     for args, pattern in cases:
@@ -222,8 +240,15 @@ def test_bf16_with_top_k_and_top_p_stays_finite(cli, trained, tmp_path: Path, al
     """bf16 with top_k 20 and top_p 0.9: a token at the filter's edge got log-prob -inf when the log-probs
     were recomputed with the filter; now every metric stays finite."""
     out = tmp_path / algorithm
-    sets = [NO_TRACKING, "ppo.dtype=bf16", "ppo.top_k=20", "ppo.top_p=0.9", f"ppo.num_iterations={iterations}",
-            f"ppo.algorithm={algorithm}", f"ppo.seed={seed}"]  # fmt: skip
+    sets = [
+        NO_TRACKING,
+        "ppo.dtype=bf16",
+        "ppo.top_k=20",
+        "ppo.top_p=0.9",
+        f"ppo.num_iterations={iterations}",
+        f"ppo.algorithm={algorithm}",
+        f"ppo.seed={seed}",
+    ]
     result = cli(*ppo_args(trained, *(a for s in sets for a in ("--set", s)), "--output", out))
     assert result.code == 0, result.err
     res = result_of(out)
@@ -248,8 +273,11 @@ def test_a_nan_reward_stops_ppo_naming_the_reward_not_the_learning_rate(cli, tra
     result = cli(*ppo_args(trained, "--reward", broken, "--set", NO_TRACKING, "--output", out))
     lines = result.err.strip().splitlines()
     assert result.code == 2 and len(lines) == 1, result.err[-800:]
-    assert re.search(r"ppo: the reward score is not finite \(nan\) for (\d+) of \1 responses at iteration 1; "
-                     r"stopped before applying it, no model was written", lines[0]), lines[0]  # fmt: skip
+    assert re.search(
+        r"ppo: the reward score is not finite \(nan\) for (\d+) of \1 responses at iteration 1; "
+        r"stopped before applying it, no model was written",
+        lines[0],
+    ), lines[0]
     assert "learning rate" not in lines[0] and not out.exists()
 
 
@@ -275,8 +303,9 @@ def test_reward_functions_alone_raise_their_mean(cli, trained, tmp_path: Path, a
     # ppo: the new value head must learn the returns before its advantages mean much
     sets += ["ppo.critic_learning_rate=1e-3", "ppo.actor_learning_rate=5e-4"] if algorithm == "ppo" else []
     args = [a for s in sets for a in ("--set", s)]
-    result = cli("ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"], *args,
-                 "--output", out)  # fmt: skip
+    result = cli(
+        "ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"], *args, "--output", out
+    )
     assert result.code == 0, result.err
     res = result_of(out)
     m = res["metrics"]

@@ -48,23 +48,36 @@ class SGDEngine(torch.nn.Module):
 def tiny_critic(seed: int):
     from transformers import OPTConfig, OPTForSequenceClassification
 
-    config = OPTConfig(vocab_size=24, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-                       word_embed_proj_dim=16, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS,
-                       eos_token_id=EOS, dropout=0.0, num_labels=1)  # fmt: skip
+    config = OPTConfig(
+        vocab_size=24,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        dropout=0.0,
+        num_labels=1,
+    )
     torch.manual_seed(seed)
     return OPTForSequenceClassification(config)
 
 
 # Six rollouts, prompts left-padded to 4 (rows 1 and 4 shorter), responses of 6 with EOS at different
 # steps (row 2 at the first step, row 5 never): padding differs in every row.
-IDS = torch.tensor([
-    [BOS, 5, 6, 7, 8, 9, 10, 11, 12, 13],
-    [PAD, PAD, BOS, 7, 3, 4, EOS, PAD, PAD, PAD],
-    [BOS, 9, 9, 4, EOS, PAD, PAD, PAD, PAD, PAD],
-    [BOS, 11, 12, 13, 14, 15, 16, EOS, PAD, PAD],
-    [PAD, BOS, 20, 21, 22, 6, 5, 4, EOS, PAD],
-    [BOS, 3, 4, 5, 17, 18, 19, 20, 21, 22],
-])  # fmt: skip
+IDS = torch.tensor(
+    [
+        [BOS, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+        [PAD, PAD, BOS, 7, 3, 4, EOS, PAD, PAD, PAD],
+        [BOS, 9, 9, 4, EOS, PAD, PAD, PAD, PAD, PAD],
+        [BOS, 11, 12, 13, 14, 15, 16, EOS, PAD, PAD],
+        [PAD, BOS, 20, 21, 22, 6, 5, 4, EOS, PAD],
+        [BOS, 3, 4, 5, 17, 18, 19, 20, 21, 22],
+    ]
+)
 PROMPT_MASK = (IDS[:, :4] != PAD).long()
 
 
@@ -82,9 +95,17 @@ def sampled(cfg: PPOConfig) -> torch.Tensor:
     """IDS' prompts with responses the actor samples under cfg's settings (inside its top-k / nucleus)."""
     torch.manual_seed(3)
     with torch.no_grad():
-        return tiny_opt(0).generate(input_ids=IDS[:, :4], attention_mask=PROMPT_MASK, do_sample=True, top_k=cfg.top_k,
-                                    top_p=cfg.top_p, temperature=cfg.temperature, max_new_tokens=6,
-                                    pad_token_id=PAD, eos_token_id=EOS)  # fmt: skip
+        return tiny_opt(0).generate(
+            input_ids=IDS[:, :4],
+            attention_mask=PROMPT_MASK,
+            do_sample=True,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            temperature=cfg.temperature,
+            max_new_tokens=6,
+            pad_token_id=PAD,
+            eos_token_id=EOS,
+        )
 
 
 def run(cfg: PPOConfig, monkeypatch):
@@ -99,10 +120,16 @@ def run(cfg: PPOConfig, monkeypatch):
 CONFIGS = {
     "one-minibatch": {"micro_batch_size": 6},
     "one-minibatch-truncated": {"micro_batch_size": 6, "top_k": 5},  # every row kept: no rest to stack
-    "three-minibatches-two-epochs-truncated-entropy": {"micro_batch_size": 2, "ppo_epochs": 2, "top_k": 6,
-                                                       "top_p": 0.9, "temperature": 0.7, "entropy_coef": 0.05},
+    "three-minibatches-two-epochs-truncated-entropy": {
+        "micro_batch_size": 2,
+        "ppo_epochs": 2,
+        "top_k": 6,
+        "top_p": 0.9,
+        "temperature": 0.7,
+        "entropy_coef": 0.05,
+    },
     "grpo-two-minibatches": {"algorithm": "grpo", "samples_per_prompt": 3, "micro_batch_size": 3},
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("reuse", ["actor", "both"])
@@ -168,8 +195,9 @@ def test_the_frozen_models_run_before_the_actors_graph_is_held_top_k_or_not(trun
         module = module.model if name == "reward" else module  # the Scorer's reward model
         module.register_forward_pre_hook(lambda _m, _a, _k, name=name: order.append(name), with_kwargs=True)
     batch = SimpleNamespace(input_ids=sampled(cfg) if truncate else IDS, response_start_idx=torch.full((6,), 4))
-    exp, first = make_experience_keeping(batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg),
-                                         torch.tensor([5, 0, 3, 2]), False)  # fmt: skip
+    exp, first = make_experience_keeping(
+        batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg), torch.tensor([5, 0, 3, 2]), False
+    )
     # The reference's log-probs are unfiltered (losses.scaled_logits): it needs nothing of the actor.
     assert order == ["reward", "reference", "actor", "actor", "critic"]
     assert first.values is None and not exp.values.requires_grad  # the critic is not kept by default

@@ -108,9 +108,19 @@ def test_a_positive_entropy_coef_puts_the_entropy_in_the_gradient():
 def tiny_opt(seed: int = 0):
     from transformers import OPTConfig, OPTForCausalLM
 
-    config = OPTConfig(vocab_size=24, hidden_size=16, ffn_dim=32, num_hidden_layers=1, num_attention_heads=2,
-                       word_embed_proj_dim=16, max_position_embeddings=64, pad_token_id=PAD, bos_token_id=BOS,
-                       eos_token_id=EOS, dropout=0.0)  # fmt: skip
+    config = OPTConfig(
+        vocab_size=24,
+        hidden_size=16,
+        ffn_dim=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        word_embed_proj_dim=16,
+        max_position_embeddings=64,
+        pad_token_id=PAD,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        dropout=0.0,
+    )
     torch.manual_seed(seed)
     return OPTForCausalLM(config).eval()
 

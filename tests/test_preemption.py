@@ -87,8 +87,17 @@ def test_a_stopped_stage_ends_its_mlflow_run_killed(tmp_path: Path):
 @pytest.mark.integration
 @pytest.mark.parametrize("stage", ["sft", "reward"])
 def test_sigterm_saves_stops_and_resumes_to_the_uninterrupted_weights(split_dir: Path, tmp_path: Path, stage):  # noqa: F811
-    common = [stage, "--data", split_dir, "--set", NO_TRACKING, "--set", f"{stage}.num_train_epochs=0.3",
-              "--set", f"{stage}.save_every_steps=4"]  # fmt: skip
+    common = [
+        stage,
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        f"{stage}.num_train_epochs=0.3",
+        "--set",
+        f"{stage}.save_every_steps=4",
+    ]
     straight = kubealign_subprocess(*common, "--output", tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-2000:]
     stopped = kubealign_subprocess(*common, "--output", tmp_path / "run", env=term_at(6))
@@ -107,8 +116,17 @@ def test_sigterm_saves_stops_and_resumes_to_the_uninterrupted_weights(split_dir:
 
 @pytest.mark.integration
 def test_sigterm_stops_ppo_at_the_iteration_and_resumes_exactly(trained, tmp_path: Path):  # noqa: F811
-    common = [*ppo_args(trained), "--set", NO_TRACKING, "--set", "ppo.num_iterations=5", "--set",
-              "ppo.save_every_iterations=2", "--set", "ppo.ema_coef=0.9"]  # fmt: skip
+    common = [
+        *ppo_args(trained),
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "ppo.num_iterations=5",
+        "--set",
+        "ppo.save_every_iterations=2",
+        "--set",
+        "ppo.ema_coef=0.9",
+    ]
     straight = kubealign_subprocess(*common, "--output", tmp_path / "a")
     assert straight.returncode == 0, straight.stderr[-2000:]
     saved = tmp_path / "pvc" / "ppo"  # --checkpoints: where a pipeline task keeps them (on the PVC)
@@ -135,8 +153,19 @@ def test_two_ranks_stop_together_when_one_gets_the_signal(trained, tmp_path: Pat
     own exit code 1, not 143): what a pod shows is torchrun's."""
     from tests.test_training import launcher
 
-    common = [*ppo_args(trained), "--set", NO_TRACKING, "--set", "ppo.actor_zero_stage=3", "--set",
-              "ppo.critic_zero_stage=3", "--set", "ppo.num_iterations=4", "--set", "ppo.save_every_iterations=2"]  # fmt: skip
+    common = [
+        *ppo_args(trained),
+        "--set",
+        NO_TRACKING,
+        "--set",
+        "ppo.actor_zero_stage=3",
+        "--set",
+        "ppo.critic_zero_stage=3",
+        "--set",
+        "ppo.num_iterations=4",
+        "--set",
+        "ppo.save_every_iterations=2",
+    ]
     two = launcher("torchrun")
     straight = kubealign_subprocess(*common, "--output", tmp_path / "a", launcher=two)
     assert straight.returncode == 0, straight.stderr[-3000:]

@@ -166,11 +166,21 @@ def test_this_cpu_has_no_inference_kernels():
 def test_the_hybrid_engine_block_carries_every_setting():
     from kubealign.rl.preflight import hybrid_block
 
-    hybrid = HybridEngineConfig(max_out_tokens=333, inference_tp_size=2, release_inference_cache=True,
-                                pin_parameters=False, tp_gather_partition_size=5)  # fmt: skip
-    assert hybrid_block(hybrid) == {"enabled": True, "max_out_tokens": 333, "inference_tp_size": 2,
-                                    "release_inference_cache": True, "pin_parameters": False,
-                                    "tp_gather_partition_size": 5}  # fmt: skip
+    hybrid = HybridEngineConfig(
+        max_out_tokens=333,
+        inference_tp_size=2,
+        release_inference_cache=True,
+        pin_parameters=False,
+        tp_gather_partition_size=5,
+    )
+    assert hybrid_block(hybrid) == {
+        "enabled": True,
+        "max_out_tokens": 333,
+        "inference_tp_size": 2,
+        "release_inference_cache": True,
+        "pin_parameters": False,
+        "tp_gather_partition_size": 5,
+    }
 
 
 @pytest.mark.parametrize(

@@ -51,9 +51,13 @@ DB_SECRET, S3_SECRET = "mlflow-db", "minio"
 PRODUCTION = {
     "auth": {"enabled": False},
     "backendStore": {"type": "postgresql", "existingSecret": DB_SECRET},
-    "artifactStore": {"type": "s3", "s3Uri": f"s3://{BUCKET}", "s3EndpointUrl": "http://minio.example:9000",
-                      "existingSecret": S3_SECRET},
-}  # fmt: skip
+    "artifactStore": {
+        "type": "s3",
+        "s3Uri": f"s3://{BUCKET}",
+        "s3EndpointUrl": "http://minio.example:9000",
+        "existingSecret": S3_SECRET,
+    },
+}
 MIGRATION_LIMIT_S = 180
 # Concurrent promotes per run: with the lease and the duplicate check both broken on purpose, the second
 # try was the first to register two versions; test_faults_registry.py runs 3 tries on the other stores.
@@ -100,8 +104,9 @@ class Production:
         return [str(Path(sys.executable).with_name("mlflow")), *argv[1:]]
 
     def migrate(self) -> subprocess.CompletedProcess:
-        return subprocess.run(self.migration, env=self.migration_env, capture_output=True, text=True,
-                              timeout=MIGRATION_LIMIT_S)  # fmt: skip
+        return subprocess.run(
+            self.migration, env=self.migration_env, capture_output=True, text=True, timeout=MIGRATION_LIMIT_S
+        )
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +151,9 @@ def test_the_init_container_migrated_postgresql_and_reruns_as_a_no_op(production
     # the other URI form the Secret may hold (MLflow's documented psycopg2 driver) opens the store too
     psycopg2 = [arg.replace("postgresql://", "postgresql+psycopg2://") for arg in production.migration]
     assert psycopg2 != production.migration
-    done = subprocess.run(psycopg2, env=production.migration_env, capture_output=True, text=True,
-                          timeout=MIGRATION_LIMIT_S)  # fmt: skip
+    done = subprocess.run(
+        psycopg2, env=production.migration_env, capture_output=True, text=True, timeout=MIGRATION_LIMIT_S
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -181,8 +187,12 @@ def test_two_replicas_migrating_a_new_store_at_once_end_with_the_schema_current(
         conn.execute("CREATE DATABASE fresh")
     fresh = [arg.replace(pg.uri, pg.uri.rsplit("/", 1)[0] + "/fresh") for arg in production.migration]
     assert fresh != production.migration
-    procs = [subprocess.Popen(fresh, env=production.migration_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True) for _ in range(2)]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            fresh, env=production.migration_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
     try:
         codes = [(p.communicate(timeout=MIGRATION_LIMIT_S), p.returncode)[1] for p in procs]
     finally:
@@ -192,8 +202,9 @@ def test_two_replicas_migrating_a_new_store_at_once_end_with_the_schema_current(
     assert 0 in codes, codes  # one of them migrated
     for code in codes:
         if code != 0:  # the restarted init container
-            retry = subprocess.run(fresh, env=production.migration_env, capture_output=True, text=True,
-                                   timeout=MIGRATION_LIMIT_S)  # fmt: skip
+            retry = subprocess.run(
+                fresh, env=production.migration_env, capture_output=True, text=True, timeout=MIGRATION_LIMIT_S
+            )
             assert retry.returncode == 0, retry.stderr[-3000:]
     head = ScriptDirectory.from_config(_get_alembic_config(pg.uri)).get_current_head()
     with psycopg.connect(pg.admin_uri("fresh"), connect_timeout=10) as conn:
@@ -247,10 +258,18 @@ def browse(url: str, profile: Path, *what: str) -> str:
     """Headless chromium on `url` (MLflow's single-page UI: 20 s of virtual time to fetch and render);
     what it printed (the DOM for --dump-dom)."""
     flags = [
-        "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync",
-        f"--user-data-dir={profile}", "--window-size=1400,2000", "--virtual-time-budget=20000",
-    ]  # fmt: skip
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        f"--user-data-dir={profile}",
+        "--window-size=1400,2000",
+        "--virtual-time-budget=20000",
+    ]
     done = subprocess.run([CHROMIUM, *flags, *what, url], capture_output=True, text=True, timeout=120)
     return done.stdout
 
@@ -352,8 +371,11 @@ def test_the_mlflow_ui_shows_the_champion_and_the_promote_runs_metrics(
     assert dark > 500  # the page was drawn, not a blank or error screen
 
     run = client.get_run(client.get_model_version(champion, champion_version).run_id)
-    text = page_text(browse(f"{url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}",
-                            tmp_path / "profile", "--dump-dom"))  # fmt: skip
+    text = page_text(
+        browse(
+            f"{url}/#/experiments/{run.info.experiment_id}/runs/{run.info.run_id}", tmp_path / "profile", "--dump-dom"
+        )
+    )
     metrics = text[text.index(f"Metrics ({len(run.data.metrics)})") : text.index("Parameters (")]
     for key, value in run.data.metrics.items():
         assert f" {key} {value:g}" in metrics or f" {key} {value!r}" in metrics, (key, value, metrics)
@@ -371,8 +393,17 @@ def test_the_shortened_dag_tracks_and_registers_on_the_production_stores(
 
     url, name = production.server.url, "prod-dag"
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "kubealign.cli", "run", *overrides(), "--set", f"promote.registered_model={name}",
-               "--output", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kubealign.cli",
+        "run",
+        *overrides(),
+        "--set",
+        f"promote.registered_model={name}",
+        "--output",
+        str(out),
+    ]
     done = subprocess.run(command, env=kubealign_env(url), capture_output=True, text=True, timeout=DAG_LIMIT_S)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     index = json.loads((out / "run.json").read_text(encoding="utf-8"))

@@ -98,8 +98,11 @@ def test_in_canary_mode_a_passing_candidate_becomes_challenger_only(cli, tmp_pat
 def test_the_alias_plan_of_each_mode() -> None:
     from kubealign.stages.promote import alias_plan
 
-    assert alias_plan("direct", True, True, "3", "1") == [("challenger", "3"), ("previous-champion", "1"),
-                                                          ("champion", "3")]  # fmt: skip
+    assert alias_plan("direct", True, True, "3", "1") == [
+        ("challenger", "3"),
+        ("previous-champion", "1"),
+        ("champion", "3"),
+    ]
     assert alias_plan("direct", True, False, "3", "1") == [("challenger", "3")]
     assert alias_plan("direct", True, True, "1", "1") == [("challenger", "1")]  # already champion
     assert alias_plan("direct", True, True, "1", None) == [("challenger", "1"), ("champion", "1")]
@@ -181,10 +184,19 @@ def mlflow_server(tmp_path: Path):
     """A real `mlflow server` on 127.0.0.1 for this test, stopped afterwards."""
     port = free_port()
     cmd = [
-        str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port", str(port),
-        "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-        "--artifacts-destination", (tmp_path / "server-artifacts").as_uri(), "--workers", "1",
-    ]  # fmt: skip
+        str(Path(sys.executable).parent / "mlflow"),
+        "server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--backend-store-uri",
+        f"sqlite:///{tmp_path / 'server.db'}",
+        "--artifacts-destination",
+        (tmp_path / "server-artifacts").as_uri(),
+        "--workers",
+        "1",
+    ]
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

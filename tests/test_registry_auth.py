@@ -79,8 +79,9 @@ class ChartRegistry:
         (self.root / "data").mkdir(parents=True)
         (self.root / "auth").mkdir()
         env = self.env(self.init)
-        done = subprocess.run(self.argv(self.init), env=process_env(env), capture_output=True, text=True,
-                              timeout=CALL_LIMIT_S)  # fmt: skip
+        done = subprocess.run(
+            self.argv(self.init), env=process_env(env), capture_output=True, text=True, timeout=CALL_LIMIT_S
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         env = self.env(self.server_container)
         argv = self.argv(self.server_container)
@@ -110,8 +111,9 @@ def registry(tmp_path_factory: pytest.TempPathFactory):
 
 def kubealign(registry: ChartRegistry, identity: dict[str, str], *args: object) -> subprocess.CompletedProcess:
     env = {**process_env({}), "MLFLOW_TRACKING_URI": registry.url, "OMP_NUM_THREADS": "1", **identity}
-    return subprocess.run([str(KUBEALIGN), *map(str, args)], env=env, capture_output=True, text=True,
-                          timeout=CALL_LIMIT_S)  # fmt: skip
+    return subprocess.run(
+        [str(KUBEALIGN), *map(str, args)], env=env, capture_output=True, text=True, timeout=CALL_LIMIT_S
+    )
 
 
 def status(url: str, host: str | None = None, auth: tuple[str, str] | None = None) -> int:
@@ -176,8 +178,13 @@ def test_only_the_pipeline_identity_moves_champion(registry: ChartRegistry, tmp_
     nobody = kubealign(registry, {}, *promote_args(name, good, tmp_path / "p0"))
     line = one_line_error(nobody)
     assert "401" in line and "MLFLOW_TRACKING_USERNAME" in line, line
-    wrong = kubealign(registry, {**reader, "MLFLOW_TRACKING_PASSWORD": "not-it"}, "rollback", "--set",
-                      f"promote.registered_model={name}")  # fmt: skip
+    wrong = kubealign(
+        registry,
+        {**reader, "MLFLOW_TRACKING_PASSWORD": "not-it"},
+        "rollback",
+        "--set",
+        f"promote.registered_model={name}",
+    )
     assert "401" in one_line_error(wrong)
 
     for step, evaluated in enumerate([good, evaluation(tmp_path, "better", win=0.8, gain=0.4, reward=1.5)], 1):
@@ -335,8 +342,18 @@ def test_the_shortened_dag_runs_as_the_pipeline_identity(registry: ChartRegistry
     env = {**process_env({}), "MLFLOW_TRACKING_URI": registry.url, **registry.identity(f"{RELEASE}-mlflow")}
     # fewer steps than the other shortened DAGs: every request to this server pays its scrypt password check
     fewer = ["--set", "sft.num_train_epochs=1", "--set", "ppo.num_iterations=1", "--set", "evaluate.max_prompts=4"]
-    command = [sys.executable, "-m", "kubealign.cli", "run", *overrides(), *fewer, "--set",
-               f"promote.registered_model={name}", "--output", str(out)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "kubealign.cli",
+        "run",
+        *overrides(),
+        *fewer,
+        "--set",
+        f"promote.registered_model={name}",
+        "--output",
+        str(out),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=DAG_LIMIT_S)
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     index = json.loads((out / "run.json").read_text(encoding="utf-8"))

@@ -137,8 +137,14 @@ def place():
 def trainer(place, name: str, network: bool = False, file_limit_mb: int = 1024) -> dict:
     """The trainer (uid 65534 here) calling one probe, with credentials in its environment."""
     root, as_root = place
-    env = {"PATH": os.environ["PATH"], "HOME": str(root), "AWS_SECRET_ACCESS_KEY": SECRET,
-           "MLFLOW_TRACKING_PASSWORD": SECRET, "SECRET": SECRET, "KUBEALIGN_CACHE_DIR": str(root / "cache")}  # fmt: skip
+    env = {
+        "PATH": os.environ["PATH"],
+        "HOME": str(root),
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "MLFLOW_TRACKING_PASSWORD": SECRET,
+        "SECRET": SECRET,
+        "KUBEALIGN_CACHE_DIR": str(root / "cache"),
+    }
     argv = [sys.executable, str(root / "trainer.py"), name, str(root / "stage"), "1" if network else "0"]
     argv.append(str(file_limit_mb))
     if as_root:

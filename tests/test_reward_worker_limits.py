@@ -62,8 +62,18 @@ def test_the_worker_sees_no_credential_unless_the_config_passes_it(tmp_path, mon
         assert call(r) == [0.0]
     with runner(tmp_path, "secret_length", env=["AWS_SECRET_ACCESS_KEY"]) as r:
         assert call(r) == [10.0]
-    env = worker_env({"PATH": "/bin", "LC_ALL": "C", "AWS_SECRET_ACCESS_KEY": "k", "MLFLOW_TRACKING_PASSWORD": "p",
-                      "PYTHONPATH": "/lib"}, [], tmp_path / "home", "/srv/stage")  # fmt: skip
+    env = worker_env(
+        {
+            "PATH": "/bin",
+            "LC_ALL": "C",
+            "AWS_SECRET_ACCESS_KEY": "k",
+            "MLFLOW_TRACKING_PASSWORD": "p",
+            "PYTHONPATH": "/lib",
+        },
+        [],
+        tmp_path / "home",
+        "/srv/stage",
+    )
     assert "AWS_SECRET_ACCESS_KEY" not in env and "MLFLOW_TRACKING_PASSWORD" not in env
     assert (env["PATH"], env["LC_ALL"], env["HOME"], env["TMPDIR"]) == ("/bin", "C", *[str(tmp_path / "home")] * 2)
     assert env["PYTHONPATH"] == os.pathsep.join(["/lib", "/srv/stage"])  # module:NAME still importable

@@ -142,15 +142,35 @@ def test_booleans_count_as_one_and_zero(fns: Path):
     [
         ("missing", ["a"], None, "rewards.functions[0].path: fns.py has no function missing"),
         ("NOT_CALLABLE", ["a"], None, "NOT_CALLABLE in fns.py is a int, not a function"),
-        ("one_argument", ["a"], None, "one_argument(completions) cannot be called as one_argument(prompts, completions"),
-        ("exact", ["a"], {"other": [1]}, "reward function exact (rewards.functions[0].path): cannot take the columns ['other']"),
-        ("raises_on_short", ["abc", "ab", "x"], None, "raises_on_short (rewards.functions[0].path): raised ZeroDivisionError: float division by zero (fns.py, line 14) on row d.jsonl:7"),
-        ("nan_on_second", ["a", "b"], None, "nan_on_second (rewards.functions[0].path): returned nan for row d.jsonl:7; a reward must be finite"),
+        (
+            "one_argument",
+            ["a"],
+            None,
+            "one_argument(completions) cannot be called as one_argument(prompts, completions",
+        ),
+        (
+            "exact",
+            ["a"],
+            {"other": [1]},
+            "reward function exact (rewards.functions[0].path): cannot take the columns ['other']",
+        ),
+        (
+            "raises_on_short",
+            ["abc", "ab", "x"],
+            None,
+            "raises_on_short (rewards.functions[0].path): raised ZeroDivisionError: float division by zero (fns.py, line 14) on row d.jsonl:7",
+        ),
+        (
+            "nan_on_second",
+            ["a", "b"],
+            None,
+            "nan_on_second (rewards.functions[0].path): returned nan for row d.jsonl:7; a reward must be finite",
+        ),
         ("one_value", ["a", "b"], None, "returned 1 values for 2 completions"),
         ("text_value", ["a", "b"], None, "returned 'high' (str), expected a float or None for row d.jsonl:3"),
         ("not_a_list", ["a"], None, "returned a float, expected a list of floats or None"),
     ],
-)  # fmt: skip
+)
 def test_every_bad_function_is_one_line_naming_it(fns: Path, name, completions, columns, expected):
     with pytest.raises(UserError) as info:
         call(fns, name, completions, columns)
@@ -160,7 +180,13 @@ def test_every_bad_function_is_one_line_naming_it(fns: Path, name, completions, 
 
 def test_a_hanging_function_is_stopped_by_the_timeout(fns: Path):
     runner = runner_for(fns, "hangs", timeout_s=1.0)
-    with runner, pytest.raises(UserError, match=r"hangs .*no answer within rewards.timeout_s 1 s \(a batch of 2 rows starting at d.jsonl:3\)"):  # fmt: skip
+    with (
+        runner,
+        pytest.raises(
+            UserError,
+            match=r"hangs .*no answer within rewards.timeout_s 1 s \(a batch of 2 rows starting at d.jsonl:3\)",
+        ),
+    ):
         runner.call(runner.specs[0], ["p", "p"], ["a", "b"], {}, ORIGINS[:2])
     assert runner.process is None  # the worker was killed, not left sleeping
 
@@ -253,8 +279,14 @@ def test_a_prompt_only_row_keeps_its_other_fields_as_columns():
 
 def test_prompt_only_rows_go_to_phase_3_and_nowhere_else():
     def row(prompt, chosen=None, rejected=None, columns=None):
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "columns": columns, "source": "s",
-                "origin": f"f:{prompt}"}  # fmt: skip
+        return {
+            "prompt": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "columns": columns,
+            "source": "s",
+            "origin": f"f:{prompt}",
+        }
 
     rows = [row(f"pref{i}", "c", "r") for i in range(10)]
     rows += [row(f"q{i}", columns=json.dumps({"answer": str(i)})) for i in range(6)]
@@ -288,8 +320,14 @@ def test_prompt_rows_give_the_union_of_columns_with_none_where_a_row_lacks_one()
 
 # --- promote.metric --------------------------------------------------------------------------------------
 
-EVALUATION = {"win_rate": 0.2, "reward_gain": 0.3, "kl_to_baseline": 1.0, "candidate_reward_mean": 0.7,
-              "fn/exact/baseline": 0.4, "fn/exact/candidate": 0.7}  # fmt: skip
+EVALUATION = {
+    "win_rate": 0.2,
+    "reward_gain": 0.3,
+    "kl_to_baseline": 1.0,
+    "candidate_reward_mean": 0.7,
+    "fn/exact/baseline": 0.4,
+    "fn/exact/candidate": 0.7,
+}
 
 
 def test_promote_metric_replaces_the_win_rate_checks():
@@ -316,7 +354,10 @@ def test_promote_metric_against_the_champion():
 
 
 def test_promote_metric_the_evaluation_lacks_is_an_error():
-    with pytest.raises(UserError, match=r"promote.metric fn/other/candidate: the evaluation has no such metric \(fn/exact/baseline, fn/exact/candidate\)"):  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match=r"promote.metric fn/other/candidate: the evaluation has no such metric \(fn/exact/baseline, fn/exact/candidate\)",
+    ):
         gate(EVALUATION, PromoteConfig(metric="fn/other/candidate"), None)
     with pytest.raises(ValueError, match="the win-rate's is min_win_rate"):
         PromoteConfig(min_metric=0.5)
@@ -420,8 +461,10 @@ def test_the_dag_without_a_reward_model_and_an_edited_function_reruns_only_ppo_a
     assert main(["run", "--config", str(config), "--output", str(second), "--cache"]) == 0
     printed = capsys.readouterr().out.splitlines()
     shown = sorted(" ".join(line.split()[:2]) for line in printed[: printed.index("")])
-    assert shown == sorted(["data-split cached", "sft cached"] + [f"{s} {w}" for s in ("ppo", "evaluate", "promote")
-                                                                 for w in ("running", "done")])  # fmt: skip
+    assert shown == sorted(
+        ["data-split cached", "sft cached"]
+        + [f"{s} {w}" for s in ("ppo", "evaluate", "promote") for w in ("running", "done")]
+    )
     again = json.loads((second / "run.json").read_text(encoding="utf-8"))
     for stage in ("data-split", "sft"):
         assert again["stages"][stage]["dir"] == index["stages"][stage]["dir"], stage

@@ -203,9 +203,17 @@ def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
 def test_task_list_of_a_several_route_run() -> None:
     config = load_config(None, [candidates("grpo,dpo")])
     assert tasks_for(config) == (
-        "data-split", "sft", "reward", "grpo", "evaluate-grpo", "dpo", "evaluate-dpo", "compare",
-        "promote-grpo", "promote-dpo",
-    )  # fmt: skip
+        "data-split",
+        "sft",
+        "reward",
+        "grpo",
+        "evaluate-grpo",
+        "dpo",
+        "evaluate-dpo",
+        "compare",
+        "promote-grpo",
+        "promote-dpo",
+    )
     assert tasks_for(load_config(None, [])) == ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 
 
@@ -299,8 +307,10 @@ def test_leaderboard_artifacts_and_only_the_leader_promoted(routes_run) -> None:
     assert str(aliases["champion"]) == str(aliases["challenger"]) == str(versions[leader][1]["version"])
     assert str(versions[second][1]["version"]) not in {str(v) for v in aliases.values()}
     assert versions[second][1]["comparison"]["verdict"].startswith("not the leader (rank 2): ")
-    assert versions[leader][1]["comparison"]["others"] == {second: f"rank 2: {comparison['standings'][1]['why']}",
-                                                           "dpo": "failed: not ranked"}  # fmt: skip
+    assert versions[leader][1]["comparison"]["others"] == {
+        second: f"rank 2: {comparison['standings'][1]['why']}",
+        "dpo": "failed: not ranked",
+    }
     # MLflow: on the pipeline's run, the table and one metric per route
     parent = client.get_run(index["mlflow"]["parent_run_id"])
     assert parent.data.metrics[f"leaderboard/{leader}"] == evaluations[leader]["win_rate_lower_bound"]

@@ -140,18 +140,35 @@ def test_conversational_prompt_completion_renders_as_messages_do():
 @pytest.mark.parametrize(
     ("row", "field", "message"),
     [
-        ({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-          "completion": [{"role": "assistant", "content": "c"}]}, "prompt[1].role", "must end before the assistant"),
-        ({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "c"}]},
-         "completion", "expected one assistant message"),
-        ({"prompt": [{"role": "user", "content": "a"}],
-          "completion": [{"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}]},
-         "completion", "expected one assistant message"),
+        (
+            {
+                "prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                "completion": [{"role": "assistant", "content": "c"}],
+            },
+            "prompt[1].role",
+            "must end before the assistant",
+        ),
+        (
+            {"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "c"}]},
+            "completion",
+            "expected one assistant message",
+        ),
+        (
+            {
+                "prompt": [{"role": "user", "content": "a"}],
+                "completion": [{"role": "assistant", "content": "c"}, {"role": "assistant", "content": "d"}],
+            },
+            "completion",
+            "expected one assistant message",
+        ),
         ({"prompt": "a", "completion": 4}, "completion", "expected a string, got int"),
-        ({"prompt": [{"role": "user", "content": 1}], "completion": [{"role": "assistant", "content": "c"}]},
-         "prompt[0].content", "expected a string, got int"),
+        (
+            {"prompt": [{"role": "user", "content": 1}], "completion": [{"role": "assistant", "content": "c"}]},
+            "prompt[0].content",
+            "expected a string, got int",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_prompt_completion_rows_name_the_field(row, field, message):
     with pytest.raises(RowError) as err:
         normalize(row)
@@ -204,8 +221,12 @@ def test_conversational_prompt_completion_errors_name_the_completion_field():
         normalize({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "user", "content": "b"}]})
     assert (err.value.field, err.value.message) == ("completion", "expected one assistant message")
     with pytest.raises(RowError) as err:
-        normalize({"prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
-                   "completion": [{"role": "assistant", "content": "c"}]})  # fmt: skip
+        normalize(
+            {
+                "prompt": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+                "completion": [{"role": "assistant", "content": "c"}],
+            }
+        )
     assert (err.value.field, err.value.message) == (
         "prompt[1].role",
         "the prompt must end before the assistant's reply",

@@ -108,9 +108,14 @@ def test_kserves_vllm_runtime_runs_the_image_and_it_answers_as_transformers_gene
     name, port = "opt-actor", free_port()
     argv, env = runtime_container(name, port, ServeConfig(runtime="vllm", gpus=0), template_for(tokenizer))
     container = docker_client.containers.run(
-        images.serve_image(), argv, environment=env, detach=True, network_mode="host", shm_size="1g",
+        images.serve_image(),
+        argv,
+        environment=env,
+        detach=True,
+        network_mode="host",
+        shm_size="1g",
         volumes={str(model_dir): {"bind": "/mnt/models", "mode": "ro"}},
-    )  # fmt: skip
+    )
     try:
         deadline, started = time.monotonic() + READY_LIMIT_S, time.monotonic()
         while True:
@@ -127,13 +132,32 @@ def test_kserves_vllm_runtime_runs_the_image_and_it_answers_as_transformers_gene
         for prompt in PROMPTS:
             ids = encode_prompt(tokenizer, prompt)
             expected = greedy(model_dir, ids)
-            done = post(port, "completions", {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS,
-                                              "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True})  # fmt: skip
+            done = post(
+                port,
+                "completions",
+                {
+                    "model": name,
+                    "prompt": prompt,
+                    "max_tokens": NEW_TOKENS,
+                    "temperature": 0,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
             tokens = [int(t.removeprefix("token_id:")) for t in done["choices"][0]["logprobs"]["tokens"]]
             assert [t for t in tokens if t != tokenizer.eos_token_id] == expected, prompt
-            chat = post(port, "chat/completions", {"model": name, "messages": plain_to_messages(prompt),
-                                                   "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True,
-                                                   "return_tokens_as_token_ids": True})  # fmt: skip
+            chat = post(
+                port,
+                "chat/completions",
+                {
+                    "model": name,
+                    "messages": plain_to_messages(prompt),
+                    "max_tokens": NEW_TOKENS,
+                    "temperature": 0,
+                    "logprobs": True,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
             assert chat["usage"]["prompt_tokens"] == len(ids)  # the literal --chat-template rendered training's format
             tokens = [int(t["token"].removeprefix("token_id:")) for t in chat["choices"][0]["logprobs"]["content"]]
             assert [t for t in tokens if t != tokenizer.eos_token_id] == expected, prompt

@@ -34,8 +34,11 @@ NEW_TOKENS = 24
 
 
 def post(port: int, route: str, payload: dict) -> dict:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/{route}", data=json.dumps(payload).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/{route}",
+        data=json.dumps(payload).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as reply:
         return json.loads(reply.read())
 
@@ -48,8 +51,13 @@ def greedy(model_dir: Path, prompt_ids: list[int]) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
     new = out[0, len(prompt_ids) :].tolist()
     return new[: new.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in new else new
 
@@ -63,11 +71,21 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, Path
     uri = f"sqlite:///{root / 'mlflow.db'}"
     models = {"opt-actor": Path(loading.resolve("tiny-opt")), "llama-actor": Path(loading.resolve("tiny-llama"))}
     for name, model in models.items():
-        argv = [str(KUBEALIGN), "promote", "--evaluation", str(evaluation(root, name, 0.7, 0.3, 1.0)),
-                "--model-dir", str(model), "--output", str(root / f"p-{name}"),
-                "--set", f"promote.registered_model={name}"]  # fmt: skip
-        done = subprocess.run(argv, env=process_env({"MLFLOW_TRACKING_URI": uri}), capture_output=True, text=True,
-                              timeout=300)  # fmt: skip
+        argv = [
+            str(KUBEALIGN),
+            "promote",
+            "--evaluation",
+            str(evaluation(root, name, 0.7, 0.3, 1.0)),
+            "--model-dir",
+            str(model),
+            "--output",
+            str(root / f"p-{name}"),
+            "--set",
+            f"promote.registered_model={name}",
+        ]
+        done = subprocess.run(
+            argv, env=process_env({"MLFLOW_TRACKING_URI": uri}), capture_output=True, text=True, timeout=300
+        )
         assert done.returncode == 0, done.stderr[-3000:]
     return uri, models
 
@@ -102,14 +120,33 @@ def test_the_served_model_answers_as_transformers_generates(store, name: str) ->
         for prompt in PROMPTS:
             ids = encode_prompt(tokenizer, prompt)  # as training and evaluate encode it
             expected = greedy(models[name], ids)
-            done = post(port, "completions", {"model": name, "prompt": prompt, "max_tokens": NEW_TOKENS,
-                                              "temperature": 0, "logprobs": 0, "return_tokens_as_token_ids": True})  # fmt: skip
+            done = post(
+                port,
+                "completions",
+                {
+                    "model": name,
+                    "prompt": prompt,
+                    "max_tokens": NEW_TOKENS,
+                    "temperature": 0,
+                    "logprobs": 0,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
             tokens = [int(t.removeprefix("token_id:")) for t in done["choices"][0]["logprobs"]["tokens"]]
             assert [t for t in tokens if t != tokenizer.eos_token_id] == expected, (name, prompt)
             assert done["usage"]["prompt_tokens"] == len(ids)
-            chat = post(port, "chat/completions", {"model": name, "messages": plain_to_messages(prompt),
-                                                   "max_tokens": NEW_TOKENS, "temperature": 0, "logprobs": True,
-                                                   "return_tokens_as_token_ids": True})  # fmt: skip
+            chat = post(
+                port,
+                "chat/completions",
+                {
+                    "model": name,
+                    "messages": plain_to_messages(prompt),
+                    "max_tokens": NEW_TOKENS,
+                    "temperature": 0,
+                    "logprobs": True,
+                    "return_tokens_as_token_ids": True,
+                },
+            )
             assert chat["usage"]["prompt_tokens"] == len(ids)  # the template training's format rendered
             answer = chat["choices"][0]
             tokens = [int(t["token"].removeprefix("token_id:")) for t in answer["logprobs"]["content"]]
@@ -146,26 +183,60 @@ def test_the_judge_reads_real_servers_as_transformers_generates(store, tmp_path:
     from kubealign.data.tokenize import encode_prompt
 
     uri, models = store
-    argv = [str(KUBEALIGN), "promote", "--evaluation", str(evaluation(tmp_path, "llama", 0.8, 0.4, 1.2)),
-            "--model-dir", str(models["llama-actor"]), "--output", str(tmp_path / "p"),
-            "--set", "promote.registered_model=opt-actor", "--set", "promote.mode=canary"]  # fmt: skip
-    done = subprocess.run(argv, env=process_env({"MLFLOW_TRACKING_URI": uri}), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    argv = [
+        str(KUBEALIGN),
+        "promote",
+        "--evaluation",
+        str(evaluation(tmp_path, "llama", 0.8, 0.4, 1.2)),
+        "--model-dir",
+        str(models["llama-actor"]),
+        "--output",
+        str(tmp_path / "p"),
+        "--set",
+        "promote.registered_model=opt-actor",
+        "--set",
+        "promote.mode=canary",
+    ]
+    done = subprocess.run(
+        argv, env=process_env({"MLFLOW_TRACKING_URI": uri}), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     split = tmp_path / "split"
-    done = subprocess.run([str(KUBEALIGN), "data-split", "--output", str(split), "--set", "tracking.enabled=false"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [str(KUBEALIGN), "data-split", "--output", str(split), "--set", "tracking.enabled=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "fns.py").write_text(SHORTER, encoding="utf-8")
-    doc = {"rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:shorter"}]}, "tracking": {"enabled": False},
-           "canary": {"prompts": 6, "min_answers": 6, "max_new_tokens": NEW_TOKENS}}  # fmt: skip
+    doc = {
+        "rewards": {"model_weight": 0.0, "functions": [{"path": "fns.py:shorter"}]},
+        "tracking": {"enabled": False},
+        "canary": {"prompts": 6, "min_answers": 6, "max_new_tokens": NEW_TOKENS},
+    }
     (tmp_path / "judge.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
     ports = free_port(), free_port()
     servers = [start(uri, "opt-actor", ports[0])[0], start(uri, "opt-actor", ports[1], alias="challenger")[0]]
     try:
-        argv = [str(KUBEALIGN), "judge", "--config", str(tmp_path / "judge.yaml"), "--prompts", str(split),
-                "--tokenizer", str(models["opt-actor"]), "--champion", f"http://127.0.0.1:{ports[0]}",
-                "--canary", f"http://127.0.0.1:{ports[1]}", "--served-name", "opt-actor", "--output", str(tmp_path / "j")]  # fmt: skip
+        argv = [
+            str(KUBEALIGN),
+            "judge",
+            "--config",
+            str(tmp_path / "judge.yaml"),
+            "--prompts",
+            str(split),
+            "--tokenizer",
+            str(models["opt-actor"]),
+            "--champion",
+            f"http://127.0.0.1:{ports[0]}",
+            "--canary",
+            f"http://127.0.0.1:{ports[1]}",
+            "--served-name",
+            "opt-actor",
+            "--output",
+            str(tmp_path / "j"),
+        ]
         done = subprocess.run(argv, env=process_env({}), capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
     finally:

@@ -44,8 +44,18 @@ def registry(tmp_path_factory: pytest.TempPathFactory):
 
 
 def manifest(registry: MlflowServer, tmp_path: Path, *sets: str, alias: str | None = None) -> dict:
-    args = ["serve", "--tracking-uri", registry.url, "--set", f"promote.registered_model={NAME}", "--namespace",
-            "team-a", "--manifest", tmp_path / "isvc.yaml", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    args = [
+        "serve",
+        "--tracking-uri",
+        registry.url,
+        "--set",
+        f"promote.registered_model={NAME}",
+        "--namespace",
+        "team-a",
+        "--manifest",
+        tmp_path / "isvc.yaml",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     done, _ = kubealign(registry.url, *args, *(["--alias", alias] if alias else []))
     assert done.returncode == 0, done.stderr[-3000:]
     return yaml.safe_load((tmp_path / "isvc.yaml").read_text(encoding="utf-8"))
@@ -53,8 +63,18 @@ def manifest(registry: MlflowServer, tmp_path: Path, *sets: str, alias: str | No
 
 def manifest_here(registry: MlflowServer, tmp_path: Path, *sets: str) -> dict:
     """manifest() in this process (the CLI's main): the same command without a process start."""
-    args = ["serve", "--tracking-uri", registry.url, "--set", f"promote.registered_model={NAME}", "--namespace",
-            "team-a", "--manifest", tmp_path / "here.yaml", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    args = [
+        "serve",
+        "--tracking-uri",
+        registry.url,
+        "--set",
+        f"promote.registered_model={NAME}",
+        "--namespace",
+        "team-a",
+        "--manifest",
+        tmp_path / "here.yaml",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     code, err = in_process(*args)
     assert code == 0, err
     return yaml.safe_load((tmp_path / "here.yaml").read_text(encoding="utf-8"))
@@ -90,8 +110,15 @@ def test_the_manifest_serves_the_registered_bytes(registry: MlflowServer, tmp_pa
 
 
 def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
-    sets = [f"serve.artifacts_destination={DESTINATION}", "serve.runtime=vllm", "serve.gpus=0", "serve.public=true",
-            "serve.max_model_len=512", "serve.name=chat", "serve.service_account=s3-reader"]  # fmt: skip
+    sets = [
+        f"serve.artifacts_destination={DESTINATION}",
+        "serve.runtime=vllm",
+        "serve.gpus=0",
+        "serve.public=true",
+        "serve.max_model_len=512",
+        "serve.name=chat",
+        "serve.service_account=s3-reader",
+    ]
     body = manifest(registry, tmp_path, *sets)
     assert errors(body) == []
     predictor = body["spec"]["predictor"]
@@ -143,8 +170,17 @@ def test_a_registered_directory_without_a_tokenizer_is_refused(registry: MlflowS
     for path in moved:
         path.rename(aside / path.name)
     try:
-        args = ["serve", "--tracking-uri", registry.url, "--model", NAME, "--set",
-                f"serve.artifacts_destination={DESTINATION}", "--manifest", tmp_path / "x.yaml"]  # fmt: skip
+        args = [
+            "serve",
+            "--tracking-uri",
+            registry.url,
+            "--model",
+            NAME,
+            "--set",
+            f"serve.artifacts_destination={DESTINATION}",
+            "--manifest",
+            tmp_path / "x.yaml",
+        ]
         done, _ = kubealign(registry.url, *args)
         line = one_line_error(done)
         assert "is not a servable model directory: a tokenizer" in line and "version 1" in line, line
@@ -199,8 +235,12 @@ def test_each_serve_runtime_is_one_row_that_the_manifest_follows(monkeypatch: py
     assert model["modelFormat"] == {"name": "other"} and model["runtime"] == "kserve-other"
     assert model["image"] == "example.org/other:1"
     assert model["args"] == [
-        "--served-model-name", NAME, f"models:/{NAME}/3", "--dtype=float32", "--chat-template=T",
-    ]  # fmt: skip
+        "--served-model-name",
+        NAME,
+        f"models:/{NAME}/3",
+        "--dtype=float32",
+        "--chat-template=T",
+    ]
     # with GPUs the runtime keeps its own image
     on_gpu = inference_service(served, "s3://b/1/model", ServeConfig(), "team-a")["spec"]["predictor"]["model"]
     assert "image" not in on_gpu and "--dtype=float32" not in on_gpu["args"]
@@ -285,11 +325,13 @@ def test_not_ready_in_time_is_one_line_with_the_reason() -> None:
 def kubeconfig(path: Path, url: str) -> Path:
     """A kubeconfig whose cluster is the stand-in: what `kubectl` or a developer's machine would have."""
     doc = {
-        "apiVersion": "v1", "kind": "Config", "current-context": "standin",
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "standin",
         "clusters": [{"name": "standin", "cluster": {"server": url}}],
         "users": [{"name": "pipeline", "user": {"token": "t"}}],
         "contexts": [{"name": "standin", "context": {"cluster": "standin", "user": "pipeline"}}],
-    }  # fmt: skip
+    }
     path.write_text(yaml.safe_dump(doc), encoding="utf-8")
     return path
 
@@ -311,10 +353,18 @@ def test_the_serve_task_applies_what_promote_moved(registry: MlflowServer, kube:
     from kubealign.config import config_to_json, load_config
     from tests.stores import process_env
 
-    config = load_config(None, [f"promote.registered_model={NAME}", f"serve.artifacts_destination={DESTINATION}",
-                                "serve.ready_timeout_s=60"])  # fmt: skip
-    env = process_env({"MLFLOW_TRACKING_URI": registry.url, "KUBECONFIG": str(kubeconfig(tmp_path / "kc", kube.url)),
-                       "KUBEALIGN_POD_NAMESPACE": "team-a", "KUBEALIGN_RUN_ID": "run-42"})  # fmt: skip
+    config = load_config(
+        None,
+        [f"promote.registered_model={NAME}", f"serve.artifacts_destination={DESTINATION}", "serve.ready_timeout_s=60"],
+    )
+    env = process_env(
+        {
+            "MLFLOW_TRACKING_URI": registry.url,
+            "KUBECONFIG": str(kubeconfig(tmp_path / "kc", kube.url)),
+            "KUBEALIGN_POD_NAMESPACE": "team-a",
+            "KUBEALIGN_RUN_ID": "run-42",
+        }
+    )
     out = tmp_path / "serving"
     argv = [sys.executable, "-c", SERVE_TASK, config_to_json(config), str(registry.root / "p0"), str(out)]
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
@@ -340,8 +390,12 @@ def test_nothing_is_applied_when_promote_did_not_move_the_alias(kube: StandInKub
     promotion = tmp_path / "promote"
     promotion.mkdir()
     same = {"challenger": 2, "champion": 1, "previous-champion": None}
-    result = {"stage": "promote", "registered_model": NAME, "aliases": same,
-              "aliases_before": {**same, "challenger": 1}}  # fmt: skip
+    result = {
+        "stage": "promote",
+        "registered_model": NAME,
+        "aliases": same,
+        "aliases_before": {**same, "challenger": 1},
+    }
     (promotion / "result.json").write_text(json.dumps(result), encoding="utf-8")
     done = stage.run(load_config(None, []), promotion, tmp_path / "serving", custom=kube.client())
     assert done["applied"] is False and "did not move champion (version 1)" in done["why"]
@@ -435,9 +489,19 @@ def canary_registry(registry: MlflowServer, tmp_path_factory: pytest.TempPathFac
 
     root = tmp_path_factory.mktemp("canary")
     for i, (model, reward) in enumerate((("tiny-opt", 1.0), ("tiny-llama", 1.2))):
-        argv = ["promote", "--evaluation", evaluation(root, f"e{i}", win=0.8, gain=0.4, reward=reward),
-                "--model-dir", loading.resolve(model), "--output", root / f"p{i}",
-                "--set", f"promote.registered_model={CANARY_NAME}", "--set", "promote.mode=canary"]  # fmt: skip
+        argv = [
+            "promote",
+            "--evaluation",
+            evaluation(root, f"e{i}", win=0.8, gain=0.4, reward=reward),
+            "--model-dir",
+            loading.resolve(model),
+            "--output",
+            root / f"p{i}",
+            "--set",
+            f"promote.registered_model={CANARY_NAME}",
+            "--set",
+            "promote.mode=canary",
+        ]
         done, _ = kubealign(registry.url, *argv)
         assert done.returncode == 0, done.stderr[-3000:]
     assert aliases(registry.url, CANARY_NAME) == {"champion": "1", "challenger": "2"}
@@ -463,10 +527,24 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
     from kubealign.models import loading
 
     registry, _ = canary_registry
-    sets = [f"promote.registered_model={CANARY_NAME}", f"serve.artifacts_destination={DESTINATION}", "serve.gpus=0",
-            "serve.runtime=vllm"]  # fmt: skip
-    args = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "isvc.yaml", "--canary", "challenger",
-            "--canary-percent", "25", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+    sets = [
+        f"promote.registered_model={CANARY_NAME}",
+        f"serve.artifacts_destination={DESTINATION}",
+        "serve.gpus=0",
+        "serve.runtime=vllm",
+    ]
+    args = [
+        "serve",
+        "--tracking-uri",
+        registry.url,
+        "--manifest",
+        tmp_path / "isvc.yaml",
+        "--canary",
+        "challenger",
+        "--canary-percent",
+        "25",
+        *[a for s in sets for a in ("--set", s)],
+    ]
     done, _ = kubealign(registry.url, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "canary canary-actor@challenger = version 2, 25 % of the traffic" in done.stdout
@@ -489,8 +567,11 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
     alone = manifest(registry, tmp_path, *sets, alias="challenger")
     assert canary["predictor"]["model"].pop("name") == "kserve-container"  # the CRD requires the container's name
     # each predictor's pods say which they are (kubealign.serving.endpoints: the judge asks each alone)
-    assert body["spec"]["predictor"]["labels"] == {"kubealign.io/inference-service": CANARY_NAME,
-                                                   "kubealign.io/predictor": "stable", "kubealign.io/model-version": "1"}  # fmt: skip
+    assert body["spec"]["predictor"]["labels"] == {
+        "kubealign.io/inference-service": CANARY_NAME,
+        "kubealign.io/predictor": "stable",
+        "kubealign.io/model-version": "1",
+    }
     assert canary["predictor"]["labels"] == {**alone["spec"]["predictor"]["labels"], "kubealign.io/predictor": "canary"}
     assert alone["spec"]["predictor"]["labels"]["kubealign.io/model-version"] == "2"
     canary["predictor"]["labels"]["kubealign.io/predictor"] = "stable"
@@ -499,9 +580,11 @@ def test_a_canary_alias_is_served_beside_the_champion(canary_registry, tmp_path:
     done, _ = kubealign(registry.url, *args[:6], "nope", *args[7:])
     assert "has no alias 'nope'" in one_line_error(done)
     base = ["serve", "--tracking-uri", registry.url, "--manifest", tmp_path / "no.yaml"]
-    for extra, said in ((["--canary", "champion"], "that is the alias served"),
-                        (["--canary", "challenger", "--canary-percent", "100"], "a share from 1 to 99"),
-                        (["--canary-percent", "5"], "give --canary ALIAS")):  # fmt: skip
+    for extra, said in (
+        (["--canary", "champion"], "that is the alias served"),
+        (["--canary", "challenger", "--canary-percent", "100"], "a share from 1 to 99"),
+        (["--canary-percent", "5"], "give --canary ALIAS"),
+    ):
         code, err = in_process(*base, *extra)
         assert code == 2 and said in err and err.count("\n") == 1, extra
     assert not (tmp_path / "no.yaml").exists()
@@ -519,8 +602,12 @@ def test_in_canary_mode_the_serve_task_serves_the_new_challenger_as_the_canary(
     monkeypatch.setattr(deploy, "wait_ready", fast)
 
     registry, promotion = canary_registry
-    sets = [f"promote.registered_model={CANARY_NAME}", f"serve.artifacts_destination={DESTINATION}",
-            "serve.namespace=team-a", f"tracking.uri={registry.url}"]  # fmt: skip
+    sets = [
+        f"promote.registered_model={CANARY_NAME}",
+        f"serve.artifacts_destination={DESTINATION}",
+        "serve.namespace=team-a",
+        f"tracking.uri={registry.url}",
+    ]
     config = load_config(None, [*sets, "promote.mode=canary", "serve.ready_timeout_s=60", "canary.percent=20"])
     done = stage.run(config, promotion, tmp_path / "serving", custom=kube.client())
     assert done["applied"] and done["version"] == "1"  # champion stays what is served to most
@@ -562,14 +649,26 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
 
     monkeypatch.setattr(deploy, "wait_ready", functools.partial(deploy.wait_ready, poll_s=0))
     name = "act-actor"
-    sets = [f"promote.registered_model={name}", "promote.mode=canary", f"serve.artifacts_destination={DESTINATION}",
-            "serve.namespace=team-a", f"tracking.uri={registry.url}"]  # fmt: skip
+    sets = [
+        f"promote.registered_model={name}",
+        "promote.mode=canary",
+        f"serve.artifacts_destination={DESTINATION}",
+        "serve.namespace=team-a",
+        f"tracking.uri={registry.url}",
+    ]
     config = load_config(None, sets)
 
     def promote_canary(i: int, model: str, reward: float) -> Path:
-        argv = ["promote", "--evaluation", evaluation(tmp_path, f"e{i}", win=0.8, gain=0.4, reward=reward),
-                "--model-dir", loading.resolve(model), "--output", tmp_path / f"p{i}",
-                *[a for s in sets[:2] for a in ("--set", s)]]  # fmt: skip
+        argv = [
+            "promote",
+            "--evaluation",
+            evaluation(tmp_path, f"e{i}", win=0.8, gain=0.4, reward=reward),
+            "--model-dir",
+            loading.resolve(model),
+            "--output",
+            tmp_path / f"p{i}",
+            *[a for s in sets[:2] for a in ("--set", s)],
+        ]
         done, _ = kubealign(registry.url, *argv)
         assert done.returncode == 0, done.stderr[-3000:]
         stage.run(config, tmp_path / f"p{i}", tmp_path / f"s{i}", custom=kube.client())  # served as the canary
@@ -600,8 +699,14 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
         curt.stop()
     assert not result["promoted"] and result["metrics"]["win_rate"] == 0.0 and result["metrics"]["prompts"] == 6
     verdict = json.loads((tmp_path / "j1" / judge_task.VERDICT_FILE).read_text())
-    assert verdict == {"judged": True, "promoted": False, "version": "2", "registered_model": name,
-                       "inference_service": f"team-a/{name}", "verdict": result["verdict"]}  # fmt: skip
+    assert verdict == {
+        "judged": True,
+        "promoted": False,
+        "version": "2",
+        "registered_model": name,
+        "inference_service": f"team-a/{name}",
+        "verdict": result["verdict"],
+    }
     # the judge (user code, the tracking identity) moved nothing: the registry and the service are as they were
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
     # the act task carries it out

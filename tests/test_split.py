@@ -107,13 +107,22 @@ def test_a_prompt_with_a_pair_and_a_prompt_only_row_follows_its_pair_and_keeps_i
     reward functions need), whatever the order of the rows."""
 
     def row(prompt, chosen, rejected, origin, columns=None):
-        return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "columns": columns, "source": "s",
-                "origin": origin}  # fmt: skip
+        return {
+            "prompt": prompt,
+            "chosen": chosen,
+            "rejected": rejected,
+            "columns": columns,
+            "source": "s",
+            "origin": origin,
+        }
 
     rows = []
     for i in range(6):
-        group = [row(f"m{i}", "c", "r", f"pair:{i}"), row(f"m{i}", "d", None, f"sft:{i}"),
-                 row(f"m{i}", None, None, f"only:{i}", f'{{"answer": "{i}"}}')]  # fmt: skip
+        group = [
+            row(f"m{i}", "c", "r", f"pair:{i}"),
+            row(f"m{i}", "d", None, f"sft:{i}"),
+            row(f"m{i}", None, None, f"only:{i}", f'{{"answer": "{i}"}}'),
+        ]
         rows += group[i % 3 :] + group[: i % 3]  # the prompt-only row first, last, in the middle
     plan = split_rows(rows, (1, 1, 1), 0.0, seed=5)
     kept = {ph: sorted(r["origin"] for r in plan.phases[ph]["train"]) for ph in PHASES}

@@ -76,9 +76,18 @@ def submitted_run(calls: list) -> dict:
 def test_submit_sends_the_pipeline_parameters_and_caching(cli, kfp_api) -> None:
     host, calls = kfp_api
     result = cli(
-        "submit", "--host", host, "--experiment", "rlhf-team", "--run-name", "nightly-7",
-        "--set", "ppo.num_iterations=12", "--set", "kubernetes.ppo_gpus=4",
-    )  # fmt: skip
+        "submit",
+        "--host",
+        host,
+        "--experiment",
+        "rlhf-team",
+        "--run-name",
+        "nightly-7",
+        "--set",
+        "ppo.num_iterations=12",
+        "--set",
+        "kubernetes.ppo_gpus=4",
+    )
     assert result.code == 0, result.err
     assert f"{host}/#/runs/details/run-42" in result.out
     experiment = [b for m, p, b in calls if (m, p) == ("POST", "/apis/v2beta1/experiments")]
@@ -90,8 +99,13 @@ def test_submit_sends_the_pipeline_parameters_and_caching(cli, kfp_api) -> None:
     assert spec["pipelineInfo"]["name"] == "kubealign-rlhf"
     # ppo and dpo sit in the condition branches of the algorithm route (tests/test_pipeline_compile.py)
     assert set(spec["root"]["dag"]["tasks"]) == {
-        "data-split", "sft", "reward", "condition-branches-1", "evaluate", "promote"
-    }  # fmt: skip
+        "data-split",
+        "sft",
+        "reward",
+        "condition-branches-1",
+        "evaluate",
+        "promote",
+    }
     assert spec["root"]["inputDefinitions"]["parameters"]["algorithm"]["defaultValue"] == "ppo"
     params = spec["root"]["inputDefinitions"]["parameters"]
     assert params["ppo_num_iterations"]["defaultValue"] == 12

@@ -17,10 +17,16 @@ from kubealign.promotion import guards
 from kubealign.promotion.gate import gate
 
 ONLY_SUITES = GuardsConfig(
-    max_logprob_drop=None, max_repetition_rise=None, min_distinct_ratio=None, max_empty_rise=None,
-    max_unfinished_rise=None, min_length_ratio=None, max_length_ratio=None, min_heldout_win_rate=None,
+    max_logprob_drop=None,
+    max_repetition_rise=None,
+    min_distinct_ratio=None,
+    max_empty_rise=None,
+    max_unfinished_rise=None,
+    min_length_ratio=None,
+    max_length_ratio=None,
+    min_heldout_win_rate=None,
     max_suite_drop=0.25,
-)  # fmt: skip
+)
 
 
 @pytest.mark.unit
@@ -32,8 +38,12 @@ def test_facts_rows_place_the_right_fact_by_rotation():
     # of topics 3, 4, 5 (rain, snow, trees) that fill the other slots in order
     row = rows[5]
     assert row["answer"] == 1
-    assert row["choices"] == [synthetic.FACTS["rain"][1], synthetic.FACTS["the ocean"][1],
-                              synthetic.FACTS["snow"][1], synthetic.FACTS["trees"][1]]  # fmt: skip
+    assert row["choices"] == [
+        synthetic.FACTS["rain"][1],
+        synthetic.FACTS["the ocean"][1],
+        synthetic.FACTS["snow"][1],
+        synthetic.FACTS["trees"][1],
+    ]
     assert row["question"] == "\n\nHuman: What is interesting about the ocean?\n\nAssistant:"  # QUESTIONS[5]
     # the last topic's distractors wrap to the first topics
     assert rows[-1]["choices"][rows[-1]["answer"]] == synthetic.FACTS[topics[-1]][1]
@@ -93,15 +103,25 @@ def test_max_suite_drop_at_its_boundary_one_line_per_suite():
     assert guards.recorded(suite_metrics(a=(0.75, 0.5))) == ["baseline_suite_a", "candidate_suite_a"]
     both = {"baseline_distinct_2": 0.5, "candidate_distinct_2": 0.25, "heldout_win_rate": 0.5, "other": 1.0}
     assert guards.recorded({**both, **suite_metrics(a=(0.75, 0.5))}) == [
-        "baseline_distinct_2", "candidate_distinct_2", "heldout_win_rate", "baseline_suite_a", "candidate_suite_a",
-    ]  # fmt: skip
+        "baseline_distinct_2",
+        "candidate_distinct_2",
+        "heldout_win_rate",
+        "baseline_suite_a",
+        "candidate_suite_a",
+    ]
     assert guards.missing(suite_metrics(a=(0.75, 0.5)), ONLY_SUITES) == {}  # optional: never "missing"
 
 
 @pytest.mark.unit
 def test_the_gate_refuses_a_candidate_that_forgot_a_suite():
-    metrics = {"win_rate": 0.9, "win_rate_lower_bound": 0.8, "reward_gain": 2.0, "kl_to_baseline": 1.0,
-               "candidate_reward_mean": 1.0, **suite_metrics(kubealign_facts=(0.625, 0.25))}  # fmt: skip
+    metrics = {
+        "win_rate": 0.9,
+        "win_rate_lower_bound": 0.8,
+        "reward_gain": 2.0,
+        "kl_to_baseline": 1.0,
+        "candidate_reward_mean": 1.0,
+        **suite_metrics(kubealign_facts=(0.625, 0.25)),
+    }
     cfg = PromoteConfig(min_win_rate=0.5, guards=ONLY_SUITES)
     passed, lines = gate(metrics, cfg, None)
     assert not passed

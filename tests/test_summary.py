@@ -30,10 +30,18 @@ def test_summary_of_an_empty_dir_is_an_error(cli, tmp_path: Path):
 def test_summary_of_an_evaluation_on_the_synthetic_task_has_a_second_line(cli, tmp_path: Path):
     run = tmp_path / "demo"
     metrics = {
-        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
-        "tie_rate": 0.1, "kl_to_baseline": 1.25, "baseline_preferred_rate": 0.2, "candidate_preferred_rate": 0.85,
-        "baseline_well_formed_rate": 0.97, "candidate_well_formed_rate": 0.95, "wall_time_s": 3.0,
-    }  # fmt: skip
+        "baseline_reward_mean": -1.5,
+        "candidate_reward_mean": 2.25,
+        "win_rate": 0.8,
+        "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.1,
+        "kl_to_baseline": 1.25,
+        "baseline_preferred_rate": 0.2,
+        "candidate_preferred_rate": 0.85,
+        "baseline_well_formed_rate": 0.97,
+        "candidate_well_formed_rate": 0.95,
+        "wall_time_s": 3.0,
+    }
     write(run, "evaluate", {"metrics": metrics})
     write(
         run,
@@ -50,11 +58,19 @@ def test_summary_of_an_evaluation_on_the_synthetic_task_has_a_second_line(cli, t
 def test_summary_shows_the_guards_figures_and_a_refusal_on_a_line_of_its_own(cli, tmp_path: Path):
     run = tmp_path / "hacked"
     metrics = {
-        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
-        "tie_rate": 0.0, "kl_to_baseline": 55.75, "baseline_heldout_logprob": -0.298, "candidate_heldout_logprob": -13.33,
-        "baseline_distinct_2": 0.683, "candidate_distinct_2": 0.003, "baseline_repetition_rate": 0.0,
+        "baseline_reward_mean": -1.5,
+        "candidate_reward_mean": 2.25,
+        "win_rate": 0.8,
+        "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.0,
+        "kl_to_baseline": 55.75,
+        "baseline_heldout_logprob": -0.298,
+        "candidate_heldout_logprob": -13.33,
+        "baseline_distinct_2": 0.683,
+        "candidate_distinct_2": 0.003,
+        "baseline_repetition_rate": 0.0,
         "candidate_repetition_rate": 0.852,
-    }  # fmt: skip
+    }
     write(run, "evaluate", {"metrics": metrics})
     refusal = "gate refused: capability: ...; the training reward model's gain +3.750 is not trusted (reward hacking suspected)"
     promoted = {"registered_model": "m", "version": 2, "aliases": {"champion": 1}, "metrics": {"gate_passed": 0.0}}
@@ -71,10 +87,17 @@ def test_summary_shows_the_guards_figures_and_a_refusal_on_a_line_of_its_own(cli
 def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_path: Path):
     run = tmp_path / "fooled"
     metrics = {
-        "baseline_reward_mean": -1.5, "candidate_reward_mean": 2.25, "win_rate": 0.8, "win_rate_lower_bound": 0.7,
-        "tie_rate": 0.0, "kl_to_baseline": 5.5, "reward_gain": 3.75, "heldout_win_rate": 0.25,
-        "heldout_reward_gain": -0.5, "reward_agreement": 0.3,
-    }  # fmt: skip
+        "baseline_reward_mean": -1.5,
+        "candidate_reward_mean": 2.25,
+        "win_rate": 0.8,
+        "win_rate_lower_bound": 0.7,
+        "tie_rate": 0.0,
+        "kl_to_baseline": 5.5,
+        "reward_gain": 3.75,
+        "heldout_win_rate": 0.25,
+        "heldout_reward_gain": -0.5,
+        "reward_agreement": 0.3,
+    }
     write(run, "evaluate", {"metrics": metrics})
     split = {"phase1_sft_train_prompts": 9, "phase1_sft_eval_prompts": 1, "phase2_reward_train_prompts": 14}
     split.update(phase2_reward_eval_prompts=2, phase2_reward_heldout_prompts=4, phase3_prompts_train_prompts=7)

@@ -39,12 +39,22 @@ SECTIONS = {"ppo": PPOConfig, "dpo": DPOConfig}
 
 def test_a_sweep_expands_in_grid_order_with_its_fixed_settings() -> None:
     specs = [
-        {"algorithm": "grpo", "name": "g", "set": {"ppo.top_k": 5}, "sweep": {"ppo.kl_coef": [0.1, 0.02], "ppo.temperature": [1, 0.7]}},
+        {
+            "algorithm": "grpo",
+            "name": "g",
+            "set": {"ppo.top_k": 5},
+            "sweep": {"ppo.kl_coef": [0.1, 0.02], "ppo.temperature": [1, 0.7]},
+        },
         {"algorithm": "dpo", "set": {"dpo.beta": 0.2}},
-    ]  # fmt: skip
+    ]
     got = expand(specs)
-    assert [c.name for c in got] == ["g-kl-coef-0p1-temperature-1", "g-kl-coef-0p1-temperature-0p7",
-                                     "g-kl-coef-0p02-temperature-1", "g-kl-coef-0p02-temperature-0p7", "dpo"]  # fmt: skip
+    assert [c.name for c in got] == [
+        "g-kl-coef-0p1-temperature-1",
+        "g-kl-coef-0p1-temperature-0p7",
+        "g-kl-coef-0p02-temperature-1",
+        "g-kl-coef-0p02-temperature-0p7",
+        "dpo",
+    ]
     assert got[1].settings == {"ppo.top_k": 5, "ppo.kl_coef": 0.1, "ppo.temperature": 0.7}
     assert got[4] == Candidate("dpo", "dpo", {"dpo.beta": 0.2})
     assert got[2].overrides() == ["ppo.top_k=5", "ppo.kl_coef=0.02", "ppo.temperature=1"]
@@ -94,18 +104,23 @@ def test_candidates_config() -> None:
     assert config.for_candidate(config.candidates()[5]).ppo.algorithm == "grpo"
     # a candidate without settings or a name: the route at its section's settings, named after it
     assert load_config(None, ["pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"]).candidates() == (
-        Candidate("grpo", "grpo", {}), Candidate("dpo", "dpo", {}),
-    )  # fmt: skip
+        Candidate("grpo", "grpo", {}),
+        Candidate("dpo", "dpo", {}),
+    )
     one = load_config(None, ["pipeline.candidates=[{algorithm: grpo, set: {ppo.kl_coef: 0.3}}]"])
     assert not one.several() and one.route() == "grpo"
     for bad, said in (
-        ("pipeline.candidates=[{algorithm: dpo, set: {dpo.beta: -1}}]",
-         "pipeline.candidates: candidate dpo: field 'dpo.beta': Input should be greater than 0"),
-        ("pipeline.candidates=[{algorithm: rloo, set: {ppo.samples_per_prompt: 1}}]",
-         "candidate rloo: field 'ppo': ppo.algorithm rloo needs ppo.samples_per_prompt >= 2"),
+        (
+            "pipeline.candidates=[{algorithm: dpo, set: {dpo.beta: -1}}]",
+            "pipeline.candidates: candidate dpo: field 'dpo.beta': Input should be greater than 0",
+        ),
+        (
+            "pipeline.candidates=[{algorithm: rloo, set: {ppo.samples_per_prompt: 1}}]",
+            "candidate rloo: field 'ppo': ppo.algorithm rloo needs ppo.samples_per_prompt >= 2",
+        ),
         ("pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: []}}]", "sweep dpo.beta: no values"),
         ("pipeline.candidates=[]", "pipeline.candidates"),
-    ):  # fmt: skip
+    ):
         with pytest.raises(UserError, match=said):
             load_config(None, [bad])
     with pytest.raises(UserError, match="pipeline.candidates and pipeline.algorithm"):
@@ -150,8 +165,11 @@ def test_the_kl_budget_excludes_the_best_candidate() -> None:
     order = list(evaluations)
     standings = ranking.rank(evaluations, "win_rate", order, max_kl=0.4)
     assert [(s.route, s.rank) for s in standings] == [
-        ("ppo", 1), ("dpo-beta-0p1", 2), ("grpo", 3), ("dpo-beta-0p01", 4)
-    ]  # fmt: skip
+        ("ppo", 1),
+        ("dpo-beta-0p1", 2),
+        ("grpo", 3),
+        ("dpo-beta-0p01", 4),
+    ]
     assert standings[0].why == "" and standings[1].why == "win_rate_lower_bound 0.5 < ppo's 0.625"
     assert standings[2].why == "kl_to_baseline 0.41 > pipeline.max_kl 0.4"
     assert standings[3].why == "kl_to_baseline 0.9 > pipeline.max_kl 0.4"
@@ -257,13 +275,30 @@ def test_six_candidates_with_a_bounded_fan_out_compile_and_validate(tmp_path: Pa
 
 
 def test_task_list_of_a_sweep() -> None:
-    config = load_config(None, ["pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: [0.1, 0.5]}}, {algorithm: grpo}]",
-                                "pipeline.parallelism=1"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: [0.1, 0.5]}}, {algorithm: grpo}]",
+            "pipeline.parallelism=1",
+        ],
+    )
     assert tasks_for(config) == (
-        "data-split", "sft", "reward", "dpo-beta-0p1", "evaluate-dpo-beta-0p1", "wait-dpo-beta-0p5",
-        "dpo-beta-0p5", "evaluate-dpo-beta-0p5", "wait-grpo", "grpo", "evaluate-grpo", "compare",
-        "promote-dpo-beta-0p1", "promote-dpo-beta-0p5", "promote-grpo",
-    )  # fmt: skip
+        "data-split",
+        "sft",
+        "reward",
+        "dpo-beta-0p1",
+        "evaluate-dpo-beta-0p1",
+        "wait-dpo-beta-0p5",
+        "dpo-beta-0p5",
+        "evaluate-dpo-beta-0p5",
+        "wait-grpo",
+        "grpo",
+        "evaluate-grpo",
+        "compare",
+        "promote-dpo-beta-0p1",
+        "promote-dpo-beta-0p5",
+        "promote-grpo",
+    )
 
 
 # --- through kfp.local ------------------------------------------------------------------------------------
@@ -352,9 +387,13 @@ def test_one_more_candidate_with_cache_trains_only_it(sweep_run, tmp_path: Path,
     ran = {line.split()[0] for line in printed[: printed.index("")] if line.split()[1] == "running"}
     # the new candidate, the comparison and the promotions (never cached); the wait tasks are no-ops
     assert ran - {"wait-dpo-beta-2p0", "wait-dpo-beta-0p5"} == {
-        "dpo-beta-0p5", "evaluate-dpo-beta-0p5", "compare",
-        "promote-dpo-beta-0p05", "promote-dpo-beta-2p0", "promote-dpo-beta-0p5",
-    }  # fmt: skip
+        "dpo-beta-0p5",
+        "evaluate-dpo-beta-0p5",
+        "compare",
+        "promote-dpo-beta-0p05",
+        "promote-dpo-beta-2p0",
+        "promote-dpo-beta-0p5",
+    }
     second = json.loads((tmp_path / "more" / "run.json").read_text(encoding="utf-8"))
     for task in ("data-split", "sft", "reward", "dpo-beta-0p05", "evaluate-dpo-beta-0p05", "dpo-beta-2p0"):
         assert second["stages"][task]["dir"] == index["stages"][task]["dir"], task
@@ -385,8 +424,12 @@ def test_rerun_one_candidate_trains_it_with_its_settings(sweep_run, tmp_path: Pa
     assert main(["rerun", "dpo-beta-2p0", "--from", str(out), "--output", str(target)]) == 0
     new = json.loads((target / "run.json").read_text(encoding="utf-8"))
     assert new["rerun"] == [
-        "dpo-beta-2p0", "evaluate-dpo-beta-2p0", "compare", "promote-dpo-beta-0p05", "promote-dpo-beta-2p0"
-    ]  # fmt: skip
+        "dpo-beta-2p0",
+        "evaluate-dpo-beta-2p0",
+        "compare",
+        "promote-dpo-beta-0p05",
+        "promote-dpo-beta-2p0",
+    ]
     assert read(target / "compare")["evaluations"]["dpo-beta-0p05"] == index["stages"]["evaluate-dpo-beta-0p05"]["dir"]
     client = MlflowClient(new["mlflow"]["tracking_uri"])
     parent = new["mlflow"]["parent_run_id"]

@@ -70,8 +70,18 @@ def test_report_inlines_the_plots(tmp_path: Path) -> None:
 
 def test_torchrun_commands() -> None:
     single = launch.torchrun_command(4, ["sft", "--data", "d"])
-    assert single == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
-                      "-m", "kubealign.cli", "sft", "--data", "d"]  # fmt: skip
+    assert single == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=4",
+        "-m",
+        "kubealign.cli",
+        "sft",
+        "--data",
+        "d",
+    ]
     node = launch.torchrun_command(0, ["ppo"], nnodes_from_env=True)
     assert node == [sys.executable, "-m", "torch.distributed.run", "-m", "kubealign.cli", "ppo"]
 
@@ -142,8 +152,9 @@ def test_a_retried_sft_task_resumes_from_the_pvc_after_a_sigkill(tmp_path: Path)
 
     from tests.test_training import result_of
 
-    config_json = config_to_json(load_config(None, ["tracking.enabled=false", "sft.num_train_epochs=0.3",
-                                                    "sft.save_every_steps=4"]))  # fmt: skip
+    config_json = config_to_json(
+        load_config(None, ["tracking.enabled=false", "sft.num_train_epochs=0.3", "sft.save_every_steps=4"])
+    )
     split = tmp_path / "split"
     tasks.data_split(config_json, [], str(split))
     (tmp_path / "config.json").write_text(config_json, encoding="utf-8")
@@ -178,8 +189,16 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
     from kubealign.cluster import trainjob
     from tests.test_trainjob import Cluster, cond
 
-    config = load_config(None, ["kubernetes.ppo_nodes=2", "kubernetes.ppo_gpus=1", f"kubernetes.pvc_mount={tmp_path / 'pvc'}",
-                                "kubernetes.pvc=shared", "kubernetes.namespace=team-a"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "kubernetes.ppo_nodes=2",
+            "kubernetes.ppo_gpus=1",
+            f"kubernetes.pvc_mount={tmp_path / 'pvc'}",
+            "kubernetes.pvc=shared",
+            "kubernetes.namespace=team-a",
+        ],
+    )
     inputs = {}
     for label in ("prompts", "actor", "critic"):
         inputs[label] = tmp_path / label
@@ -274,8 +293,14 @@ def test_trust_remote_code_only_where_the_pipeline_was_compiled_with_it(monkeypa
 # --- the act task: the judge's verdict file -----------------------------------------------------------------
 
 CANARY = ["serve.enabled=true", "promote.mode=canary"]
-VERDICT = {"judged": True, "promoted": True, "version": "3", "registered_model": "kubealign-actor",
-           "inference_service": "team-a/kubealign-actor", "verdict": "judge: challenger (version 3) holds online"}  # fmt: skip
+VERDICT = {
+    "judged": True,
+    "promoted": True,
+    "version": "3",
+    "registered_model": "kubealign-actor",
+    "inference_service": "team-a/kubealign-actor",
+    "verdict": "judge: challenger (version 3) holds online",
+}
 
 
 def judgement(tmp_path: Path, text: str) -> Path:
@@ -321,7 +346,7 @@ def test_rerun_act_refuses_a_malformed_verdict_in_one_line(cli, tmp_path: Path) 
         (
             {**VERDICT, "registered_model": "other"},
             "\"registered_model\" is 'other', not promote.registered_model 'kubealign-actor'",
-        ),  # fmt: skip
+        ),
         ({**VERDICT, "inference_service": "team-a"}, "\"inference_service\" is 'team-a', not NAMESPACE/NAME"),
     ],
 )

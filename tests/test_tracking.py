@@ -307,11 +307,21 @@ def test_best_effort_stage_keeps_its_metrics_in_mlflow_when_all_is_well(tmp_path
 def test_credentials_in_a_tracking_uri_are_refused():
     from kubealign.tracking.runs import check_uri
 
-    for fine in (None, "", "sqlite:///data/x.db", "file:///srv/m", "http://mlflow:5000", "databricks",
-                 "postgresql://kubealign@db/mlflow"):  # fmt: skip
+    for fine in (
+        None,
+        "",
+        "sqlite:///data/x.db",
+        "file:///srv/m",
+        "http://mlflow:5000",
+        "databricks",
+        "postgresql://kubealign@db/mlflow",
+    ):
         check_uri(fine, "tracking.uri")
-    for secret in ("http://alice:s3cret@mlflow:5000", "https://TOKEN123@mlflow.example.com",
-                   "postgresql://kubealign:s3cret@db/mlflow"):  # fmt: skip
+    for secret in (
+        "http://alice:s3cret@mlflow:5000",
+        "https://TOKEN123@mlflow.example.com",
+        "postgresql://kubealign:s3cret@db/mlflow",
+    ):
         with pytest.raises(UserError) as info:
             check_uri(secret, "tracking.uri")
         message = str(info.value)

@@ -108,7 +108,11 @@ def test_torch_s_metadata_requires_what_tests_test_images_recorded() -> None:
         marker = str(requirement.marker or "")
         if "extra ==" not in marker and (not marker or requirement.marker.evaluate({"platform_system": "Linux"})):
             linux.append(str(requirement).split(";")[0].strip())
-    lock_names = {re.sub(r"[-_.]+", "-", n.lower()) for n in re.findall(r"^([\w.-]+)==", (REPO / "requirements" /
-                  "lock-cpu.txt").read_text(encoding="utf-8"), flags=re.M)}  # fmt: skip
+    lock_names = {
+        re.sub(r"[-_.]+", "-", n.lower())
+        for n in re.findall(
+            r"^([\w.-]+)==", (REPO / "requirements" / "lock-cpu.txt").read_text(encoding="utf-8"), flags=re.M
+        )
+    }
     beyond_lock = sorted(r for r in linux if Requirement(r).name not in lock_names)
     assert beyond_lock == sorted(str(Requirement(r)) for r in TORCH_REQUIRES)

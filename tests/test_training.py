@@ -151,9 +151,17 @@ def test_zero_stages_give_the_same_first_losses(cli, split_dir: Path, tmp_path: 
     for stage in (0, 2, 3):
         out = tmp_path / f"z{stage}"
         result = cli(
-            "sft", "--data", split_dir, *FAST, "--set", f"sft.zero_stage={stage}", "--set", "sft.num_train_epochs=0.15",
-            "--output", out,
-        )  # fmt: skip
+            "sft",
+            "--data",
+            split_dir,
+            *FAST,
+            "--set",
+            f"sft.zero_stage={stage}",
+            "--set",
+            "sft.num_train_epochs=0.15",
+            "--output",
+            out,
+        )
         assert result.code == 0, result.err
         firsts[stage] = [h["train_loss"] for h in result_of(out)["history"][:3]]
     assert len(firsts[0]) == 3
@@ -189,9 +197,19 @@ def test_two_ranks_at_zero3_save_one_model(split_dir: Path, tmp_path: Path, laun
     out = tmp_path / stage
     torchrun = launcher(launch)
     proc = kubealign_subprocess(
-        stage, "--data", split_dir, "--set", NO_TRACKING, "--set", f"{stage}.zero_stage=3",
-        "--set", f"{stage}.num_train_epochs=0.3", "--output", out, launcher=torchrun,
-    )  # fmt: skip
+        stage,
+        "--data",
+        split_dir,
+        "--set",
+        NO_TRACKING,
+        "--set",
+        f"{stage}.zero_stage=3",
+        "--set",
+        f"{stage}.num_train_epochs=0.3",
+        "--output",
+        out,
+        launcher=torchrun,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = result_of(out)
     assert result["metrics"]["world_size"] == 2

@@ -84,8 +84,16 @@ def test_source_and_split_send_prompt_rows_to_phase3_only():
     rows = []
     for record in read.records:
         pair = normalize(record.value, columns=declared_columns(data.sources[0]))  # answer: the built-in's column
-        rows.append({"prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
-                     "columns": pair.columns, "source": "s", "origin": record.origin})  # fmt: skip
+        rows.append(
+            {
+                "prompt": pair.prompt,
+                "chosen": pair.chosen,
+                "rejected": pair.rejected,
+                "columns": pair.columns,
+                "source": "s",
+                "origin": record.origin,
+            }
+        )
     plan = split_rows(rows, (2, 4, 4), 0.1, seed=0)
     assert plan.dropped == []
     phase1, phase3 = plan.phases["phase1_sft"], plan.phases["phase3_prompts"]

@@ -16,8 +16,10 @@ import json
 import sys
 
 OPS = {"fused_adam": "FusedAdamBuilder", "transformer_inference": "InferenceBuilder"}
-IMPORTS = {"fused_adam": "deepspeed.ops.adam.fused_adam_op",
-           "transformer_inference": "deepspeed.ops.transformer.inference.transformer_inference_op"}  # fmt: skip
+IMPORTS = {
+    "fused_adam": "deepspeed.ops.adam.fused_adam_op",
+    "transformer_inference": "deepspeed.ops.transformer.inference.transformer_inference_op",
+}
 
 
 def main() -> int:
@@ -30,8 +32,12 @@ def main() -> int:
         print(json.dumps({"deepspeed_imports": False, "error": f"{type(exc).__name__}: {exc}"}))
         return 2
 
-    report = {"torch": torch.__version__, "cuda": torch.version.cuda, "built_with": torch_info,
-              "prebuilt": sorted(op for op in OPS if installed_ops.get(op))}  # fmt: skip
+    report = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "built_with": torch_info,
+        "prebuilt": sorted(op for op in OPS if installed_ops.get(op)),
+    }
     if not torch.cuda.is_available():
         # DeepSpeed's load() takes a prebuilt op only under the CUDA accelerator: here it would JIT-build.
         # Importing the module still shows that it links against this torch (no symbol missing); its
