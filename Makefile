@@ -44,12 +44,12 @@ images: $(RUNTIME_STAMP)
 # checked inside by its own test tier; not part of `make test` (docs/deploy.md "Build the images": its time and
 # size). KUBEALIGN_CUDA_ARCH_LIST=9.0 narrows the archs the ops are compiled for.
 image-train: $(STAMP)
-	$(BIN)/pytest -m train_image tests/test_train_image.py -s
+	$(BIN)/pytest -m train_image tests/cluster/test_train_image.py -s
 
 # The serve image (vLLM's CPU server from kubealign/serving/lock-serve.txt, for KServe's vllm runtime without
 # GPUs), built offline and run as that runtime runs it by its own test tier; not part of `make test`.
 image-serve: $(STAMP)
-	$(BIN)/pytest -m serve_image tests/test_serve_image.py -s
+	$(BIN)/pytest -m serve_image tests/serving/test_serve_image.py -s
 
 $(TOOLS_STAMP): $(TOOLS_LOCK)
 	test -x $(TOOLS)/bin/python || $(PYTHON) -m venv $(TOOLS)
@@ -73,19 +73,19 @@ test: $(STAMP) $(TOOLS_STAMP)
 test-system: $(STAMP)
 	$(BIN)/pytest -m system
 
-# The container tier (tests/test_containers.py, marker container): dockerd, the CPU image built offline from a
+# The container tier (tests/cluster/test_containers.py, marker container): dockerd, the CPU image built offline from a
 # debootstrapped base, the shortened DAG in containers against the subprocess runner, the chart's MLflow server
 # from the image. Not part of `make test` (it kept `make test` over its 45-minute budget): about 6-8 minutes
 # here, the first image build most of it.
 test-containers: $(STAMP)
-	$(BIN)/pytest -m container tests/test_containers.py
+	$(BIN)/pytest -m container tests/cluster/test_containers.py
 
 # `kubealign serve` with vLLM's CPU server, as a person runs it, the online judge against two of them, and the
 # canary online (`kubealign serve --canary`, a sabotaged challenger rolled back, a good one promoted): the venv
 # (kubealign/serving/lock-serve.txt) is built on first use in the cache (about 2.5 minutes here), then each server
 # start takes 40-100 s on 2 cores.
 test-serve: $(STAMP)
-	$(BIN)/pytest -m vllm tests/test_serve_vllm.py tests/test_canary_vllm.py
+	$(BIN)/pytest -m vllm tests/serving/test_serve_vllm.py tests/serving/test_canary_vllm.py
 
 # The ranges without the lock: a fresh venv with the newest releases pyproject.toml allows, then the stage
 # tests (every stage through its CLI, the preflight, the routes through kfp.local). Not part of `make test`;
@@ -93,8 +93,8 @@ test-serve: $(STAMP)
 # exception: the lock's CPU build from this machine's disk, since the newest allowed torch on PyPI is a
 # multi-GB CUDA build.
 LATEST := .venv-latest
-LATEST_TESTS := tests/test_preflight.py tests/test_training.py tests/test_ppo.py tests/test_grpo.py \
-	tests/test_grpo_edges.py tests/test_dpo.py tests/test_evaluate.py tests/test_rewards.py tests/test_routes.py
+LATEST_TESTS := tests/rl/test_preflight.py tests/stages/test_training.py tests/stages/test_ppo.py tests/stages/test_grpo.py \
+	tests/rl/test_grpo_edges.py tests/stages/test_dpo.py tests/stages/test_evaluate.py tests/rewards/test_rewards.py tests/pipelines/test_routes.py
 test-latest:
 	rm -rf $(LATEST) && $(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/pip install --disable-pip-version-check -q 'torch==2.13.0'

@@ -81,7 +81,7 @@ ESTIMATES_S: dict[str, dict[str, Any]] = {
 SETUP_S = {"run.sh": 25, "process": 14, "opt-1.3b": 5, "opt-350m": 2, "llama-1.3b": 5, "prompts": 5}
 # run.sh on a warm machine: the wheels are installed (its .installed marker), only the import checks run
 RUN_SH_WARM_S = 13.0
-# `run.sh tests` (pytest -m gpu: tests/test_gpu_ppo.py after the module's split / sft / reward fixture):
+# `run.sh tests` (pytest -m gpu: tests/stages/test_gpu_ppo.py after the module's split / sft / reward fixture):
 # measured 40 s for its first three tests; the top-k test that replaced one runs four 1-iteration PPO runs
 TESTS_S = 60.0
 # `run.sh padding-free` (issue 62: real_lengths.py --quick at OPT-1.3B shape in bf16, not measured yet): the

@@ -64,7 +64,7 @@ case "$1 ${2:-}" in
     # Nothing in the venv writable but by root: a build step's umask left DeepSpeed's prebuilt op
     # world-writable (images/train/check.py refuses any such file).
     chmod -R go-w "$venv"
-    # every installed distribution's requirements met (the versions against the lock: tests/test_containers.py)
+    # every installed distribution's requirements met (the versions against the lock: tests/cluster/test_containers.py)
     $pip check
     ;;
   *)

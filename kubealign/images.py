@@ -16,7 +16,7 @@ REGISTRY_ENV = "KUBEALIGN_IMAGE_REGISTRY"
 DEFAULT_REGISTRY = "ghcr.io/kubealign"
 
 # The bases images/*/Dockerfile build FROM by default (`kubealign images build --base` picks another, or a
-# debootstrapped Debian where no registry is reachable); tests/test_images.py checks them (and the torch,
+# debootstrapped Debian where no registry is reachable); tests/cluster/test_images.py checks them (and the torch,
 # CUDA, deepspeed and Python versions) against the Dockerfiles, requirements/lock-cpu.txt and
 # images/train/cuda.txt.
 # Not the slim variant: DeepSpeed on CPU JIT-compiles an op at start-up and needs g++ and the Python headers,

@@ -25,7 +25,7 @@ for one run and puts them back after:
   what the compiler's check for such tasks (inputs from upstream must be optional) promises; the
   replacement drops artifact inputs whose producer failed or was skipped, so the default (None) applies.
 
-tests/test_run_output.py fails if kfp changes either seam (names, parameters, or how they are called).
+tests/pipelines/test_run_output.py fails if kfp changes either seam (names, parameters, or how they are called).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["TQDM_DISABLE"] = "1"
 # One intra-op thread per test process and the stages it starts (a user's own setting wins): the tiny models'
-# matrices are too small for a second thread to pay (tests/test_grpo.py on 2 cores: 214 s with 2 threads and
+# matrices are too small for a second thread to pay (tests/stages/test_grpo.py on 2 cores: 214 s with 2 threads and
 # 336 s of CPU, 219 s of CPU with 1), and `make test` runs a pytest worker per core (pytest-xdist), which
 # two-thread processes would oversubscribe.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

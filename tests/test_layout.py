@@ -197,3 +197,18 @@ def test_the_components_package_exports_every_component():
 
     declared = {name for name, value in vars(stages).items() if isinstance(value, BaseComponent)}
     assert set(components.__all__) == declared and len(declared) == 13
+
+
+def test_tests_are_laid_out_like_the_library() -> None:
+    """Each folder of tests/ is a package of the library, faults (the fault-injection tests) or support (helpers
+    shared by several folders: no tests there); at the top only the tests of the whole repository."""
+    library = {p.name for p in (ROOT / "kubealign").iterdir() if (p / "__init__.py").is_file()}
+    library |= {"pipelines", "components", "configs"}  # top-level folders installed as kubealign.<name>
+    tests = ROOT / "tests"
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert folders - library <= {"faults", "support"}, folders - library
+    assert not list((tests / "support").glob("test_*.py"))
+    top = {p.stem for p in tests.glob("test_*.py")}
+    whole = {"test_layout", "test_repo_hygiene", "test_package", "test_errors", "test_config"}
+    whole |= {"test_gpu_harness", "test_policy_losses_benchmark"}  # the benchmarks' own tests
+    assert top <= whole, top - whole

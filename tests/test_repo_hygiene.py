@@ -27,7 +27,7 @@ MACHINE_PATH_ALLOWED = {
     "images/cpu/Dockerfile",
     "images/serve/Dockerfile",
     "images/install.sh",
-    "tests/test_images.py",
+    "tests/cluster/test_images.py",
     "tests/test_repo_hygiene.py",
 }
 

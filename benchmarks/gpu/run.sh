@@ -84,7 +84,7 @@ main() {
         # -P and --import-mode=append: python -m and pytest would otherwise put the checkout first on sys.path,
         # in front of $PKG (the checkout stays on PYTHONPATH, after it, for `tests`)
         timeout -k 10 "$left" python3 -P -m pytest -m gpu -p no:cacheprovider --import-mode=append -q \
-            tests/test_gpu_ppo.py "$@" \
+            tests/stages/test_gpu_ppo.py "$@" \
             --junitxml "$OUT/gpu-tests.xml"
         return
     fi

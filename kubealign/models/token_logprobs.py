@@ -13,7 +13,7 @@ its [chunk_size, V] log-softmax alive: the step's peak memory does not grow with
 matmul of those rows in the backward pass (one chunk is kept: it is the bound anyway).
 
 The result equals the full-logits path's to float32 rounding (a matmul of other shapes rounds otherwise),
-gradients included (tests/test_token_logprobs.py). The body and the head are the modules the model's own
+gradients included (tests/models/test_token_logprobs.py). The body and the head are the modules the model's own
 forward calls (`get_decoder()` and `get_output_embeddings()`), for the architectures in FAST_TYPES, whose
 causal-LM forward is exactly `lm_head(decoder(...).last_hidden_state)` — no logit scaling or soft-capping
 (Gemma 2's final_logit_softcapping, Cohere's logit_scale, Granite's logits_scaling are not in it). They run

@@ -107,7 +107,7 @@ def take_lease(client: Any, lock: str, owner: str) -> bool:
         if error_code(exc) == "RESOURCE_DOES_NOT_EXIST":
             # MLflow's SQL store answers a create that lost the unique insert by reading the winner back;
             # when the winner released (deleted) it in between, that read fails. The lease is free: try
-            # again. (Seen on PostgreSQL: 5 of 120 takes racing a release; tests/test_production_stores.py.)
+            # again. (Seen on PostgreSQL: 5 of 120 takes racing a release; tests/faults/test_production_stores.py.)
             return False
         if error_code(exc) != "RESOURCE_ALREADY_EXISTS":
             raise

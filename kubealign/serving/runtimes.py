@@ -32,5 +32,6 @@ RUNTIMES: dict[str, Runtime] = {
 
 
 def runtime(name: str) -> Runtime:
-    """The row of `serve.runtime` (the config's Literal lists the same names: tests/test_serving.py checks it)."""
+    """The row of `serve.runtime` (the config's Literal lists the same names: tests/serving/test_serving.py
+    checks that they agree)."""
     return RUNTIMES[name]
