@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from kubealign.models import token_logprobs as tl
 from kubealign.models.inputs import position_ids
 from kubealign.models.token_logprobs import Settings, target_logprobs
+from tests.support.models import DoubledLogits
 
 V, PAD, EOS = 61, 1, 2
 EXACT = 1e-5  # float32: a matmul of other shapes rounds otherwise
@@ -181,28 +182,15 @@ def test_a_lora_wrapper_trains_its_adapters_through_the_gathered_path():
         assert not torch.allclose(off, target_logprobs(model, ids, attention, loss[:, 1:]).logprobs, atol=1e-3)
 
 
-class Wrapped(torch.nn.Module):
-    """A causal LM behind a module of no known structure (with its own logits: doubled)."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, **kwargs):
-        out = self.inner(**kwargs)
-        out.logits = out.logits * 2
-        return out
-
-
 def test_an_unknown_model_takes_the_full_logits_noted_once(caplog, monkeypatch):
     monkeypatch.setattr(tl, "_NOTED", set())
-    model = Wrapped(small_lm("opt"))
+    model = DoubledLogits(small_lm("opt"))
     ids, attention, loss = batch()
     with caplog.at_level(logging.WARNING, logger=tl.__name__):
         first = target_logprobs(model, ids, attention, loss[:, 1:], Settings(entropy=True, chunk_size=4))
         again = target_logprobs(model, ids, attention, loss[:, 1:])
     notes = [r.getMessage() for r in caplog.records]
-    assert len(notes) == 1 and "full logits" in notes[0] and "Wrapped" in notes[0]
+    assert len(notes) == 1 and "full logits" in notes[0] and "DoubledLogits" in notes[0]
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention)).logits
     want = F.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * loss[:, 1:]

@@ -15,6 +15,7 @@ from kubealign.models import loading
 from tests.conftest import NO_TRACKING
 from tests.stages.test_ppo import trained  # noqa: F401  (module-scoped fixture: split, sft, rm)
 from tests.stages.test_training import result_of
+from tests.support.models import DoubledLogits
 
 pytestmark = pytest.mark.integration
 SMALL = ["--set", NO_TRACKING, "--set", "evaluate.max_prompts=16", "--set", "evaluate.sample_rows=5"]
@@ -229,7 +230,6 @@ def test_synthetic_judgements_only_on_the_synthetic_task():
 
 def sabotaged_copy(rm: Path, out: Path) -> Path:
     """The reward model with its score head negated: it prefers exactly what the honest one rejects."""
-    import torch
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     model = AutoModelForSequenceClassification.from_pretrained(rm)
@@ -302,22 +302,10 @@ def test_evaluation_kl_is_tempered_and_unfiltered(trained):  # noqa: F811
     tokenizer = loading.load_tokenizer(str(trained["sft"]))
     model = loading.load_causal_lm(str(trained["sft"])).eval()
 
-    class Sharper(torch.nn.Module):
-        """The same model with logits doubled: the same argmax, a different softmax."""
-
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, **kwargs):
-            out = self.inner(**kwargs)
-            out.logits = out.logits * 2
-            return out
-
     prompts = [encode_prompt(tokenizer, p) for p in ("\n\nHuman: Tell me about bees.\n\nAssistant:",) * 2]
     cfg = EvaluateConfig(temperature=1.0, top_k=1, top_p=1.0, max_new_tokens=8, batch_size=2)
     rows = sample(model, tokenizer, prompts, cfg)  # greedy: also the sharper model's only possible sample
-    greedy = kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 1, 1.0))
-    assert greedy == kl_to(Sharper(model), model, rows, 2, Sampling(1.0, 0, 1.0))  # the filter changes nothing
+    greedy = kl_to(DoubledLogits(model), model, rows, 2, Sampling(1.0, 1, 1.0))
+    assert greedy == kl_to(DoubledLogits(model), model, rows, 2, Sampling(1.0, 0, 1.0))  # the filter changes nothing
     assert greedy != 0 and math.isfinite(greedy)  # the softmaxes differ over the vocabulary
     assert kl_to(model, model, rows, 2, Sampling(0.7, 1, 0.5)) == 0.0
