@@ -1,6 +1,7 @@
 """What the TRL benchmarks share (trl_compare.py for SFT / reward / DPO, trl_grpo.py for GRPO): a counter of
-the real tokens and slots each training forward sees, the TRL callback that marks its steps, and TRL run as
-in a process of its own. A module of its own so that neither benchmark imports the other."""
+the real tokens and slots each training forward sees (and the process's peak resident memory over the timed
+steps), the TRL callback that marks its steps, and TRL run as in a process of its own. A module of its own so
+that neither benchmark imports the other."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import contextlib
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,11 +35,36 @@ class Counter:
             self.real, self.slots = self.real + ids.numel(), self.slots + ids.numel()
 
     def mark(self) -> None:
+        if not self.marks:  # the timed steps start: the peak is counted from here (both sides alike)
+            self.rss_start = reset_peak_rss()
         self.marks.append((time.perf_counter(), self.real, self.slots))
 
     def figures(self) -> dict[str, float]:
         (t0, r0, s0), (t1, r1, s1) = self.marks[0], self.marks[-1]
-        return {"seconds": t1 - t0, "real_tokens": r1 - r0, "slots": s1 - s0}
+        out = {"seconds": t1 - t0, "real_tokens": r1 - r0, "slots": s1 - s0}
+        if self.rss_start is not None:
+            out["peak_rss_above_start_bytes"] = status_bytes("VmHWM") - self.rss_start
+        return out
+
+    rss_start: int | None = None
+
+
+def status_bytes(field: str) -> int:
+    """A size field of /proc/self/status (VmRSS: resident now, VmHWM: its peak), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak_rss() -> int | None:
+    """Reset the process's resident peak (Linux: 5 to /proc/self/clear_refs sets VmHWM to VmRSS) and return
+    the resident size it starts from; None where the kernel does not allow it (no peak is then reported)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return status_bytes("VmRSS")
 
 
 def trl_callback(counter: Counter) -> Any:

@@ -235,6 +235,9 @@ def measure(stage: rl.Stage, model_dir: Path, rounds: int, steps: int, sides: li
             "round_s": [round(x["seconds"], 2) for x in found],
             "losses": [[round(v, 5) for v in x["losses"]] for x in found],
         }
+        peaks = [x["peak_rss_above_start_bytes"] for x in found if "peak_rss_above_start_bytes" in x]
+        if peaks:  # the largest over the rounds: resident memory the timed steps added at their peak
+            out["sides"][side]["peak_rss_above_start_mib"] = round(max(peaks) / 2**20, 1)
     out["same_loss"] = same_loss(stage, model_dir, data)
     if "trl-padding-free" in sides:
         check = same_loss(stage, model_dir, data, "trl-padding-free")

@@ -2,7 +2,7 @@
 (vLLM's, as `kubealign serve` and KServe's vllm runtime run it), and its latency histogram from /metrics;
 and the LLM judge's pairs (evaluate.llm_judge) to the judge's server, the same way.
 
-Every request ends as a kubealign.serving.judge.Answer: the completion's text, or one line saying why not
+Every request ends as a kubealign.serving.verdict.Answer: the completion's text, or one line saying why not
 (HTTP status, timeout, refused, garbage). Nothing raises for a bad answer: the judge counts them.
 """
 
@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.promotion import llm_judge
-from kubealign.serving.judge import Answer
+from kubealign.serving.verdict import Answer
 
 LATENCY_METRIC = "vllm:e2e_request_latency_seconds"  # vLLM's histogram of a request's whole time
 

@@ -13,7 +13,7 @@ figures the promotion guards read (kubealign.selection.comparison.degeneration) 
 win-rate when the reward model dir holds one (held-out capability is not measured online: said
 "unchecked"), and, when evaluate.llm_judge.url is set, the LLM judge's verdicts on the same pairs in both
 orders, the canary's answer as the candidate (kubealign.stages.evaluate.llm_judged: the requests and figures
-of evaluate's). The decision is kubealign.serving.judge.decide's. Output
+of evaluate's). The decision is kubealign.serving.verdict.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
 (each prompt's answers and, with an LLM judge, its verdict), judge.md and judge.png, logged to the stage's
 MLflow run. Acting on the verdict: kubealign.serving.act.
@@ -41,7 +41,8 @@ from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model
-from kubealign.serving import ask, judge
+from kubealign.serving import ask
+from kubealign.serving import verdict as rules  # the online verdict's pure rules
 from kubealign.stages.evaluate import heldout_figures, llm_judged, score
 from kubealign.tracking.runs import stage_run
 
@@ -93,7 +94,7 @@ def scored(
     tokenizer_dir: Path,
     reward: Path | None,
     data: phases.Rows,
-    answers: dict[str, list[judge.Answer]],
+    answers: dict[str, list[rules.Answer]],
     pairs: list[int],
 ) -> tuple[dict[str, list[dict[str, Any]]], int, dict[str, float]]:
     """(each model's rows of the prompts both answered, scored as evaluate scores its samples; the EOS id; the
@@ -120,7 +121,7 @@ def scored(
 
 
 def llm_judge_verdicts(
-    config: KubealignConfig, prompts: list[str], answers: dict[str, list[judge.Answer]], pairs: list[int]
+    config: KubealignConfig, prompts: list[str], answers: dict[str, list[rules.Answer]], pairs: list[int]
 ) -> tuple[dict[str, float], dict[int, str | None]]:
     """When evaluate.llm_judge.url is set: the LLM judge asked about every prompt both answered, in both orders,
     the canary's answer as the candidate and the champion's as the baseline, as evaluate asks it (its figures
@@ -136,7 +137,7 @@ def llm_judge_verdicts(
     return figures, {i: ONLINE_VERDICTS.get(row["llm_judge"]) for i, row in zip(pairs, table, strict=True)}
 
 
-def plot(path: Path, answers: dict[str, list[judge.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
+def plot(path: Path, answers: dict[str, list[rules.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
     """judge.png: each model's answered requests' latency as a cumulative share (errors marked on the right),
     and, per prompt both answered, the canary's score against the champion's (above the diagonal: the canary
     won it)."""
@@ -193,12 +194,12 @@ def run(
     names = served_name if isinstance(served_name, dict) else dict.fromkeys(urls, one)
     started = time.perf_counter()
     answers = {who: ask.ask(url, names[who], data.prompts, cfg) for who, url in urls.items()}
-    served = {who: judge.serving_figures(got) for who, got in answers.items()}
+    served = {who: rules.serving_figures(got) for who, got in answers.items()}
     for who, url in urls.items():  # the server's own view: its request-latency histogram (vLLM's /metrics)
         buckets = ask.latency_histogram(ask.scrape(url), names[who])
         for q in (50, 95) if buckets else ():
-            served[who][f"server_latency_p{q}_s"] = judge.histogram_quantile(buckets, q / 100)
-    pairs = judge.answered_pairs(answers["champion"], answers["canary"])
+            served[who][f"server_latency_p{q}_s"] = rules.histogram_quantile(buckets, q / 100)
+    pairs = rules.answered_pairs(answers["champion"], answers["canary"])
     metrics: dict[str, float] = {}
     rows = None
     if pairs:
@@ -211,8 +212,8 @@ def run(
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
-    promoted, lines = judge.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
-    verdict = judge.verdict_line(promoted, lines, "challenger", canary_version)
+    promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
+    verdict = rules.verdict_line(promoted, lines, "challenger", canary_version)
     lines = [*served_versions, *lines]
     for who, figures in served.items():
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})

@@ -18,7 +18,7 @@ import pytest
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.serving.ask import ask, latency_histogram
-from kubealign.serving.judge import (
+from kubealign.serving.verdict import (
     Answer,
     answered_pairs,
     decide,
