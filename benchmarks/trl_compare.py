@@ -28,7 +28,9 @@ in the machine's load falls on all. The sides:
 
 Reported per stage and side: real (non-padding) tokens per second over the timed steps (from the trainer's
 start of training, its optimizer and model already built, to the end of the last step), the share of token
-slots spent on padding, the loss of every step, and `same_loss`: kubealign's loss and TRL's on one identical
+slots spent on padding, the loss of every step, the peak resident memory the timed steps added
+(`peak_rss_above_start_mib`: the process's peak reset when a side's timed steps start, the largest over the
+rounds; Linux), and `same_loss`: kubealign's loss and TRL's on one identical
 micro-batch before any step (SFT: the token mean of the completion NLL; DPO: the sigmoid loss, both against
 the same zero reference table; reward: not comparable, TRL trains a sequence-classification head and
 kubealign a value head). `speedup` is kubealign's throughput over the best exact TRL side's.
