@@ -19,11 +19,19 @@ class Counter:
     """Real tokens and token slots of every training forward of a model (a forward pre-hook), with the
     time and the counts at the end of each optimizer step."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module | None):
+        """model: the one whose training forwards are counted; None: the caller counts its batches (add)."""
         self.real = self.slots = 0
         self.marks: list[tuple[float, int, int]] = []
         self.losses: list[float] = []
-        model.register_forward_pre_hook(self._count, with_kwargs=True)
+        if model is not None:
+            model.register_forward_pre_hook(self._count, with_kwargs=True)
+
+    def add(self, attention_mask: torch.Tensor) -> None:
+        """A batch's real tokens and slots, counted by the caller: kubealign's DPO runs each pair's prompt
+        once (models.shared_prompt), so its forwards see fewer tokens than the pairs hold; what both sides
+        count is the pairs' tokens, prompt twice, as TRL's forward takes them."""
+        self.real, self.slots = self.real + int(attention_mask.sum()), self.slots + attention_mask.numel()
 
     def _count(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
         if not torch.is_grad_enabled():

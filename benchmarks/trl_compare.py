@@ -27,7 +27,9 @@ in the machine's load falls on all. The sides:
   the "best" TRL.
 
 Reported per stage and side: real (non-padding) tokens per second over the timed steps (from the trainer's
-start of training, its optimizer and model already built, to the end of the last step), the share of token
+start of training, its optimizer and model already built, to the end of the last step; the tokens of the
+batches trained, so a DPO pair counts its prompt twice on both sides although kubealign's forward runs it
+once: models.shared_prompt), the share of token
 slots spent on padding, the loss of every step, the peak resident memory the timed steps added
 (`peak_rss_above_start_mib`: the process's peak reset when a side's timed steps start, the largest over the
 rounds; Linux), and `same_loss`: kubealign's loss and TRL's on one identical
@@ -169,10 +171,12 @@ def run_trl(stage: rl.Stage, side: str, model_dir: Path, data: Any, seed: int, s
 def run_kubealign(stage: rl.Stage, model_dir: Path, seed: int, steps: int) -> dict[str, Any]:
     """`steps` optimizer steps of the stage's grouped micro-batches (an epoch plan with this seed)."""
     engine = rl.engine_for(stage, model_dir, steps)
-    counter = Counter(engine.module)
+    counter = Counter(None)  # the batches' tokens (Counter.add): DPO's forwards see each prompt once
     counter.mark()
     for indices in rl.batches_of(stage, "grouped", seed)[:steps]:
-        loss = stage.loss(engine, collate(stage, indices))
+        batch = collate(stage, indices)
+        counter.add(batch["attention_mask"])
+        loss = stage.loss(engine, batch)
         engine.backward(loss)
         engine.step()
         counter.losses.append(loss.item())

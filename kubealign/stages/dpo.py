@@ -26,7 +26,8 @@ from kubealign.data import phases
 from kubealign.data.tokenize import encode_preference
 from kubealign.errors import UserError
 from kubealign.models import loading
-from kubealign.models.token_logprobs import first_target_column, forward_logits, target_logprobs
+from kubealign.models.shared_prompt import pair_target_logprobs
+from kubealign.models.token_logprobs import first_target_column, forward_logits
 from kubealign.rl.dpo import (
     SequenceLogprobs,
     chosen_nll,
@@ -68,11 +69,12 @@ def pair_length(pair: dict[str, Any]) -> int:
 
 
 def response_logprobs(model: Any, batch: dict[str, torch.Tensor]) -> SequenceLogprobs:
-    """Summed log-probs of each row's response tokens, with the LM head and the log-softmax at those
-    tokens only (models.token_logprobs): the policy's in training and the reference table's."""
+    """Summed log-probs of each row's response tokens (a collated pair batch), each pair's prompt run once
+    (models.shared_prompt) and the LM head and the log-softmax at the response tokens only
+    (models.token_logprobs): the policy's in training and the reference table's."""
     device = distributed.device()
     ids, attention, mask = (batch[k].to(device) for k in ("input_ids", "attention_mask", "loss_mask"))
-    return sequence_sums(target_logprobs(model, ids, attention, mask[:, 1:]).logprobs, mask)
+    return sequence_sums(pair_target_logprobs(model, ids, attention, mask), mask)
 
 
 def _forward(model: Any, batch: dict[str, torch.Tensor]) -> tuple[SequenceLogprobs, torch.Tensor, int]:
