@@ -154,7 +154,7 @@ def pipeline_defaults(config: KubealignConfig) -> dict[str, Any]:
         "data_fingerprint": data_fingerprint(config),
         "sft_model_fingerprint": model_fingerprint(config.sft.model, config.sft.revision),
         "reward_model_fingerprint": model_fingerprint(config.reward.model, config.reward.revision),
-        "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
+        "reward_functions": definitions.to_json(definitions.resolve_all(config.rewards, config.tools, config.base_dir)),
     }
 
 

@@ -237,7 +237,7 @@ def _finish(
     ok = all(s in stages for s in route if shape.route_of(s) not in failed_candidates and not shape.is_wait(s))
     extra = {
         "config_json": config_to_json(config),
-        "reward_functions": definitions.to_json(definitions.resolve(config.rewards, config.base_dir)),
+        "reward_functions": definitions.to_json(definitions.resolve_all(config.rewards, config.tools, config.base_dir)),
         **extra,
         "succeeded": ok,
         "algorithm": config.route(),

@@ -21,6 +21,7 @@ from kubealign.config.pipeline import PipelineConfig, shorthand
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig, RolloutCorrectionConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.suites import SuitesConfig
+from kubealign.config.tools import ToolsConfig
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
 from kubealign.selection.candidates import Candidate
 
@@ -301,6 +302,7 @@ class KubealignConfig(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)
     ppo: PPOConfig = Field(default_factory=PPOConfig)
     rewards: RewardsConfig = Field(default_factory=RewardsConfig)
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     evaluate: EvaluateConfig = Field(default_factory=EvaluateConfig)
     promote: PromoteConfig = Field(default_factory=PromoteConfig)
@@ -383,6 +385,11 @@ class KubealignConfig(Section):
             raise ValueError(
                 "serve.enabled takes one route: with several pipeline.candidates, serve the champion "
                 "with `kubealign serve --manifest` after the run"
+            )
+        if self.tools.enabled and self.ppo.rollout_correction.kind != "none":
+            raise ValueError(
+                "ppo.rollout_correction needs the rollout's own log-probs, which multi-turn rollouts (tools) do not "
+                "record yet: set ppo.rollout_correction.kind=none or remove the tools"
             )
         self._check_candidates()
         return self

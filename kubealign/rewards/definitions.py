@@ -1,4 +1,5 @@
-"""Resolve `rewards.functions` into FunctionSpecs: name, weight and where the code is.
+"""Resolve `rewards.functions` (and the `tools` section's tools and environment) into FunctionSpecs: name,
+weight, kind and where the code is.
 
 A FILE.py:NAME function is read here, where the config is (a relative FILE is relative to the config
 file), and its source text travels in the spec: the compiled pipeline embeds it, the task runs it from
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from kubealign.config.schema import RewardsConfig
+from kubealign.config.tools import ToolsConfig
 from kubealign.errors import UserError
 
 
@@ -27,10 +29,14 @@ class FunctionSpec(NamedTuple):
     weight: float
     source: str | None  # a FILE.py function's source text; None for module:NAME
     sha256: str  # of the source text, or of the module's file when it was found here ('' if not)
+    kind: str = "reward"  # reward: rewards.functions; tool: tools.functions; environment: tools.environment
 
     @property
     def field(self) -> str:
-        return f"rewards.functions[{self.index}].path"
+        if self.kind == "environment":
+            return "tools.environment"
+        section = "tools" if self.kind == "tool" else "rewards"
+        return f"{section}.functions[{self.index}].path"
 
     @property
     def filename(self) -> str:
@@ -53,28 +59,50 @@ def _module_sha256(module: str) -> str:
     return hashlib.sha256(Path(origin).read_bytes()).hexdigest()
 
 
+def _code(where: str, field: str, base_dir: str | None) -> tuple[str | None, str]:
+    """(source, sha256) of FILE.py (read here; UserError naming the field for a missing or unreadable one), or
+    (None, the module file's sha256) of an importable module."""
+    if not is_file_path(where):
+        return None, _module_sha256(where)
+    path = Path(where).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    if not path.is_file():
+        relative = f" (relative to {base_dir})" if base_dir and not Path(where).is_absolute() else ""
+        raise UserError(f"{field}: no such file: {where}{relative}")
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{field}: cannot read {where}: {exc}") from None
+    return source, hashlib.sha256(source.encode()).hexdigest()
+
+
 def resolve(rewards: RewardsConfig, base_dir: str | None) -> list[FunctionSpec]:
     """The configured functions, their files read (UserError naming the field for a missing or unreadable one)."""
     specs = []
     for index, function in enumerate(rewards.functions):
-        where = function.path.rpartition(":")[0]
-        field = f"rewards.functions[{index}].path"
-        if is_file_path(where):
-            path = Path(where).expanduser()
-            if not path.is_absolute() and base_dir is not None:
-                path = Path(base_dir) / path
-            if not path.is_file():
-                relative = f" (relative to {base_dir})" if base_dir and not Path(where).is_absolute() else ""
-                raise UserError(f"{field}: no such file: {where}{relative}")
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as exc:
-                raise UserError(f"{field}: cannot read {where}: {exc}") from None
-            sha = hashlib.sha256(source.encode()).hexdigest()
-        else:
-            source, sha = None, _module_sha256(where)
+        source, sha = _code(function.path.rpartition(":")[0], f"rewards.functions[{index}].path", base_dir)
         specs.append(FunctionSpec(index, function.name, function.path, function.weight, source, sha))
     return specs
+
+
+def resolve_tools(tools: ToolsConfig, base_dir: str | None) -> list[FunctionSpec]:
+    """The tools section's functions (kind tool) and environment (kind environment), their files read."""
+    specs = []
+    for index, function in enumerate(tools.functions):
+        source, sha = _code(function.path.rpartition(":")[0], f"tools.functions[{index}].path", base_dir)
+        specs.append(FunctionSpec(index, function.name, function.path, 0.0, source, sha, "tool"))
+    if tools.environment is not None:
+        where, _, name = tools.environment.rpartition(":")
+        source, sha = _code(where, "tools.environment", base_dir)
+        specs.append(FunctionSpec(0, name, tools.environment, 0.0, source, sha, "environment"))
+    return specs
+
+
+def resolve_all(rewards: RewardsConfig, tools: ToolsConfig, base_dir: str | None) -> list[FunctionSpec]:
+    """Every piece of the user's code a run executes: the reward functions, then the tools and environment.
+    They travel together (the pipeline parameter reward_functions) and are pinned together."""
+    return resolve(rewards, base_dir) + resolve_tools(tools, base_dir)
 
 
 def to_json(specs: list[FunctionSpec]) -> str:
@@ -91,13 +119,18 @@ def from_json(text: str) -> list[FunctionSpec]:
         raise UserError(f"{label}: not a list of reward function specs ({exc})") from None
 
 
-def check_matches(specs: list[FunctionSpec], rewards: RewardsConfig) -> None:
-    """The specs a task was handed are the config's functions (same paths and weights, in order)."""
-    configured = [(f.path, f.weight) for f in rewards.functions]
-    if [(s.path, s.weight) for s in specs] != configured:
+def check_matches(specs: list[FunctionSpec], rewards: RewardsConfig, tools: ToolsConfig | None = None) -> None:
+    """The specs a task was handed are the config's functions (same paths and weights, in order), and its
+    tools and environment when `tools` is given."""
+    configured = [(f.path, f.weight, "reward") for f in rewards.functions]
+    if tools is not None:
+        configured += [(f.path, 0.0, "tool") for f in tools.functions]
+        configured += [(tools.environment, 0.0, "environment")] if tools.environment is not None else []
+    handed = [(s.path, s.weight, s.kind) for s in specs if tools is not None or s.kind == "reward"]
+    if handed != configured:
         raise UserError(
-            "pipeline parameter reward_functions does not match rewards.functions in config_json "
-            f"({[s.path for s in specs]} vs {[p for p, _ in configured]}): compile the pipeline again"
+            "pipeline parameter reward_functions does not match rewards.functions and tools in config_json "
+            f"({[s[0] for s in handed]} vs {[p for p, _, _ in configured]}): compile the pipeline again"
         )
 
 

@@ -250,6 +250,40 @@ class FunctionRunner:
                 raise UserError(f"{label(spec)}: returned {value} for row {origins[i]}; a reward must be finite")
         return values
 
+    def tool_calls(self, calls: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+        """(text, is_error) per call {name, arguments}, run in the worker in one request: a tool's result, or
+        the error a raising tool, an unknown name or arguments that do not fit give (an observation). A tool
+        that hangs is stopped at rewards.timeout_s with the worker: a UserError naming the tools."""
+        tools = [s for s in self.specs if s.kind == "tool"]
+        if not calls:
+            return []
+        first = next((s for s in tools if s.name == calls[0]["name"]), tools[0])
+        request = {"op": "tools", "calls": calls, "tools": [s.name for s in tools]}
+        names = sorted({c["name"] for c in calls})
+        reply = self._ask(request, first, f"{len(calls)} calls of {', '.join(names)}")
+        if "error" in reply:
+            raise UserError(f"{label(first)}: {reply['message']}")
+        return [(r["result"], False) if "result" in r else (r["error"], True) for r in reply["results"]]
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas (type hints and docstrings), in tools.functions' order."""
+        tools = [s for s in self.specs if s.kind == "tool"]
+        if not tools:
+            return []
+        reply = self._ask({"op": "schemas", "tools": [s.name for s in tools]}, tools[0], "reading the schemas")
+        if "error" in reply:
+            raise UserError(f"tools: {reply['message']}; a tool needs type hints and a docstring")
+        return reply["schemas"]
+
+    def environment(self, op: str, payload: dict[str, Any], origins: list[str]) -> dict[str, Any]:
+        """reset (slots, rows) -> {observations} or step (slots, actions) -> {steps}; UserError naming the row."""
+        spec = next(s for s in self.specs if s.kind == "environment")
+        reply = self._ask({"op": op, "name": spec.name, **payload}, spec, f"{op} of {len(payload['slots'])} rows")
+        if "error" in reply:
+            row = f" on row {origins[reply['row']]}" if reply.get("row", len(origins)) < len(origins) else ""
+            raise UserError(f"{label(spec)}: {reply['message']}{row}")
+        return reply
+
     def _name_row(
         self,
         spec: FunctionSpec,
@@ -274,4 +308,5 @@ class FunctionRunner:
 
 
 def label(spec: FunctionSpec) -> str:
-    return f"reward function {spec.name} ({spec.field})"
+    what = {"tool": "tool", "environment": "environment"}.get(spec.kind, "reward function")
+    return f"{what} {spec.name} ({spec.field})"

@@ -64,7 +64,8 @@ class Scorer:
 
     def __init__(self, model: Any, model_weight: float, runner: FunctionRunner | None, tokenizer: Any):
         self.model, self.model_weight, self.runner, self.tokenizer = model, model_weight, runner, tokenizer
-        self.specs: list[FunctionSpec] = runner.specs if runner is not None else []
+        # the runner's worker also runs the tools and the environment (kind tool / environment): not scores
+        self.specs: list[FunctionSpec] = [s for s in runner.specs if s.kind == "reward"] if runner is not None else []
 
     def eval(self) -> Scorer:
         if self.model is not None:

@@ -49,8 +49,16 @@ def load(spec: dict[str, Any]) -> Any:
     if not hasattr(module, name):
         raise LoadError(f"{where} has no function {name}")
     function = getattr(module, name)
+    kind = spec.get("kind", "reward")
+    if kind == "environment":
+        missing = [m for m in ("reset", "step") if not callable(getattr(function, m, None))]
+        if not isinstance(function, type) or missing:
+            raise LoadError(f"{name} in {where} is not an environment class with reset(row) and step(action)")
+        return function
     if not callable(function):
         raise LoadError(f"{name} in {where} is a {type(function).__name__}, not a function")
+    if kind == "tool":  # called with the call's arguments as keywords: any signature may fit some call
+        return function
     try:
         parameters = inspect.signature(function).parameters.values()
     except ValueError:  # a builtin without a signature: a call will say what is wrong
@@ -95,6 +103,80 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
     return {"values": [v if v is None or v == v and abs(v) != float("inf") else repr(v) for v in out]}
 
 
+def _tool_calls(functions: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """Each call {name, arguments} -> {"result": text} or {"error": text}: a tool that raises, an unknown tool
+    and arguments that do not fit are the model's mistakes, answered as observations it can learn from."""
+    results = []
+    for call in request["calls"]:
+        function = functions.get(call["name"]) if call["name"] in request["tools"] else None
+        if function is None:
+            results.append({"error": f"unknown tool {call['name']!r} (tools: {', '.join(request['tools'])})"})
+            continue
+        try:
+            inspect.signature(function).bind(**call["arguments"])
+        except TypeError as exc:
+            results.append({"error": f"{call['name']}: {exc}"})
+            continue
+        except ValueError:
+            pass
+        try:
+            results.append({"result": str(function(**call["arguments"]))})
+        except MemoryError:
+            return {"error": "memory", "memory": True, "message": "MemoryError"}
+        except Exception as exc:  # the tool's error is the observation
+            results.append({"error": _describe(exc)})
+    return {"results": results}
+
+
+def _schemas(functions: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """The tools' JSON schemas from their type hints and docstrings (transformers' get_json_schema, what
+    chat templates and TRL show a model), imported here only: the worker stays light for reward functions."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return {"schemas": [get_json_schema(functions[n]) for n in names]}
+    except Exception as exc:  # a tool without type hints or a docstring
+        return {"error": "schema", "message": _describe(exc)}
+
+
+class _Environments:
+    """The environment instances of the trajectories in flight, by slot (one per trajectory)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, Any] = {}
+
+    def reset(self, cls: Any, request: dict[str, Any]) -> dict[str, Any]:
+        self.live.clear()
+        observations = []
+        for slot, row in zip(request["slots"], request["rows"], strict=True):
+            try:
+                self.live[slot] = cls()
+                observation = self.live[slot].reset(row)
+            except Exception as exc:
+                return {"error": "raised", "message": f"reset: {_describe(exc)}", "row": len(observations)}
+            observations.append(None if observation is None else str(observation))
+        return {"observations": observations}
+
+    def step(self, request: dict[str, Any]) -> dict[str, Any]:
+        steps = []
+        for slot, action in zip(request["slots"], request["actions"], strict=True):
+            try:
+                out = self.live[slot].step(action)
+                observation, reward, done = out
+            except Exception as exc:
+                return {"error": "raised", "message": f"step: {_describe(exc)}", "row": len(steps)}
+            if reward is not None and not isinstance(reward, bool | int | float):
+                return {"error": "value", "message": f"step returned the reward {reward!r}", "row": len(steps)}
+            steps.append(
+                {
+                    "observation": None if observation is None else str(observation),
+                    "reward": None if reward is None else float(reward),
+                    "done": bool(done),
+                }
+            )
+        return {"steps": steps}
+
+
 MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
 FILE_LIMIT_ENV = "KUBEALIGN_WORKER_FILE_LIMIT_MB"
 NETWORK_ENV = "KUBEALIGN_WORKER_NETWORK"
@@ -128,6 +210,7 @@ def main() -> int:
     protocol.write(json.dumps({"confined": confined}) + "\n")  # the greeting: what the sandbox holds
     protocol.flush()
     functions: dict[str, Any] = {}
+    environments = _Environments()
     for line in sys.stdin:
         request = json.loads(line)
         if request["op"] == "load":  # one spec per request, so that an error names its function
@@ -137,6 +220,14 @@ def main() -> int:
                 reply: dict[str, Any] = {"ok": True}
             except LoadError as exc:
                 reply = {"error": "load", "message": str(exc)}
+        elif request["op"] == "tools":
+            reply = _tool_calls(functions, request)
+        elif request["op"] == "schemas":
+            reply = _schemas(functions, request["tools"])
+        elif request["op"] == "reset":
+            reply = environments.reset(functions[request["name"]], request)
+        elif request["op"] == "step":
+            reply = environments.step(request)
         else:
             reply = _call(functions[request["name"]], request)
         protocol.write(json.dumps(reply) + "\n")

@@ -77,8 +77,10 @@ def gae(
 
         delta_t = r_t + gamma * V_{t+1} - V_t,   A_t = delta_t + gamma * lam * A_{t+1},
 
-    where V_{t+1} and A_{t+1} count only if action t+1 is a response action (the episode ends after
-    the last response token, and prompt/padding positions are not steps of it). Returns = A + V."""
+    where t + 1 is the next response action after t: positions that are no response action — the prompt, the
+    padding, and in a multi-turn trajectory the observation tokens between two turns (rl.multiturn) — are
+    no steps of the episode and are skipped, so a turn's last token bootstraps from the next turn's first;
+    after the last response action the episode ends (V and A of what follows are 0). Returns = A + V."""
     mask = response_mask.to(values.dtype)
     values = values * mask
     rewards = rewards * mask
@@ -92,9 +94,10 @@ def gae(
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         current = (delta + gamma * lam * next_advantage) * mask[:, t]
         advantages[:, t] = current
-        # A position outside the response passes nothing back: it is no step of the episode.
-        next_value = torch.where(mask[:, t] > 0, values[:, t], torch.zeros_like(next_value))
-        next_advantage = torch.where(mask[:, t] > 0, current, torch.zeros_like(next_advantage))
+        # A position outside the response is no step of the episode: it passes the next step's V and A on
+        # unchanged (0 after the last response action, where the loop starts with nothing to pass on).
+        next_value = torch.where(mask[:, t] > 0, values[:, t], next_value)
+        next_advantage = torch.where(mask[:, t] > 0, current, next_advantage)
     return Advantages(advantages, (advantages + values) * mask)
 
 

@@ -118,7 +118,10 @@ def sequence_scores(
 
 
 def _masks(batch: Any, prompt_mask: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, response_mask) of a rollout batch."""
+    """(input_ids, attention_mask, response_mask) of a rollout batch; a multi-turn batch brings its own
+    (rl.multiturn: the observation tokens are no response actions)."""
+    if hasattr(batch, "response_mask"):
+        return batch.input_ids, batch.attention_mask, batch.response_mask
     input_ids = batch.input_ids
     prompt_mask = prompt_mask.to(input_ids.device)
     if prompt_mask.shape[0] != input_ids.shape[0]:  # n_samples_per_prompt > 1: prompts were repeated
@@ -157,7 +160,8 @@ def make_experience(
     values = None
     if critic is not None:  # grpo / rloo have none: their baseline is the other responses to the prompt
         values = score_and_value(critic, input_ids, attention)[0].float()
-    scores, scored, functions = sequence_scores(reward, input_ids, attention, response, rows)
+    read = getattr(batch, "trajectory_mask", response)  # reward functions read a whole trajectory
+    scores, scored, functions = sequence_scores(reward, input_ids, attention, read, rows)
     return Experience(input_ids, attention, response, logprobs, ref_logprobs, values, scores, scored, functions)
 
 
@@ -203,7 +207,8 @@ def make_experience_keeping(
     input_ids, attention, response = _masks(batch, prompt_mask, eos_id)
     _modes(models)
     with torch.no_grad():
-        scores, scored, functions = sequence_scores(reward, input_ids, attention, response, scored_rows)
+        read = getattr(batch, "trajectory_mask", response)  # reward functions read a whole trajectory
+        scores, scored, functions = sequence_scores(reward, input_ids, attention, read, scored_rows)
         ref_logprobs = model_logprobs(reference, input_ids, attention, response, sampling)
     keep = (input_ids[rows], attention[rows], response[rows])
     rest = torch.ones(input_ids.shape[0], dtype=torch.bool, device=rows.device)

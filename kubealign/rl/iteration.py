@@ -16,6 +16,7 @@ from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.models.value_head import score_and_value
 from kubealign.rewards import totals
+from kubealign.rl import multiturn
 from kubealign.rl.advantages import (
     gae,
     group_std,
@@ -380,8 +381,12 @@ def iteration(
     """Rollout + update for one batch of prompts (rows: their rewards.scorer.Rows, one per prompt, for reward
     functions); returns (metrics, experience)."""
     started = time.perf_counter()
-    recorder = SampledLogprobs(sampling_of(cfg))
-    batch = generate(models, prompt_ids, prompt_mask, cfg, recorder)
+    recorder = None
+    if models.tools is not None:  # turns with tools or an environment: rl.multiturn (its own masks)
+        batch = multiturn.rollout(models, prompt_ids, prompt_mask, cfg, models.tools, rows)
+    else:
+        recorder = SampledLogprobs(sampling_of(cfg))
+        batch = generate(models, prompt_ids, prompt_mask, cfg, recorder)
     generated = time.perf_counter()
     eos = models.tokenizer.eos_token_id
     plan = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # the first epoch's, as update() drew it
@@ -402,7 +407,8 @@ def iteration(
         )
     else:
         exp = make_experience(batch, prompt_mask, eos, models, sampling_of(cfg), scored)
-    exp = exp._replace(rollout_logprobs=recorder.actions(batch))
+    exp = exp._replace(rollout_logprobs=recorder.actions(batch) if recorder is not None else None)
+    exp = multiturn.with_environment_rewards(exp, getattr(batch, "env_rewards", None))
     experienced = time.perf_counter()
     fault = experience_fault(exp)
     if fault.message:  # before any update: a nan here would poison every weight it reaches
@@ -426,6 +432,7 @@ def iteration(
         **targets.metrics,
         **mismatch_metrics,
         **pooled_function_means(exp),
+        **(multiturn.turn_metrics(batch) if models.tools is not None else {}),
         "response_length": float(exp.response_mask.sum(-1).float().mean()),
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,

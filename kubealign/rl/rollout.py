@@ -108,17 +108,19 @@ class PPOModels:
     rollout: Any  # HybridEngineRollout or ModuleRollout
     tokenizer: Any
     synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
+    tools: Any = None  # a multiturn.ToolSession: rollouts in turns with tools or an environment; None: one answer
 
 
-def sampling_config(cfg: PPOConfig) -> Any:
+def sampling_config(cfg: PPOConfig, max_new_tokens: int | None = None, samples: int | None = None) -> Any:
+    """DeepSpeed's SamplingConfig of the ppo section; a multi-turn turn sets its own length and one sample."""
     from deepspeed.runtime.rollout import SamplingConfig
 
     return SamplingConfig(
-        max_new_tokens=cfg.max_new_tokens,
+        max_new_tokens=cfg.max_new_tokens if max_new_tokens is None else max_new_tokens,
         temperature=cfg.temperature,
         top_p=cfg.top_p,
         top_k=cfg.top_k,
-        n_samples_per_prompt=cfg.group_size,
+        n_samples_per_prompt=cfg.group_size if samples is None else samples,
     )
 
 
@@ -133,20 +135,25 @@ def generate(
     prompt_mask: torch.Tensor,
     cfg: PPOConfig,
     recorder: SampledLogprobs | None = None,
+    max_new_tokens: int | None = None,
+    samples: int | None = None,
+    stop: Any = None,
 ) -> Any:
     """Sample responses with the actor in eval mode (the hybrid engine's inference kernels; the next
     log-prob pass puts it back in train mode) and its adapters merged for the duration. recorder: keeps the
-    log-prob each sampled token had in the rollout (SampledLogprobs)."""
+    log-prob each sampled token had in the rollout (SampledLogprobs). max_new_tokens, samples: a multi-turn
+    turn's (default: cfg.max_new_tokens, cfg.group_size); stop: one more stopping criterion (a turn's end)."""
     from deepspeed.runtime.rollout import RolloutRequest
 
     models.actor.eval()
-    settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, models.tokenizer)
+    most = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    settings = generation_config(sampling_of(cfg), most, models.tokenizer)
     # min_p 0 removes nothing, yet generate() would run its softmax and vocabulary sort every step; None
     # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
     settings.min_p = None
     module = models.actor.module
-    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models, recorder):
-        return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg))
+    with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models, recorder, stop):
+        return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg, most, samples))
 
 
 class EndedAtEOS:
@@ -252,7 +259,9 @@ class _Take:
 
 
 @contextlib.contextmanager
-def rollout_hooks(module: Any, models: PPOModels, recorder: SampledLogprobs | None = None) -> Iterator[None]:
+def rollout_hooks(
+    module: Any, models: PPOModels, recorder: SampledLogprobs | None = None, stop: Any = None
+) -> Iterator[None]:
     """module.generate — what both the rollout API and ModuleRollout call — with EndedAtEOS, RepairInvalid
     and synced_gpus added (with a recorder: its processor after RepairInvalid, its criterion). Under
     ZeRO-3 on several ranks each decode forward gathers parameters collectively, so every rank must run the same
@@ -268,7 +277,8 @@ def rollout_hooks(module: Any, models: PPOModels, recorder: SampledLogprobs | No
         kept = [_Keep(recorder)] if recorder is not None else []
         taken = [_Take(recorder)] if recorder is not None else []
         ended = EndedAtEOS(models.tokenizer.eos_token_id)
-        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([ended, *taken]))
+        more = [stop] if stop is not None else []
+        kwargs.setdefault("stopping_criteria", StoppingCriteriaList([ended, *more, *taken]))
         kwargs.setdefault("logits_processor", LogitsProcessorList([RepairInvalid(), *kept]))
         kwargs.setdefault("synced_gpus", models.synced_gpus)
         return generate(*args, **kwargs)

@@ -346,8 +346,8 @@ def run(
     check_output_path(output, STAGE)
     check_inputs(config, prompts, baseline, candidate, reward)
     reward = reward if config.rewards.uses_model else None
-    specs = definitions.resolve(config.rewards, config.base_dir) if functions is None else functions
-    definitions.check_matches(specs, config.rewards)
+    specs = definitions.resolve_all(config.rewards, config.tools, config.base_dir) if functions is None else functions
+    definitions.check_matches(specs, config.rewards, config.tools)
     split = phases.load(prompts, "phase3_prompts")
     rows = split["eval"] if len(split["eval"]) else split["train"]
     started = time.perf_counter()

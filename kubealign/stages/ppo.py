@@ -31,6 +31,7 @@ from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.totals import function_means, function_totals
+from kubealign.rl import multiturn
 from kubealign.rl.experience import make_experience
 from kubealign.rl.iteration import NonFiniteExperience, UnsupervisedData, iteration
 from kubealign.rl.kl import KLController
@@ -79,13 +80,28 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
         for i in range(0, len(prompts), cfg.generation_batch_size):
             ids, mask = pad_batch(prompts[i : i + cfg.generation_batch_size], models.tokenizer.pad_token_id, "left")
             ids, mask = torch.tensor(ids, device=distributed.device()), torch.tensor(mask, device=distributed.device())
-            batch = generate(models, ids, mask, cfg)
-            chunk = rows.take(list(range(i, i + ids.shape[0]))).repeat(cfg.group_size) if rows else None
+            prompt_rows = rows.take(list(range(i, i + ids.shape[0]))) if rows else None
+            if models.tools is not None:  # the same turns as training: tools or the environment answer
+                batch = multiturn.rollout(models, ids, mask, cfg, models.tools, prompt_rows)
+            else:
+                batch = generate(models, ids, mask, cfg)
+            chunk = prompt_rows.repeat(cfg.group_size) if prompt_rows else None
             exp = make_experience(batch, mask, models.tokenizer.eos_token_id, models, sampling_of(cfg), chunk)
+            exp = multiturn.with_environment_rewards(exp, getattr(batch, "env_rewards", None))
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
             totals = function_totals(exp.functions or {}, totals)
     return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **function_means(totals)}
+
+
+def tool_session(config: KubealignConfig, models: PPOModels, runner: Any) -> multiturn.ToolSession:
+    """The multi-turn rollouts' tools (or environment), run by the reward-function worker (rewards' limits)."""
+    if models.synced_gpus:  # ranks would run different numbers of turns, each a collective generate
+        raise UserError(
+            "tools with the actor at ZeRO-3 on several ranks are not supported yet: each rank would run its own "
+            "number of turns; set ppo.actor_zero_stage below 3 or run on one rank"
+        )
+    return multiturn.ToolSession(config.tools, runner, models.tokenizer)
 
 
 def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
@@ -239,8 +255,8 @@ def run(
     reward_flag = "--reward" if reward is not None else "--critic"
     critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
     check_inputs(cfg, actor, critic, reward, reward_flag)
-    specs = definitions.resolve(config.rewards, config.base_dir) if functions is None else functions
-    definitions.check_matches(specs, config.rewards)
+    specs = definitions.resolve_all(config.rewards, config.tools, config.base_dir) if functions is None else functions
+    definitions.check_matches(specs, config.rewards, config.tools)
     dataset = phases.load(prompts, "phase3_prompts")
     if len(dataset["train"]) == 0:
         raise UserError(f"--prompts {prompts}: the phase3_prompts train split is empty")
@@ -254,6 +270,8 @@ def run(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
         )
         tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
+        if config.tools.enabled:
+            models.tools = tool_session(config, models, runner)
         tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})
         rows, eval_rows = phases.prompt_rows(dataset["train"]), phases.prompt_rows(dataset["eval"])
         train_prompts = encode_prompts(dataset["train"], models.tokenizer, cfg.max_prompt_len)

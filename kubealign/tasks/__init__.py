@@ -90,9 +90,11 @@ def reward_functions(config: KubealignConfig, functions_json: str) -> list:
             "parameter was edited after compiling; compile the pipeline with the functions it should run"
         )
     specs = definitions.from_json(functions_json) if functions_json else []
-    if config.rewards.functions and not specs:
-        raise UserError("rewards.functions are set but the task got no reward_functions: compile the pipeline again")
-    definitions.check_matches(specs, config.rewards)
+    if (config.rewards.functions or config.tools.enabled) and not specs:
+        raise UserError(
+            "rewards.functions or tools are set but the task got no reward_functions: compile the pipeline again"
+        )
+    definitions.check_matches(specs, config.rewards, config.tools)
     return specs
 
 
