@@ -13,6 +13,10 @@
   chosen answer for an ending the truncation made (DeepSpeed-Chat and TRL append nothing to a cut
   response either). The prompt takes the rest, cut from the left: the turns nearest to the response
   are kept (and a leading BOS).
+* A demonstration that calls tools (rl.tool_calls' markup) holds the tools' answers as
+  <tool_response>...</tool_response> spans: each span is encoded on its own (as a multi-turn rollout appends
+  an observation's tokens to the model's) and marked in `observed`, so SFT does not teach the model to write
+  what the tools answer (lm.example masks it, as the rollout masks it out of the loss).
 * A preference pair (encode_preference) shares ONE prompt: it is cut once, for the longer of the two
   responses, so the chosen and the rejected sequence start with the same prompt ids and the reward
   model's and DPO's comparisons are of two answers to the same question.
@@ -26,11 +30,14 @@ from typing import Any, NamedTuple
 TURN = re.compile(r"\n\n(Human|Assistant|System): ?")
 ROLES = {"Human": "user", "Assistant": "assistant", "System": "system"}
 MIN_PROMPT_TOKENS = 8
+RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"  # a tool's answer (rl.tool_calls)
+OBSERVATION = re.compile(re.escape(RESULT_OPEN) + ".*?" + re.escape(RESULT_CLOSE), re.S)
 
 
 class Encoded(NamedTuple):
     input_ids: list[int]
     prompt_len: int  # tokens of the prompt at the start of input_ids
+    observed: tuple[int, ...] = ()  # per response token: 1 where a tool's answer (module docstring); () none
 
 
 def plain_to_messages(prompt: str) -> list[dict[str, str]]:
@@ -72,9 +79,25 @@ def cut_left(ids: list[int], max_len: int, bos_id: int | None) -> list[int]:
 
 
 def encode_response(tokenizer: Any, response: str) -> list[int]:
+    return encode_response_observed(tokenizer, response)[0]
+
+
+def encode_response_observed(tokenizer: Any, response: str) -> tuple[list[int], list[int]]:
+    """(ids, observed): the response's ids + EOS, its tools' answers encoded on their own and flagged 1."""
     if getattr(tokenizer, "chat_template", None):
         response = response.strip()
-    return tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids: list[int] = []
+    observed: list[int] = []
+    at = 0
+    for span in [*OBSERVATION.finditer(response), None]:
+        end = span.start() if span is not None else len(response)
+        for piece, flag in ((response[at:end], 0), (span.group() if span is not None else "", 1)):
+            if piece:
+                tokens = tokenizer(piece, add_special_tokens=False)["input_ids"]
+                ids += tokens
+                observed += [flag] * len(tokens)
+        at = span.end() if span is not None else at
+    return ids + [tokenizer.eos_token_id], observed + [0]
 
 
 def fit_response(response_ids: list[int], max_seq_len: int) -> list[int]:
@@ -99,10 +122,14 @@ def encode_preference(
 
 def encode_responses(tokenizer: Any, prompt: str, responses: list[str], max_seq_len: int) -> list[Encoded]:
     """Each response after one shared prompt, cut as the module docstring says."""
-    fitted = [fit_response(encode_response(tokenizer, r), max_seq_len) for r in responses]
+    encoded = [encode_response_observed(tokenizer, r) for r in responses]
+    fitted = [fit_response(ids, max_seq_len) for ids, _ in encoded]
     room = max_seq_len - max(len(r) for r in fitted)
     prompt_ids = cut_left(encode_prompt(tokenizer, prompt), room, getattr(tokenizer, "bos_token_id", None))
-    return [Encoded(prompt_ids + r, len(prompt_ids)) for r in fitted]
+    return [
+        Encoded(prompt_ids + r, len(prompt_ids), tuple(flags[: len(r)]) if any(flags) else ())
+        for r, (_, flags) in zip(fitted, encoded, strict=True)
+    ]
 
 
 def pad_batch(sequences: list[list[int]], pad_id: int, side: str = "right") -> tuple[list[list[int]], list[list[int]]]:

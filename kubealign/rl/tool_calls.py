@@ -16,8 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any, NamedTuple
 
+from kubealign.data.tokenize import RESULT_CLOSE, RESULT_OPEN  # noqa: F401 - SFT masks these spans too
+
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-RESULT_OPEN, RESULT_CLOSE = "<tool_response>", "</tool_response>"
 
 
 class Call(NamedTuple):

@@ -38,11 +38,12 @@ from kubealign.outputs import atomic_dir, check_output_path, write_json, write_r
 from kubealign.rewards import definitions
 from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
+from kubealign.rl import multiturn
 from kubealign.rl.experience import paired_logprobs, response_masks
 from kubealign.rl.losses import Sampling
 from kubealign.rl.rollout import generation_config
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model, heldout_comparison
-from kubealign.stages import suites
+from kubealign.stages import evaluate_turns, suites
 from kubealign.tracking.runs import stage_run
 
 STAGE = "evaluate"
@@ -91,6 +92,9 @@ def score(scorer: Scorer, rows: list[dict[str, Any]], size: int, data: phases.Ro
     done = 0
     for chunk, ids, attention, response in batched(rows, size):
         part = data.take(list(range(done, done + len(chunk)))) if data is not None else None
+        if "read" in chunk[0]:  # a multi-turn answer: the functions read the whole trajectory (evaluate_turns)
+            width = response.shape[1]
+            response = torch.stack([torch.nn.functional.pad(r["read"], (0, width - r["read"].shape[0])) for r in chunk])
         scores, values = scorer.score(ids, attention, response, part)
         for i, (row, value) in enumerate(zip(chunk, scores, strict=True)):
             row["score"] = value
@@ -366,10 +370,18 @@ def run(
         if reward is not None:
             reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
         scorer = Scorer(reward_model, config.rewards.model_weight if specs else 1.0, runner, tokenizer)
-        base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
+        if config.tools.enabled:  # in turns with the tools, as the policy was trained (stages.evaluate_turns)
+            session = multiturn.ToolSession(config.tools, runner, tokenizer)
+            base, cand = (
+                evaluate_turns.sample_turns(m, tokenizer, encoded, cfg, session, data, sampling_of(cfg))
+                for m in (base_model, cand_model)
+            )
+        else:
+            base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
         score(scorer, base, cfg.batch_size, data)
         score(scorer, cand, cfg.batch_size, data)
         metrics = compare(base, cand, cfg.seed)
+        metrics.update(evaluate_turns.turn_figures(base, cand))
         metrics.update(heldout_figures(reward, tokenizer, base, cand, cfg.batch_size))
         metrics.update(function_means_by_model(base, cand))
         metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))

@@ -23,10 +23,14 @@ def tokenize(rows: Any, tokenizer: Any, max_len: int, include_prompt: bool) -> l
 
 
 def example(enc: Encoded, include_prompt: bool) -> dict[str, list[int]]:
-    """One encoded sequence -> {input_ids, loss_mask}: every token a target, or the response's only."""
+    """One encoded sequence -> {input_ids, loss_mask}: every token a target, or the response's only; never the
+    tools' answers in a demonstration (Encoded.observed): the model does not write them."""
     mask = [1] * len(enc.input_ids)
     if not include_prompt:
         mask[: enc.prompt_len] = [0] * enc.prompt_len
+    for j, flag in enumerate(enc.observed):
+        if flag:
+            mask[enc.prompt_len + j] = 0
     return {"input_ids": enc.input_ids, "loss_mask": mask}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kubealign.data import tokenize
 from kubealign.data.tokenize import (
     MIN_PROMPT_TOKENS,
     encode_pair,
@@ -119,3 +120,23 @@ def test_chat_template_is_used_when_present(tokenizer):
 def test_pad_batch_sides():
     assert pad_batch([[1, 2], [3]], 0) == ([[1, 2], [3, 0]], [[1, 1], [1, 0]])
     assert pad_batch([[1, 2], [3]], 0, side="left") == ([[1, 2], [0, 3]], [[1, 1], [0, 1]])
+
+
+@pytest.mark.unit
+def test_a_demonstrations_tool_answers_are_encoded_alone_and_not_targets():
+    from kubealign.training.lm import example
+    from tests.support.chars import EOS, Chars
+
+    chars = Chars()
+    response = 'x<tool_call>{"a": 1}</tool_call><tool_response>3</tool_response>= 3'
+    ids, observed = tokenize.encode_response_observed(chars, response)
+    assert ids == chars.encode(response) + [EOS]
+    start = response.index("<tool_response>")
+    span = len("<tool_response>3</tool_response>")
+    assert observed == [0] * start + [1] * span + [0] * (len(response) - start - span) + [0]
+    enc = tokenize.encode_pair(chars, "Q?", response, 200)
+    mask = example(enc, include_prompt=False)["loss_mask"]
+    assert mask == [0] * 2 + [1] * start + [0] * span + [1] * (len(response) - start - span + 1)
+    cut = tokenize.encode_pair(chars, "Q?", response, 8 + start + 3)  # cut inside the tool's answer
+    assert cut.observed == (0,) * start + (1, 1, 1) and example(cut, False)["loss_mask"][-3:] == [0, 0, 0]
+    assert tokenize.encode_pair(chars, "Q?", "plain 3", 200).observed == ()

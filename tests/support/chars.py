@@ -3,16 +3,20 @@ Positions in hand-made trajectories are then counted in characters."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 PAD, EOS = 0, 1
+
+
+class Encoding(dict):
+    """What a transformers tokenizer returns: the ids by key and by attribute."""
+
+    __getattr__ = dict.__getitem__
 
 
 class Chars:
     pad_token_id, eos_token_id, bos_token_id = PAD, EOS, None
 
-    def __call__(self, text: str, add_special_tokens: bool = True) -> SimpleNamespace:
-        return SimpleNamespace(input_ids=self.encode(text))
+    def __call__(self, text: str, add_special_tokens: bool = True) -> Encoding:
+        return Encoding(input_ids=self.encode(text))
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) + 2 for c in text]
