@@ -58,7 +58,7 @@ SourceFormat = Literal[
 
 class DataSource(Section):
     path: str = Field(
-        description="'synthetic' or 'synthetic-arithmetic' (built-in generators), a local "
+        description="'synthetic', 'synthetic-arithmetic' or 'synthetic-tool-arithmetic' (built-in generators), a local "
         ".jsonl/.jsonl.gz/.json/.parquet file, a datasets save_to_disk dir, a local dataset dir, or a Hugging Face "
         "hub dataset name (loaded with datasets.load_dataset). Relative paths are resolved against the working "
         "directory."
@@ -120,11 +120,14 @@ class DataConfig(Section):
     synthetic_sft_rows: int = Field(
         200,
         ge=0,
-        description="Extra SFT-only (prompt/response) rows of 'synthetic' (of 'synthetic-arithmetic': "
-        "its demonstrations), rows.",
+        description="Extra SFT-only (prompt/response) rows of 'synthetic' (of 'synthetic-arithmetic' and "
+        "'synthetic-tool-arithmetic': their demonstrations), rows.",
     )
     synthetic_prompts: int = Field(
-        500, ge=0, description="Prompt-only rows {prompt, answer} of 'synthetic-arithmetic' (phase 3 only), rows."
+        500,
+        ge=0,
+        description="Prompt-only rows {prompt, answer} of 'synthetic-arithmetic' and 'synthetic-tool-arithmetic' "
+        "(phase 3 only), rows.",
     )
     report_examples: int = Field(5, ge=0, description="How many example locations the manifest keeps per drop reason.")
 

@@ -1,10 +1,10 @@
 """Read data sources into raw records that remember where they came from (file:line).
 
-A source is 'synthetic' or 'synthetic-arithmetic' (built-in generators), a local file (.jsonl, .jsonl.gz,
-.json, .parquet), a datasets save_to_disk dir, a local dataset dir, or a hub dataset name; the last two go
-through datasets.load_dataset, the same code path a hub download takes. Problems with a whole source
-(missing, not gzip, not parquet) are UserErrors; problems with one line (bad UTF-8, bad JSON) become
-records carrying an error, so the stage can raise or skip them per `data.on_error`.
+A source is 'synthetic', 'synthetic-arithmetic' or 'synthetic-tool-arithmetic' (built-in generators), a
+local file (.jsonl, .jsonl.gz, .json, .parquet), a datasets save_to_disk dir, a local dataset dir, or a hub
+dataset name; the last two go through datasets.load_dataset, the same code path a hub download takes.
+Problems with a whole source (missing, not gzip, not parquet) are UserErrors; problems with one line (bad
+UTF-8, bad JSON) become records carrying an error, so the stage can raise or skip them per `data.on_error`.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, NamedTuple
 from tqdm import tqdm
 
 from kubealign.config.schema import DataConfig, DataSource
-from kubealign.data import arithmetic, synthetic
+from kubealign.data import arithmetic, synthetic, tool_arithmetic
 from kubealign.errors import UserError, first_line
 
-BUILT_IN = ("synthetic", "synthetic-arithmetic")  # source paths that name a generator, not a file
+BUILT_IN = ("synthetic", "synthetic-arithmetic", "synthetic-tool-arithmetic")  # generators, not files
 # The generators' declared columns: synthetic-arithmetic's prompt rows carry the true sum as `answer`, the
 # column its reward function reads (a user's file declares such fields in data.sources[i].columns).
-BUILT_IN_COLUMNS = {"synthetic-arithmetic": frozenset({"answer"})}
+BUILT_IN_COLUMNS = {"synthetic-arithmetic": frozenset({"answer"}), "synthetic-tool-arithmetic": frozenset({"answer"})}
 
 
 def declared_columns(source: DataSource) -> frozenset[str]:
@@ -155,9 +155,10 @@ def read_source(index: int, source: DataSource, data: DataConfig) -> SourceRead:
         if source.path == "synthetic":
             rows = synthetic.generate(data.synthetic_pairs, data.synthetic_sft_rows, data.seed)
             version = synthetic.VERSION
-        else:
-            rows = arithmetic.generate(data.synthetic_prompts, data.synthetic_sft_rows, data.seed)
-            version = arithmetic.VERSION
+        else:  # the two arithmetic generators take the same settings
+            generator = arithmetic if source.path == "synthetic-arithmetic" else tool_arithmetic
+            rows = generator.generate(data.synthetic_prompts, data.synthetic_sft_rows, data.seed)
+            version = generator.VERSION
         rows = rows[: source.limit] if source.limit else rows
         records = [RawRecord(f"{source.path}:row {i}", row, None) for i, row in enumerate(rows, 1)]
         return SourceRead(source.path, "synthetic", _rows_sha256([version, *rows]), records)
