@@ -244,6 +244,8 @@ def measure(stage: rl.Stage, model_dir: Path, rounds: int, steps: int, sides: li
         peaks = [x["peak_rss_above_start_bytes"] for x in found if "peak_rss_above_start_bytes" in x]
         if peaks:  # the largest over the rounds: resident memory the timed steps added at their peak
             out["sides"][side]["peak_rss_above_start_mib"] = round(max(peaks) / 2**20, 1)
+    if "trl" not in sides:  # a kubealign-only run: nothing to compare with
+        return out
     out["same_loss"] = same_loss(stage, model_dir, data)
     if "trl-padding-free" in sides:
         check = same_loss(stage, model_dir, data, "trl-padding-free")
@@ -282,6 +284,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="optimizer steps per side per round (default 2; --quick 1)")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (default 3; --quick 2)")
     parser.add_argument("--label", help="results file suffix (default: opt-125m-cpu or opt-125m-quick-cpu)")
+    parser.add_argument(
+        "--sides",
+        nargs="+",
+        help="only these sides (e.g. kubealign: one library's figure against another commit's, same machine); "
+        "no speedup is computed without a TRL side",
+    )
     args = parser.parse_args()
     try:
         import trl
@@ -311,8 +319,10 @@ def main() -> None:
         if name == "grpo":  # whole iterations of the ppo stage: trl_grpo.py
             results[name] = trl_grpo.measure(model_dir, config, tokenizer, rounds, steps)
         else:
-            results[name] = measure(found[name], model_dir, rounds, steps, SIDES[name])
-        print(f"{name}: {results[name]['speedup']:.2f}x {results[name]['best_trl']}", file=sys.stderr)
+            sides = [s for s in SIDES[name] if not args.sides or s in args.sides]
+            results[name] = measure(found[name], model_dir, rounds, steps, sides)
+        if "speedup" in results[name]:
+            print(f"{name}: {results[name]['speedup']:.2f}x {results[name]['best_trl']}", file=sys.stderr)
     summary = {"stages": results, "wall_s": time.perf_counter() - started, "trl": trl.__version__}
     label = args.label or f"opt-125m-{'quick-' if args.quick else ''}{'gpu' if torch.cuda.is_available() else 'cpu'}"
     record = {

@@ -241,3 +241,34 @@ def test_each_row_keeps_to_its_own_budget_and_results_are_cut_to_max_result_toke
     assert after_prompt(batch, 1) == wide + "<tool_response>30</tool_response>y"  # 4 - 3 left
     cut, _, _ = run([[wide]], "10+20=", max_turns=1, max_result_tokens=1)
     assert after_prompt(cut, 0) == wide + "<tool_response>3</tool_response>"
+
+
+@pytest.mark.integration
+def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_turn_rollout_does():
+    """The tiny OPT on DeepSpeed's rollout path (the ppo stage's): with the same seed, the turn loop (prompts
+    repeated up front, one sample each, the close-tag criterion added) samples the single-turn tokens."""
+    from kubealign.rl.rollout import generate
+    from kubealign.stages.ppo_models import build_models
+    from kubealign.training import distributed
+
+    distributed.init()
+    cfg = PPOConfig(algorithm="grpo", samples_per_prompt=2, max_new_tokens=12, actor_zero_stage=0, dtype="fp32")
+    models, _ = build_models(cfg, "tiny-opt", None, None, 1, 1.0)
+    tokenizer = models.tokenizer
+    texts = ["\n\nHuman: What is 1 + 2?\n\nAssistant:", "\n\nHuman: Hi!\n\nAssistant:"]
+    ids, mask = mt.left_padded([tokenizer(t).input_ids for t in texts], tokenizer.pad_token_id)
+    torch.manual_seed(7)
+    single = generate(models, ids, mask, cfg)
+    runner = StandInTools()
+    session = mt.ToolSession(ToolsConfig(functions=[{"path": "t.py:add"}], show_schemas=False), runner, tokenizer)
+    torch.manual_seed(7)
+    multi = mt.rollout(models, ids, mask, cfg, session)
+    attention, response = response_masks(
+        single.input_ids, mask.repeat_interleave(2, 0), single.response_start_idx, tokenizer.eos_token_id
+    )
+    for row in range(4):
+        expected = single.input_ids[row, ids.shape[1] :][attention[row, ids.shape[1] :].bool()].tolist()
+        got = multi.input_ids[row, ids.shape[1] :][multi.attention_mask[row, ids.shape[1] :].bool()].tolist()
+        assert got == expected and len(got) > 0
+    assert runner.requests == [] and multi.turns.tolist() == [1, 1, 1, 1]
+    assert multi.response_mask.sum().item() == response.sum().item()
