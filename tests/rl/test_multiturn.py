@@ -272,3 +272,35 @@ def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_t
         assert got == expected and len(got) > 0
     assert runner.requests == [] and multi.turns.tolist() == [1, 1, 1, 1]
     assert multi.response_mask.sum().item() == response.sum().item()
+
+
+def test_evaluates_turn_figures_per_model():
+    from kubealign.stages.evaluate_turns import turn_figures
+
+    base = [{"turns": 1, "calls": 0, "malformed": 0}, {"turns": 2, "calls": 1, "malformed": 1}]
+    cand = [
+        {"turns": 2, "calls": 1, "malformed": 0},
+        {"turns": 3, "calls": 2, "malformed": 1},
+        {"turns": 1, "calls": 0, "malformed": 0},
+    ]
+    assert turn_figures(base, cand) == {
+        "tool_call_rate/baseline": 0.5,
+        "malformed_call_rate/baseline": 1.0,
+        "turns_mean/baseline": 1.5,
+        "tool_call_rate/candidate": 2 / 3,
+        "malformed_call_rate/candidate": 1 / 3,
+        "turns_mean/candidate": 2.0,
+    }
+    assert turn_figures([{"ids": 0}], [{"ids": 0}]) == {}  # single-turn rows: no figures
+
+
+def test_an_environments_rewards_add_to_the_scores_and_count_as_scored():
+    from kubealign.rl.experience import Experience
+
+    zeros = torch.zeros(3, 4)
+    exp = Experience(zeros, zeros, zeros, zeros, zeros, None, torch.tensor([1.0, 2.0, 0.0]), None)
+    out = mt.with_environment_rewards(exp, [0.5, None, -1.0])
+    assert out.scores.tolist() == [1.5, 2.0, -1.0] and out.scored is None
+    partly = exp._replace(scored=torch.tensor([False, True, False]))
+    assert mt.with_environment_rewards(partly, [0.5, None, None]).scored.tolist() == [True, True, False]
+    assert mt.with_environment_rewards(exp, None) is exp
