@@ -20,6 +20,7 @@ import argparse
 import json
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -41,8 +42,10 @@ def demonstration_accuracy(split: Path) -> float:
     return sum(right) / len(right)
 
 
-def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
-    sets = ["--config", PRESET]
+def one_seed(work: Path, seed: int, overrides: list[str], preset: str = PRESET, metric: str = METRIC) -> dict:
+    """The preset's stages for one seed; the figures every checked-answer preset shares (tools_quality.py adds
+    its own from the evaluation, `evaluation`)."""
+    sets = ["--config", preset]
     sets += [a for o in [*(f"{k}={seed}" for k in SEEDED), *overrides] for a in ("--set", o)]
     d = {name: str(work / name) for name in ("split", "sft", "grpo", "eval", "promote")}
     walls = {
@@ -70,14 +73,13 @@ def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
     history = grpo["history"]
     return {
         "seed": seed,
-        "sft_data_accuracy": demonstration_accuracy(work / "split"),
         "sft_eval_perplexity": sft["metrics"]["after_perplexity"],
-        "baseline_accuracy": ev[f"{METRIC}/baseline"],
-        "candidate_accuracy": ev[f"{METRIC}/candidate"],
+        "baseline_accuracy": ev[f"{metric}/baseline"],
+        "candidate_accuracy": ev[f"{metric}/candidate"],
         "prompts": ev["prompts"],
         "kl_to_baseline": ev["kl_to_baseline"],
         "candidate_length_mean": ev["candidate_length_mean"],
-        "grpo_check_accuracy_before_after": [grpo["metrics"][f"{METRIC}/before"], grpo["metrics"][f"{METRIC}/after"]],
+        "grpo_check_accuracy_before_after": [grpo["metrics"][f"{metric}/before"], grpo["metrics"][f"{metric}/after"]],
         "grpo_train_reward_first10_last10": [
             sum(h["reward_mean"] for h in history[:10]) / len(history[:10]),
             sum(h["reward_mean"] for h in history[-10:]) / len(history[-10:]),
@@ -86,30 +88,46 @@ def one_seed(work: Path, seed: int, overrides: list[str]) -> dict:
         "champion": promote["aliases"].get("champion") == promote["version"],
         "stage_wall_s": walls,
         "total_wall_s": sum(walls.values()),
+        "evaluation": ev,
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def seeds(preset: str, label: str, describe: Callable[[dict], str], measure: Callable[..., dict]) -> None:
+    """The benchmark's command line: --seeds, --set, --label; a record written after every seed."""
+    parser = argparse.ArgumentParser(description=(sys.modules["__main__"].__doc__ or "").split("\n\n")[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 1, 2])
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="extra config overrides")
-    parser.add_argument("--label", default=f"verifiable-quality-{PRESET}")
+    parser.add_argument("--label", default=label)
     args = parser.parse_args()
     runs: list[dict] = []
     out = HERE / "results" / f"{args.label}.json"
     for seed in args.seeds:
         with tempfile.TemporaryDirectory() as tmp:
-            runs.append(one_seed(Path(tmp), seed, args.overrides))
-        r = runs[-1]
-        print(
-            f"seed {seed}: right {r['sft_data_accuracy']:.2f} (SFT data) -> {r['baseline_accuracy']:.2f} (SFT) -> "
-            f"{r['candidate_accuracy']:.2f} (GRPO) on {r['prompts']} prompts; KL {r['kl_to_baseline']:.2f}; "
-            f"champion {r['champion']}; {r['total_wall_s']:.0f} s"
-        )
+            runs.append(measure(Path(tmp), seed, args.overrides))
+        print(f"seed {seed}: {describe(runs[-1])}")
         # written after every seed: a run cut short still records the seeds it finished
-        record = {"preset": PRESET, "overrides": args.overrides, "runs": runs, "machine": machine()}
+        record = {"preset": preset, "overrides": args.overrides, "runs": runs, "machine": machine()}
         out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written to {out}")
+
+
+def verifiable_seed(work: Path, seed: int, overrides: list[str]) -> dict:
+    found = one_seed(work, seed, overrides)
+    found.pop("evaluation")
+    return {**found, "sft_data_accuracy": demonstration_accuracy(work / "split")}
+
+
+def main() -> None:
+    seeds(
+        PRESET,
+        f"verifiable-quality-{PRESET}",
+        lambda r: (
+            f"right {r['sft_data_accuracy']:.2f} (SFT data) -> {r['baseline_accuracy']:.2f} (SFT) -> "
+            f"{r['candidate_accuracy']:.2f} (GRPO) on {r['prompts']} prompts; KL {r['kl_to_baseline']:.2f}; "
+            f"champion {r['champion']}; {r['total_wall_s']:.0f} s"
+        ),
+        verifiable_seed,
+    )
 
 
 if __name__ == "__main__":
