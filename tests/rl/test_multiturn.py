@@ -292,6 +292,13 @@ def test_evaluates_turn_figures_per_model():
         "turns_mean/candidate": 2.0,
     }
     assert turn_figures([{"ids": 0}], [{"ids": 0}]) == {}  # single-turn rows: no figures
+    from kubealign.cli.summary import evaluate_lines
+
+    m = {"baseline_reward_mean": 0.0, "candidate_reward_mean": 1.0, "win_rate": 1.0, "tie_rate": 0.0}
+    m.update(kl_to_baseline=0.5, **turn_figures(base, cand))
+    assert "tool calls 50% of answers (SFT) -> 67% (GRPO), malformed 100% -> 33%, turns 1.50 -> 2.00" in (
+        evaluate_lines(m, "GRPO")
+    )
 
 
 def test_an_environments_rewards_add_to_the_scores_and_count_as_scored():
