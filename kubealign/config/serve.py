@@ -32,6 +32,13 @@ class ServeConfig(Section):
     cpu: str = Field("4", min_length=1, description="CPU request and limit of the predictor (Kubernetes quantity).")
     memory: str = Field("16Gi", min_length=1, description="Memory request and limit of the predictor.")
     max_model_len: int | None = Field(None, ge=16, description="vLLM's --max-model-len; None = the model's own.")
+    tool_call_parser: str | None = Field(
+        None,
+        min_length=1,
+        description="vLLM's --tool-call-parser, with --enable-auto-tool-choice, for an OpenAI-server runtime: "
+        "'hermes' reads the tools section's <tool_call> markup (docs/tools.md). Chat completions then take "
+        "`tools` where the chat template renders them; None: no tool calling.",
+    )
     artifacts_destination: str | None = Field(
         None,
         pattern=r"^(s3|gs|pvc)://\S+$",

@@ -94,6 +94,8 @@ def command(python: Path, model_dir: Path, served: Served, port: int, cfg: Serve
         argv += ["--max-model-len", str(cfg.max_model_len)]
     if template is not None:
         argv += ["--chat-template", str(template)]
+    if cfg.tool_call_parser:  # as the InferenceService's predictor gets it (serving.manifest)
+        argv += ["--enable-auto-tool-choice", "--tool-call-parser", cfg.tool_call_parser]
     return argv
 
 

@@ -87,6 +87,8 @@ def inference_service(
             model["env"] = [{"name": "VLLM_CPU_KVCACHE_SPACE", "value": str(cfg.kv_cache_gib)}]
         if chat_template:
             args.append(f"--chat-template={chat_template}")
+        if cfg.tool_call_parser:  # the calls the policy learned to write (docs/tools.md), as vLLM's tool_calls
+            args += ["--enable-auto-tool-choice", f"--tool-call-parser={cfg.tool_call_parser}"]
     if args:
         model["args"] = args
     # on the predictor's pods, for the judge to ask this model alone (kubealign.serving.endpoints)

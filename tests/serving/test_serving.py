@@ -147,6 +147,13 @@ def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
     assert "image" not in model and model["args"][3] == "--dtype=bfloat16"
     body = manifest_here(registry, tmp_path, *sets[:3], "serve.image=registry.example/vllm-cpu:1")
     assert body["spec"]["predictor"]["model"]["image"] == "registry.example/vllm-cpu:1"
+    # tool calling (docs/tools.md): vLLM's parser of the markup the policy writes, after the template
+    body = manifest_here(registry, tmp_path, *sets[:3], "serve.tool_call_parser=hermes")
+    assert body["spec"]["predictor"]["model"]["args"][-3:] == [
+        f"--chat-template={template}",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser=hermes",
+    ]
 
 
 def test_what_cannot_be_served_is_one_line(registry: MlflowServer, tmp_path: Path) -> None:
@@ -775,3 +782,14 @@ def test_no_cluster_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         connect()
     code, err = in_process("rollback", "--namespace", "team-a", "--set", "tracking.uri=http://127.0.0.1:9")
     assert code == 2 and err.count("\n") == 1  # the registry is asked first: one line either way
+
+
+@pytest.mark.unit
+def test_the_local_vllm_command_gets_the_same_tool_calling_flags():
+    from kubealign.serving.local import command
+
+    served = Served(NAME, "3", "champion", "run1", "mlflow-artifacts:/1/run1/artifacts/model/artifacts/actor")
+    plain = command(Path("py"), Path("m"), served, 8000, ServeConfig(), None)
+    assert "--enable-auto-tool-choice" not in plain
+    argv = command(Path("py"), Path("m"), served, 8000, ServeConfig(tool_call_parser="hermes"), Path("t.jinja"))
+    assert argv[-5:] == ["--chat-template", "t.jinja", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
