@@ -33,6 +33,7 @@ from kubealign.data.sources import SourceRead, declared_columns, read_source
 from kubealign.data.split import PHASES, SplitPlan, split_rows
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_json, write_result
+from kubealign.tracking import lineage
 from kubealign.tracking.runs import stage_run
 
 STAGE = "data-split"
@@ -250,6 +251,7 @@ def run(config: KubealignConfig, output: Path, force: bool = False) -> dict[str,
         result.update(cache_hit=cache_hit, wall_time_s=round(time.perf_counter() - started, 3))
         write_json(output / "result.json", result)
         tracker.set_tags({"kubealign.cache_hit": str(cache_hit).lower(), "kubealign.data_key": key})
+        tracker.log_inputs(lineage.source_refs(manifest))  # each source it read: name, digest, rows
         tracker.log_metrics(result["metrics"])
         tracker.log_artifact(output / MANIFEST, "data-split")
         result["tracking_uri"] = tracker.tracking_uri

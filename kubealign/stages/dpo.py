@@ -39,6 +39,7 @@ from kubealign.rl.dpo import (
     token_kl,
 )
 from kubealign.rl.rollout import disable_dropout
+from kubealign.tracking.lineage import phase_ref
 from kubealign.training import distributed, lm, loop, stage
 from kubealign.training import engine as engines
 
@@ -333,4 +334,15 @@ def run(
         )
 
     load = lambda: check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)  # noqa: E731
-    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location)
+    return stage.run(
+        STAGE,
+        config,
+        cfg,
+        load,
+        build,
+        output,
+        resume,
+        checkpoint_location,
+        None,
+        phase_ref(data, "phase2_reward", "training"),
+    )

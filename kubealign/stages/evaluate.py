@@ -44,6 +44,7 @@ from kubealign.rl.losses import Sampling
 from kubealign.rl.rollout import generation_config
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model, heldout_comparison
 from kubealign.stages import evaluate_turns, suites
+from kubealign.tracking.lineage import phase_ref
 from kubealign.tracking.runs import stage_run
 
 STAGE = "evaluate"
@@ -358,6 +359,7 @@ def run(
     r = config.rewards
     runner = FunctionRunner.for_config(specs, r) if specs else None
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
+        tracker.log_inputs([ref] if (ref := phase_ref(prompts, "phase3_prompts", "evaluation")) else [])
         tokenizer = loading.load_tokenizer(str(baseline))
         data = phases.prompt_rows(rows)
         data = data.take(list(range(min(cfg.max_prompts, len(data.prompts)))))

@@ -38,6 +38,7 @@ from kubealign.rl.kl import KLController
 from kubealign.rl.rollout import PPOModels, generate, sampling_of
 from kubealign.stages.ppo_models import build_models, check_inputs, model_dirs, train_config  # noqa: F401
 from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
+from kubealign.tracking.lineage import phase_ref
 from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training.loop import NonFiniteLoss, checkpoint_note, fault_hook, nonfinite
@@ -270,6 +271,7 @@ def run(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
         )
         tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
+        tracker.log_inputs([ref] if (ref := phase_ref(prompts, "phase3_prompts", "training")) else [])
         if config.tools.enabled:
             models.tools = tool_session(config, models, runner)
         tracker.set_tags({"kubealign.rollout_notes": " | ".join(check.notes)})

@@ -22,6 +22,7 @@ from kubealign.data.split import HELDOUT
 from kubealign.data.tokenize import encode_preference, pad_batch
 from kubealign.models.value_head import last_token_scores, load_reward_model, token_values
 from kubealign.outputs import check_output_path, output_stage, read_result
+from kubealign.tracking.lineage import phase_ref
 from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.losses import bradley_terry_loss
@@ -113,7 +114,8 @@ def run(
     dataset = phases.load(data, "phase2_reward", need_rejected=True)  # read once for both models
     heldout = train_heldout(config, cfg, dataset, output, resume, checkpoint_location)
     extra = {} if heldout is None else {f"{HELDOUT}/{k}": v for k, v in heldout.items() if isinstance(v, float | int)}
-    result = train(config, cfg, lambda: dataset, output, resume, checkpoint_location, extra)
+    ref = phase_ref(data, "phase2_reward", "training")
+    result = train(config, cfg, lambda: dataset, output, resume, checkpoint_location, extra, ref)
     if heldout is not None and distributed.is_main():
         os.replace(heldout_sibling(output), output / HELDOUT)  # one rename: the directory is whole or absent
     return result
@@ -153,8 +155,10 @@ def train(
     resume: bool,
     checkpoint_location: Path | None,
     extra: dict[str, float] | None = None,
+    data: Any = None,
 ) -> dict:
-    """One reward model on load()'s train pairs; `extra`: metrics to log with its own (the held-out model's)."""
+    """One reward model on load()'s train pairs; `extra`: metrics to log with its own (the held-out model's);
+    `data`: the lineage.DatasetRef of the pairs (the run's dataset input)."""
 
     def build(dataset: Any, tokenizer: Any, world: int, tracker: Any) -> stage.Built:
         from transformers import AutoModelForSequenceClassification
@@ -186,4 +190,15 @@ def train(
         )
 
     outputs = {"eval_scores": SCORES_FILE, **({HELDOUT: HELDOUT} if extra else {})}
-    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, outputs)
+    return stage.run(
+        STAGE,
+        config,
+        cfg,
+        load,
+        build,
+        output,
+        resume,
+        checkpoint_location,
+        outputs,
+        data,
+    )

@@ -17,6 +17,7 @@ import torch
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.models import loading
+from kubealign.tracking.lineage import phase_ref
 from kubealign.training import distributed, loop, stage
 from kubealign.training.engine import apply_lora, ds_config, zero3_loading
 from kubealign.training.lm import batch_loss, collate, loss_tokens, step_loss, tokenize
@@ -85,4 +86,15 @@ def run(
         )
 
     load = lambda: phases.load(data, "phase1_sft")  # noqa: E731
-    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location)
+    return stage.run(
+        STAGE,
+        config,
+        cfg,
+        load,
+        build,
+        output,
+        resume,
+        checkpoint_location,
+        None,
+        phase_ref(data, "phase1_sft", "training"),
+    )

@@ -47,6 +47,9 @@ class NullTracker:
 
     def set_tags(self, tags: dict[str, str]) -> None: ...
 
+    def log_inputs(self, refs: list[Any]) -> None:
+        """The datasets the run read (tracking.lineage.DatasetRef)."""
+
     def flush(self, timeout: float = FLUSH_TIMEOUT_S) -> bool:
         """Wait (at most `timeout` s) until what was logged has been sent; True when it has."""
         return True
@@ -87,6 +90,12 @@ class MlflowTracker(NullTracker):
         from mlflow.entities import RunTag
 
         self._client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+    def log_inputs(self, refs: list[Any]) -> None:
+        from kubealign.tracking.lineage import entities
+
+        if refs:
+            self._client.log_inputs(self.run_id, datasets=entities(refs))
 
     def terminate(self, status: str) -> None:
         self._client.set_terminated(self.run_id, status)
@@ -154,6 +163,9 @@ class BackgroundTracker(NullTracker):
 
     def set_tags(self, tags: dict[str, str]) -> None:
         self._put("tags", dict(tags))
+
+    def log_inputs(self, refs: list[Any]) -> None:
+        self._put("inputs", list(refs))
 
     @property
     def pending(self) -> int:
@@ -259,5 +271,7 @@ class BackgroundTracker(NullTracker):
             self._sender.set_tags(payload)
         elif kind == "text":
             self._sender.log_text(*payload)
+        elif kind == "inputs":
+            self._sender.log_inputs(payload)
         else:
             self._sender.log_artifact(*payload)

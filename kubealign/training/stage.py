@@ -54,9 +54,11 @@ def run(
     resume: bool,
     checkpoint_location: Path | None,
     outputs: dict[str, str] | None = None,
+    data: Any = None,
 ) -> dict[str, Any]:
     """Run the loop stage NAME: load() gives its data (after the output checks), build(dataset, tokenizer,
-    world, tracker) its Built; returns the result.json payload with the output dir and the MLflow run."""
+    world, tracker) its Built; returns the result.json payload with the output dir and the MLflow run. data:
+    the tracking.lineage.DatasetRef of what it trains on (logged as the run's dataset input), None: none."""
     check_output_path(output, name)
     checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     dataset = load()
@@ -64,6 +66,7 @@ def run(
     distributed.seed_everything(cfg.seed)
     started = time.perf_counter()
     with stage_run(name, config, output.resolve().parent, required=False) as tracker:
+        tracker.log_inputs([data] if data is not None else [])
         tokenizer = loading.load_tokenizer(cfg.model, cfg.trust_remote_code, cfg.revision)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -364,3 +364,47 @@ def test_an_experiment_created_concurrently_is_reused(tmp_path):
     client.get_experiment_by_name = late_get
     assert resolve_experiment(client, "race", None) == winner
     assert len(calls) == 2
+
+
+# --- Data lineage: which data each run read (MLflow dataset inputs) ---------------------------------------------
+
+
+def dataset_inputs(client: MlflowClient, run_id: str) -> list[tuple[str, str, str, dict, dict]]:
+    """(name, digest, context, source, profile) of each dataset input of the run."""
+    out = []
+    for given in client.get_run(run_id).inputs.dataset_inputs:
+        context = {t.key: t.value for t in given.tags}["mlflow.data.context"]
+        d = given.dataset
+        out.append((d.name, d.digest, context, json.loads(d.source), json.loads(d.profile)))
+    return out
+
+
+def test_data_split_and_the_stages_after_it_name_the_data_they_read(cli, tmp_path: Path):
+    from kubealign.tracking.lineage import phase_ref
+    from kubealign.tracking.runs import stage_run
+
+    assert cli("data-split", "--set", SMALL[0], "--set", SMALL[1], "--output", tmp_path / "split").code == 0
+    manifest = json.loads((tmp_path / "split" / "manifest.json").read_text())
+    client = client_for(tmp_path)
+    (run,) = client.search_runs([client.get_experiment_by_name("kubealign-tiny").experiment_id])
+    source = manifest["sources"][0]
+    assert dataset_inputs(client, run.info.run_id) == [
+        (
+            "synthetic",
+            source["sha256"][:36],
+            "source",
+            {"uri": "synthetic"},
+            {"rows_read": source["rows_read"], "sha256": source["sha256"], "index": 0},
+        )
+    ]
+    # a stage names the phase it consumed: its content sha256, the split directory, its rows per split
+    phase = manifest["phases"]["phase1_sft"]
+    with stage_run("sft", small_config(), tmp_path, required=False) as tracker:
+        tracker.log_inputs([phase_ref(tmp_path / "split", "phase1_sft", "training")])
+    ((name, digest, context, where, profile),) = dataset_inputs(client, tracker.run_id)
+    assert (name, digest, context) == ("phase1_sft", phase["sha256"][:36], "training")
+    assert where == {"uri": str((tmp_path / "split").resolve())}
+    assert (
+        profile["rows"] == {k: v["rows"] for k, v in phase["splits"].items()} and profile["sha256"] == phase["sha256"]
+    )
+    assert phase_ref(tmp_path, "phase1_sft", "training") is None  # no manifest: nothing claimed
