@@ -1,0 +1,55 @@
+"""Pairwise tasks for Label Studio: one prompt, two answers, the sides shuffled per task (issue 59).
+
+The annotator sees the prompt and `answer1` / `answer2` under Label Studio's Pairwise control (LABEL_CONFIG:
+its "human preference" pairwise layout); which model wrote which answer is kept in the task's `meta`, which
+the labeling page does not show, so that kubealign can map a choice back to the two registry versions. The
+side each model gets is drawn per task from a seeded generator: neither model is always on the left.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from typing import Any, NamedTuple
+
+LABEL_CONFIG = """<View>
+  <Header value="Which answer is better?"/>
+  <Text name="prompt" value="$prompt"/>
+  <Pairwise name="comparison" toName="answer1,answer2"/>
+  <Text name="answer1" value="$answer1"/>
+  <Text name="answer2" value="$answer2"/>
+</View>"""
+
+
+class Side(NamedTuple):
+    alias: str  # the registry alias the answers came from: champion, challenger
+    version: str  # the model version it pointed to
+
+    @property
+    def label(self) -> str:
+        return f"{self.alias}:{self.version}"
+
+
+def prompt_key(prompt: str) -> str:
+    """A prompt's identity across pushes (a task already in the project is not pushed again)."""
+    return hashlib.sha256(prompt.encode("utf-8")).hexdigest()
+
+
+def pairwise_tasks(
+    prompts: list[str], first: list[str], second: list[str], sides: tuple[Side, Side], seed: int
+) -> list[dict[str, Any]]:
+    """One task per prompt: `first[i]` (sides[0]'s answer) and `second[i]` (sides[1]'s) as answer1 / answer2 in
+    an order drawn per task; meta.kubealign says which side is which."""
+    rng = random.Random(f"kubealign-feedback-{seed}")
+    tasks = []
+    for prompt, a, b in zip(prompts, first, second, strict=True):
+        swap = rng.random() < 0.5
+        (one, one_side), (two, two_side) = ((b, sides[1]), (a, sides[0])) if swap else ((a, sides[0]), (b, sides[1]))
+        meta = {"answer1": one_side.label, "answer2": two_side.label, "prompt_sha256": prompt_key(prompt)}
+        tasks.append({"data": {"prompt": prompt, "answer1": one, "answer2": two}, "meta": {"kubealign": meta}})
+    return tasks
+
+
+def new_tasks(tasks: list[dict[str, Any]], present: set[str]) -> list[dict[str, Any]]:
+    """The tasks whose prompt is not in the project yet (present: their prompt_sha256s)."""
+    return [t for t in tasks if t["meta"]["kubealign"]["prompt_sha256"] not in present]
