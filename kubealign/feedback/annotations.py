@@ -3,11 +3,12 @@
 A task's annotations (Label Studio's JSON export: each task with its `data`, `meta` and `annotations`) are
 read as votes for answer1 ("left": the Pairwise control's first object) or answer2 ("right"). A task is:
 
-* **skipped** when no annotation of it chose (every one cancelled, or none yet);
+* **pending** when nobody has annotated it yet;
+* **skipped** when it has annotations and none of them chose (every one cancelled, Label Studio's "skip");
 * **tied** when its votes split evenly (two people, two answers);
 * **decided** otherwise: the majority's answer is `chosen`, the other `rejected`.
 
-Skipped and tied tasks give no row and are counted. Rows are deduplicated on (prompt, chosen, rejected).
+Pending, skipped and tied tasks give no row and are counted. Rows are deduplicated on (prompt, chosen, rejected).
 The human win-rate is the share of decided tasks won by the side named `challenger` (its Wilson 95 %
 interval beside it); agreement is, over tasks with two or more votes, the share of pairs of votes that agree.
 """
@@ -24,6 +25,7 @@ ANSWER = {"left": "answer1", "right": "answer2"}
 class Pulled(NamedTuple):
     rows: list[dict[str, str]]  # {prompt, chosen, rejected, chosen_by, rejected_by}: data-split's pair layout
     decided: int
+    pending: int
     skipped: int
     tied: int
     challenger_wins: int  # decided tasks the challenger side won
@@ -50,7 +52,7 @@ def pulled(tasks: list[dict[str, Any]], challenger: str = "challenger") -> Pulle
     reported (meta.kubealign.answerN is 'alias:version')."""
     rows: list[dict[str, str]] = []
     seen: set[tuple[str, str, str]] = set()
-    decided = skipped = tied = wins = 0
+    decided = pending = skipped = tied = wins = 0
     agree = pairs = 0
     annotators: set[int] = set()
     for task in tasks:
@@ -60,7 +62,10 @@ def pulled(tasks: list[dict[str, Any]], challenger: str = "challenger") -> Pulle
             pairs += 1
             agree += a == b
         if not cast:
-            skipped += 1
+            if task.get("annotations"):
+                skipped += 1
+            else:
+                pending += 1
             continue
         first = sum(v == "answer1" for _, v in cast)
         if 2 * first == len(cast):
@@ -83,7 +88,8 @@ def pulled(tasks: list[dict[str, Any]], challenger: str = "challenger") -> Pulle
                     "rejected_by": meta.get(lose, ""),
                 }
             )
-    return Pulled(rows, decided, skipped, tied, wins, agree / pairs if pairs else None, sorted(annotators))
+    agreement = agree / pairs if pairs else None
+    return Pulled(rows, decided, pending, skipped, tied, wins, agreement, sorted(annotators))
 
 
 def wilson(successes: int, n: int, z: float = 1.959963984540054) -> tuple[float, float]:

@@ -72,7 +72,8 @@ def test_choices_map_back_to_the_models_and_odd_tasks_are_counted():
         ("e", "E1", "E0"),
     ]
     assert [r["chosen_by"] for r in out.rows] == ["challenger:4", "champion:3", "challenger:4"]
-    assert (out.decided, out.skipped, out.tied, out.challenger_wins) == (3, 1, 1, 2)
+    assert (out.decided, out.pending, out.skipped, out.tied, out.challenger_wins) == (3, 0, 1, 1, 2)
+    assert an.pulled([{**pushed[0], "annotations": []}]).pending == 1  # nobody has looked at it yet
     # agreeing pairs: task a 1 of 1, task d 0 of 1, task e 1 of 3
     assert out.agreement == pytest.approx(2 / 5)
     assert out.annotators == [1, 2, 3]
