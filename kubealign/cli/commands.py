@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kubealign.cli import feedback
 from kubealign.cli.parser import build_parser
 from kubealign.cli.serving import judge_command, rollback_command, serve_command
 from kubealign.errors import Stopped, UserError
@@ -303,6 +304,7 @@ COMMANDS = {
     "registry": _registry,
     "serve": serve_command,
     "config": _config,
+    "feedback": feedback.command,
 }
 
 

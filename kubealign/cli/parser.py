@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign import __version__
+from kubealign.cli import feedback
 from kubealign.shape import ACT, JUDGE, ROUTES, SERVE, SHARED
 
 
@@ -333,6 +334,7 @@ def _add_tool_commands(sub: Any) -> None:
     _add_config_options(show)
     config_sub.add_parser("presets", help="list the shipped presets")
     _add_registry_commands(sub)
+    feedback.add_parser(sub)
 
 
 def _add_registry_commands(sub: Any) -> None:

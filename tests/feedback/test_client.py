@@ -96,3 +96,59 @@ def test_a_refused_token_and_a_server_that_is_down_are_one_line(replay):
         LabelStudio("http://127.0.0.1:9", TOKEN, timeout_s=2).find_project("x")
     with pytest.raises(UserError, match="is not an http"):
         LabelStudio("127.0.0.1:8080", TOKEN)
+
+
+@pytest.fixture
+def replay_pull():
+    Replay.calls, Replay.seen = [dict(c) for c in PULL["calls"]], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+PULL = json.loads((Path(__file__).parent / "recorded" / "label-studio-1.23.2-pull.json").read_text())
+
+
+def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pull, tmp_path, monkeypatch, capsys):
+    from mlflow import MlflowClient
+
+    from kubealign.cli.commands import main
+    from kubealign.tracking.runs import default_store
+
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "fb" / "human.jsonl"
+    args = ["feedback", "pull", "--project", "kubealign-feedback", "--url", replay_pull, "--output", str(out)]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    pushed = RECORDED["pushed"]
+    assert rows == [
+        {
+            "prompt": pushed[0]["data"]["prompt"],
+            "chosen": pushed[0]["data"]["answer1"],
+            "rejected": pushed[0]["data"]["answer2"],
+        },
+        {
+            "prompt": pushed[1]["data"]["prompt"],
+            "chosen": pushed[1]["data"]["answer2"],
+            "rejected": pushed[1]["data"]["answer1"],
+        },
+    ]
+    printed = capsys.readouterr().out
+    wins = sum(
+        t["meta"]["kubealign"][pick].startswith("challenger:")
+        for t, pick in zip(pushed[:2], ("answer1", "answer2"), strict=True)
+    )
+    low, high = an.wilson(wins, 2)
+    assert "pending 1, skipped 1, tied 0" in printed
+    assert f"human win-rate of challenger: {wins / 2:.2f} (95 % interval {low:.2f}-{high:.2f})" in printed
+    client = MlflowClient(default_store(tmp_path / "fb")[0])
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (given,) = client.get_run(run.info.run_id).inputs.dataset_inputs
+    assert given.dataset.name == "human.jsonl" and given.dataset.source_type == "label-studio"
+    assert json.loads(given.dataset.profile)["versions"] == ["challenger:4", "champion:3"]
+    assert run.data.metrics["decided"] == 2 and run.data.metrics["human_win_rate"] == wins / 2
+    assert main(args) == 2  # the file is there: never overwritten
+    assert "exists; pull into a new file" in capsys.readouterr().err

@@ -1,0 +1,98 @@
+"""`kubealign feedback pull`: people's choices in a Label Studio project -> a preference file data-split reads
+(issue 59). The rows (prompt, chosen, rejected) are written atomically, deduplicated; the counts, the human
+win-rate of the challenger with its 95 % interval and the people's agreement are printed and logged to MLflow
+as a `feedback` run whose dataset input is the file (its sha256, the project, the versions compared, the
+annotators), so the next reward model's lineage can lead back to it."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kubealign.errors import UserError
+
+
+def add_parser(sub: Any) -> None:
+    feedback = sub.add_parser(
+        "feedback",
+        help="people's choices between two models, through Label Studio (docs/feedback.md)",
+        description="pull: the completed pairwise annotations of a Label Studio project as preference rows "
+        "(prompt, chosen, rejected) for data.sources. Connection: --url or LABEL_STUDIO_URL, the token in "
+        "LABEL_STUDIO_API_KEY (a legacy API token).",
+    )
+    actions = feedback.add_subparsers(dest="feedback_command", metavar="ACTION", required=True)
+    pull = actions.add_parser("pull", help="annotations -> a preference JSONL file, logged to MLflow")
+    pull.add_argument("--project", required=True, metavar="TITLE", help="the Label Studio project's title")
+    pull.add_argument("--output", required=True, type=Path, metavar="FILE", help="the .jsonl file to write")
+    pull.add_argument(
+        "--url", metavar="URL", help="Label Studio (default: $LABEL_STUDIO_URL, else http://localhost:8080)"
+    )
+    pull.add_argument(
+        "--challenger",
+        default="challenger",
+        metavar="ALIAS",
+        help="whose human win-rate is reported (default challenger)",
+    )
+    pull.add_argument("--config", dest="config", metavar="CONFIG", help="config whose tracking section is used")
+
+
+def command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.feedback.annotations import pulled, wilson
+    from kubealign.feedback.client import TOKEN_ENV, URL_ENV, LabelStudio
+
+    if args.output.suffix != ".jsonl":
+        raise UserError(f"--output {args.output}: write a .jsonl file (data.sources reads it)")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise UserError(f"{TOKEN_ENV} is not set: Label Studio's API token (Account & Settings -> Legacy Token)")
+    url = args.url or os.environ.get(URL_ENV) or "http://localhost:8080"
+    if args.output.exists():  # nothing the user owns is overwritten: each pull is a file of its own
+        raise UserError(f"--output {args.output}: exists; pull into a new file")
+    client = LabelStudio(url, token)
+    project = client.find_project(args.project)
+    if project is None:
+        raise UserError(f"--project {args.project!r}: no such project at {url}")
+    out = pulled(client.export(project), args.challenger)
+    text = "".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in out.rows)
+    _write_atomically(args.output, text)
+    low, high = wilson(out.challenger_wins, out.decided)
+    rate = out.challenger_wins / out.decided if out.decided else float("nan")
+    agreement = "n/a (no task with two votes)" if out.agreement is None else f"{out.agreement:.2f}"
+    print(f"feedback: {args.output}  ({len(out.rows)} rows from {out.decided} decided tasks)")
+    print(f"  pending {out.pending}, skipped {out.skipped}, tied {out.tied}; annotators {len(out.annotators)}")
+    interval = f"95 % interval {low:.2f}-{high:.2f}"
+    print(f"  human win-rate of {args.challenger}: {rate:.2f} ({interval}); agreement {agreement}")
+    config = load_config(args.config, [])
+    metrics = {"rows": len(out.rows), "decided": out.decided, "pending": out.pending, "skipped": out.skipped}
+    metrics.update(tied=out.tied, human_win_rate=rate, human_win_rate_low=low, human_win_rate_high=high)
+    if out.agreement is not None:
+        metrics["agreement"] = out.agreement
+    _track(config, args, url, text, metrics, out)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def _track(config: Any, args: argparse.Namespace, url: str, text: str, metrics: dict[str, float], out: Any) -> None:
+    from kubealign.tracking.lineage import DatasetRef
+    from kubealign.tracking.runs import stage_run
+
+    versions = sorted({r[k] for r in out.rows for k in ("chosen_by", "rejected_by") if r[k]})
+    profile = {"rows": len(out.rows), "annotators": out.annotators, "versions": versions, "project": args.project}
+    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    where = f"{url}/projects ({args.project})"
+    ref = DatasetRef(args.output.name, sha, where, "label-studio", "human-feedback", profile)
+    with stage_run("feedback", config, args.output.resolve().parent, required=False) as tracker:
+        tracker.log_inputs([ref])
+        tracker.log_metrics(metrics)
+        tags = {"kubealign.feedback.versions": ",".join(versions), "kubealign.feedback.file": str(args.output)}
+        tracker.set_tags(tags)
