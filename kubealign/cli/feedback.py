@@ -1,8 +1,9 @@
-"""`kubealign feedback pull`: people's choices in a Label Studio project -> a preference file data-split reads
-(issue 59). The rows (prompt, chosen, rejected) are written atomically, deduplicated; the counts, the human
-win-rate of the challenger with its 95 % interval and the people's agreement are printed and logged to MLflow
-as a `feedback` run whose dataset input is the file (its sha256, the project, the versions compared, the
-annotators), so the next reward model's lineage can lead back to it."""
+"""The `kubealign feedback` commands (issue 59). push: two registry aliases' answers to held-out prompts, as
+pairwise Label Studio tasks (kubealign.feedback.push). pull: people's choices in a Label Studio project -> a
+preference file data-split reads: the rows (prompt, chosen, rejected) written atomically, deduplicated; the
+counts, the human win-rate of the challenger with its 95 % interval and the people's agreement printed and
+logged to MLflow as a `feedback` run whose dataset input is the file (its sha256, the project, the versions
+compared, the annotators), so the next reward model's lineage can lead back to it."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ def add_parser(sub: Any) -> None:
         "LABEL_STUDIO_API_KEY (a legacy API token).",
     )
     actions = feedback.add_subparsers(dest="feedback_command", metavar="ACTION", required=True)
+    push = actions.add_parser("push", help="two aliases' answers to held-out prompts -> pairwise tasks")
+    push.add_argument("--project", required=True, metavar="TITLE", help="the Label Studio project (created if missing)")
+    push.add_argument(
+        "--prompts",
+        required=True,
+        type=Path,
+        metavar="DIR|FILE",
+        help="a data-split output (its held-out phase-3 prompts) or a .jsonl file of {prompt} rows",
+    )
+    push.add_argument("-n", "--count", type=int, default=8, metavar="N", help="prompts to push (default 8)")
+    push.add_argument("--first", default="champion", metavar="ALIAS", help="one side (default champion)")
+    push.add_argument("--second", default="challenger", metavar="ALIAS", help="the other side (default challenger)")
+    push.add_argument("--model", metavar="NAME", help="registered model (default: promote.registered_model)")
+    push.add_argument("--tracking-uri", metavar="URL", help="the registry (default: MLFLOW_TRACKING_URI, tracking.uri)")
+    push.add_argument(
+        "--url", metavar="URL", help="Label Studio (default: $LABEL_STUDIO_URL, else http://localhost:8080)"
+    )
+    push.add_argument("--config", dest="config", metavar="CONFIG", help="config (evaluate's sampling settings)")
     pull = actions.add_parser("pull", help="annotations -> a preference JSONL file, logged to MLflow")
     pull.add_argument("--project", required=True, metavar="TITLE", help="the Label Studio project's title")
     pull.add_argument("--output", required=True, type=Path, metavar="FILE", help="the .jsonl file to write")
@@ -41,19 +60,63 @@ def add_parser(sub: Any) -> None:
 
 
 def command(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.feedback.annotations import pulled, wilson
+    if args.feedback_command == "push":
+        push_command(args)
+    else:
+        pull_command(args)
+
+
+def connect(args: argparse.Namespace) -> Any:
     from kubealign.feedback.client import TOKEN_ENV, URL_ENV, LabelStudio
 
-    if args.output.suffix != ".jsonl":
-        raise UserError(f"--output {args.output}: write a .jsonl file (data.sources reads it)")
     token = os.environ.get(TOKEN_ENV)
     if not token:
         raise UserError(f"{TOKEN_ENV} is not set: Label Studio's API token (Account & Settings -> Legacy Token)")
-    url = args.url or os.environ.get(URL_ENV) or "http://localhost:8080"
+    return LabelStudio(args.url or os.environ.get(URL_ENV) or "http://localhost:8080", token)
+
+
+def push_command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.feedback import push
+    from kubealign.feedback import tasks as tk
+    from kubealign.tracking.runs import check_uri, resolve_uri
+
+    if args.count < 1:
+        raise UserError(f"--count {args.count}: push at least one prompt")
+    config = load_config(args.config, [])
+    check_uri(args.tracking_uri, "--tracking-uri")
+    uri = args.tracking_uri or resolve_uri(config)
+    if not uri:
+        raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
+    client = connect(args)
+    prompts = push.held_out_prompts(args.prompts, args.count)
+    name = args.model or config.promote.registered_model
+    (first, first_dir), (second, second_dir) = push.registered_dirs(config.serve, uri, name, [args.first, args.second])
+    sides = (tk.Side(first.alias, first.version), tk.Side(second.alias, second.version))
+    pairs = tk.pairwise_tasks(
+        prompts,
+        push.answers(first_dir, prompts, config),
+        push.answers(second_dir, prompts, config),
+        sides,
+        config.evaluate.seed,
+    )
+    done = push.push_tasks(client, args.project, pairs)
+    made = "created" if done.created else "found"
+    print(f"feedback: project {args.project!r} ({made}, id {done.project}) at {client.url}")
+    print(f"  {done.added} tasks added, {done.present} of the prompts were there already")
+    print(f"  sides: {sides[0].label} and {sides[1].label}, shuffled per task")
+
+
+def pull_command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.feedback.annotations import pulled, wilson
+
+    if args.output.suffix != ".jsonl":
+        raise UserError(f"--output {args.output}: write a .jsonl file (data.sources reads it)")
     if args.output.exists():  # nothing the user owns is overwritten: each pull is a file of its own
         raise UserError(f"--output {args.output}: exists; pull into a new file")
-    client = LabelStudio(url, token)
+    client = connect(args)
+    url = client.url
     project = client.find_project(args.project)
     if project is None:
         raise UserError(f"--project {args.project!r}: no such project at {url}")

@@ -152,3 +152,36 @@ def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pul
     assert run.data.metrics["decided"] == 2 and run.data.metrics["human_win_rate"] == wins / 2
     assert main(args) == 2  # the file is there: never overwritten
     assert "exists; pull into a new file" in capsys.readouterr().err
+
+
+PUSH = json.loads((Path(__file__).parent / "recorded" / "label-studio-1.23.2-push.json").read_text())
+
+
+def test_push_creates_the_project_once_and_adds_only_new_prompts(tmp_path):
+    from kubealign.feedback.push import push_tasks
+
+    Replay.calls, Replay.seen = [dict(c) for c in PUSH["calls"]], []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Replay)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = LabelStudio(f"http://127.0.0.1:{server.server_address[1]}", TOKEN)
+        assert push_tasks(client, "kubealign-push-recorded", PUSH["first"]) == (5, True, 3, 0)
+        # p2 and p3 are there: only p4 goes
+        assert push_tasks(client, "kubealign-push-recorded", PUSH["again"]) == (5, False, 1, 2)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert Replay.calls == []
+    assert PUSH["calls"][-1]["body"] == [PUSH["again"][2]]  # what the real server was sent the second time
+
+
+def test_held_out_prompts_from_a_file_name_the_bad_line(tmp_path):
+    from kubealign.feedback.push import held_out_prompts
+
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "c"}\n')
+    assert held_out_prompts(good, 2) == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{"text": "b"}\n')
+    with pytest.raises(UserError, match=r"bad.jsonl:2: not a JSON object with a prompt$"):
+        held_out_prompts(bad, 2)
