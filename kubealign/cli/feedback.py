@@ -146,6 +146,7 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def _track(config: Any, args: argparse.Namespace, url: str, text: str, metrics: dict[str, float], out: Any) -> None:
+    from kubealign.feedback.lookup import VERSION_TAG
     from kubealign.tracking.lineage import DatasetRef
     from kubealign.tracking.runs import stage_run
 
@@ -158,4 +159,7 @@ def _track(config: Any, args: argparse.Namespace, url: str, text: str, metrics: 
         tracker.log_inputs([ref])
         tracker.log_metrics(metrics)
         tags = {"kubealign.feedback.versions": ",".join(versions), "kubealign.feedback.file": str(args.output)}
+        measured = sorted({v.split(":", 1)[1] for v in versions if v.split(":", 1)[0] == args.challenger})
+        if len(measured) == 1:  # the version the win-rate is of: what the online judge looks up (feedback.lookup)
+            tags[VERSION_TAG] = measured[0]
         tracker.set_tags(tags)

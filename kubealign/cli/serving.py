@@ -81,7 +81,12 @@ def judge_command(args: argparse.Namespace) -> None:
     champion, canary, version, uri = _judged_urls(args, config)
     checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)
     inputs = (args.prompts, args.tokenizer, args.reward, champion, canary, args.output, args.served_name)
-    result = judge.run(config, *inputs, version, tuple(checked))
+    human = None
+    if config.canary.min_human_win_rate is not None:  # people's verdict on this version (kubealign feedback pull)
+        from kubealign.feedback import lookup
+
+        human = lookup.latest(uri, config.tracking.experiment, version)
+    result = judge.run(config, *inputs, version, tuple(checked), human)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:
         return

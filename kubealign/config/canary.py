@@ -28,6 +28,14 @@ class CanaryConfig(Section):
     request_timeout_s: float = Field(60, gt=0, description="A request not answered in this time is an error.")
     concurrency: int = Field(4, ge=1, description="Requests in flight to each model at once.")
     max_new_tokens: int = Field(64, ge=1, description="max_tokens of each completion (temperature 0).")
+    min_human_win_rate: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Also require people's win-rate of the canary's version over the champion (the latest "
+        "`kubealign feedback pull` for that version in tracking.experiment) to reach this; None: not asked "
+        "(docs/feedback.md).",
+    )
     act: bool = Field(
         True,
         description="The pipeline's act task, after its judge task, carries the judge's verdict out (registry, "

@@ -70,19 +70,39 @@ def answered_pairs(champion: Sequence[Answer], canary: Sequence[Answer]) -> list
     return sorted(a.prompt for a in canary if a.ok and a.prompt in theirs)
 
 
+@dataclass(frozen=True)
+class HumanFeedback:
+    """People's verdict on the canary's version (the latest `kubealign feedback pull` for it)."""
+
+    win_rate: float  # of the canary's version over the other side, over the decided tasks
+    decided: int  # tasks with a majority
+    source: str  # where it was read (the feedback run)
+
+
 def decide(
     online: dict[str, float] | None,
     pairs: int,
     canary_figures: dict[str, float],
     promote: PromoteConfig,
     cfg: CanaryConfig,
+    human: HumanFeedback | None = None,
 ) -> tuple[bool, list[str]]:
     """(promote the canary?, one line per check, "pass: " or "FAIL: " first). online: compare()'s metrics of
     the canary's scored answers against the champion's, with the guards' figures of those answers (the LLM
-    judge's llm_judge_* when one judged: no figures, no line), None when too few pairs to compute them."""
+    judge's llm_judge_* when one judged: no figures, no line), None when too few pairs to compute them.
+    human: people's verdict, read when canary.min_human_win_rate is set (none found: that check fails)."""
     from kubealign.promotion.gate import gate
 
     checks = [(pairs >= cfg.min_answers, f"{pairs} prompts answered by both >= canary.min_answers {cfg.min_answers}")]
+    if cfg.min_human_win_rate is not None:
+        bar = cfg.min_human_win_rate
+        if human is None or human.decided == 0:
+            checks.append((False, f"people's win-rate >= canary.min_human_win_rate {bar}: no decided feedback"))
+        else:
+            text = (
+                f"people's win-rate {human.win_rate:.3f} over {human.decided} tasks >= canary.min_human_win_rate {bar}"
+            )
+            checks.append((human.win_rate >= bar, f"{text} ({human.source})"))
     rate = canary_figures["error_rate"]
     checks.append((rate <= cfg.max_error_rate, f"canary error_rate {rate:.3f} <= {cfg.max_error_rate}"))
     if cfg.max_latency_p95_s is not None:

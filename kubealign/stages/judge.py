@@ -176,11 +176,13 @@ def run(
     served_name: str | dict[str, str] | None = None,
     canary_version: str = "?",
     served_versions: tuple[str, ...] = (),
+    human: Any = None,
 ) -> dict[str, Any]:
     """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
     serve` names it), or each one's ({"champion": ..., "canary": ...}); tokenizer_dir: the policy's tokenizer
     (both versions share it); served_versions: the check lines of kubealign.serving.identity, made by the
-    caller before this asks anything (the registry is the caller's to read)."""
+    caller before this asks anything (the registry is the caller's to read); human: people's verdict on the
+    canary's version (serving.verdict.HumanFeedback, read by the caller when canary.min_human_win_rate is set)."""
     cfg, r = config.canary, config.rewards
     check_output_path(output, STAGE)
     if r.uses_model and reward is None:
@@ -212,7 +214,7 @@ def run(
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
-    promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg)
+    promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg, human)
     verdict = rules.verdict_line(promoted, lines, "challenger", canary_version)
     lines = [*served_versions, *lines]
     for who, figures in served.items():

@@ -71,7 +71,12 @@ def run(
     else:
         checked = identity.unchecked("no registry (MLFLOW_TRACKING_URI, tracking.uri) to read")
         print(f"judge: {checked[0]}", flush=True)
-    inputs = (stable, other, output, names, version, tuple(checked))
+    human = None
+    if config.canary.min_human_win_rate is not None and uri:  # people's verdict (kubealign feedback pull)
+        from kubealign.feedback import lookup
+
+        human = lookup.latest(uri, config.tracking.experiment, version)
+    inputs = (stable, other, output, names, version, tuple(checked), human)
     result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
     verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}
     verdict.update(registered_model=registered, inference_service=f"{namespace}/{name}", verdict=result["verdict"])

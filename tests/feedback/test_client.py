@@ -150,6 +150,12 @@ def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pul
     assert given.dataset.name == "human.jsonl" and given.dataset.source_type == "label-studio"
     assert json.loads(given.dataset.profile)["versions"] == ["challenger:4", "champion:3"]
     assert run.data.metrics["decided"] == 2 and run.data.metrics["human_win_rate"] == wins / 2
+    # the online judge's check (canary.min_human_win_rate) finds it by the challenger's version
+    from kubealign.feedback import lookup
+
+    found = lookup.latest(default_store(tmp_path / "fb")[0], "kubealign-tiny", "4")
+    assert (found.win_rate, found.decided) == (wins / 2, 2) and found.source == f"feedback run {run.info.run_id}"
+    assert lookup.latest(default_store(tmp_path / "fb")[0], "kubealign-tiny", "3") is None  # the champion's: none
     assert main(args) == 2  # the file is there: never overwritten
     assert "exists; pull into a new file" in capsys.readouterr().err
 

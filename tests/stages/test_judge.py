@@ -221,6 +221,26 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     assert verdict_line(True, lines, "challenger", "7").endswith("holds online: promoted to champion")
 
 
+def test_people_s_win_rate_is_one_more_check_when_asked() -> None:
+    from kubealign.serving.verdict import HumanFeedback
+
+    promote, quiet = PromoteConfig(), {"error_rate": 0.0, "latency_p95_s": 0.5}
+    off = CanaryConfig(min_answers=8)
+    assert decide(online(0.7, 0.3), 8, quiet, promote, off, None)[0]  # not asked: no feedback needed
+    asked = CanaryConfig(min_answers=8, min_human_win_rate=0.6)
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, None)
+    assert not ok and "FAIL: people's win-rate >= canary.min_human_win_rate 0.6: no decided feedback" in lines
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.5, 10, "feedback run r1"))
+    assert not ok and (
+        "FAIL: people's win-rate 0.500 over 10 tasks >= canary.min_human_win_rate 0.6 (feedback run r1)" in lines
+    )
+    ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.6, 10, "feedback run r2"))
+    assert (
+        ok and "pass: people's win-rate 0.600 over 10 tasks >= canary.min_human_win_rate 0.6 (feedback run r2)" in lines
+    )
+    assert not decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.9, 0, "feedback run r3"))[0]
+
+
 LLM_JUDGED = {
     "llm_judge_win_rate": 0.5,
     "llm_judge_loss_rate": 0.25,

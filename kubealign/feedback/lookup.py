@@ -1,0 +1,34 @@
+"""The online judge's people's check (canary.min_human_win_rate, issue 59): the latest `kubealign feedback
+pull` of a version, read from MLflow (the feedback runs tag the version whose win-rate they measured)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+VERSION_TAG = "kubealign.feedback.challenger_version"
+
+
+def latest(tracking_uri: str, experiment: str, version: str) -> Any:
+    """serving.verdict.HumanFeedback of the newest feedback run for `version` in `experiment`; None if none."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.aliases import registry_errors
+    from kubealign.serving.verdict import HumanFeedback
+
+    with registry_errors(tracking_uri):
+        client = MlflowClient(tracking_uri=tracking_uri)
+        found = client.get_experiment_by_name(experiment)
+        if found is None:
+            return None
+        runs = client.search_runs(
+            [found.experiment_id],
+            filter_string=f"tags.`{VERSION_TAG}` = '{version}' and attributes.status = 'FINISHED'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+    if not runs:
+        return None
+    metrics = runs[0].data.metrics
+    decided = int(metrics.get("decided", 0))
+    rate = metrics.get("human_win_rate", float("nan"))
+    return HumanFeedback(rate, decided if rate == rate else 0, f"feedback run {runs[0].info.run_id}")
