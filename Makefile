@@ -19,7 +19,7 @@ TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-unit test-system test-containers test-serve test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
+.PHONY: demo test test-unit test-system test-containers test-serve test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -65,7 +65,7 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container and not system"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container and not system and not labelstudio"
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed
@@ -86,6 +86,17 @@ test-containers: $(STAMP)
 # start takes 40-100 s on 2 cores.
 test-serve: $(STAMP)
 	$(BIN)/pytest -m vllm tests/serving/test_serve_vllm.py tests/serving/test_canary_vllm.py
+
+# Human feedback against a real Label Studio (tests/feedback/test_labelstudio.py): its venv (requirements/
+# labelstudio.txt) is built on first use (a few minutes), the server starts on 127.0.0.1 in a temporary
+# directory (about 40 s on 2 cores). Not part of `make test`, which replays a recorded exchange instead.
+LS_VENV := .venv-labelstudio
+$(LS_VENV)/.installed: requirements/labelstudio.txt
+	test -x $(LS_VENV)/bin/python || $(PYTHON) -m venv $(LS_VENV)
+	$(LS_VENV)/bin/pip install --disable-pip-version-check -q -r requirements/labelstudio.txt
+	touch $@
+test-labelstudio: $(STAMP) $(LS_VENV)/.installed
+	KUBEALIGN_LABEL_STUDIO_VENV=$(LS_VENV) $(BIN)/pytest -m labelstudio tests/feedback/test_labelstudio.py
 
 # The ranges without the lock: a fresh venv with the newest releases pyproject.toml allows, then the stage
 # tests (every stage through its CLI, the preflight, the routes through kfp.local). Not part of `make test`;
