@@ -11,7 +11,9 @@ The worker (kubealign.rewards.worker) calls `confine`:
   worker's private directory and to /dev/null; no TCP connect or bind unless `network` (ABI >= 4); no
   signals to, and no abstract unix sockets of, processes outside the sandbox (ABI >= 6). A sandboxed process
   also cannot ptrace, and so cannot read the /proc/PID/environ, /proc/PID/cwd or /proc/PID/mem of, any
-  process outside it: the trainer's credentials are out of reach by that path even for root.
+  process outside it — as long as it holds no CAP_SYS_PTRACE, which a worker of a root trainer would: it gives
+  up every capability after Landlock (`drop_capabilities`), so the trainer's credentials are out of reach by
+  that path for root too.
 Reads stay open (a function reads its own data and Python's libraries); what it could read is what the
 task's user can read, minus other processes' /proc entries.
 
@@ -131,7 +133,40 @@ def confine(home: Path, file_limit_mb: int, network: bool) -> str:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     except (OSError, AttributeError):  # not Linux: only the process group is ended
         return "not Linux: no sandbox but the file-size limit"
-    return _landlock(home, network)
+    landlocked = _landlock(home, network)
+    return f"{landlocked}; {drop_capabilities()}"
+
+
+_SYS_CAPGET, _SYS_CAPSET = 125, 126  # x86-64 (arm64: 90, 91)
+_PR_CAPBSET_DROP, _CAP_LAST_CAP = 24, 63
+_CAPABILITY_VERSION_3 = 0x20080522
+
+
+def drop_capabilities() -> str:
+    """Give up every capability, now and for anything started after (the bounding set), in a line. A worker of
+    a trainer running as root would otherwise keep CAP_SYS_PTRACE and read the trainer's /proc/PID/environ
+    (its credentials) although the trainer is non-dumpable while it runs, Landlock notwithstanding (measured:
+    Landlock ABI 7, root); without capabilities, root is a uid like another (tests/rewards/test_tool_worker.py).
+    A non-root worker has none to give up."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        capget, capset = 90, 91  # arm64's numbers (the generic table)
+    else:
+        capget, capset = _SYS_CAPGET, _SYS_CAPSET
+    for cap in range(_CAP_LAST_CAP + 1):  # the bounding set first: it needs CAP_SETPCAP, which goes next
+        # past the kernel's last capability, or no CAP_SETPCAP (then none to drop anyway): nothing to do
+        with contextlib.suppress(OSError):
+            _prctl(_PR_CAPBSET_DROP, cap)
+    header = struct.pack("=Ii", _CAPABILITY_VERSION_3, 0)
+    empty = bytes(24)  # two {effective, permitted, inheritable} u32 triples
+    try:
+        _syscall(capset, ctypes.c_char_p(header), ctypes.c_char_p(empty))
+        got = ctypes.create_string_buffer(24)
+        _syscall(capget, ctypes.c_char_p(header), got)
+    except OSError as exc:
+        return f"capabilities kept ({exc.strerror})"
+    return "no capabilities" if not any(got.raw) else "capabilities kept (capget shows some)"
 
 
 def undumpable() -> int:

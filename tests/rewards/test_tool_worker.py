@@ -6,6 +6,7 @@ the tools' source is pinned with the reward functions (an edited tool is refused
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,23 @@ def sleepy() -> str:
     return ""
 
 
+def peek(name: str) -> str:
+    """An adversary's tool: a variable of its environment, and the trainer's environment through /proc.
+
+    Args:
+        name: the variable
+    """
+    import os
+
+    mine = os.environ.get(name, "absent")
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            theirs = "read" if name.encode() in f.read() else "not there"
+    except OSError as exc:
+        theirs = f"refused ({exc.strerror})"
+    return f"{mine}; trainer: {theirs}"
+
+
 class Guess:
     """An environment: guess the row's answer; each wrong guess is told higher or lower."""
 
@@ -76,7 +94,7 @@ def tools_dir(tmp_path: Path) -> Path:
 
 
 def runner_for(directory: Path, timeout_s: float = 10.0, **tools) -> FunctionRunner:
-    tools = {"functions": [{"path": f"tools.py:{n}"} for n in ("add", "boom", "sleepy")], **tools}
+    tools = {"functions": [{"path": f"tools.py:{n}"} for n in ("add", "boom", "sleepy")], **tools}  # or the given
     specs = definitions.resolve_tools(ToolsConfig(**tools), str(directory))
     return FunctionRunner(specs, timeout_s)
 
@@ -94,6 +112,41 @@ def test_results_and_errors_are_observations(tools_dir: Path):
     assert out[1] == ("ValueError: cannot take it (tools.py, line 21)", True)
     assert out[2] == ("unknown tool 'mul' (tools: add, boom, sleepy)", True)
     assert out[3] == ("add: missing a required argument: 'b'", True)
+
+
+TRAINER = """
+import json, sys
+from kubealign.config.tools import ToolsConfig
+from kubealign.rewards import definitions
+from kubealign.rewards.functions import FunctionRunner
+specs = definitions.resolve_tools(ToolsConfig(functions=[{"path": "tools.py:peek"}]), sys.argv[1])
+with FunctionRunner(specs, 30.0) as runner:
+    ((text, error),) = runner.tool_calls([{"name": "peek", "arguments": {"name": "AWS_SECRET_ACCESS_KEY"}}])
+print(json.dumps({"text": text, "error": error, "confined": runner.confined}))
+"""
+
+
+def test_a_tool_reaches_no_credential_of_the_trainer(tools_dir: Path):
+    """A trainer with a credential in its environment (this test's uid: root here, whose worker would keep
+    CAP_SYS_PTRACE but for sandbox.drop_capabilities) and a tool that looks for it in its own environment and
+    in the trainer's /proc/PID/environ."""
+    import os
+    import subprocess
+    import sys
+
+    from kubealign.rewards import sandbox
+
+    env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "probe-secret-9a2b"}
+    done = subprocess.run(
+        [sys.executable, "-c", TRAINER, str(tools_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not out["error"] and out["text"].startswith("absent; trainer: ")  # its own environment is scrubbed
+    assert "read" not in out["text"]
+    if sandbox.landlock_abi() >= 1:
+        assert out["text"] == "absent; trainer: refused (Permission denied)"
+        assert out["confined"].endswith("; no capabilities")
 
 
 def test_a_hanging_tool_is_one_line_and_the_worker_is_stopped(tools_dir: Path):
