@@ -12,8 +12,8 @@ The worker (kubealign.rewards.worker) calls `confine`:
   signals to, and no abstract unix sockets of, processes outside the sandbox (ABI >= 6). A sandboxed process
   also cannot ptrace, and so cannot read the /proc/PID/environ, /proc/PID/cwd or /proc/PID/mem of, any
   process outside it — as long as it holds no CAP_SYS_PTRACE, which a worker of a root trainer would: it gives
-  up every capability after Landlock (`drop_capabilities`), so the trainer's credentials are out of reach by
-  that path for root too.
+  up every capability but reading files after Landlock (`drop_capabilities`), so the trainer's credentials are
+  out of reach by that path for root too.
 Reads stay open (a function reads its own data and Python's libraries); what it could read is what the
 task's user can read, minus other processes' /proc entries.
 
@@ -140,33 +140,37 @@ def confine(home: Path, file_limit_mb: int, network: bool) -> str:
 _SYS_CAPGET, _SYS_CAPSET = 125, 126  # x86-64 (arm64: 90, 91)
 _PR_CAPBSET_DROP, _CAP_LAST_CAP = 24, 63
 _CAPABILITY_VERSION_3 = 0x20080522
+# kept: reading any file (reads stay open by design; a test harness runs the trainer as nobody with only this,
+# to read an interpreter under /root); it opens no /proc entry of a non-dumpable process, which takes ptrace
+_KEPT = 1 << 2  # CAP_DAC_READ_SEARCH
 
 
 def drop_capabilities() -> str:
-    """Give up every capability, now and for anything started after (the bounding set), in a line. A worker of
-    a trainer running as root would otherwise keep CAP_SYS_PTRACE and read the trainer's /proc/PID/environ
-    (its credentials) although the trainer is non-dumpable while it runs, Landlock notwithstanding (measured:
-    Landlock ABI 7, root); without capabilities, root is a uid like another (tests/rewards/test_tool_worker.py).
-    A non-root worker has none to give up."""
+    """Give up every capability but CAP_DAC_READ_SEARCH, now and for anything started after (the bounding set),
+    in a line. A worker of a trainer running as root would otherwise keep CAP_SYS_PTRACE and read the trainer's
+    /proc/PID/environ (its credentials) although the trainer is non-dumpable while it runs, Landlock
+    notwithstanding (measured: Landlock ABI 7, root; tests/rewards/test_tool_worker.py). A non-root worker has
+    none to give up."""
     import platform
 
-    if platform.machine() not in ("x86_64", "AMD64"):
-        capget, capset = 90, 91  # arm64's numbers (the generic table)
-    else:
-        capget, capset = _SYS_CAPGET, _SYS_CAPSET
+    capget, capset = (_SYS_CAPGET, _SYS_CAPSET) if platform.machine() in ("x86_64", "AMD64") else (90, 91)
     for cap in range(_CAP_LAST_CAP + 1):  # the bounding set first: it needs CAP_SETPCAP, which goes next
-        # past the kernel's last capability, or no CAP_SETPCAP (then none to drop anyway): nothing to do
-        with contextlib.suppress(OSError):
-            _prctl(_PR_CAPBSET_DROP, cap)
+        if not _KEPT >> cap & 1:
+            # past the kernel's last capability, or no CAP_SETPCAP (then none to drop anyway): nothing to do
+            with contextlib.suppress(OSError):
+                _prctl(_PR_CAPBSET_DROP, cap)
     header = struct.pack("=Ii", _CAPABILITY_VERSION_3, 0)
-    empty = bytes(24)  # two {effective, permitted, inheritable} u32 triples
     try:
-        _syscall(capset, ctypes.c_char_p(header), ctypes.c_char_p(empty))
-        got = ctypes.create_string_buffer(24)
-        _syscall(capget, ctypes.c_char_p(header), got)
+        now = ctypes.create_string_buffer(24)  # two {effective, permitted, inheritable} u32 triples
+        _syscall(capget, ctypes.c_char_p(header), now)
+        low = struct.unpack("=6I", now.raw)
+        kept = [v & _KEPT if i < 3 else 0 for i, v in enumerate(low)]  # the second triple: capabilities 32-63
+        _syscall(capset, ctypes.c_char_p(header), ctypes.c_char_p(struct.pack("=6I", *kept)))
+        _syscall(capget, ctypes.c_char_p(header), now)
     except OSError as exc:
         return f"capabilities kept ({exc.strerror})"
-    return "no capabilities" if not any(got.raw) else "capabilities kept (capget shows some)"
+    left = struct.unpack("=6I", now.raw)
+    return "no capabilities" if not any(left) else "no capability but reading files"
 
 
 def undumpable() -> int:
