@@ -185,7 +185,8 @@ def _turn(
 
 def _answer_calls(session: ToolSession, going: list[Trajectory]) -> None:
     """Parse each turn's call; run the well-formed ones in one request; append every observation (cut to the
-    budget); a turn without a call ends its trajectory."""
+    budget); a turn without a call, or one that ended with EOS (an unclosed call, counted malformed), ends its
+    trajectory."""
     tools, tokenizer = session.tools, session.tokenizer
     waiting, calls = [], []
     for t in going:
@@ -197,8 +198,11 @@ def _answer_calls(session: ToolSession, going: list[Trajectory]) -> None:
             t.done = True
             continue
         t.calls += 1
-        if isinstance(call, tool_calls.Malformed):
-            t.malformed += 1
+        malformed = isinstance(call, tool_calls.Malformed)
+        t.malformed += malformed
+        if t.tokens[-1] == tokenizer.eos_token_id:  # it ended its answer inside an unclosed call: nothing to answer
+            t.done = True
+        elif malformed:
             _observe(session, t, tool_calls.response(call.reason, error=True))
         else:
             waiting.append(t)

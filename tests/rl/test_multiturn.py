@@ -168,6 +168,12 @@ def test_a_malformed_call_is_an_error_observation_and_the_model_may_try_again():
     assert batch.calls.tolist() == [2] and batch.malformed.tolist() == [1] and batch.turns.tolist() == [3]
 
 
+def test_an_answer_that_ends_inside_an_unclosed_call_is_final_and_counted_malformed():
+    batch, runner, _ = run([['<tool_call>{"name": "add"§junk']], "1+2=", max_turns=3)
+    assert after_prompt(batch, 0) == '<tool_call>{"name": "add"</s>' and runner.requests == []
+    assert (batch.turns.tolist(), batch.calls.tolist(), batch.malformed.tolist()) == ([1], [1], [1])
+
+
 def test_max_turns_ends_a_trajectory_after_its_last_observation():
     batch, _, _ = run([[CALL], [CALL]], "1+2=", max_turns=2)
     assert after_prompt(batch, 0) == (CALL + "<tool_response>3</tool_response>") * 2
