@@ -89,7 +89,7 @@ LIBRARY = (
     ("kubealign", "errors", "ranks", "pod", "shape", "images", "outputs"),
     ("config", "selection", "data", "models", "rewards", "training", "rl", "tracking", "promotion", "registry"),
     ("cluster", "containers", "serving"),
-    ("stages",),
+    ("stages", "feedback"),
 )
 LIBRARY_LAYER = {part: index for index, group in enumerate(LIBRARY) for part in group}
 

@@ -74,6 +74,18 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: EvaluateCo
     return rows
 
 
+def sampled(config: KubealignConfig, runner: Any, tokenizer: Any, encoded: list, data: Any, models: tuple) -> tuple:
+    """(baseline's rows, candidate's rows): sampled in turns with the tools when there are tools, as the policy
+    was trained (stages.evaluate_turns), else one answer each."""
+    cfg = config.evaluate
+    if config.tools.enabled:
+        session = multiturn.ToolSession(config.tools, runner, tokenizer)
+        return tuple(
+            evaluate_turns.sample_turns(m, tokenizer, encoded, cfg, session, data, sampling_of(cfg)) for m in models
+        )
+    return tuple(sample(m, tokenizer, encoded, cfg) for m in models)
+
+
 def batched(rows: list[dict[str, Any]], size: int):
     """(rows, ids, attention, response) batches; rows of one generate call share one width already."""
 
@@ -372,14 +384,7 @@ def run(
         if reward is not None:
             reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
         scorer = Scorer(reward_model, config.rewards.model_weight if specs else 1.0, runner, tokenizer)
-        if config.tools.enabled:  # in turns with the tools, as the policy was trained (stages.evaluate_turns)
-            session = multiturn.ToolSession(config.tools, runner, tokenizer)
-            base, cand = (
-                evaluate_turns.sample_turns(m, tokenizer, encoded, cfg, session, data, sampling_of(cfg))
-                for m in (base_model, cand_model)
-            )
-        else:
-            base, cand = sample(base_model, tokenizer, encoded, cfg), sample(cand_model, tokenizer, encoded, cfg)
+        base, cand = sampled(config, runner, tokenizer, encoded, data, (base_model, cand_model))
         score(scorer, base, cfg.batch_size, data)
         score(scorer, cand, cfg.batch_size, data)
         metrics = compare(base, cand, cfg.seed)
