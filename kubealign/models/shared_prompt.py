@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from kubealign.models.token_logprobs import Settings, chunked, head_parts, note_fallback, scatter
+from kubealign.models.token_logprobs import Settings, chunked, head_parts, note_fallback, outermost_call, scatter
 
 
 class SharedPrompt(NamedTuple):
@@ -105,6 +105,12 @@ def usable(model: Any) -> tuple[torch.nn.Module, torch.nn.Module] | None:
     if isinstance(parts, str):
         note_fallback(parts)
         return None
+    lm = getattr(model, "module", model)
+    lm = lm.get_base_model() if hasattr(lm, "get_base_model") else lm
+    kind = getattr(getattr(lm, "config", None), "_attn_implementation", None)
+    if kind not in (None, "eager", "sdpa"):  # flash-attention kernels take no [B, 1, L, L] mask
+        note_fallback(f"attention {kind!r} takes no custom mask: each pair's prompt is run twice")
+        return None
     return parts
 
 
@@ -122,17 +128,8 @@ def shared_logprobs(
         rows = hidden.reshape(-1, hidden.shape[-1])[pairs.sources]
         return chunked(rows, head, pairs.tokens, Settings())[0]
 
-    root = getattr(model, "module", model)
     bias = attention_bias(pairs.segments, next(head.parameters()).dtype)
-    had = root.__dict__.get("forward")
-    root.forward = forward  # run inside the outermost call: the engine's forward and hooks see one forward
-    try:
-        flat = model(input_ids=pairs.input_ids, attention_mask=bias)
-    finally:
-        if had is None:
-            del root.forward
-        else:
-            root.forward = had
+    flat = outermost_call(model, forward, pairs.input_ids, bias)  # the engine's forward and hooks see one forward
     return scatter(flat, targets.bool())
 
 

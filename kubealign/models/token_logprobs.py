@@ -89,7 +89,7 @@ def target_logprobs(
             ).last_hidden_state
             return chunked(hidden[:, :-1][targets], head, tokens, settings)
 
-        flat = outermost_call(model, forward, input_ids, attention_mask)
+        flat = outermost_call(model, forward, input_ids, attention_mask, position_ids=position_ids(attention_mask))
     logprobs = scatter(flat[0], targets)
     return TargetLogprobs(logprobs, scatter(flat[1], targets) if settings.entropy else None)
 
@@ -123,15 +123,17 @@ def note_fallback(reason: str) -> None:
         log.warning("target log-probs from the full logits (every position, the whole vocabulary): %s", reason)
 
 
-def outermost_call(model: Any, forward: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """forward(input_ids, attention_mask, position_ids) run as the outermost module's forward: the engine
-    (or the module) is called as usual, so DeepSpeed's forward, its ZeRO-3 parameter gathering and the
-    backward hooks it puts on the outputs apply to what `forward` returns as they did to the logits."""
+def outermost_call(
+    model: Any, forward: Callable[..., Any], input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs: Any
+):
+    """forward(input_ids, attention_mask, **kwargs) run as the outermost module's forward: the engine (or the
+    module) is called as usual, so DeepSpeed's forward, its ZeRO-3 parameter gathering and the backward hooks
+    it puts on the outputs apply to what `forward` returns as they did to the logits."""
     root = getattr(model, "module", model)
     had = root.__dict__.get("forward")  # an instance-level forward (accelerate's hooks) is put back after
     root.forward = forward
     try:
-        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids(attention_mask))
+        return model(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     finally:
         if had is None:
             del root.forward

@@ -152,3 +152,12 @@ def test_a_lora_wrapper_trains_its_adapters_through_the_shared_prompt():
     assert expected and all("lora_" in name for name in got)
     for name, grad in expected.items():
         assert (grad - got[name]).abs().max() < EXACT * max(1.0, float(grad.abs().max())), name
+
+
+def test_an_attention_that_takes_no_custom_mask_takes_the_full_rows(caplog, monkeypatch):
+    model = small_lm("llama")
+    assert sp.usable(model) is not None  # sdpa (or eager): the packed rows' mask goes through
+    monkeypatch.setattr(type(model.config), "_attn_implementation", property(lambda self: "flash_attention_2"))
+    with caplog.at_level("WARNING"):
+        assert sp.usable(model) is None
+    assert "'flash_attention_2' takes no custom mask" in caplog.text
