@@ -334,15 +334,5 @@ def run(
         )
 
     load = lambda: check_inputs(cfg, "--model" if model_name is not None else "dpo.model", data)  # noqa: E731
-    return stage.run(
-        STAGE,
-        config,
-        cfg,
-        load,
-        build,
-        output,
-        resume,
-        checkpoint_location,
-        None,
-        phase_ref(data, "phase2_reward", "training"),
-    )
+    ref = phase_ref(data, "phase2_reward", "training")  # the run names the data it trains on
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, data=ref)

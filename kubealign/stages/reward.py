@@ -190,15 +190,4 @@ def train(
         )
 
     outputs = {"eval_scores": SCORES_FILE, **({HELDOUT: HELDOUT} if extra else {})}
-    return stage.run(
-        STAGE,
-        config,
-        cfg,
-        load,
-        build,
-        output,
-        resume,
-        checkpoint_location,
-        outputs,
-        data,
-    )
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, outputs, data)

@@ -86,15 +86,5 @@ def run(
         )
 
     load = lambda: phases.load(data, "phase1_sft")  # noqa: E731
-    return stage.run(
-        STAGE,
-        config,
-        cfg,
-        load,
-        build,
-        output,
-        resume,
-        checkpoint_location,
-        None,
-        phase_ref(data, "phase1_sft", "training"),
-    )
+    ref = phase_ref(data, "phase1_sft", "training")  # the run names the data it trains on
+    return stage.run(STAGE, config, cfg, load, build, output, resume, checkpoint_location, data=ref)
