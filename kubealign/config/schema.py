@@ -21,7 +21,7 @@ from kubealign.config.pipeline import PipelineConfig, shorthand
 from kubealign.config.ppo import HybridEngineConfig, PPOConfig, RolloutCorrectionConfig
 from kubealign.config.serve import ServeConfig
 from kubealign.config.suites import SuitesConfig
-from kubealign.config.tools import ToolsConfig
+from kubealign.config.tools import ToolsConfig, check_reference
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
 from kubealign.selection.candidates import Candidate
 
@@ -225,10 +225,7 @@ class RewardFunction(Section):
     @field_validator("path")
     @classmethod
     def _check_path(cls, value: str) -> str:
-        where, sep, name = value.rpartition(":")
-        if not sep or not where or not name.isidentifier():
-            raise ValueError(f"expected FILE.py:NAME or module:NAME, got {value!r}")
-        return value
+        return check_reference(value, "NAME")
 
     @property
     def name(self) -> str:

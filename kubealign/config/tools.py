@@ -19,7 +19,8 @@ from pydantic import Field, field_validator, model_validator
 from kubealign.config.base import Section
 
 
-def _check_reference(value: str, what: str) -> str:
+def check_reference(value: str, what: str) -> str:
+    """FILE.py:WHAT or module:WHAT (WHAT an identifier), or a ValueError saying so (pydantic names the field)."""
     where, sep, name = value.rpartition(":")
     if not sep or not where or not name.isidentifier():
         raise ValueError(f"expected FILE.py:{what} or module:{what}, got {value!r}")
@@ -37,7 +38,7 @@ class ToolFunction(Section):
     @field_validator("path")
     @classmethod
     def _check_path(cls, value: str) -> str:
-        return _check_reference(value, "NAME")
+        return check_reference(value, "NAME")
 
     @property
     def name(self) -> str:
@@ -72,7 +73,7 @@ class ToolsConfig(Section):
     @field_validator("environment")
     @classmethod
     def _check_environment(cls, value: str | None) -> str | None:
-        return None if value is None else _check_reference(value, "CLASS")
+        return None if value is None else check_reference(value, "CLASS")
 
     @model_validator(mode="after")
     def _check_names(self) -> ToolsConfig:
