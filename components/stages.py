@@ -12,16 +12,34 @@ from kubealign.images import CPU_IMAGE, TRAIN_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def data_split(config_json: str, data_fingerprint: str, dataset: Output[Dataset], metrics: Output[Metrics]):
+def feedback(config_json: str, dataset: Output[Dataset], metrics: Output[Metrics]):
+    """feedback: people's completed pairwise choices in the Label Studio project feedback.project, pulled as
+    preference rows for data-split (with a `feedback` MLflow run: the counts, the human win-rate)."""
+    from kubealign import tasks
+    from kubealign.tasks import artifacts
+
+    result = tasks.feedback(config_json, dataset.path)
+    artifacts.to_kfp(result, metrics, dataset)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def data_split(
+    config_json: str,
+    data_fingerprint: str,
+    dataset: Output[Dataset],
+    metrics: Output[Metrics],
+    feedback: Input[Dataset] = None,
+):
     """data-split: normalize, validate, deduplicate and split the sources into the three phases.
 
     data_fingerprint (the sources' content hash, computed at compile time) is not read: it is an input
-    so that KFP's cache key changes whenever the data does.
+    so that KFP's cache key changes whenever the data does. feedback (only with feedback.project): the
+    feedback task's output, whose rows join the sources.
     """
     from kubealign import tasks
     from kubealign.tasks import artifacts
 
-    result = tasks.data_split(config_json, [], dataset.path)
+    result = tasks.data_split(config_json, [], dataset.path, feedback.path if feedback is not None else None)
     artifacts.to_kfp(result, metrics, dataset)
 
 

@@ -16,6 +16,7 @@ SHARED = ("data-split", "sft", "reward")  # upstream of every route (reward: onl
 # one route's tasks in DAG order; "ppo" stands for the route's training task (route_task)
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 SUMMARY_STAGES = (
+    "feedback",
     "data-split",
     "sft",
     "reward",
@@ -31,6 +32,8 @@ SERVE = "serve"  # after promote, with serve.enabled (one route): the alias as a
 # after serve, with promote.mode canary too: the canary judged online (runs the reward functions), its verdict
 # written (verdict.json); nothing moved
 JUDGE = "judge"
+# before data-split, with feedback.project: people's choices pulled from Label Studio, one more source of data-split
+FEEDBACK = "feedback"
 # after judge, with canary.act too: the verdict carried out (registry aliases, then the InferenceService); no
 # user code, so it alone gets the pipeline identity (kubealign.cluster.secrets)
 ACT = "act"
@@ -38,7 +41,7 @@ ACT = "act"
 # "scorer": the reward model, or with reward functions alone the SFT model (the critic's start; not read
 # by evaluate then).
 UPSTREAM = {
-    "data-split": (),
+    "data-split": ("feedback",),  # read only where the run has a feedback task
     "sft": ("data-split",),
     "reward": ("data-split",),
     "ppo": ("data-split", "sft", "scorer"),
@@ -52,6 +55,7 @@ UPSTREAM = {
 # The KFP output each task's directory is in: shared tasks by name; a several-route run's route tasks are
 # named after their route (grpo, evaluate-grpo, promote-grpo) and found by prefix.
 OUTPUT_KEYS = {
+    "feedback": "dataset",
     "data-split": "dataset",
     "sft": "model",
     "reward": "model",
@@ -65,7 +69,7 @@ ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "pro
 # wait-NAME that runs once an earlier candidate's branch has ended (kubealign.pipelines.sweep).
 WAIT_PREFIX = "wait-"
 # names a candidate may not take: the DAG's own tasks (candidates.check_names also refuses the prefixes)
-RESERVED_TASKS = (*SHARED, "compare", SERVE, JUDGE, ACT, "evaluate", "promote", "wait")
+RESERVED_TASKS = (*SHARED, FEEDBACK, "compare", SERVE, JUDGE, ACT, "evaluate", "promote", "wait")
 
 
 def route_task(route: str) -> str:
@@ -85,15 +89,21 @@ def scorer(reward_model: bool) -> str:
 
 
 def stages_for(
-    route: str, reward_model: bool = True, serve: bool = False, judge: bool = False, act: bool = False
+    route: str,
+    reward_model: bool = True,
+    serve: bool = False,
+    judge: bool = False,
+    act: bool = False,
+    feedback: bool = False,
 ) -> tuple[str, ...]:
     """The tasks a one-route run executes, in DAG order (no reward task when reward functions alone score;
     serve after promote with serve.enabled, judge after serve with promote.mode canary as well, act after judge
-    with canary.act as well)."""
+    with canary.act as well; feedback first with feedback.project)."""
     kept = (s for s in STAGES if reward_model or s != "reward")
     judged = (JUDGE, *((ACT,) if act else ())) if judge else ()
     served = (SERVE, *judged) if serve else ()
-    return (*(route_task(route) if stage == "ppo" else stage for stage in kept), *served)
+    first = (FEEDBACK,) if feedback else ()
+    return (*first, *(route_task(route) if stage == "ppo" else stage for stage in kept), *served)
 
 
 def tasks_for_routes(
@@ -103,14 +113,15 @@ def tasks_for_routes(
     judge: bool = False,
     parallelism: int = 0,
     act: bool = False,
+    feedback: bool = False,
 ) -> tuple[str, ...]:
     """The tasks a run executes, in DAG order: with one candidate (`names`: its route alone), stages_for its
     route; with several (`names`: the candidates' names), the shared tasks, each candidate's wait (with
     pipeline.parallelism, past the first `parallelism`), training and evaluation, the comparison, each
     candidate's promotion."""
     if len(names) == 1:
-        return stages_for(names[0], reward_model, serve, judge, act)
-    shared = tuple(s for s in SHARED if reward_model or s != "reward")
+        return stages_for(names[0], reward_model, serve, judge, act, feedback)
+    shared = ((FEEDBACK,) if feedback else ()) + tuple(s for s in SHARED if reward_model or s != "reward")
     waits = set(names[parallelism:]) if parallelism else set()
     trained = tuple(
         task

@@ -1,4 +1,5 @@
-"""The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote [-> serve [-> judge [-> act]]].
+"""The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote [-> serve [-> judge [-> act]]],
+with a feedback task before data-split where feedback.project is set (people's choices pulled from Label Studio).
 
 The pipeline parameter `algorithm` (default: the route of the config's one candidate) picks the route with KFP
 conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
@@ -48,6 +49,7 @@ from kubealign.cluster.secrets import pod_secrets
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
+from kubealign.feedback.client import TOKEN_ENV
 from kubealign.images import cpu_image, train_image
 from kubealign.models import hub
 from kubealign.pipelines import sweep
@@ -187,20 +189,36 @@ class Tasks:
         gpus: int,
         training: bool,
         scoring: bool = False,
+        tracking_only: bool = False,
     ) -> dsl.PipelineTask:
         """scoring: the task reads the reward functions (ppo's, evaluate, judge), so it runs user code and gets
-        the tracking identity (kubealign.cluster.secrets)."""
+        the tracking identity (kubealign.cluster.secrets); tracking_only: it gets that identity too (it only
+        logs runs: feedback)."""
         task.set_display_name(name)
         image = self.train_image if training or gpus else self.cpu_image
-        _resources(task, self.k8s, gpus, image, training, user_code=scoring)
+        _resources(task, self.k8s, gpus, image, training, user_code=scoring or tracking_only)
         for key, value in sorted({**self.env, **(self.scoring_env if scoring else {})}.items()):
             task.set_env_variable(key, value)
         return task
 
+    def data(self, p: dict[str, Any]) -> Any:
+        """The data-split task's dataset; with feedback.project, after a feedback task whose pulled choices it
+        reads as one more source."""
+        people = {}
+        if self.config.feedback.project:
+            pulled = stages.feedback(config_json=p["config_json"])
+            # it logs a feedback run: the tracking identity, no object store (nothing it does moves an alias)
+            self.place(pulled, "feedback (Label Studio)", 0, training=False, tracking_only=True)
+            kubernetes.use_secret_as_env(pulled, self.config.feedback.token_secret, {TOKEN_ENV: TOKEN_ENV})
+            # the project changes outside KFP's view: a cached pull would miss every choice made since
+            pulled.set_caching_options(False)
+            people = {"feedback": pulled.outputs["dataset"]}
+        split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"], **people)
+        return self.place(split, "data split", 0, training=False).outputs["dataset"]
+
     def upstream(self, p: dict[str, Any]) -> tuple[Any, Any, Any]:
         """The shared tasks: (dataset, SFT model, scorer: kubealign.shape.scorer's task's model)."""
-        split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"])
-        dataset = self.place(split, "data split", 0, training=False).outputs["dataset"]
+        dataset = self.data(p)
         sft = stages.sft(
             config_json=p["config_json"],
             model_name=p["sft_model"],

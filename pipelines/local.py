@@ -51,7 +51,7 @@ def tasks_for(config: KubealignConfig) -> tuple[str, ...]:
     names = config.candidate_names() if config.several() else (config.route(),)
     parallelism = config.pipeline.parallelism
     served = (config.rewards.uses_model, config.serve.enabled, judge, parallelism)
-    return shape.tasks_for_routes(names, *served, act=config.canary.act)
+    return shape.tasks_for_routes(names, *served, act=config.canary.act, feedback=bool(config.feedback.project))
 
 
 @contextlib.contextmanager
@@ -291,8 +291,8 @@ def _stage_dirs(
     several = config.several()
     stages = {}
     for stage in (s for s in route if not shape.is_wait(s)):
-        # serve, judge and act are no pipeline outputs: their tasks' own
-        if several or stage in (shape.SERVE, shape.JUDGE, shape.ACT):
+        # feedback, serve, judge and act are no pipeline outputs: their tasks' own
+        if several or stage in (shape.FEEDBACK, shape.SERVE, shape.JUDGE, shape.ACT):
             artifact = records[stage].outputs.get(shape.output_key(stage)) if stage in records else None
         else:
             key = CANDIDATE if stage == shape.route_task(config.route()) else stage.replace("-", "_")

@@ -29,8 +29,10 @@ def _run_stage(
     d = {name: str(path) for name, path in dirs.items()}
     scorer = d.get(shape.scorer("reward" in d), "")  # the reward model, else the SFT model (kubealign.shape)
     candidate = route_task(algorithm)
-    if stage == "data-split":
-        return tasks.data_split(config_json, [], str(out))
+    if stage == "feedback":
+        return tasks.feedback(config_json, str(out))
+    if stage == "data-split":  # with the run's pulled choices, where it had a feedback task
+        return tasks.data_split(config_json, [], str(out), d.get("feedback"))
     if stage in ("sft", "reward"):
         return tasks.train(stage, config_json, [], d["data-split"], "", str(out))
     if stage == "dpo":
@@ -94,7 +96,10 @@ def rerun(
     if stage in ("grpo", "rloo") and stage == config.route():  # the route's name for its (ppo) task
         stage = "ppo"
     canary = config.promote.mode == "canary"
-    route = stages_for(config.route(), config.rewards.uses_model, config.serve.enabled, canary, config.canary.act)
+    feedback = bool(config.feedback.project)
+    route = stages_for(
+        config.route(), config.rewards.uses_model, config.serve.enabled, canary, config.canary.act, feedback
+    )
     if stage not in route:
         raise UserError(f"rerun: {stage!r} is not a stage of this run ({config.route()}: {', '.join(route)})")
     todo = [stage, *downstream_of(stage, route)] if downstream else [stage]

@@ -8,9 +8,6 @@ compared, the annotators), so the next reward model's lineage can lead back to i
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -67,12 +64,9 @@ def command(args: argparse.Namespace) -> None:
 
 
 def connect(args: argparse.Namespace) -> Any:
-    from kubealign.feedback.client import TOKEN_ENV, URL_ENV, LabelStudio
+    from kubealign.feedback.client import connect
 
-    token = os.environ.get(TOKEN_ENV)
-    if not token:
-        raise UserError(f"{TOKEN_ENV} is not set: Label Studio's API token (Account & Settings -> Legacy Token)")
-    return LabelStudio(args.url or os.environ.get(URL_ENV) or "http://localhost:8080", token)
+    return connect(args.url)
 
 
 def push_command(args: argparse.Namespace) -> None:
@@ -109,57 +103,13 @@ def push_command(args: argparse.Namespace) -> None:
 
 def pull_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.feedback.annotations import pulled, wilson
+    from kubealign.feedback.pull import pull, track
 
     if args.output.suffix != ".jsonl":
         raise UserError(f"--output {args.output}: write a .jsonl file (data.sources reads it)")
     if args.output.exists():  # nothing the user owns is overwritten: each pull is a file of its own
         raise UserError(f"--output {args.output}: exists; pull into a new file")
     client = connect(args)
-    url = client.url
-    project = client.find_project(args.project)
-    if project is None:
-        raise UserError(f"--project {args.project!r}: no such project at {url}")
-    out = pulled(client.export(project), args.challenger)
-    text = "".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n" for r in out.rows)
-    _write_atomically(args.output, text)
-    low, high = wilson(out.challenger_wins, out.decided)
-    rate = out.challenger_wins / out.decided if out.decided else float("nan")
-    agreement = "n/a (no task with two votes)" if out.agreement is None else f"{out.agreement:.2f}"
-    print(f"feedback: {args.output}  ({len(out.rows)} rows from {out.decided} decided tasks)")
-    print(f"  pending {out.pending}, skipped {out.skipped}, tied {out.tied}; annotators {len(out.annotators)}")
-    interval = f"95 % interval {low:.2f}-{high:.2f}"
-    print(f"  human win-rate of {args.challenger}: {rate:.2f} ({interval}); agreement {agreement}")
-    config = load_config(args.config, [])
-    metrics = {"rows": len(out.rows), "decided": out.decided, "pending": out.pending, "skipped": out.skipped}
-    metrics.update(tied=out.tied, human_win_rate=rate, human_win_rate_low=low, human_win_rate_high=high)
-    if out.agreement is not None:
-        metrics["agreement"] = out.agreement
-    _track(config, args, url, text, metrics, out)
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
-
-
-def _track(config: Any, args: argparse.Namespace, url: str, text: str, metrics: dict[str, float], out: Any) -> None:
-    from kubealign.feedback.lookup import VERSION_TAG
-    from kubealign.tracking.lineage import DatasetRef
-    from kubealign.tracking.runs import stage_run
-
-    versions = sorted({r[k] for r in out.rows for k in ("chosen_by", "rejected_by") if r[k]})
-    profile = {"rows": len(out.rows), "annotators": out.annotators, "versions": versions, "project": args.project}
-    sha = hashlib.sha256(text.encode("utf-8")).hexdigest()
-    where = f"{url}/projects ({args.project})"
-    ref = DatasetRef(args.output.name, sha, where, "label-studio", "human-feedback", profile)
-    with stage_run("feedback", config, args.output.resolve().parent, required=False) as tracker:
-        tracker.log_inputs([ref])
-        tracker.log_metrics(metrics)
-        tags = {"kubealign.feedback.versions": ",".join(versions), "kubealign.feedback.file": str(args.output)}
-        measured = sorted({v.split(":", 1)[1] for v in versions if v.split(":", 1)[0] == args.challenger})
-        if len(measured) == 1:  # the version the win-rate is of: what the online judge looks up (feedback.lookup)
-            tags[VERSION_TAG] = measured[0]
-        tracker.set_tags(tags)
+    written = pull(client, args.project, args.challenger, args.output)
+    print("\n".join(written.lines))
+    track(load_config(args.config, []), written, args.output, args.project, client.url, args.challenger)

@@ -15,6 +15,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
 from kubealign.config.cluster import KubernetesConfig, Toleration
+from kubealign.config.feedback import FeedbackConfig
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.pipeline import PipelineConfig, shorthand
@@ -310,6 +311,7 @@ class KubealignConfig(Section):
     kubernetes: KubernetesConfig = Field(default_factory=KubernetesConfig)
     serve: ServeConfig = Field(default_factory=ServeConfig)
     canary: CanaryConfig = Field(default_factory=CanaryConfig)
+    feedback: FeedbackConfig = Field(default_factory=FeedbackConfig)
     # The directory of the YAML file this config came from (None: a preset, JSON, or built in code):
     # relative reward-function files are resolved against it. Not a field: not dumped, not hashed.
     _base_dir: str | None = PrivateAttr(default=None)

@@ -86,3 +86,14 @@ class LabelStudio:
         annotated ones, so that those nobody has looked at yet are counted)."""
         query = {"exportType": "JSON", "download_all_tasks": "true"}
         return self.call("GET", f"/api/projects/{project}/export", query=query)
+
+
+def connect(url: str | None) -> LabelStudio:
+    """A client of the Label Studio at `url` (else $LABEL_STUDIO_URL, else http://localhost:8080) with the token in
+    $LABEL_STUDIO_API_KEY; one line when the token is not set."""
+    import os
+
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise UserError(f"{TOKEN_ENV} is not set: Label Studio's API token (Account & Settings -> Legacy Token)")
+    return LabelStudio(url or os.environ.get(URL_ENV) or "http://localhost:8080", token)

@@ -45,10 +45,28 @@ def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfi
     return config
 
 
-def data_split(config_json: str, overrides: list[str], output: str) -> dict[str, Any]:
+def data_split(config_json: str, overrides: list[str], output: str, feedback: str | None = None) -> dict[str, Any]:
+    """feedback: the feedback task's output; its rows join data.sources (weight feedback.weight), when it has any."""
     from kubealign.stages import data_split
 
-    return data_split.run(load(config_json, overrides), Path(output))
+    config = load(config_json, overrides)
+    if feedback:
+        from kubealign.config import DataSource
+        from kubealign.stages.feedback import rows_file
+
+        people = rows_file(Path(feedback))
+        if people is not None:
+            source = DataSource(path=str(people), weight=config.feedback.weight)
+            config = config.model_copy(
+                update={"data": config.data.model_copy(update={"sources": [*config.data.sources, source]})}
+            )
+    return data_split.run(config, Path(output))
+
+
+def feedback(config_json: str, output: str) -> dict[str, Any]:
+    from kubealign.stages import feedback
+
+    return feedback.run(load(config_json), Path(output))
 
 
 def train(stage_name: str, config_json: str, overrides: list[str], data: str, model: str, output: str) -> dict:

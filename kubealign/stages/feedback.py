@@ -1,0 +1,45 @@
+"""The feedback stage (the pipeline's `feedback` task, issue 59): the completed pairwise annotations of the Label
+Studio project `feedback.project` pulled into OUTPUT/human.jsonl, the rows data-split then reads as one more
+source (weighted by feedback.weight), with a `feedback` MLflow run (kubealign.feedback.pull: the file as its
+dataset input, the counts and the human win-rate of `feedback.challenger`). An empty file where nobody has
+decided a task yet: data-split then leaves it out. Label Studio: feedback.url, else $LABEL_STUDIO_URL; the token
+in $LABEL_STUDIO_API_KEY (the Secret feedback.token_secret on the cluster)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from kubealign.config import KubealignConfig
+from kubealign.errors import UserError
+from kubealign.outputs import atomic_dir, check_output_path, write_result
+
+STAGE = "feedback"
+ROWS_FILE = "human.jsonl"
+
+
+def run(config: KubealignConfig, output: Path) -> dict[str, Any]:
+    from kubealign.feedback.client import URL_ENV, connect
+    from kubealign.feedback.pull import pull, track
+
+    settings = config.feedback
+    if settings.project is None:
+        raise UserError("feedback.project: not set; name the Label Studio project whose choices to pull")
+    check_output_path(output, STAGE)
+    started = time.perf_counter()
+    client = connect(os.environ.get(URL_ENV) or settings.url)
+    with atomic_dir(output) as tmp:
+        written = pull(client, settings.project, settings.challenger, tmp / ROWS_FILE, output / ROWS_FILE)
+        metrics = {**written.metrics, "wall_time_s": round(time.perf_counter() - started, 3)}
+        result = write_result(tmp, STAGE, metrics, {"rows": ROWS_FILE}, project=settings.project, url=client.url)
+    print("\n".join(written.lines))
+    track(config, written, output / ROWS_FILE, settings.project, client.url, settings.challenger)
+    return {**result, "output": str(output)}
+
+
+def rows_file(output: Path) -> Path | None:
+    """The pulled file of a feedback output, None when it holds no row (nothing decided yet)."""
+    path = Path(output) / ROWS_FILE
+    return path if path.is_file() and path.stat().st_size else None

@@ -1,0 +1,121 @@
+"""The pipeline's `feedback` task (issue 59): with feedback.project set, the DAG pulls people's choices before
+data-split (never cached, with the Label Studio token from its Secret and the tracking identity) and data-split
+reads them as one more source, weighted by feedback.weight; without it, the DAG is as before. The task runs
+through kfp.local against the recorded Label Studio exchange (tests/feedback/recorded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kubealign import tasks
+from kubealign.config import config_to_json, load_config
+from kubealign.data import phases
+from tests.feedback.test_client import PULL, RECORDED, TOKEN, replay_pull  # noqa: F401  (the fixture)
+from tests.pipelines.test_pipeline_compile import compiled, secret_names
+
+pytestmark = pytest.mark.kfp
+SMALL = ["data.synthetic_pairs=200", "data.synthetic_sft_rows=10"]
+
+
+def test_the_dag_pulls_before_data_split_only_when_asked(tmp_path: Path) -> None:
+    spec, platform = compiled(tmp_path, ["feedback.project=prefs", "feedback.token_secret=ls-token"])
+    tasks_ = spec.root.dag.tasks
+    given = tasks_["data-split"].inputs.artifacts["feedback"].task_output_artifact
+    assert (given.producer_task, given.output_artifact_key) == ("feedback", "dataset")
+    assert not tasks_["feedback"].inputs.artifacts  # it reads Label Studio, nothing of the DAG's
+    assert not tasks_["feedback"].caching_options.enable_cache  # people keep choosing: pull again every run
+    assert tasks_["data-split"].caching_options.enable_cache
+    token = [
+        (s.secret_name, [(k.secret_key, k.env_var) for k in s.key_to_env])
+        for s in platform["exec-feedback"].secret_as_env
+    ]
+    assert ("ls-token", [("LABEL_STUDIO_API_KEY", "LABEL_STUDIO_API_KEY")]) in token
+    assert secret_names(platform, "feedback") == {"ls-token", "kubealign-mlflow-tracker"}  # logs runs, moves nothing
+    assert "ls-token" not in secret_names(platform, "data-split") | secret_names(platform, "promote")
+    spec, platform = compiled(tmp_path, [])
+    assert "feedback" not in spec.root.dag.tasks and "exec-feedback" not in platform
+    assert "feedback" not in spec.root.dag.tasks["data-split"].inputs.artifacts
+
+
+def people_dir(root: Path, rows: list[dict]) -> Path:
+    out = root / "feedback"
+    out.mkdir(parents=True)
+    (out / "human.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (out / "result.json").write_text(json.dumps({"stage": "feedback", "metrics": {}, "outputs": {}}))
+    return out
+
+
+def all_prompts(split: Path) -> list[str]:
+    found = []
+    for phase in ("phase1_sft", "phase2_reward", "phase3_prompts"):
+        for part in phases.load(split, phase).values():
+            found += part["prompt"]
+    return found
+
+
+def test_data_split_reads_the_pulled_rows_by_weight_and_leaves_an_empty_pull_out(tmp_path: Path) -> None:
+    rows = [{"prompt": f"people {i}?", "chosen": f"a fine answer {i}", "rejected": f"no {i}"} for i in range(40)]
+    pulled = people_dir(tmp_path / "pulled", rows)
+    counted = {}
+    for weight in (1, 3):
+        config = config_to_json(load_config(None, [*SMALL, f"feedback.weight={weight}", "tracking.enabled=false"]))
+        split = tmp_path / f"split-{weight}"
+        tasks.data_split(config, [], str(split), str(pulled))
+        sources = json.loads((split / "manifest.json").read_text())["sources"]
+        assert [(Path(s["path"]).name, s["rows_read"]) for s in sources] == [("synthetic", 210), ("human.jsonl", 40)]
+        prompts = all_prompts(split)
+        counted[weight] = sum(p.startswith("people ") for p in prompts)
+        assert {p for p in prompts if p.startswith("people ")} == {
+            r["prompt"] for r in rows
+        }  # every one, once at least
+    eval_rows = 40 - (counted[3] - 40) // 2  # each train row twice more at weight 3; eval rows never repeated
+    assert counted[3] > counted[1] == 40 and 0 < 40 - eval_rows < 40
+    empty = people_dir(tmp_path / "nobody", [])
+    config = config_to_json(load_config(None, [*SMALL, "tracking.enabled=false"]))
+    tasks.data_split(config, [], str(tmp_path / "split-none"), str(empty))
+    sources = json.loads((tmp_path / "split-none" / "manifest.json").read_text())["sources"]
+    assert [Path(s["path"]).name for s in sources] == ["synthetic"]  # nothing decided yet: no source of none
+
+
+def test_the_feedback_task_runs_in_kfp_local_and_feeds_data_split(replay_pull, tmp_path, monkeypatch) -> None:  # noqa: F811
+    from kfp import dsl, local
+    from kfp.dsl import Dataset
+    from mlflow import MlflowClient
+
+    from kubealign.pipelines import dag
+
+    registry = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry)
+    settings = [*SMALL, "feedback.project=kubealign-feedback", f"feedback.url={replay_pull}"]
+    config = load_config(None, settings)
+    defaults = dag.pipeline_defaults(config)
+    builder = dag.Tasks(config, None, defaults["reward_functions"])
+
+    def people_first(config_json=defaults["config_json"], fingerprint=defaults["data_fingerprint"]):
+        return builder.data({"config_json": config_json, "data_fingerprint": fingerprint})
+
+    # KFP reads the annotations as objects (this module's are strings: `from __future__ import annotations`)
+    people_first.__annotations__ = {"config_json": str, "fingerprint": str, "return": Dataset}
+    pipeline = dsl.pipeline(people_first)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"), raise_on_error=True)
+    split = Path(pipeline().output.path)
+    from tests.feedback.test_client import Replay
+
+    assert Replay.calls == [] and set(Replay.seen) == {f"Token {TOKEN}"}  # found the project, exported it
+    sources = json.loads((split / "manifest.json").read_text())["sources"]
+    assert [(Path(s["path"]).name, s["rows_read"]) for s in sources] == [("synthetic", 210), ("human.jsonl", 2)]
+    pushed = RECORDED["pushed"]
+    assert {pushed[0]["data"]["prompt"], pushed[1]["data"]["prompt"]} <= set(all_prompts(split))
+    client = MlflowClient(registry)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    stages = sorted(r.data.tags.get("kubealign.stage", "") for r in runs)
+    assert stages == ["data-split", "feedback"], stages
+    (feedback,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "feedback"]
+    assert feedback.data.metrics["decided"] == 2 and feedback.data.metrics["skipped"] == 1
+    (given,) = feedback.inputs.dataset_inputs
+    (split_run,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "data-split"]
+    assert given.dataset.digest in {d.dataset.digest for d in split_run.inputs.dataset_inputs}  # the lineage
