@@ -40,6 +40,7 @@ VALUE_SETS = {
     "postgres-pvc-artifacts": {
         "mlflow": {"backendStore": {"type": "postgresql", "existingSecret": "mlflow-db", "secretKey": "url"}},
     },
+    "label-studio-beside": {"labelStudio": {"enabled": True}, "rbac": {"namespace": "team-a"}},
     "external-mlflow-no-runtime": {
         "mlflow": {"enabled": False},
         "pipelineDefaults": {"mlflowTrackingUri": "https://mlflow.example.com"},
@@ -348,6 +349,36 @@ def test_the_network_policy_is_on_and_names_the_pipelines_namespace() -> None:
     team = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "team-a"}}}
     assert sources({"rbac": {"namespace": "team-a"}}) == [{"podSelector": {}}, team, by_name]
     assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
+def test_label_studio_beside_gets_its_token_secret_and_network_policy_in_the_pipelines_namespace() -> None:
+    """docs/feedback.md "On the cluster": the token the feedback task sends (feedback.token_secret, key
+    LABEL_STUDIO_API_KEY), kept across upgrades; Label Studio's app pods reachable from the pipeline's namespace
+    and the ingress gateway only; the library's defaults name what the two charts make."""
+    from kubealign.config.feedback import FeedbackConfig
+    from kubealign.feedback.client import TOKEN_ENV
+
+    docs = render(VALUE_SETS["label-studio-beside"])
+    [secret] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "label-studio-token"]
+    assert secret["metadata"]["namespace"] == "team-a" and set(secret["data"]) == {TOKEN_ENV}
+    token = base64.b64decode(secret["data"][TOKEN_ENV]).decode()
+    assert len(token) == 40 and token.isalnum() and token == token.lower()
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert FeedbackConfig().token_secret == secret["metadata"]["name"]
+    [policy] = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-label-studio")]
+    assert policy["metadata"]["namespace"] == "team-a"
+    labels = {"app.kubernetes.io/name": "ls-app", "app.kubernetes.io/instance": "label-studio"}
+    assert policy["spec"]["podSelector"]["matchLabels"] == labels
+    by_name = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "istio-system"}}}
+    assert policy["spec"]["ingress"] == [
+        {"from": [{"podSelector": {}}, by_name], "ports": [{"protocol": "TCP", "port": 8085}]}
+    ]
+    # Label Studio's chart, release label-studio: Service label-studio-ls-app on port 80 (targetPort 8085)
+    assert FeedbackConfig().url == "http://label-studio-ls-app:80"
+    quiet = render({"labelStudio": {"enabled": True}, "networkPolicy": {"enabled": False}})
+    assert not [d for d in quiet if d["kind"] == "NetworkPolicy"]
+    assert [d for d in quiet if d["metadata"]["name"] == "label-studio-token"]
+    assert not [d for d in render({}) if "label-studio" in d["metadata"]["name"]]  # off by default
 
 
 def test_the_pipeline_may_manage_inference_services_only_as_the_serve_task_needs() -> None:
