@@ -88,8 +88,9 @@ test-serve: $(STAMP)
 	$(BIN)/pytest -m vllm tests/serving/test_serve_vllm.py tests/serving/test_canary_vllm.py
 
 # Human feedback against a real Label Studio (tests/feedback/test_labelstudio.py): its venv (requirements/
-# labelstudio.txt) is built on first use (a few minutes), the server starts on 127.0.0.1 in a temporary
-# directory (about 40 s on 2 cores). Not part of `make test`, which replays a recorded exchange instead.
+# labelstudio.txt: Label Studio, and Playwright to drive its labelling page in Debian's chromium) is built on first
+# use (a few minutes), the server starts on 127.0.0.1 in a temporary directory (about 40 s on 2 cores), the two
+# tests take about 4 minutes. Not part of `make test`, which replays a recorded exchange instead.
 LS_VENV := .venv-labelstudio
 $(LS_VENV)/.installed: requirements/labelstudio.txt
 	test -x $(LS_VENV)/bin/python || $(PYTHON) -m venv $(LS_VENV)
