@@ -6,6 +6,7 @@ through kfp.local against the recorded Label Studio exchange (tests/feedback/rec
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,40 @@ def test_the_feedback_task_runs_in_kfp_local_and_feeds_data_split(replay_pull, t
     (given,) = feedback.inputs.dataset_inputs
     (split_run,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "data-split"]
     assert given.dataset.digest in {d.dataset.digest for d in split_run.inputs.dataset_inputs}  # the lineage
+
+
+SHORT = [
+    "sft.num_train_epochs=1",
+    "reward.num_train_epochs=1",
+    "ppo.num_iterations=1",
+    "evaluate.max_prompts=4",
+    "promote.min_win_rate=0",
+    "promote.min_reward_gain=-100",
+    "promote.min_win_rate_lower_bound=null",
+]
+
+
+def test_kubealign_run_pulls_first_and_a_rerun_reuses_the_pull(replay_pull, tmp_path, monkeypatch, capsys):  # noqa: F811
+    """`kubealign run` with feedback.project: the feedback task first, its output in run.json and the summary; a
+    rerun of data-split reads the run's pulled file and asks Label Studio nothing (the recording holds one pull)."""
+    from kubealign.cli import main
+    from tests.feedback.test_client import Replay
+
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    settings = [*SMALL, *SHORT, "feedback.project=kubealign-feedback", f"feedback.url={replay_pull}"]
+    out = tmp_path / "run"
+    assert main(["run", *(a for s in settings for a in ("--set", s)), "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    index = json.loads((out / "run.json").read_text())
+    assert list(index["stages"])[:2] == ["feedback", "data-split"] and index["succeeded"]
+    pulled = Path(index["stages"]["feedback"]["dir"])
+    assert json.loads((pulled / "result.json").read_text())["metrics"]["decided"] == 2
+    assert Replay.calls == []
+    assert re.search(r"^\s*feedback\b.*done", printed, re.M), printed
+    rerun = tmp_path / "rerun"
+    assert main(["rerun", "data-split", "--from", str(out), "--output", str(rerun)]) == 0
+    again = json.loads((rerun / "run.json").read_text())
+    assert again["reused"] == ["feedback"] and Replay.calls == []
+    sources = json.loads((rerun / "data-split" / "manifest.json").read_text())["sources"]
+    assert [(Path(s["path"]).name, s["rows_read"]) for s in sources] == [("synthetic", 210), ("human.jsonl", 2)]
