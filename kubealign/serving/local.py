@@ -53,15 +53,20 @@ def check_dir(path: Path) -> None:
 
 
 def download(served: Served, tracking_uri: str) -> Path:
-    """The version's HF directory in the cache (downloaded once: a complete copy has a marker file)."""
+    """The version's HF directory in the cache (downloaded once: a complete copy has a marker file). The copy is
+    keyed by the files' artifact URI as well as the name and version: another registry (a test's, a team's) has
+    its own version 1 of the same name, and one copy must never stand for the other."""
+    import hashlib
+
     import mlflow.artifacts
 
     from kubealign.config.cache import cache_root
 
-    target = cache_root() / "served" / served.name / served.version
+    key = hashlib.sha256(f"{served.run_id}\n{served.model_dir_uri}".encode()).hexdigest()[:16]
+    target = cache_root() / "served" / served.name / f"{served.version}-{key}"
     if (target / ".complete").exists():
         return target / "model"
-    tmp = target.with_name(f"{served.version}.tmp-{os.getpid()}")
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
     local = mlflow.artifacts.download_artifacts(
         artifact_uri=served.model_dir_uri, dst_path=str(tmp), tracking_uri=tracking_uri

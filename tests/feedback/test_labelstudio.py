@@ -204,6 +204,16 @@ def test_push_annotate_as_two_people_and_pull(label_studio, tmp_path: Path):
         assert row == {"prompt": data["prompt"], "chosen": data[mine], "rejected": data[theirs]}
     assert "pending 0, skipped 1, tied 1; annotators 2" in done.stdout
     assert "human win-rate of champion: 1.00" in done.stdout and "agreement 0.50" in done.stdout
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=registry)
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    (feedback,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "feedback"]
+    (given,) = feedback.inputs.dataset_inputs
+    assert given.dataset.digest == hashlib.sha256(out.read_bytes()).hexdigest()[:36]
+    profile = json.loads(given.dataset.profile)
+    assert profile["versions"] == ["champion:2", "previous-champion:1"] and len(profile["annotators"]) == 2
+    assert feedback.data.tags["kubealign.feedback.challenger_version"] == "2"
 
 
 def readable(text: str) -> float:

@@ -205,6 +205,26 @@ def test_names_become_dns_labels() -> None:
     assert len(long) <= 45 and long != dns_name("a" * 61)
 
 
+def test_two_registries_version_1_are_two_cached_copies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download cache of `kubealign serve` / `feedback push`: the same name and version from two registries
+    (their files elsewhere) are two copies, each with its own files; the same one again is the copy made."""
+    from kubealign.serving.local import download
+
+    monkeypatch.setenv("KUBEALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    made = []
+    for n in (1, 2):
+        files = tmp_path / f"registry{n}" / "model"
+        files.mkdir(parents=True)
+        (files / "config.json").write_text(json.dumps({"registry": n}))
+        made.append(Served("kubealign-tiny", "1", "champion", f"run{n}", str(files)))
+    first, second = (download(served, "sqlite:///unused.db") for served in made)
+    assert first != second
+    assert [json.loads((d / "config.json").read_text())["registry"] for d in (first, second)] == [1, 2]
+    (Path(made[0].model_dir_uri) / "config.json").write_text("{}")  # the source changes after the download
+    assert download(made[0], "sqlite:///unused.db") == first  # downloaded once: the cached copy is used
+    assert json.loads((first / "config.json").read_text()) == {"registry": 1}
+
+
 def test_storage_uris() -> None:
     s3 = "s3://bucket/mlflow"
     assert (
