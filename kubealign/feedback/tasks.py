@@ -12,12 +12,32 @@ import hashlib
 import random
 from typing import Any, NamedTuple
 
+# The prompt above, the two answers side by side (A left, B right) under Label Studio's Pairwise control: a click
+# on an answer chooses it (selectionStyle marks it), Submit stores {"selected": "left" | "right"}. Laid out as
+# Label Studio's own "Human Preference collection for RLHF" template lays it out.
 LABEL_CONFIG = """<View>
-  <Header value="Which answer is better?"/>
-  <Text name="prompt" value="$prompt"/>
-  <Pairwise name="comparison" toName="answer1,answer2"/>
-  <Text name="answer1" value="$answer1"/>
-  <Text name="answer2" value="$answer2"/>
+  <Style>
+    .kubealign-prompt { padding: 12px 16px; margin-bottom: 12px; border-radius: 6px; background: #eef3fb; }
+    .kubealign-answers { display: flex; gap: 16px; align-items: stretch; }
+    .kubealign-answer { flex: 1 1 0; padding: 8px 12px; border: 1px solid #c9d1d9; border-radius: 6px; }
+    .kubealign-answer .lsf-richtext__line { white-space: pre-wrap; }
+  </Style>
+  <Header value="Which answer is better? Click it, then Submit (Skip if you cannot tell)."/>
+  <View className="kubealign-prompt">
+    <Text name="prompt" value="$prompt"/>
+  </View>
+  <Pairwise name="comparison" toName="answer1,answer2"
+            selectionStyle="background-color: #dff6e4; outline: 2px solid #2e9e4f; border-radius: 6px;"/>
+  <View className="kubealign-answers">
+    <View className="kubealign-answer">
+      <Header value="Answer A" size="5"/>
+      <Text name="answer1" value="$answer1"/>
+    </View>
+    <View className="kubealign-answer">
+      <Header value="Answer B" size="5"/>
+      <Text name="answer2" value="$answer2"/>
+    </View>
+  </View>
 </View>"""
 
 

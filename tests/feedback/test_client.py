@@ -69,7 +69,7 @@ def test_push_then_pull_through_the_recorded_exchange(replay):
     ls = LabelStudio(replay, TOKEN)
     assert ls.find_project("kubealign-feedback") is None
     project = ls.create_project("kubealign-feedback", tk.LABEL_CONFIG)
-    assert project == 3
+    assert project == RECORDED["calls"][1]["reply"]["id"]  # the id the server gave
     assert ls.import_tasks(project, RECORDED["pushed"]) == 4
     listed = ls.tasks(project)
     present = {t["meta"]["kubealign"]["prompt_sha256"] for t in listed}
@@ -171,9 +171,10 @@ def test_push_creates_the_project_once_and_adds_only_new_prompts(tmp_path):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = LabelStudio(f"http://127.0.0.1:{server.server_address[1]}", TOKEN)
-        assert push_tasks(client, "kubealign-push-recorded", PUSH["first"]) == (5, True, 3, 0)
+        made = PUSH["calls"][1]["reply"]["id"]  # the id the server gave the project it created
+        assert push_tasks(client, "kubealign-push-recorded", PUSH["first"]) == (made, True, 3, 0)
         # p2 and p3 are there: only p4 goes
-        assert push_tasks(client, "kubealign-push-recorded", PUSH["again"]) == (5, False, 1, 2)
+        assert push_tasks(client, "kubealign-push-recorded", PUSH["again"]) == (made, False, 1, 2)
     finally:
         server.shutdown()
         server.server_close()
