@@ -9,7 +9,7 @@ decided by then. Unset (the default): no feedback task, the DAG as before.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from kubealign.config.base import Section
 
@@ -39,3 +39,10 @@ class FeedbackConfig(Section):
     challenger: str = Field(
         "challenger", min_length=1, description="The alias whose human win-rate the feedback run reports."
     )
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http(s) URL, got {value!r}")
+        return value

@@ -41,6 +41,14 @@ def test_the_dag_pulls_before_data_split_only_when_asked(tmp_path: Path) -> None
     assert "feedback" not in spec.root.dag.tasks["data-split"].inputs.artifacts
 
 
+def test_a_feedback_url_that_is_no_url_is_one_line_naming_the_field() -> None:
+    from kubealign.errors import UserError
+
+    with pytest.raises(UserError, match=r"field 'feedback.url' \(from --set\): expected an http\(s\) URL"):
+        load_config(None, ["feedback.url=label-studio:80"])
+    assert load_config(None, ["feedback.url=https://ls.example.com"]).feedback.url == "https://ls.example.com"
+
+
 def people_dir(root: Path, rows: list[dict]) -> Path:
     out = root / "feedback"
     out.mkdir(parents=True)
