@@ -49,7 +49,7 @@ from kubealign.cluster.secrets import pod_secrets
 from kubealign.components import stages
 from kubealign.config import KubealignConfig, config_to_json
 from kubealign.config.schema import KubernetesConfig, PipelineConfig
-from kubealign.feedback.client import TOKEN_ENV
+from kubealign.feedback.client import TOKEN_ENV, URL_ENV
 from kubealign.images import cpu_image, train_image
 from kubealign.models import hub
 from kubealign.pipelines import sweep
@@ -210,6 +210,9 @@ class Tasks:
             # it logs a feedback run: the tracking identity, no object store (nothing it does moves an alias)
             self.place(pulled, "feedback (Label Studio)", 0, training=False, tracking_only=True)
             kubernetes.use_secret_as_env(pulled, self.config.feedback.token_secret, {TOKEN_ENV: TOKEN_ENV})
+            # where the token goes is pinned here, not read from config_json, which any run may edit: a run
+            # cannot send the token to another address (the stage prefers this variable to feedback.url)
+            pulled.set_env_variable(URL_ENV, self.config.feedback.url)
             # the project changes outside KFP's view: a cached pull would miss every choice made since
             pulled.set_caching_options(False)
             people = {"feedback": pulled.outputs["dataset"]}

@@ -24,8 +24,8 @@ class FeedbackConfig(Section):
     url: str = Field(
         "http://label-studio-ls-app:80",
         description="Label Studio as the pipeline's pods reach it (default: the Service of Label Studio's own Helm "
-        "chart installed as release `label-studio` in the pipeline's namespace; docs/feedback.md). "
-        "$LABEL_STUDIO_URL overrides it.",
+        "chart installed as release `label-studio` in the pipeline's namespace; docs/feedback.md). Pinned on the "
+        "feedback task when the pipeline is compiled: a run's edited config_json cannot send the token elsewhere.",
     )
     token_secret: str = Field(
         "label-studio-token",

@@ -2,8 +2,9 @@
 Studio project `feedback.project` pulled into OUTPUT/human.jsonl, the rows data-split then reads as one more
 source (weighted by feedback.weight), with a `feedback` MLflow run (kubealign.feedback.pull: the file as its
 dataset input, the counts and the human win-rate of `feedback.challenger`). An empty file where nobody has
-decided a task yet: data-split then leaves it out. Label Studio: feedback.url, else $LABEL_STUDIO_URL; the token
-in $LABEL_STUDIO_API_KEY (the Secret feedback.token_secret on the cluster)."""
+decided a task yet: data-split then leaves it out. Label Studio: $LABEL_STUDIO_URL, which the pipeline pins on the
+task from feedback.url when it is compiled (a run's config_json cannot send the token elsewhere), else
+feedback.url; the token in $LABEL_STUDIO_API_KEY (the Secret feedback.token_secret on the cluster)."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from google.protobuf import json_format
 
 from kubealign import tasks
 from kubealign.config import config_to_json, load_config
@@ -36,6 +37,10 @@ def test_the_dag_pulls_before_data_split_only_when_asked(tmp_path: Path) -> None
     assert ("ls-token", [("LABEL_STUDIO_API_KEY", "LABEL_STUDIO_API_KEY")]) in token
     assert secret_names(platform, "feedback") == {"ls-token", "kubealign-mlflow-tracker"}  # logs runs, moves nothing
     assert "ls-token" not in secret_names(platform, "data-split") | secret_names(platform, "promote")
+    # where the token goes is pinned at compile time: a run's edited config_json cannot move it
+    executors = json_format.MessageToDict(spec.deployment_spec)["executors"]
+    env = {e["name"]: e.get("value", "") for e in executors["exec-feedback"]["container"]["env"]}
+    assert env["LABEL_STUDIO_URL"] == "http://label-studio-ls-app:80"
     spec, platform = compiled(tmp_path, [])
     assert "feedback" not in spec.root.dag.tasks and "exec-feedback" not in platform
     assert "feedback" not in spec.root.dag.tasks["data-split"].inputs.artifacts
@@ -111,7 +116,10 @@ def test_the_feedback_task_runs_in_kfp_local_and_feeds_data_split(replay_pull, t
     people_first.__annotations__ = {"config_json": str, "fingerprint": str, "return": Dataset}
     pipeline = dsl.pipeline(people_first)
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"), raise_on_error=True)
-    split = Path(pipeline().output.path)
+    # a run that edits config_json to send the token elsewhere: the task still asks the compiled address
+    edited = json.loads(defaults["config_json"])
+    edited["feedback"]["url"] = "http://127.0.0.1:9"
+    split = Path(pipeline(config_json=json.dumps(edited)).output.path)
     from tests.feedback.test_client import Replay
 
     assert Replay.calls == [] and set(Replay.seen) == {f"Token {TOKEN}"}  # found the project, exported it
