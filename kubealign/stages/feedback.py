@@ -44,3 +44,15 @@ def rows_file(output: Path) -> Path | None:
     """The pulled file of a feedback output, None when it holds no row (nothing decided yet)."""
     path = Path(output) / ROWS_FILE
     return path if path.is_file() and path.stat().st_size else None
+
+
+def with_rows(config: KubealignConfig, output: Path) -> KubealignConfig:
+    """`config` with the pulled rows of the feedback output `output` as one more data source (weight
+    feedback.weight); unchanged where the pull holds no row."""
+    from kubealign.config import DataSource
+
+    people = rows_file(output)
+    if people is None:
+        return config
+    sources = [*config.data.sources, DataSource(path=str(people), weight=config.feedback.weight)]
+    return config.model_copy(update={"data": config.data.model_copy(update={"sources": sources})})

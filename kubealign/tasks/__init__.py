@@ -48,19 +48,10 @@ def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfi
 def data_split(config_json: str, overrides: list[str], output: str, feedback: str | None = None) -> dict[str, Any]:
     """feedback: the feedback task's output; its rows join data.sources (weight feedback.weight), when it has any."""
     from kubealign.stages import data_split
+    from kubealign.stages import feedback as people
 
     config = load(config_json, overrides)
-    if feedback:
-        from kubealign.config import DataSource
-        from kubealign.stages.feedback import rows_file
-
-        people = rows_file(Path(feedback))
-        if people is not None:
-            source = DataSource(path=str(people), weight=config.feedback.weight)
-            config = config.model_copy(
-                update={"data": config.data.model_copy(update={"sources": [*config.data.sources, source]})}
-            )
-    return data_split.run(config, Path(output))
+    return data_split.run(people.with_rows(config, Path(feedback)) if feedback else config, Path(output))
 
 
 def feedback(config_json: str, output: str) -> dict[str, Any]:
