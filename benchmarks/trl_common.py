@@ -96,7 +96,7 @@ def trl_callback(counter: Counter) -> Any:
 def alone() -> Iterator[None]:
     """TRL as in a process of its own: without the rendezvous variables of kubealign's one-rank group (set by
     distributed.init for the DeepSpeed engines), which would make accelerate wrap TRL's model in DDP."""
-    from kubealign.training.distributed import RENDEZVOUS_ENV
+    from kubealign.ranks import RENDEZVOUS_ENV
 
     saved = {k: os.environ.pop(k) for k in RENDEZVOUS_ENV if k in os.environ}
     try:

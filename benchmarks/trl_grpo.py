@@ -54,7 +54,7 @@ def split(work: Path) -> Path:
 
 def kubealign(*args: str) -> None:
     exe = str(Path(sys.executable).parent / "kubealign")
-    from kubealign.training.distributed import RENDEZVOUS_ENV
+    from kubealign.ranks import RENDEZVOUS_ENV
 
     # a job of its own: not the rendezvous of this process's one-rank group (trl_compare's)
     env = {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV}, "TQDM_DISABLE": "1"}

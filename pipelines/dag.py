@@ -55,10 +55,10 @@ from kubealign.models import hub
 from kubealign.pipelines import sweep
 from kubealign.pipelines.fingerprint import data_fingerprint, model_fingerprint
 from kubealign.pipelines.sweep import RoutesFunctionOutputs, RoutesOutputs
-from kubealign.rewards import definitions
 from kubealign.shape import scorer as scorer_task
 from kubealign.stages import serve as serve_stage
 from kubealign.tracking.runs import check_uri
+from kubealign.usercode import definitions
 
 PIPELINE_NAME = "kubealign-rlhf"
 DAG_ONLY = ("retries", "retry_backoff", "retry_backoff_max", "queue")  # kubernetes.* no task reads

@@ -36,8 +36,8 @@ from kubealign.config.cache import cache_root
 from kubealign.errors import UserError, first_line
 from kubealign.outputs import read_json, tree_sha256, write_json
 from kubealign.ranks import RENDEZVOUS_ENV
-from kubealign.rewards import definitions
 from kubealign.tracking.runs import PARENT_RUN_ENV, default_store
+from kubealign.usercode import definitions
 
 INDEX_FILE = "run.json"
 LOGS_DIR = "logs"

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 from kfp.dsl import Artifact, Dataset, Model
 
 from kubealign.components import stages
-from kubealign.selection.candidates import MAX_CANDIDATES, Candidate
+from kubealign.config.candidates import MAX_CANDIDATES, Candidate
 from kubealign.shape import WAIT_PREFIX, route_task
 
 

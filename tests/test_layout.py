@@ -20,7 +20,7 @@ PACKAGES = {
     "kubealign.components": ROOT / "components",
     "kubealign.pipelines": ROOT / "pipelines",
 }
-MAX_LINES = 450
+MAX_LINES = 400
 MAX_FUNCTION = 80
 # Files still over MAX_LINES: each must shrink under it (then leave this list); none may be added.
 OVER: set[str] = set()
@@ -80,16 +80,23 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-# The library's own layers, lowest first, by the package (or root module) a module is filed in. A module
-# imports its own group or lower ones: the foundation (errors, paths, the DAG's shape) imports nothing of
-# kubealign's above it; the core (configs, data, models, the math and rules, tracking, the registry) knows no
-# cluster, server or stage; the outside world (the cluster's API, containers, serving) knows no stage; a stage
-# is reached only from tasks and the command line.
+# The library's own layers, lowest first, folder by folder (a package, or a module at the package root). A
+# folder imports only folders of LOWER layers (never one of its own layer but itself): so the drawing of the
+# library's imports between folders is the table itself, and an import that would close a loop between two
+# folders (or run back up) fails test_layers_point_one_way. The foundation (errors, paths, the DAG's shape)
+# imports nothing above it; the core (configs, data, user code, models, the math and rules, tracking, the
+# registry) knows no stage; a model's answers and their scores (answers) sit under the online judge's and the
+# feedback's users; a stage is reached only from tasks and the command line.
 LIBRARY = (
-    ("kubealign", "errors", "ranks", "pod", "shape", "images", "outputs"),
-    ("config", "selection", "data", "models", "rewards", "training", "rl", "tracking", "promotion", "registry"),
-    ("cluster", "containers", "serving"),
-    ("stages", "feedback"),
+    ("kubealign", "errors", "ranks", "pod", "shape"),
+    ("config", "images", "outputs"),
+    ("data", "tracking", "usercode", "cluster", "containers"),
+    ("models", "promotion"),
+    ("rewards", "training", "serving", "registry"),
+    ("rl", "selection"),
+    ("answers",),
+    ("feedback",),
+    ("stages",),
 )
 LIBRARY_LAYER = {part: index for index, group in enumerate(LIBRARY) for part in group}
 
@@ -102,7 +109,7 @@ def library_part(name: str) -> str:
 
 def layer(name: str) -> float:
     """The DAG (pipelines/) over the components over the task functions over the library, whose own layers
-    (LIBRARY) sit under the task functions: stages 0.3, the lowest group 0.0."""
+    (LIBRARY) sit under the task functions: stages 0.8, the lowest group 0.0."""
     if name.startswith("kubealign.pipelines"):
         return 3
     if name.startswith("kubealign.components"):
@@ -134,14 +141,31 @@ def test_the_circle_check_finds_one():
     assert cycle({"a": {"b"}, "b": set(), "c": {"b"}}) is None
 
 
-def test_layers_point_one_way():
-    upward = sorted(
+def upward(edges: dict[str, set[str]]) -> list[str]:
+    """The imports that run up: to a higher layer, or between two folders of one library layer."""
+    return sorted(
         f"{name} -> {target}"
-        for name, targets in graph().items()
+        for name, targets in edges.items()
         for target in targets
-        if layer(target) > layer(name) and not is_cli(name)
+        if not is_cli(name)
+        and (
+            layer(target) > layer(name)
+            or (layer(name) < 1 and layer(target) == layer(name) and library_part(target) != library_part(name))
+        )
     )
-    assert upward == []
+
+
+def test_layers_point_one_way():
+    assert upward(graph()) == []
+
+
+def test_an_import_back_between_two_folders_of_one_layer_runs_up():
+    """The two loops the old group-wise check missed: config <-> selection (then one group), feedback <-> stages."""
+    assert upward({"kubealign.config.schema": {"kubealign.selection.candidates"}}) != []
+    assert upward({"kubealign.stages.judge": {"kubealign.feedback.push"}}) == []
+    assert upward({"kubealign.feedback.push": {"kubealign.stages.evaluate"}}) != []
+    assert upward({"kubealign.rl.losses": {"kubealign.rl.advantages"}, "kubealign.errors": set()}) == []
+    assert upward({"kubealign.rewards.scorer": {"kubealign.training.loop"}}) != []
 
 
 def test_every_library_package_has_a_layer():
@@ -152,7 +176,7 @@ def test_every_library_package_has_a_layer():
 
 def test_the_library_layers_order_what_may_import_what():
     assert layer("kubealign.errors") < layer("kubealign.config.schema") < layer("kubealign.serving.act")
-    assert layer("kubealign.rl.losses") == layer("kubealign.training.loop") < layer("kubealign.cluster.secrets")
+    assert layer("kubealign.cluster.secrets") < layer("kubealign.training.loop") < layer("kubealign.rl.losses")
     assert layer("kubealign.serving.deploy") < layer("kubealign.stages.ppo") < layer("kubealign.tasks.launch")
     assert layer("kubealign.tasks") < layer("kubealign.cli.commands") < layer("kubealign.components.stages")
 

@@ -59,7 +59,7 @@ def _functions(args: argparse.Namespace) -> list | None:
     """The specs of --reward-functions, or None (resolved from the config's rewards.functions)."""
     if args.reward_functions is None:
         return None
-    from kubealign.rewards import definitions
+    from kubealign.usercode import definitions
 
     try:
         return definitions.from_json(args.reward_functions.read_text(encoding="utf-8"))

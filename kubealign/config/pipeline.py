@@ -13,10 +13,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator
 
+from kubealign.config import candidates as sweep
 from kubealign.config.base import Section
 from kubealign.config.ppo import PPOConfig
 from kubealign.config.train import DPOConfig
-from kubealign.selection import candidates as sweep
 from kubealign.shape import ROUTES
 
 SHORTHAND = ("algorithm", "algorithms")  # the deprecated spellings of pipeline.candidates
@@ -91,7 +91,7 @@ class PipelineConfig(Section):
         return value
 
     def expanded(self) -> list[sweep.Candidate]:
-        """pipeline.candidates with every sweep expanded (kubealign.selection.candidates.expand)."""
+        """pipeline.candidates with every sweep expanded (kubealign.config.candidates.expand)."""
         return sweep.expand(spec.model_dump() for spec in self.candidates or [])
 
 

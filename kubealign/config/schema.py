@@ -14,6 +14,7 @@ from pydantic import Field, PrivateAttr, ValidationError, field_validator, model
 
 from kubealign.config.base import DType, Section
 from kubealign.config.canary import CanaryConfig
+from kubealign.config.candidates import Candidate
 from kubealign.config.cluster import KubernetesConfig, Toleration
 from kubealign.config.feedback import FeedbackConfig
 from kubealign.config.guards import GuardsConfig
@@ -24,7 +25,6 @@ from kubealign.config.serve import ServeConfig
 from kubealign.config.suites import SuitesConfig
 from kubealign.config.tools import ToolsConfig, check_reference
 from kubealign.config.train import DPOConfig, LoraConfig, RewardConfig, SFTConfig, TrainConfig
-from kubealign.selection.candidates import Candidate
 
 # the sections' classes live by concept in base, train, ppo, cluster and pipeline; importable from here as before
 __all__ = [
@@ -238,7 +238,7 @@ class RewardsConfig(Section):
     """What scores a response in ppo / grpo / rloo and in evaluate: the reward model, reward functions as code
         (verifiable rewards), or both. Functions are the user's own code: they run in a worker process with a scrubbed
     environment, a private working directory (the only place they may write), a memory and a file-size limit, a
-    timeout and no network by default (kubealign.rewards.functions, kubealign.rewards.sandbox)."""
+    timeout and no network by default (kubealign.usercode.runner, kubealign.usercode.sandbox)."""
 
     functions: list[RewardFunction] = Field(default_factory=list, description="Reward functions, in order.")
     model_weight: float = Field(

@@ -14,8 +14,8 @@ import torch
 
 from kubealign.data.phases import Rows
 from kubealign.models.value_head import score_and_value
-from kubealign.rewards.definitions import FunctionSpec
-from kubealign.rewards.functions import FunctionRunner
+from kubealign.usercode.definitions import FunctionSpec
+from kubealign.usercode.runner import FunctionRunner
 
 
 class Scores(NamedTuple):

@@ -33,13 +33,14 @@ from kubealign.rl.experience import Experience, FirstPass, make_experience, make
 from kubealign.rl.kl import KLController, k3
 from kubealign.rl.losses import (
     PolicyLoss,
+    Sampling,
     aggregate,
     explained_variance,
     loss_denominator,
     policy_loss,
     value_loss,
 )
-from kubealign.rl.rollout import PPOModels, SampledLogprobs, generate, sampling_of  # noqa: F401
+from kubealign.rl.rollout import PPOModels, SampledLogprobs, generate  # noqa: F401
 from kubealign.training import distributed
 from kubealign.training.loop import NonFiniteLoss, check_finite
 
@@ -104,7 +105,7 @@ def actor_objective(
     if first is not None:
         logprobs, entropy = first.logprobs, first.entropy
     else:
-        logprobs, entropy = policy_logprobs(actor, ids, mask, resp, sampling_of(cfg), entropy_grad=use_entropy)
+        logprobs, entropy = policy_logprobs(actor, ids, mask, resp, Sampling.of(cfg), entropy_grad=use_entropy)
     rows = slice(None) if keep is None else keep[idx].bool()
     logprobs, entropy, resp = logprobs[rows], entropy[rows], resp[rows]
     how, most = cfg.loss_aggregation, cfg.max_new_tokens
@@ -385,7 +386,7 @@ def iteration(
     if models.tools is not None:  # turns with tools or an environment: rl.multiturn (its own masks)
         batch = multiturn.rollout(models, prompt_ids, prompt_mask, cfg, models.tools, rows)
     else:
-        recorder = SampledLogprobs(sampling_of(cfg))
+        recorder = SampledLogprobs(Sampling.of(cfg))
         batch = generate(models, prompt_ids, prompt_mask, cfg, recorder)
     generated = time.perf_counter()
     eos = models.tokenizer.eos_token_id
@@ -399,14 +400,14 @@ def iteration(
             prompt_mask,
             eos,
             models,
-            sampling_of(cfg),
+            Sampling.of(cfg),
             plan[0],
             cfg.entropy_coef > 0,
             keep_critic=both,
             scored_rows=scored,
         )
     else:
-        exp = make_experience(batch, prompt_mask, eos, models, sampling_of(cfg), scored)
+        exp = make_experience(batch, prompt_mask, eos, models, Sampling.of(cfg), scored)
     exp = exp._replace(rollout_logprobs=recorder.actions(batch) if recorder is not None else None)
     exp = multiturn.with_environment_rewards(exp, getattr(batch, "env_rewards", None))
     experienced = time.perf_counter()

@@ -3,7 +3,7 @@ diagnostics. Shapes: [B, A] over actions; see kubealign.rl."""
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,12 @@ class Sampling(NamedTuple):
     temperature: float = 1.0
     top_k: int = 0  # 0 disables
     top_p: float = 1.0  # 1 disables
+
+    @classmethod
+    def of(cls, section: Any) -> Sampling:
+        """The settings a config section samples with (ppo's rollout, evaluate's answers: any section with
+        temperature, top_k and top_p), for the log-probs that must describe what it drew."""
+        return cls(section.temperature, section.top_k, section.top_p)
 
 
 def scaled_logits(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

@@ -124,11 +124,6 @@ def sampling_config(cfg: PPOConfig, max_new_tokens: int | None = None, samples: 
     )
 
 
-def sampling_of(cfg: PPOConfig) -> Sampling:
-    """The settings the rollout samples with, for the log-probs that must describe it."""
-    return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
-
-
 def generate(
     models: PPOModels,
     prompt_ids: torch.Tensor,
@@ -147,7 +142,7 @@ def generate(
 
     models.actor.eval()
     most = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
-    settings = generation_config(sampling_of(cfg), most, models.tokenizer)
+    settings = generation_config(Sampling.of(cfg), most, models.tokenizer)
     # min_p 0 removes nothing, yet generate() would run its softmax and vocabulary sort every step; None
     # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
     settings.min_p = None

@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.config import KubealignConfig
+from kubealign.config.candidates import Candidate
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, read_result, write_result
 from kubealign.promotion import guards
-from kubealign.selection.candidates import Candidate
 from kubealign.selection.frontier import pareto_front
 from kubealign.selection.ranking import KL, Standing, measure_of, rank, within
 from kubealign.stages import compare_report as report

@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kubealign.selection.candidates import Candidate
+from kubealign.config.candidates import Candidate
 from kubealign.selection.ranking import KL, REWARD, Standing
 
 COLOURS = {"ppo": "#1f77b4", "grpo": "#2ca02c", "rloo": "#9467bd", "dpo": "#d62728"}

@@ -35,8 +35,6 @@ from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.value_head import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl import multiturn
 from kubealign.rl.experience import paired_logprobs, response_masks
@@ -46,13 +44,10 @@ from kubealign.selection.comparison import compare, degeneration, function_means
 from kubealign.stages import evaluate_turns, suites
 from kubealign.tracking.lineage import phase_ref
 from kubealign.tracking.runs import stage_run
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 
 STAGE = "evaluate"
-
-
-def sampling_of(cfg: EvaluateConfig) -> Sampling:
-    """The distribution sample() draws from, for the KL estimate on its samples."""
-    return Sampling(cfg.temperature, cfg.top_k, cfg.top_p)
 
 
 @torch.no_grad()
@@ -60,7 +55,7 @@ def sample(model: Any, tokenizer: Any, prompts: list[list[int]], cfg: EvaluateCo
     """Seeded sampling: the same seed and settings for every model, so the comparison is paired."""
     rows = []
     torch.manual_seed(cfg.seed)
-    settings = generation_config(sampling_of(cfg), cfg.max_new_tokens, tokenizer)
+    settings = generation_config(Sampling.of(cfg), cfg.max_new_tokens, tokenizer)
     for i in range(0, len(prompts), cfg.batch_size):
         ids, mask = (
             torch.tensor(x) for x in pad_batch(prompts[i : i + cfg.batch_size], tokenizer.pad_token_id, "left")
@@ -81,7 +76,7 @@ def sampled(config: KubealignConfig, runner: Any, tokenizer: Any, encoded: list,
     if config.tools.enabled:
         session = multiturn.ToolSession(config.tools, runner, tokenizer)
         return tuple(
-            evaluate_turns.sample_turns(m, tokenizer, encoded, cfg, session, data, sampling_of(cfg)) for m in models
+            evaluate_turns.sample_turns(m, tokenizer, encoded, cfg, session, data, Sampling.of(cfg)) for m in models
         )
     return tuple(sample(m, tokenizer, encoded, cfg) for m in models)
 
@@ -391,7 +386,7 @@ def run(
         metrics.update(evaluate_turns.turn_figures(base, cand))
         metrics.update(heldout_figures(reward, tokenizer, base, cand, cfg.batch_size))
         metrics.update(function_means_by_model(base, cand))
-        metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, sampling_of(cfg))
+        metrics["kl_to_baseline"] = kl_to(cand_model, base_model, cand, cfg.batch_size, Sampling.of(cfg))
         metrics.update(
             guard_figures(config, prompts, tokenizer, {"baseline": (base_model, base), "candidate": (cand_model, cand)})
         )

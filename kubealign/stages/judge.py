@@ -36,8 +36,6 @@ from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
 from kubealign.promotion.guards import LLM_JUDGE_FIGURES
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model
@@ -45,6 +43,8 @@ from kubealign.serving import ask
 from kubealign.serving import verdict as rules  # the online verdict's pure rules
 from kubealign.stages.evaluate import heldout_figures, llm_judged, score
 from kubealign.tracking.runs import stage_run
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 
 STAGE = "judge"
 # the LLM judge's verdicts as answers.json says them: the canary is the candidate, the champion the baseline

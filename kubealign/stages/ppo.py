@@ -28,20 +28,21 @@ from kubealign.data.phases import Rows
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.totals import function_means, function_totals
 from kubealign.rl import multiturn
 from kubealign.rl.experience import make_experience
 from kubealign.rl.iteration import NonFiniteExperience, UnsupervisedData, iteration
 from kubealign.rl.kl import KLController
-from kubealign.rl.rollout import PPOModels, generate, sampling_of
+from kubealign.rl.losses import Sampling
+from kubealign.rl.rollout import PPOModels, generate
 from kubealign.stages.ppo_models import build_models, check_inputs, model_dirs, train_config  # noqa: F401
 from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
 from kubealign.tracking.lineage import phase_ref
 from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, export, preemption
 from kubealign.training.loop import NonFiniteLoss, checkpoint_note, fault_hook, nonfinite
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 
 STAGE = "ppo"
 
@@ -87,7 +88,7 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
             else:
                 batch = generate(models, ids, mask, cfg)
             chunk = prompt_rows.repeat(cfg.group_size) if prompt_rows else None
-            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, models, sampling_of(cfg), chunk)
+            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, models, Sampling.of(cfg), chunk)
             exp = multiturn.with_environment_rewards(exp, getattr(batch, "env_rewards", None))
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response

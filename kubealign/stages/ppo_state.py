@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kubealign import ranks
 from kubealign.errors import UserError
 from kubealign.rl.kl import KLController
 from kubealign.rl.rollout import PPOModels
@@ -48,7 +49,7 @@ def save_checkpoint(models: PPOModels, directory: Path, step: int, kl: KLControl
         models.actor.save_checkpoint(str(directory / "actor"), tag=tag, client_state=state, save_latest=False)
         if models.critic is not None:
             models.critic.save_checkpoint(str(directory / "critic"), tag=tag, save_latest=False)
-        if ema is not None and distributed.is_main():
+        if ema is not None and ranks.is_main():
             torch.save(ema.state, directory / "actor" / tag / EMA_FILE)  # inside the tag: sealed with it
         for part in checkpoint_parts(directory, models):
             checkpoints.seal(part, tag)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kubealign import ranks
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.split import HELDOUT
@@ -116,7 +117,7 @@ def run(
     extra = {} if heldout is None else {f"{HELDOUT}/{k}": v for k, v in heldout.items() if isinstance(v, float | int)}
     ref = phase_ref(data, "phase2_reward", "training")
     result = train(config, cfg, lambda: dataset, output, resume, checkpoint_location, extra, ref)
-    if heldout is not None and distributed.is_main():
+    if heldout is not None and ranks.is_main():
         os.replace(heldout_sibling(output), output / HELDOUT)  # one rename: the directory is whole or absent
     return result
 
@@ -137,7 +138,7 @@ def train_heldout(
     sibling = heldout_sibling(output)
     if resume and output_stage(sibling) == STAGE:
         return read_result(sibling)["metrics"]
-    if distributed.is_main():
+    if ranks.is_main():
         print(f"reward: the held-out reward model first, on {len(dataset[HELDOUT])} reserved pairs", flush=True)
     import datasets
 

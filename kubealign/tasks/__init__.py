@@ -47,17 +47,17 @@ def load(config_json: str, overrides: list[str] | None = None) -> KubealignConfi
 
 def data_split(config_json: str, overrides: list[str], output: str, feedback: str | None = None) -> dict[str, Any]:
     """feedback: the feedback task's output; its rows join data.sources (weight feedback.weight), when it has any."""
-    from kubealign.stages import data_split
+    from kubealign.stages import data_split as stage
     from kubealign.stages import feedback as people
 
     config = load(config_json, overrides)
-    return data_split.run(people.with_rows(config, Path(feedback)) if feedback else config, Path(output))
+    return stage.run(people.with_rows(config, Path(feedback)) if feedback else config, Path(output))
 
 
 def feedback(config_json: str, output: str) -> dict[str, Any]:
-    from kubealign.stages import feedback
+    from kubealign.stages import feedback as stage
 
-    return feedback.run(load(config_json), Path(output))
+    return stage.run(load(config_json), Path(output))
 
 
 def train(stage_name: str, config_json: str, overrides: list[str], data: str, model: str, output: str) -> dict:
@@ -88,8 +88,8 @@ def train(stage_name: str, config_json: str, overrides: list[str], data: str, mo
 
 def reward_functions(config: KubealignConfig, functions_json: str) -> list:
     """The reward functions a task scores with: as the compiled pipeline embedded them (functions_json, from
-    kubealign.rewards.definitions.to_json), checked against config.rewards; none when the config has none."""
-    from kubealign.rewards import definitions
+    kubealign.usercode.definitions.to_json), checked against config.rewards; none when the config has none."""
+    from kubealign.usercode import definitions
 
     pinned = os.environ.get(FUNCTIONS_SHA_ENV)
     digest = hashlib.sha256(functions_json.encode()).hexdigest()
@@ -125,10 +125,12 @@ def ppo(
             args = ["ppo", "--prompts", prompts, "--actor", actor, "--critic", critic, "--output", output]
             args += launch.functions_file(specs, Path(tmp)) + launch.checkpoint_args(location, resume)
             return launch.tidy(location, launch.run_distributed(config, nproc, args, Path(output)))
-    from kubealign.stages import ppo
+    from kubealign.stages import ppo as stage
 
     paths = (Path(prompts), Path(actor), Path(critic), None, Path(output))
-    return launch.tidy(location, ppo.run(config, *paths, resume=resume, functions=specs, checkpoint_location=location))
+    return launch.tidy(
+        location, stage.run(config, *paths, resume=resume, functions=specs, checkpoint_location=location)
+    )
 
 
 def evaluate(
@@ -142,12 +144,12 @@ def evaluate(
     functions_json: str = "",
 ) -> dict[str, Any]:
     """reward: the reward model's dir (not read when rewards.model_weight is 0 with functions)."""
-    from kubealign.stages import evaluate
+    from kubealign.stages import evaluate as stage
 
     config = load(config_json, overrides)
     specs = reward_functions(config, functions_json)
     paths = (Path(prompts), Path(baseline), Path(candidate), Path(reward), Path(output))
-    return evaluate.run(config, *paths, functions=specs)
+    return stage.run(config, *paths, functions=specs)
 
 
 def promote(
@@ -161,25 +163,25 @@ def promote(
 ) -> dict[str, Any]:
     """comparison: the compare stage's output when several candidates ran (only its leader moves aliases);
     name: the candidate's name there (default: its route's)."""
-    from kubealign.stages import promote
+    from kubealign.stages import promote as stage
 
     ranked = Path(comparison) if comparison else None
     config = load(config_json, overrides)
-    return promote.run(config, Path(evaluation), Path(model_dir), Path(output), ranked, name or None)
+    return stage.run(config, Path(evaluation), Path(model_dir), Path(output), ranked, name or None)
 
 
 def setting_overrides(settings_json: str) -> list[str]:
     """A candidate's settings (the DAG's JSON object of dotted keys) as --set overrides."""
-    from kubealign.selection.candidates import as_overrides
+    from kubealign.config.candidates import as_overrides
 
     return as_overrides(json.loads(settings_json or "{}"))
 
 
 def serve(config_json: str, overrides: list[str], promotion: str, output: str) -> dict[str, Any]:
     """promotion: promote's output; the InferenceService of serve.alias, when promote moved it."""
-    from kubealign.stages import serve
+    from kubealign.stages import serve as stage
 
-    return serve.run(load(config_json, overrides), Path(promotion), Path(output))
+    return stage.run(load(config_json, overrides), Path(promotion), Path(output))
 
 
 def judge(
@@ -196,9 +198,9 @@ def judge(
 
 def act(config_json: str, overrides: list[str], judgement: str, output: str) -> dict[str, Any]:
     """judgement: the judge task's output; its verdict carried out (canary.act): the registry, then serving."""
-    from kubealign.stages import act
+    from kubealign.stages import act as stage
 
-    return act.run(load(config_json, overrides), Path(judgement), Path(output))
+    return stage.run(load(config_json, overrides), Path(judgement), Path(output))
 
 
 def compare(
@@ -212,10 +214,10 @@ def compare(
     """candidates: [{name, algorithm, set}] (selection.candidates.Candidate.as_dict); evaluations: name -> its
     evaluate output, None where the candidate failed. max_kl: pipeline.max_kl, 0 = none (the DAG's
     config_json has no pipeline section: that would put the budget in every task's cache key)."""
-    from kubealign.selection.candidates import Candidate
-    from kubealign.stages import compare
+    from kubealign.config.candidates import Candidate
+    from kubealign.stages import compare as stage
 
     listed = [Candidate(c["name"], c["algorithm"], c.get("set") or {}) for c in candidates]
     paths = {name: None if path is None else Path(path) for name, path in evaluations.items()}
     budget = [f"pipeline.max_kl={max_kl!r}"] if max_kl else []
-    return compare.run(load(config_json, [*overrides, *budget]), listed, paths, Path(output))
+    return stage.run(load(config_json, [*overrides, *budget]), listed, paths, Path(output))

@@ -89,7 +89,7 @@ def checkpoint_args(location: Path | None, resume: bool) -> list[str]:
 
 def functions_file(specs: list, directory: Path) -> list[str]:
     """CLI args handing the embedded functions to a `kubealign ppo|evaluate` process (torchrun, a TrainJob)."""
-    from kubealign.rewards import definitions
+    from kubealign.usercode import definitions
 
     if not specs:
         return []

@@ -41,6 +41,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from kubealign import ranks
 from kubealign.errors import UserError
 from kubealign.outputs import read_json, write_json
 from kubealign.training import distributed
@@ -85,7 +86,7 @@ def seal(save_dir: Path, tag: str) -> None:
     tag_dir = save_dir / tag
     names = _files(tag_dir)
     hashes = _gather({name: file_sha256(tag_dir / name) for name in _share(names)})
-    if distributed.is_main():
+    if ranks.is_main():
         write_json(tag_dir / MANIFEST, {"tag": tag, "files": hashes})
     distributed.barrier()
 
@@ -122,7 +123,7 @@ def commit(save_dir: Path, tag: str) -> None:
     """Point SAVE_DIR/latest at TAG, atomically (rank 0; every rank waits): call after every part of the
     step is sealed. A reader sees the previous tag or this one, never an empty or partial name."""
     distributed.barrier()
-    if distributed.is_main():
+    if ranks.is_main():
         tmp = save_dir / f".latest.tmp-{os.getpid()}"
         tmp.write_text(tag, encoding="utf-8")
         os.replace(tmp, save_dir / "latest")
@@ -183,7 +184,7 @@ def resume_tag(save_dir: Path, parts: list[Path] | None = None) -> str | None:
 def _problem(tag_dir: Path, expected: dict[str, str]) -> str | None:
     names = sorted(expected)
     extra = sorted(set(_files(tag_dir)) - set(names))
-    if extra and distributed.is_main():
+    if extra and ranks.is_main():
         return f"{tag_dir / extra[0]} is not in the checkpoint's sha256 manifest"
     for name in _share(names):
         path = tag_dir / name
@@ -209,7 +210,7 @@ def verify(save_dir: Path, tag: str | None = None) -> None:
         return
     manifest = read_json(tag_dir, MANIFEST, "a checkpoint manifest")
     problem = _problem(tag_dir, manifest.get("files", {}))
-    problems = [p for p in _gather({str(distributed.rank()): problem or ""}).values() if p]
+    problems = [p for p in _gather({str(ranks.rank()): problem or ""}).values() if p]
     if problems:
         raise UserError(f"--resume: {sorted(problems)[0]}; refusing to resume from it")
 
@@ -307,7 +308,7 @@ def remove(save_dir: Path) -> None:
     process, `latest`, DeepSpeed's script, in the PPO part directories too), then each directory left empty.
     Anything else stays where it is, a torn tag of an earlier run too (rank 0; every rank waits)."""
     distributed.barrier()
-    if distributed.is_main() and not save_dir.is_symlink():
+    if ranks.is_main() and not save_dir.is_symlink():
         for entry in _entries(save_dir):
             if _removable(entry):
                 shutil.rmtree(entry) if entry.is_dir() else entry.unlink()

@@ -13,8 +13,6 @@ import socket
 
 import torch
 
-from kubealign.ranks import RENDEZVOUS_ENV, is_main, rank  # noqa: F401  (re-exported: one way to ask, kubealign.ranks)
-
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import torch
 from tqdm import tqdm
 
+from kubealign import ranks
 from kubealign.config.schema import TrainConfig
 from kubealign.data import batching
 from kubealign.errors import UserError
@@ -42,7 +43,7 @@ def fault_hook(step: int) -> None:
     if os.environ.get(FAULT_ENV) != str(step):
         return
     name = os.environ.get(FAULT_SIGNAL_ENV, "KILL")
-    if name == "KILL" or distributed.is_main():
+    if name == "KILL" or ranks.is_main():
         os.kill(os.getpid(), getattr(signal, f"SIG{name}"))
 
 
@@ -136,8 +137,8 @@ def micro_batches(
     totals = None
     if task.units is not None:
         totals = batching.step_units(batches, [task.units(e) for e in task.train], task.cfg.gradient_accumulation_steps)
-    for i, ranks in enumerate(batches):
-        batch = task.collate([task.train[j] for j in ranks[rank]])
+    for i, per_rank in enumerate(batches):
+        batch = task.collate([task.train[j] for j in per_rank[rank]])
         if totals is not None:
             batch["step_units"] = torch.tensor(float(totals[i // task.cfg.gradient_accumulation_steps]))
         yield batch
@@ -359,7 +360,7 @@ def finish(
     from kubealign.training import export
 
     export.export(engine, model_cls, task.cfg.lora, task_type, tokenizer, output, result, extra_json)
-    if distributed.is_main():
+    if ranks.is_main():
         tracker.log_metrics(result["metrics"])
         tracker.set_tags({"kubealign.model_dir": str(output.resolve())})
         for name in ["result.json", *(extra_json or {})]:

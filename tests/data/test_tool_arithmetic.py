@@ -11,8 +11,8 @@ import pytest
 
 from kubealign.config import load_config
 from kubealign.data import tool_arithmetic as ta
-from kubealign.rewards import definitions
 from kubealign.rl import tool_calls
+from kubealign.usercode import definitions
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.unit

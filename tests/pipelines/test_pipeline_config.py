@@ -11,9 +11,9 @@ import pytest
 
 from kubealign.config import config_from_json, config_to_json, load_config
 from kubealign.config import load as loading
+from kubealign.config.candidates import Candidate
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
-from kubealign.selection.candidates import Candidate
 from kubealign.shape import ROUTES, has_critic
 
 GRPO_DPO = "pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"

@@ -17,12 +17,12 @@ from kubealign import tasks
 from kubealign.cli import main
 from kubealign.cli.summary import route_lines, summarize
 from kubealign.config import config_to_json, load_config
+from kubealign.config.candidates import MAX_CANDIDATES, Candidate, check_keys, check_names, expand, slug
 from kubealign.config.schema import DPOConfig, PPOConfig
 from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.pipelines.local import tasks_for
 from kubealign.selection import ranking
-from kubealign.selection.candidates import MAX_CANDIDATES, Candidate, check_keys, check_names, expand, slug
 from kubealign.selection.frontier import pareto_front
 from kubealign.stages import compare, promote
 from kubealign.stages.promote import ranked

@@ -250,7 +250,7 @@ def test_a_multi_node_ppo_task_names_its_trainjob_after_the_run_and_removes_its_
 def test_an_edited_reward_functions_parameter_is_refused_at_the_task(tmp_path: Path, monkeypatch) -> None:
     import hashlib
 
-    from kubealign.rewards import definitions
+    from kubealign.usercode import definitions
 
     (tmp_path / "f.py").write_text("def f(prompts, completions):\n    return [1.0] * len(completions)\n")
     (tmp_path / "c.yaml").write_text("rewards: {functions: [{path: f.py:f}]}\n", encoding="utf-8")

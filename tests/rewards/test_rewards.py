@@ -18,10 +18,10 @@ from kubealign.data.schemas import Pair, normalize
 from kubealign.data.split import split_rows
 from kubealign.errors import UserError
 from kubealign.promotion.gate import gate
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, combine, completions_of
 from kubealign.rewards.totals import function_totals
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 from tests.selection.test_gate import NO_GUARDS
 
 FUNCTIONS = """

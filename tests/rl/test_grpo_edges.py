@@ -14,14 +14,14 @@ import torch
 
 from kubealign.config.schema import PPOConfig, RewardsConfig
 from kubealign.data import phases
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rewards.scorer import Scorer, scored_rows
 from kubealign.rl import iteration
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import GRPO_EPS, group_std, grpo_advantages, rloo_advantages
 from kubealign.rl.losses import aggregate, loss_denominator
 from kubealign.training import distributed
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 from tests.rewards.test_rewards import FUNCTIONS, ORIGINS, CharTokenizer
 from tests.stages.test_grpo import REWARDS, TableActor, hand_experience
 

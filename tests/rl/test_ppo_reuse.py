@@ -196,10 +196,10 @@ def test_the_frozen_models_run_before_the_actors_graph_is_held_top_k_or_not(trun
         module.register_forward_pre_hook(lambda _m, _a, _k, name=name: order.append(name), with_kwargs=True)
     batch = SimpleNamespace(input_ids=sampled(cfg) if truncate else IDS, response_start_idx=torch.full((6,), 4))
     exp, first = make_experience_keeping(
-        batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg), torch.tensor([5, 0, 3, 2]), False
+        batch, PROMPT_MASK, EOS, models, Sampling.of(cfg), torch.tensor([5, 0, 3, 2]), False
     )
     # The reference's log-probs are unfiltered (losses.scaled_logits): it needs nothing of the actor.
     assert order == ["reward", "reference", "actor", "actor", "critic"]
     assert first.values is None and not exp.values.requires_grad  # the critic is not kept by default
-    whole = make_experience(batch, PROMPT_MASK, EOS, models, rl_rollout.sampling_of(cfg))
+    whole = make_experience(batch, PROMPT_MASK, EOS, models, Sampling.of(cfg))
     assert torch.equal(exp.values, whole.values) and torch.equal(exp.ref_logprobs, whole.ref_logprobs)

@@ -53,7 +53,7 @@ def random_experience(sampling: Sampling, seed: int = 0):
 def old_actor_loss(actor, exp, idx, advantages, cfg):
     """The update's actor loss as 892bdca computed it: a second log-softmax for the entropy, in autograd."""
     ids, mask, resp = exp.input_ids[idx], exp.attention_mask[idx], exp.response_mask[idx]
-    logits = scaled_logits(forward_logits(actor, ids, mask), rl_rollout.sampling_of(cfg))
+    logits = scaled_logits(forward_logits(actor, ids, mask), Sampling.of(cfg))
     logprobs = response_only(logprobs_from_logits(logits, ids), resp)
     entropy = response_only(entropy_from_logits(logits), resp)
     pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
@@ -165,7 +165,7 @@ def old_generate(models, cfg):
     """rollout.generate as 892bdca had it: min_p 0, remove_invalid_values, no stopping criterion added."""
     from deepspeed.runtime.rollout import RolloutRequest
 
-    settings = generation_config(rl_rollout.sampling_of(cfg), cfg.max_new_tokens, TOKENIZER)
+    settings = generation_config(Sampling.of(cfg), cfg.max_new_tokens, TOKENIZER)
     settings.remove_invalid_values = True
     with rl_rollout.only_settings(models.actor.module, settings):
         return models.rollout.generate(RolloutRequest(PROMPTS, PROMPT_MASK), rl_rollout.sampling_config(cfg))

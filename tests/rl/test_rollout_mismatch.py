@@ -15,7 +15,8 @@ from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.correction import mismatch
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import KLController
-from kubealign.rl.rollout import PPOModels, SampledLogprobs, sampling_of
+from kubealign.rl.losses import Sampling
+from kubealign.rl.rollout import PPOModels, SampledLogprobs
 from tests.rl.test_experience import TokenValue
 from tests.rl.test_ppo_reuse import setup
 from tests.rl.test_ppo_speed_paths import EOS, PROMPT_MASK, PROMPTS, TOKENIZER, models_for, tiny_opt
@@ -40,11 +41,11 @@ def rollout_and_trainer(path: str, cfg: PPOConfig, bias: float = 0.0):
     5's logit in eval mode only — the rollout's forwards, not the trainer's (a kernel that computes otherwise)."""
     model = tiny_opt(0)
     handle = model.register_forward_hook(biased(bias))
-    recorder = SampledLogprobs(sampling_of(cfg))
+    recorder = SampledLogprobs(Sampling.of(cfg))
     torch.manual_seed(0)
     batch = rl_rollout.generate(models_for(model, path), PROMPTS, PROMPT_MASK, cfg, recorder)
     models = PPOModels(model, None, model, Scorer(TokenValue(), 1.0, None, None), None, None)
-    exp = make_experience(batch, PROMPT_MASK, EOS, models, sampling_of(cfg))
+    exp = make_experience(batch, PROMPT_MASK, EOS, models, Sampling.of(cfg))
     handle.remove()
     rollout = recorder.actions(batch)
     assert rollout is not None and rollout.shape == exp.logprobs.shape

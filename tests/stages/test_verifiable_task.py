@@ -15,7 +15,7 @@ from kubealign.data.schemas import normalize
 from kubealign.data.sources import declared_columns, read_source
 from kubealign.data.split import split_rows
 from kubealign.errors import UserError
-from kubealign.rewards import definitions
+from kubealign.usercode import definitions
 from tests.conftest import REPO
 
 QUESTION = re.compile(r"Human: (.*)\n\nAssistant:$", re.S)

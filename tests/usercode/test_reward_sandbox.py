@@ -1,6 +1,6 @@
 """The reward-function worker against an adversary (issue 54), as a pod runs it: a trainer process of a non-root
 uid holding credentials in its environment, and a function that tries each way out. Each probe is a function
-that reports whether its escape worked; each of them worked before the sandbox (kubealign.rewards.sandbox).
+that reports whether its escape worked; each of them worked before the sandbox (kubealign.usercode.sandbox).
 
 Run here as root, the trainer is started by util-linux's `setpriv` as uid/gid 65534 with one capability
 kept, CAP_DAC_READ_SEARCH, only so that it can read this machine's interpreter under /root (mode 0700); it
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kubealign.rewards import sandbox
+from kubealign.usercode import sandbox
 
 pytestmark = pytest.mark.faults
 
@@ -87,8 +87,8 @@ TRAINER = """
 import json, resource, sys
 from kubealign.config.schema import RewardsConfig
 from kubealign.errors import UserError
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 
 name, directory, network, file_limit_mb = sys.argv[1], sys.argv[2], sys.argv[3] == "1", int(sys.argv[4])
 rewards = RewardsConfig(

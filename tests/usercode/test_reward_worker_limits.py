@@ -12,8 +12,8 @@ import pytest
 
 from kubealign.config.schema import RewardsConfig
 from kubealign.errors import UserError
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import OUTPUT_LIMIT, FunctionRunner, worker_env
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import OUTPUT_LIMIT, FunctionRunner, worker_env
 
 pytestmark = pytest.mark.unit
 
@@ -132,7 +132,7 @@ def test_what_a_function_prints_reaches_the_log_bounded_and_the_cut_is_said_once
 def test_the_trainer_is_not_dumpable_while_a_worker_runs(tmp_path):
     """A non-dumpable process's /proc entries are root's: a worker of the same non-root uid cannot open its
     environ or cwd even without Landlock. The setting is the trainer's own again once the worker is gone."""
-    from kubealign.rewards import sandbox
+    from kubealign.usercode import sandbox
 
     get_dumpable = 3  # PR_GET_DUMPABLE
     assert sandbox._prctl(get_dumpable, 0) == 1

@@ -1,7 +1,7 @@
 """What the reward-function worker does to itself before it loads any user code (issue 54), and what the
 trainer does while a worker runs.
 
-The worker (kubealign.rewards.worker) calls `confine`:
+The worker (kubealign.usercode.worker) calls `confine`:
 - RLIMIT_FSIZE: no file it writes grows past `file_limit_mb` (the write fails with EFBIG; SIGXFSZ is
   ignored so that the failure is the function's error, not a dead worker).
 - PR_SET_CHILD_SUBREAPER: a process it starts that detaches (a new session, a double fork) is re-parented to
@@ -149,7 +149,7 @@ def drop_capabilities() -> str:
     """Give up every capability but CAP_DAC_READ_SEARCH, now and for anything started after (the bounding set),
     in a line. A worker of a trainer running as root would otherwise keep CAP_SYS_PTRACE and read the trainer's
     /proc/PID/environ (its credentials) although the trainer is non-dumpable while it runs, Landlock
-    notwithstanding (measured: Landlock ABI 7, root; tests/rewards/test_tool_worker.py). A non-root worker has
+    notwithstanding (measured: Landlock ABI 7, root; tests/usercode/test_tool_worker.py). A non-root worker has
     none to give up."""
     import platform
 

@@ -1,4 +1,4 @@
-"""Run reward functions in a worker process (kubealign.rewards.worker) and check what they return.
+"""Run reward functions in a worker process (kubealign.usercode.worker) and check what they return.
 
 Every failure is a UserError of one line naming the function (`reward function NAME
 (rewards.functions[i])`) and, where it applies, the row (its data-split origin, FILE:LINE): a function
@@ -11,7 +11,7 @@ The worker's limits (user code runs there, not in the trainer): an environment w
 variables but PATH, LANG, LC_*, TZ, PYTHONPATH and those rewards.worker_env names (so no MLflow or object-store
 credentials); a private working and temporary directory, removed at the end, the only place it may write,
 with no TCP unless rewards.network, and no way to read the trainer's /proc entries (its environment, its
-working directory): kubealign.rewards.sandbox; rewards.memory_limit_mb of address space, past which its
+working directory): kubealign.usercode.sandbox; rewards.memory_limit_mb of address space, past which its
 allocation fails and the call is one line, with the worker first in line for the OOM killer;
 rewards.file_limit_mb per file; every process it starts, detached or not, ended with it on a timeout or at
 the end; its replies read with the call's deadline (half a line is a timeout, not a hang); and what it
@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.errors import UserError
-from kubealign.rewards import sandbox
-from kubealign.rewards.definitions import FunctionSpec
-from kubealign.rewards.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV
+from kubealign.usercode import sandbox
+from kubealign.usercode.definitions import FunctionSpec
+from kubealign.usercode.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV
 
 Values = list[float | None]
 KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
@@ -113,7 +113,7 @@ class FunctionRunner:
 
     def _launch(self, env: dict[str, str]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kubealign.rewards.worker"],
+            [sys.executable, "-m", "kubealign.usercode.worker"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.output,

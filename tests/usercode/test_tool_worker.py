@@ -17,9 +17,9 @@ from kubealign.config.ppo import PPOConfig
 from kubealign.config.schema import RewardsConfig
 from kubealign.config.tools import ToolsConfig
 from kubealign.errors import UserError
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
 from kubealign.rl import multiturn as mt
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 from tests.rl.test_multiturn import CHARS, prompts, scripted
 from tests.support.chars import EOS
 
@@ -117,8 +117,8 @@ def test_results_and_errors_are_observations(tools_dir: Path):
 TRAINER = """
 import json, sys
 from kubealign.config.tools import ToolsConfig
-from kubealign.rewards import definitions
-from kubealign.rewards.functions import FunctionRunner
+from kubealign.usercode import definitions
+from kubealign.usercode.runner import FunctionRunner
 specs = definitions.resolve_tools(ToolsConfig(functions=[{"path": "tools.py:peek"}]), sys.argv[1])
 with FunctionRunner(specs, 30.0) as runner:
     ((text, error),) = runner.tool_calls([{"name": "peek", "arguments": {"name": "AWS_SECRET_ACCESS_KEY"}}])
@@ -134,7 +134,7 @@ def test_a_tool_reaches_no_credential_of_the_trainer(tools_dir: Path):
     import subprocess
     import sys
 
-    from kubealign.rewards import sandbox
+    from kubealign.usercode import sandbox
 
     env = {**os.environ, "AWS_SECRET_ACCESS_KEY": "probe-secret-9a2b"}
     done = subprocess.run(

@@ -1,8 +1,8 @@
-"""The reward-function worker: `python -m kubealign.rewards.worker`, driven by kubealign.rewards.functions.
+"""The reward-function worker: `python -m kubealign.usercode.worker`, driven by kubealign.usercode.runner.
 
 It loads the functions once and answers one JSON request per line on stdin with one JSON line on its
 own copy of stdout; whatever the functions print goes to stderr, so it cannot break the protocol. It caps its
-own memory (MEMORY_ENV) and, started by FunctionRunner, confines itself (kubealign.rewards.sandbox) before it
+own memory (MEMORY_ENV) and, started by FunctionRunner, confines itself (kubealign.usercode.sandbox) before it
 loads any user code; its first line says what the sandbox holds. It runs in a process of its own so that a
 function that hangs (even inside C code) can be killed when the per-call timeout runs out, and a crash in
 user code cannot take the training process with it. It imports nothing heavy (no torch): it starts in well
@@ -81,7 +81,7 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
         pass
     try:
         values = function(request["prompts"], request["completions"], **request["columns"])
-    except MemoryError:  # the worker's address-space limit (kubealign.rewards.functions): not the function's bug
+    except MemoryError:  # the worker's address-space limit (kubealign.usercode.runner): not the function's bug
         return {"error": "memory", "memory": True, "message": "MemoryError"}
     except Exception as exc:  # the user's code: report, do not die
         return {"error": "raised", "message": _describe(exc)}
@@ -201,7 +201,7 @@ def main() -> int:
         limit_self(int(os.environ[MEMORY_ENV]))
     confined = ""
     if os.environ.get(FILE_LIMIT_ENV):  # started by FunctionRunner: confine before any user code
-        from kubealign.rewards.sandbox import confine
+        from kubealign.usercode.sandbox import confine
 
         confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)))
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
