@@ -3,8 +3,8 @@
 Timing, on the embedded default (tiny-cpu), each side from an empty kfp.local cache of its own
 (KUBEALIGN_CACHE_DIR pointed at a new directory, so the tiny base models are built once on each side too):
 
-* one run: `kubealign run --cache --set 'pipeline.candidates=[{algorithm: ppo}, ..., {algorithm: dpo}]'`;
-* four runs: `kubealign run --cache --set 'pipeline.candidates=[{algorithm: R}]'` for R = ppo, grpo, rloo,
+* one run: `kubealign run --cache --set 'pipeline.candidates=[{route: ppo}, ..., {route: dpo}]'`;
+* four runs: `kubealign run --cache --set 'pipeline.candidates=[{route: R}]'` for R = ppo, grpo, rloo,
   dpo, one after the other (the first computes data-split, SFT and the reward model; the others take them
   from the cache).
 
@@ -41,8 +41,8 @@ SEEDS = (*SEEDED, "dpo.seed")
 
 
 def candidates(routes: tuple[str, ...] | list[str]) -> str:
-    """The --set override of one candidate per route: pipeline.candidates=[{algorithm: ppo}, ...]."""
-    return "pipeline.candidates=[" + ", ".join(f"{{algorithm: {r}}}" for r in routes) + "]"
+    """The --set override of one candidate per route: pipeline.candidates=[{route: ppo}, ...]."""
+    return "pipeline.candidates=[" + ", ".join(f"{{route: {r}}}" for r in routes) + "]"
 
 
 def run(sets: list[str], output: Path, cache: Path) -> dict:
@@ -70,7 +70,7 @@ def leaderboard(output: Path) -> list[dict]:
     comparison = json.loads((Path(index["stages"]["compare"]["dir"]) / "result.json").read_text())
     rows = []
     for standing in comparison["standings"]:
-        route = standing["route"]
+        route = standing["candidate"]
         m = json.loads((Path(index["stages"][f"evaluate-{route}"]["dir"]) / "result.json").read_text())["metrics"]
         promoted = json.loads((Path(index["stages"][f"promote-{route}"]["dir"]) / "result.json").read_text())
         rows.append(

@@ -37,10 +37,7 @@ SPECS = [
     {"algorithm": "grpo"},
 ]
 # what a person writes: the grid shorthand (expands to the four named dpo candidates above)
-SWEEP = (
-    "pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: [0.01, 0.05, 0.1, 0.3]}}, {algorithm: ppo}, "
-    "{algorithm: grpo}]"
-)
+SWEEP = "pipeline.candidates=[{route: dpo, sweep: {dpo.beta: [0.01, 0.05, 0.1, 0.3]}}, {route: ppo}, {route: grpo}]"
 
 
 def board(output: Path) -> dict:

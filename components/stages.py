@@ -260,7 +260,7 @@ def compare(
     evaluation_16: Input[Artifact] = None,
 ):
     """compare: rank the candidates of one run by their evaluations and draw their reward-KL frontier; a
-    leaderboard (Markdown) and the frontier page (HTML) for the UI. candidates: JSON list of {name, algorithm,
+    leaderboard (Markdown) and the frontier page (HTML) for the UI. candidates: JSON list of {name, route,
     set}; evaluation_N is the N-th candidate's (kubealign.config.candidates.MAX_CANDIDATES of them; the DAG declares
     only its candidates'). max_kl: pipeline.max_kl, 0 = no KL budget. The DAG runs this task even when a
     candidate failed (ignore_upstream_failure): that candidate's evaluation is then absent."""

@@ -157,10 +157,10 @@ def test_non_finite_numbers_in_a_file_are_refused_naming_file_and_field(cli, tmp
 
 
 def test_a_route_without_groups_is_refused_before_anything_runs(cli) -> None:
-    bad = cli("config", "show", "--set", "pipeline.candidates=[{algorithm: rloo}]", "--set", "ppo.samples_per_prompt=1")
+    bad = cli("config", "show", "--set", "pipeline.candidates=[{route: rloo}]", "--set", "ppo.samples_per_prompt=1")
     assert bad.code == 2 and "ppo.samples_per_prompt >= 2" in bad.err and len(bad.err.strip().splitlines()) == 1
-    good = cli("config", "show", "--set", "pipeline.candidates=[{algorithm: rloo}]")
+    good = cli("config", "show", "--set", "pipeline.candidates=[{route: rloo}]")
     assert good.code == 0, good.err
     assert good.err == ""  # no deprecation line: candidates is the field
-    dpo = cli("config", "show", "--set", "pipeline.candidates=[{algorithm: dpo}]", "--set", "ppo.samples_per_prompt=1")
+    dpo = cli("config", "show", "--set", "pipeline.candidates=[{route: dpo}]", "--set", "ppo.samples_per_prompt=1")
     assert dpo.code == 0, dpo.err  # the ppo task does not run on the dpo route

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.promotion import guards
+from kubealign.selection.ranking import standing_name
 from kubealign.shape import SHARED
 from kubealign.shape import SUMMARY_STAGES as STAGES
 
@@ -131,9 +132,9 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
     if comparison.get("leader", "") is None:  # a KL budget that no candidate kept: the one line why
         lines.append(f"{'':<19}  {comparison['verdict']}")
     leader, front = comparison.get("leader", ""), comparison.get("front", [])
-    width = max([9, *(len(s["route"]) + 1 for s in comparison["standings"])])
+    width = max([9, *(len(standing_name(s)) + 1 for s in comparison["standings"])])
     for standing in comparison["standings"]:
-        candidate = standing["route"]
+        candidate = standing_name(standing)
         trained, evaluation = _result(dirs[candidate]), _result(dirs[f"evaluate-{candidate}"])
         m = {"win_rate_upper_bound": float("nan"), **(evaluation or {}).get("metrics", {})}
         text = (

@@ -1,5 +1,5 @@
 """The candidates of one pipeline run (pipeline.candidates): each a name, a route and settings of that
-route's training section, e.g. {name: dpo-beta-0p05, algorithm: dpo, set: {dpo.beta: 0.05}}.
+route's training section, e.g. {name: dpo-beta-0p05, route: dpo, set: {dpo.beta: 0.05}}.
 
 Pure functions, no pydantic: expand sweep grids into named candidates, derive names that are safe as KFP
 task names and MLflow run names, and check that every setting names a field of the route's section (the
@@ -36,7 +36,13 @@ class Candidate(NamedTuple):
         return as_overrides(self.settings)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "algorithm": self.route, "set": dict(self.settings)}
+        return {"name": self.name, "route": self.route, "set": dict(self.settings)}
+
+    @classmethod
+    def from_dict(cls, given: Mapping[str, Any]) -> Candidate:
+        """as_dict's inverse; a dict written before the route had its name holds it as "algorithm" (a run
+        index or a compiled pipeline of an earlier release, read again by `kubealign rerun`)."""
+        return cls(given["name"], given["route"] if "route" in given else given["algorithm"], given.get("set") or {})
 
 
 def as_overrides(settings: Mapping[str, Any]) -> list[str]:
@@ -62,12 +68,12 @@ def setting_label(key: str) -> str:
 
 
 def expand(specs: Iterable[Mapping[str, Any]]) -> list[Candidate]:
-    """Each spec ({name?, algorithm, set?, sweep?}) as one candidate, or one per point of its sweep grid
+    """Each spec ({name?, route, set?, sweep?}) as one candidate, or one per point of its sweep grid
     (the product of the sweep's value lists, in the order written). A grid point's name is the spec's name
     (default: the route) followed by each swept setting's label and value: dpo-beta-0p05."""
     out = []
     for spec in specs:
-        route, fixed = spec["algorithm"], dict(spec.get("set") or {})
+        route, fixed = spec["route"], dict(spec.get("set") or {})
         sweep = dict(spec.get("sweep") or {})
         base = spec.get("name") or route
         if not sweep:
@@ -111,7 +117,7 @@ def check_keys(candidate: Candidate, fields_of: Mapping[str, Any]) -> None:
                 f"candidate {candidate.name}: setting {key!r}: a {candidate.route} candidate sets {section}.<field>"
             )
         if key == "ppo.algorithm":
-            raise ValueError(f"candidate {candidate.name}: ppo.algorithm is the candidate's `algorithm`")
+            raise ValueError(f"candidate {candidate.name}: ppo.algorithm is the candidate's `route`")
         model = fields_of[section]
         for part in rest.split("."):
             fields = getattr(model, "model_fields", {})

@@ -1,9 +1,10 @@
 """The `pipeline` section: what the DAG trains (pipeline.candidates), how many at once, the KL budget.
 
-pipeline.candidates is the one field that picks what trains. Its older spellings are still read, as the
-same candidates: `pipeline.algorithm: R` (one route) and `pipeline.algorithms: [R, ...]` (several), one
-candidate per route, named after it, with no settings (`shorthand`); `kubealign.config.load` prints one
-deprecation line for them (`deprecation`) where a user's config is loaded, not in the pipeline's tasks.
+pipeline.candidates is the one field that picks what trains; each candidate names its `route`. Older spellings
+are still read, as the same candidates: `pipeline.algorithm: R` (one route) and `pipeline.algorithms: [R, ...]`
+(several), one candidate per route, named after it, with no settings (`shorthand`), and a candidate's
+`algorithm: R` for its `route: R`; `kubealign.config.load` prints one deprecation line for them (`deprecation`)
+where a user's config is loaded, not in the pipeline's tasks.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, TypeAdapter, ValidationError, field_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from kubealign.config import candidates as sweep
 from kubealign.config.base import Section
@@ -20,6 +21,7 @@ from kubealign.config.train import DPOConfig
 from kubealign.shape import ROUTES
 
 SHORTHAND = ("algorithm", "algorithms")  # the deprecated spellings of pipeline.candidates
+OLD_ROUTE_KEY = "algorithm"  # a candidate's deprecated spelling of its route
 _ROUTE: TypeAdapter[str] = TypeAdapter(Literal[ROUTES])
 _ROUTE_LIST: TypeAdapter[list[str]] = TypeAdapter(Annotated[list[Literal[ROUTES]], Field(min_length=1)])
 
@@ -29,10 +31,12 @@ class CandidateSpec(Section):
 
     name: str | None = Field(
         None,
-        description="The candidate's name (its tasks' and MLflow run's); None = the algorithm's. With `sweep`, "
+        description="The candidate's name (its tasks' and MLflow run's); None = the route's. With `sweep`, "
         "the grid points' names start with it: dpo-beta-0p05.",
     )
-    algorithm: Literal[ROUTES] = Field(description="The candidate's route: ppo, grpo, rloo or dpo.")
+    route: Literal[ROUTES] = Field(
+        description="The candidate's route: ppo, grpo, rloo or dpo (deprecated spelling: `algorithm`)."
+    )
     set: dict[str, Any] = Field(
         default_factory=dict,
         description="Settings of the route's training section, dotted as in --set: {dpo.beta: 0.05} for dpo, "
@@ -44,6 +48,17 @@ class CandidateSpec(Section):
         description="A grid: setting -> its values ({dpo.beta: [0.01, 0.05, 0.1]}); one candidate per point of "
         "the product, each with `set` too.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _read_algorithm(cls, data: Any) -> Any:
+        """A candidate written before `route` had its name: {algorithm: R} is read as {route: R}."""
+        if not isinstance(data, Mapping) or OLD_ROUTE_KEY not in data:
+            return data
+        if "route" in data:
+            raise ValueError(f"a candidate sets both route and {OLD_ROUTE_KEY}: keep route")
+        read = {key: value for key, value in data.items() if key != OLD_ROUTE_KEY}
+        return {**read, "route": data[OLD_ROUTE_KEY]}
 
     @field_validator("sweep")
     @classmethod
@@ -66,7 +81,7 @@ class PipelineConfig(Section):
         "share the data-split, SFT and reward tasks and the evaluation against the same SFT baseline, a compare "
         "task ranks them, only the leader can become champion. None = one candidate, ppo.algorithm's route "
         "(ppo by default) at its section's settings. Deprecated shorthands, read as this list: "
-        "pipeline.algorithm: R = [{algorithm: R}]; pipeline.algorithms: [R, S] = [{algorithm: R}, {algorithm: S}].",
+        "pipeline.algorithm: R = [{route: R}]; pipeline.algorithms: [R, S] = [{route: R}, {route: S}].",
     )
     parallelism: int = Field(
         0,
@@ -109,7 +124,7 @@ def _valid(adapter: TypeAdapter[Any], field: str, value: Any) -> Any:
 
 def shorthand(section: Mapping[str, Any]) -> dict[str, Any]:
     """A `pipeline` section as read (a mapping) with its deprecated spellings read as pipeline.candidates:
-    algorithms [R, S] as [{algorithm: R}, {algorithm: S}], algorithm R as [{algorithm: R}] — except ppo, the
+    algorithms [R, S] as [{route: R}, {route: S}], algorithm R as [{route: R}] — except ppo, the
     old default, which leaves the route to ppo.algorithm as it always did. ValueError when they conflict
     with each other or with candidates (algorithm ppo conflicts with neither), or name an unknown route."""
     algorithm = _valid(_ROUTE, "pipeline.algorithm", section.get("algorithm"))
@@ -127,10 +142,10 @@ def shorthand(section: Mapping[str, Any]) -> dict[str, Any]:
     routes = algorithms or ([algorithm] if chosen else [])
     if routes and read.get("candidates") is not None:
         raise ValueError(
-            "pipeline.candidates and pipeline.algorithm(s) both set: keep candidates (each names its algorithm)"
+            "pipeline.candidates and pipeline.algorithm(s) both set: keep candidates (each names its route)"
         )
     if routes:
-        read["candidates"] = [{"algorithm": route} for route in routes]
+        read["candidates"] = [{"route": route} for route in routes]
     return read
 
 
@@ -139,9 +154,19 @@ def deprecation(section: Mapping[str, Any] | None, routes: Iterable[str]) -> str
     fields it used and their exact replacement. `routes`: its candidates' routes, as read."""
     used = [f"pipeline.{key}" for key in SHORTHAND if section and section.get(key) is not None]
     if not used:
-        return None
+        return _old_route_keys(section)
     if section and section.get("candidates") is not None:  # with algorithm ppo, which picks nothing then
         fix = "remove it (pipeline.candidates picks what trains)"
     else:
-        fix = "write pipeline.candidates: [" + ", ".join(f"{{algorithm: {route}}}" for route in routes) + "]"
+        fix = "write pipeline.candidates: [" + ", ".join(f"{{route: {route}}}" for route in routes) + "]"
     return f"kubealign: {' and '.join(used)} {'is' if len(used) == 1 else 'are'} deprecated: {fix}"
+
+
+def _old_route_keys(section: Mapping[str, Any] | None) -> str | None:
+    """The line for candidates that name their route `algorithm` (None: none does)."""
+    specs = (section or {}).get("candidates")
+    old = [i for i, spec in enumerate(specs or []) if isinstance(spec, Mapping) and OLD_ROUTE_KEY in spec]
+    if not isinstance(specs, list) or not old:
+        return None
+    where = ", ".join(f"pipeline.candidates[{i}]" for i in old)
+    return f"kubealign: {where}: `{OLD_ROUTE_KEY}` is deprecated: write `route` (same value)"

@@ -12,12 +12,17 @@ from kubealign.errors import UserError
 REWARD, KL = "candidate_reward_mean", "kl_to_baseline"
 
 
-class Standing(NamedTuple):
-    """One finished candidate's place (`route`: its name; the field keeps the name the compare stage's
-    result.json gives it): rank 1 is the leader unless over the KL budget; `why` says what put it behind the
-    leader, or that it is over the budget."""
+def standing_name(standing: Mapping[str, object]) -> str:
+    """The candidate a standing of the compare stage's result.json is about; one written before the field had
+    its name calls it "route" (an earlier run that `kubealign rerun promote` reads again)."""
+    return str(standing["candidate"] if "candidate" in standing else standing["route"])
 
-    route: str
+
+class Standing(NamedTuple):
+    """One finished candidate's place (`candidate`: its name): rank 1 is the leader unless over the KL budget;
+    `why` says what put it behind the leader, or that it is over the budget."""
+
+    candidate: str
     rank: int
     measure: float
     reward: float

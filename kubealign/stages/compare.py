@@ -78,14 +78,14 @@ def run(
         if failed_guard is not None:
             refused[name] = failed_guard
     standings = rank(metrics, config.promote.metric, names, max_kl, refused)
-    eligible = within(standings[0].kl, max_kl) and standings[0].route not in refused
-    leader = standings[0].route if eligible else None
+    eligible = within(standings[0].kl, max_kl) and standings[0].candidate not in refused
+    leader = standings[0].candidate if eligible else None
     verdict = f"leader: {leader}" if leader else no_leader(standings, max_kl, refused)
-    front = pareto_front({s.route: (s.kl, s.reward) for s in standings})
+    front = pareto_front({s.candidate: (s.kl, s.reward) for s in standings})
     by_name = {c.name: c for c in candidates}
     records = report.rows(standings, metrics, by_name, front)
-    summary = {f"rank/{s.route}": float(s.rank) for s in standings}
-    summary.update({f"leaderboard/{s.route}": s.measure for s in standings})
+    summary = {f"rank/{s.candidate}": float(s.rank) for s in standings}
+    summary.update({f"leaderboard/{s.candidate}": s.measure for s in standings})
     summary["routes_failed"] = float(len(failed))
     summary["over_kl_budget"] = float(sum(not within(s.kl, max_kl) for s in standings))
     summary["refused_by_guards"] = float(len(refused))
@@ -120,13 +120,13 @@ def run(
 
 def no_leader(standings: Sequence[Standing], max_kl: float | None, refused: Mapping[str, str]) -> str:
     """The one line a run says when no candidate is eligible: each refused by a guard or over the KL budget."""
-    over = [s for s in standings if s.route not in refused]
+    over = [s for s in standings if s.candidate not in refused]
     if not over:
-        first = standings[0].route
+        first = standings[0].candidate
         return f"no leader: a promotion guard refuses every candidate ({first}: {refused[first]}); nothing is promoted"
     closest = min(over, key=lambda s: s.kl)
     return (
-        f"no leader: no candidate within pipeline.max_kl {max_kl:g} (the closest, {closest.route}, has "
+        f"no leader: no candidate within pipeline.max_kl {max_kl:g} (the closest, {closest.candidate}, has "
         f"{KL} {closest.kl:.4g}){'; the others are refused by a guard' if refused else ''}; nothing is promoted"
     )
 

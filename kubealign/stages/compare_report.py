@@ -32,16 +32,16 @@ def rows(
     return [
         {
             "rank": s.rank,
-            "candidate": s.route,
-            "route": candidates[s.route].route,
-            "settings": settings_text(candidates[s.route]),
+            "candidate": s.candidate,
+            "route": candidates[s.candidate].route,
+            "settings": settings_text(candidates[s.candidate]),
             "measure": s.measure,
-            "win_rate": metrics[s.route].get("win_rate", math.nan),
-            "win_rate_lower_bound": metrics[s.route].get("win_rate_lower_bound", math.nan),
-            "win_rate_upper_bound": metrics[s.route].get("win_rate_upper_bound", math.nan),
+            "win_rate": metrics[s.candidate].get("win_rate", math.nan),
+            "win_rate_lower_bound": metrics[s.candidate].get("win_rate_lower_bound", math.nan),
+            "win_rate_upper_bound": metrics[s.candidate].get("win_rate_upper_bound", math.nan),
             "candidate_reward_mean": s.reward,
             "kl_to_baseline": s.kl,
-            "on_front": s.route in front,
+            "on_front": s.candidate in front,
             "behind_the_leader": s.why,
         }
         for s in standings

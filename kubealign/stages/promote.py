@@ -44,6 +44,7 @@ from kubealign.promotion.aliases import (
 from kubealign.promotion.gate import GATED_METRICS, OPTIONAL_METRICS, gate
 from kubealign.promotion.lease import lease
 from kubealign.promotion.versions import find_version, promotion_key, register_version, upload_model
+from kubealign.selection.ranking import standing_name
 from kubealign.tracking.runs import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
 
 STAGE = "promote"
@@ -101,15 +102,15 @@ def run(
     standing = ranked(comparison, name or tags["kubealign.algorithm"]) if comparison is not None else None
     if standing is not None:
         tags.update({"kubealign.rank": str(standing["rank"]), "kubealign.leader": standing["leader"] or ""})
-        tags.update({"kubealign.candidate": standing["route"], "kubealign.settings": standing["settings"]})
+        tags.update({"kubealign.candidate": standing["candidate"], "kubealign.settings": standing["settings"]})
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
-    run_name = STAGE if standing is None else f"{STAGE}-{standing['route']}"
+    run_name = STAGE if standing is None else f"{STAGE}-{standing['candidate']}"
     try:
         with http_settings(REGISTRY_HTTP), stage_run(run_name, config, output.resolve().parent) as tracker:
             try:
                 with registry_errors(tracker.tracking_uri):
-                    leads = standing is None or standing["leader"] == standing["route"]
+                    leads = standing is None or standing["leader"] == standing["candidate"]
                     summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags, leads)
                     if standing is not None:
                         summary["rank"] = float(standing["rank"])
@@ -206,12 +207,14 @@ def ranked(comparison: Path, candidate: str) -> dict[str, Any]:
     result = read_result(comparison)
     if result.get("stage") != "compare":
         raise UserError(f"--comparison {comparison}: result.json is from stage {result.get('stage')!r}, not compare")
-    standings = {s["route"]: s for s in result["standings"]}
+    standings = {standing_name(s): s for s in result["standings"]}
     if candidate not in standings:
         ranked_names = ", ".join(standings) or "none"
         raise UserError(f"--comparison {comparison}: the candidate {candidate} is not ranked there ({ranked_names})")
     ours, leader = standings[candidate], result["leader"]
-    others = {s["route"]: f"rank {s['rank']}: {s['why']}" for s in result["standings"] if s["route"] != leader}
+    others = {
+        standing_name(s): f"rank {s['rank']}: {s['why']}" for s in result["standings"] if standing_name(s) != leader
+    }
     others.pop(candidate, None)
     others.update({failed: "failed: not ranked" for failed in result.get("failed", [])})
     if leader is None:
@@ -220,7 +223,7 @@ def ranked(comparison: Path, candidate: str) -> dict[str, Any]:
         verdict = "the leader" if leader == candidate else f"not the leader (rank {ours['rank']}): {ours['why']}"
     listed = {c["name"]: c.get("set") or {} for c in result.get("candidates", [])}
     return {
-        "route": candidate,
+        "candidate": candidate,
         "rank": ours["rank"],
         "leader": leader,
         "verdict": verdict,

@@ -211,13 +211,13 @@ def compare(
     output: str,
     max_kl: float = 0.0,
 ) -> dict[str, Any]:
-    """candidates: [{name, algorithm, set}] (selection.candidates.Candidate.as_dict); evaluations: name -> its
+    """candidates: [{name, route, set}] (config.candidates.Candidate.as_dict); evaluations: name -> its
     evaluate output, None where the candidate failed. max_kl: pipeline.max_kl, 0 = none (the DAG's
     config_json has no pipeline section: that would put the budget in every task's cache key)."""
     from kubealign.config.candidates import Candidate
     from kubealign.stages import compare as stage
 
-    listed = [Candidate(c["name"], c["algorithm"], c.get("set") or {}) for c in candidates]
+    listed = [Candidate.from_dict(c) for c in candidates]
     paths = {name: None if path is None else Path(path) for name, path in evaluations.items()}
     budget = [f"pipeline.max_kl={max_kl!r}"] if max_kl else []
     return stage.run(load(config_json, [*overrides, *budget]), listed, paths, Path(output))

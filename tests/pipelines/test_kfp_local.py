@@ -155,7 +155,7 @@ def test_second_run_reuses_cached_tasks_except_promote(first_run, tmp_path: Path
 def test_each_route_runs_through_the_dag_and_is_tagged_in_the_registry(first_run, tmp_path: Path, algorithm) -> None:
     _, index, _ = first_run
     target = tmp_path / algorithm
-    chosen = f"pipeline.candidates=[{{algorithm: {algorithm}}}]"
+    chosen = f"pipeline.candidates=[{{route: {algorithm}}}]"
     assert main(["run", *overrides(), "--set", chosen, "--output", str(target), "--cache"]) == 0
     routed = json.loads((target / "run.json").read_text(encoding="utf-8"))
     candidate = "dpo" if algorithm == "dpo" else "ppo"

@@ -27,7 +27,7 @@ GPU_CLUSTER = [
     "kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]",
     "kubernetes.shm_size=32Gi",
 ]
-GRPO_DPO = "pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"
+GRPO_DPO = "pipeline.candidates=[{route: grpo}, {route: dpo}]"
 
 
 def compiled(
@@ -98,7 +98,7 @@ def test_tasks_routes_and_edges(tmp_path: Path) -> None:
 
 
 def test_the_algorithm_parameter_defaults_to_the_config(tmp_path: Path) -> None:
-    spec, _ = compiled(tmp_path, ["pipeline.candidates=[{algorithm: grpo}]"])
+    spec, _ = compiled(tmp_path, ["pipeline.candidates=[{route: grpo}]"])
     assert spec.root.input_definitions.parameters["algorithm"].default_value.string_value == "grpo"
 
 
@@ -349,7 +349,7 @@ def test_serve_takes_one_route(cli, tmp_path: Path) -> None:
         "--set",
         "serve.enabled=true",
         "--set",
-        "pipeline.candidates=[{algorithm: ppo}, {algorithm: dpo}]",
+        "pipeline.candidates=[{route: ppo}, {route: dpo}]",
         "-o",
         str(tmp_path / "p.yaml"),
     )

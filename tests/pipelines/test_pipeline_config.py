@@ -16,7 +16,7 @@ from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.shape import ROUTES, has_critic
 
-GRPO_DPO = "pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"
+GRPO_DPO = "pipeline.candidates=[{route: grpo}, {route: dpo}]"
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +36,7 @@ def said(capsys: pytest.CaptureFixture[str]) -> list[str]:
 @pytest.mark.parametrize("route", ["grpo", "rloo", "dpo"])
 def test_algorithm_is_one_candidate_named_after_its_route(route: str, capsys) -> None:
     old = load_config(None, [f"pipeline.algorithm={route}"])
-    new = load_config(None, [f"pipeline.candidates=[{{algorithm: {route}}}]"])
+    new = load_config(None, [f"pipeline.candidates=[{{route: {route}}}]"])
     assert old == new  # the same config: what compiles, runs and is recorded does not tell them apart
     assert old.candidates() == (Candidate(route, route, {}),) and old.route() == route and not old.several()
     assert old.candidate_names() == (route,)
@@ -50,8 +50,8 @@ def test_algorithm_ppo_leaves_the_route_to_ppo_algorithm_as_it_always_did(capsys
         None, ["ppo.algorithm=rloo"]
     )
     assert said(capsys) == [
-        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{algorithm: ppo}]",
-        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{algorithm: rloo}]",
+        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{route: ppo}]",
+        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{route: rloo}]",
     ]
 
 
@@ -69,8 +69,8 @@ def test_the_config_as_read_holds_candidates_only(capsys) -> None:
     config = load_config(None, ["pipeline.algorithms=[rloo,dpo]"])
     section = json.loads(config_to_json(config))["pipeline"]
     assert section["candidates"] == [
-        {"name": None, "algorithm": "rloo", "set": {}, "sweep": {}},
-        {"name": None, "algorithm": "dpo", "set": {}, "sweep": {}},
+        {"name": None, "route": "rloo", "set": {}, "sweep": {}},
+        {"name": None, "route": "dpo", "set": {}, "sweep": {}},
     ]
     assert "algorithm" not in section and "algorithms" not in section
     assert not hasattr(config.pipeline, "algorithm") and not hasattr(config.pipeline, "algorithms")
@@ -83,12 +83,12 @@ def test_one_deprecation_line_naming_the_exact_replacement(cli) -> None:
     result = cli("config", "show", "--set", "pipeline.algorithms=[grpo,dpo]")
     assert result.code == 0 and "candidates:" in result.out
     assert result.err.splitlines() == [
-        "kubealign: pipeline.algorithms is deprecated: write pipeline.candidates: [{algorithm: grpo}, {algorithm: dpo}]"
+        "kubealign: pipeline.algorithms is deprecated: write pipeline.candidates: [{route: grpo}, {route: dpo}]"
     ]
     loading._SAID.clear()
     result = cli("config", "show", "--set", "pipeline.algorithm=dpo")
     assert result.err.splitlines() == [
-        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{algorithm: dpo}]"
+        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{route: dpo}]"
     ]
 
 
@@ -98,9 +98,7 @@ def test_the_line_for_a_file_and_once_per_process(tmp_path: Path, capsys) -> Non
     first = load_config(path)
     assert first.route() == "grpo" and first.pipeline.max_kl == 2.0
     load_config(path)  # loaded again in the same process: not said again
-    assert said(capsys) == [
-        "kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{algorithm: grpo}]"
-    ]
+    assert said(capsys) == ["kubealign: pipeline.algorithm is deprecated: write pipeline.candidates: [{route: grpo}]"]
 
 
 def test_the_suggested_replacement_reads_as_the_same_config(capsys) -> None:
@@ -140,14 +138,14 @@ def test_an_error_is_one_line_with_no_deprecation_line(cli) -> None:
             "(algorithm is the one-route spelling of algorithms)",
         ),
         (
-            ["pipeline.algorithms=[ppo,dpo]", "pipeline.candidates=[{algorithm: dpo}]"],
+            ["pipeline.algorithms=[ppo,dpo]", "pipeline.candidates=[{route: dpo}]"],
             "preset tiny-cpu: pipeline.candidates and pipeline.algorithm(s) both set: keep candidates "
-            "(each names its algorithm)",
+            "(each names its route)",
         ),
         (
-            ["pipeline.algorithm=rloo", "pipeline.candidates=[{algorithm: dpo}]"],
+            ["pipeline.algorithm=rloo", "pipeline.candidates=[{route: dpo}]"],
             "preset tiny-cpu: pipeline.candidates and pipeline.algorithm(s) both set: keep candidates "
-            "(each names its algorithm)",
+            "(each names its route)",
         ),
         (
             ["pipeline.algorithms=[grpo,dpo,grpo]"],
@@ -167,7 +165,7 @@ def test_conflicts_and_bad_values_are_one_line_naming_the_fields(overrides: list
 
 def test_algorithm_ppo_beside_candidates_is_no_conflict(capsys) -> None:
     """pipeline.algorithm ppo was the default, written out by every dumped config: it picks nothing."""
-    config = load_config(None, ["pipeline.algorithm=ppo", "pipeline.candidates=[{algorithm: dpo}]"])
+    config = load_config(None, ["pipeline.algorithm=ppo", "pipeline.candidates=[{route: dpo}]"])
     assert config.candidates() == (Candidate("dpo", "dpo", {}),)
     assert said(capsys) == [
         "kubealign: pipeline.algorithm is deprecated: remove it (pipeline.candidates picks what trains)"
@@ -184,3 +182,24 @@ def test_only_ppo_has_a_critic() -> None:
     assert not PPOConfig(algorithm="grpo").has_critic and not PPOConfig(algorithm="rloo").has_critic
     # critic-free variants compare a prompt's responses: groups of 4 unless set
     assert [PPOConfig(algorithm=a).group_size for a in ("ppo", "grpo", "rloo")] == [1, 4, 4]
+
+
+def test_a_candidate_that_names_its_route_algorithm_is_read_with_one_line(capsys) -> None:
+    """`algorithm` was a candidate's spelling of its route: still read, as the same config, with one line naming
+    the entries that use it; both spellings in one entry are refused."""
+    old = load_config(None, ["pipeline.candidates=[{route: ppo}, {algorithm: dpo, set: {dpo.beta: 0.2}}]"])
+    assert said(capsys) == ["kubealign: pipeline.candidates[1]: `algorithm` is deprecated: write `route` (same value)"]
+    assert old == load_config(None, ["pipeline.candidates=[{route: ppo}, {route: dpo, set: {dpo.beta: 0.2}}]"])
+    assert old.candidates()[1] == Candidate("dpo", "dpo", {"dpo.beta": 0.2}) and said(capsys) == []
+    with pytest.raises(UserError, match="both route and algorithm"):
+        load_config(None, ["pipeline.candidates=[{route: ppo, algorithm: grpo}]"])
+
+
+def test_a_candidate_read_back_from_an_older_index_keeps_its_route() -> None:
+    assert Candidate.from_dict({"name": "b", "algorithm": "dpo", "set": {"dpo.beta": 1}}) == Candidate(
+        "b", "dpo", {"dpo.beta": 1}
+    )
+    assert Candidate.from_dict({"name": "g", "route": "grpo"}) == Candidate("g", "grpo", {})
+    assert Candidate.from_dict(Candidate("x", "rloo", {"ppo.top_k": 3}).as_dict()) == Candidate(
+        "x", "rloo", {"ppo.top_k": 3}
+    )

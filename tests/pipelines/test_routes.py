@@ -24,13 +24,13 @@ from kubealign.selection import ranking
 from kubealign.stages import compare
 from tests.pipelines.test_kfp_local import SHORT as KFP_SHORT
 
-ROUTES4 = "pipeline.candidates=[{algorithm: ppo}, {algorithm: grpo}, {algorithm: rloo}, {algorithm: dpo}]"
+ROUTES4 = "pipeline.candidates=[{route: ppo}, {route: grpo}, {route: rloo}, {route: dpo}]"
 
 
 def candidates(routes: str) -> str:
     """The --set override of one candidate per route, each named after it: "grpo,dpo" ->
-    pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]."""
-    return "pipeline.candidates=[" + ", ".join(f"{{algorithm: {r}}}" for r in routes.split(",")) + "]"
+    pipeline.candidates=[{route: grpo}, {route: dpo}]."""
+    return "pipeline.candidates=[" + ", ".join(f"{{route: {r}}}" for r in routes.split(",")) + "]"
 
 
 def evaluation(bound: float, reward: float, kl: float, **more: float) -> dict[str, float]:
@@ -48,16 +48,16 @@ def test_rank_by_the_bound_then_reward_then_lower_kl_then_the_listed_order() -> 
         "dpo": evaluation(0.625, 0.1, 9.0),  # the best bound wins whatever its reward and KL
     }
     standings = ranking.rank(evaluations, "win_rate", ["ppo", "grpo", "rloo", "dpo"])
-    assert [(s.route, s.rank) for s in standings] == [("dpo", 1), ("ppo", 2), ("grpo", 3), ("rloo", 4)]
+    assert [(s.candidate, s.rank) for s in standings] == [("dpo", 1), ("ppo", 2), ("grpo", 3), ("rloo", 4)]
     assert standings[0].why == ""
     assert standings[1].why == "win_rate_lower_bound 0.5 < dpo's 0.625"
     assert [s.measure for s in standings] == [0.625, 0.5, 0.5, 0.5]
     # among the three that tie on the bound: reward decides, then KL
     tied = ranking.rank({k: v for k, v in evaluations.items() if k != "dpo"}, "win_rate", ["ppo", "grpo", "rloo"])
-    assert [s.route for s in tied] == ["ppo", "grpo", "rloo"]
+    assert [s.candidate for s in tied] == ["ppo", "grpo", "rloo"]
     assert tied[1].why == "tied on win_rate_lower_bound; candidate_reward_mean 0.8 < ppo's 1"
     two = ranking.rank({k: evaluations[k] for k in ("rloo", "grpo")}, "win_rate", ["rloo", "grpo"])
-    assert [s.route for s in two] == ["grpo", "rloo"]
+    assert [s.candidate for s in two] == ["grpo", "rloo"]
     assert two[1].why == "tied on win_rate_lower_bound, candidate_reward_mean; kl_to_baseline 0.4 > grpo's 0.2"
 
 
@@ -65,7 +65,7 @@ def test_a_complete_tie_goes_to_the_route_listed_first() -> None:
     same = evaluation(0.5, 0.8, 0.2)
     for order in (["grpo", "rloo"], ["rloo", "grpo"]):
         standings = ranking.rank({"grpo": same, "rloo": dict(same)}, "win_rate", order)
-        assert [s.route for s in standings] == order
+        assert [s.candidate for s in standings] == order
         assert standings[1].why == (
             f"tied with {order[0]} on win_rate_lower_bound, candidate_reward_mean, kl_to_baseline; "
             f"{order[0]} is listed first"
@@ -78,7 +78,7 @@ def test_another_promote_metric_ranks_first() -> None:
         "rloo": evaluation(0.1, 0.0, 5.0, **{"fn/exact/candidate": 0.75}),
     }
     standings = ranking.rank(evaluations, "fn/exact/candidate", ["grpo", "rloo"])
-    assert [s.route for s in standings] == ["rloo", "grpo"] and standings[0].measure == 0.75
+    assert [s.candidate for s in standings] == ["rloo", "grpo"] and standings[0].measure == 0.75
     with pytest.raises(UserError, match="the grpo evaluation has no fn/other/candidate"):
         ranking.rank(evaluations, "fn/other/candidate", ["grpo", "rloo"])
 
@@ -98,7 +98,7 @@ def test_compare_stage_names_the_failed_route_and_fails_with_none_left(tmp_path:
     }
     result = compare.run(config, config.candidates(), evaluations, tmp_path / "out")
     assert result["leader"] == "dpo" and result["failed"] == ["rloo"]
-    assert [s["route"] for s in result["standings"]] == ["dpo", "grpo"]
+    assert [s["candidate"] for s in result["standings"]] == ["dpo", "grpo"]
     assert result["metrics"]["rank/dpo"] == 1.0 and result["metrics"]["rank/grpo"] == 2.0
     assert result["metrics"]["leaderboard/grpo"] == 0.40 and result["metrics"]["routes_failed"] == 1.0
     table = (tmp_path / "out" / "leaderboard.md").read_text(encoding="utf-8").splitlines()
@@ -127,7 +127,7 @@ def test_routes_config() -> None:
     assert load_config(None, ["ppo.algorithm=rloo"]).routes() == ("rloo",)
     for bad, said in (
         (candidates("grpo,dpo,grpo"), "candidate name 'grpo' is used twice"),
-        (candidates("sac"), "pipeline.candidates.0.algorithm"),
+        (candidates("sac"), "pipeline.candidates.0.route"),
     ):
         with pytest.raises(UserError, match=said):
             load_config(None, [bad])
@@ -197,7 +197,7 @@ def test_two_routes_declare_only_their_evaluations(tmp_path: Path) -> None:
     declared = spec.components[comparison.component_ref.name].input_definitions.artifacts
     assert set(declared) == {"evaluation_1", "evaluation_2"}
     listed = json.loads(comparison.inputs.parameters["candidates"].runtime_value.constant.string_value)
-    assert listed == [{"name": "rloo", "algorithm": "rloo", "set": {}}, {"name": "dpo", "algorithm": "dpo", "set": {}}]
+    assert listed == [{"name": "rloo", "route": "rloo", "set": {}}, {"name": "dpo", "route": "dpo", "set": {}}]
 
 
 def test_task_list_of_a_several_route_run() -> None:
@@ -274,7 +274,7 @@ def test_a_failed_route_does_not_sink_the_others(routes_run) -> None:
     assert "lora.target_modules" in index["failed_routes"]["dpo"] and "logs/dpo.log" in index["failed_routes"]["dpo"]
     assert not {"dpo", "evaluate-dpo", "promote-dpo"} & set(index["stages"])
     comparison = read(index["stages"]["compare"]["dir"])
-    assert comparison["failed"] == ["dpo"] and {s["route"] for s in comparison["standings"]} == {"ppo", "grpo"}
+    assert comparison["failed"] == ["dpo"] and {s["candidate"] for s in comparison["standings"]} == {"ppo", "grpo"}
     states = {line.split()[0]: line.split()[1] for line in printed[: printed.index("")]}
     assert states["dpo"] == "FAILED" and states["evaluate-dpo"] == states["promote-dpo"] == "skipped"
     assert any(line.startswith("- dpo") and "FAILED: task dpo failed" in line for line in printed)
@@ -285,10 +285,10 @@ def test_a_failed_route_does_not_sink_the_others(routes_run) -> None:
 def test_leaderboard_artifacts_and_only_the_leader_promoted(routes_run) -> None:
     out, index, printed = routes_run
     comparison = read(index["stages"]["compare"]["dir"])
-    leader, second = (s["route"] for s in comparison["standings"])
+    leader, second = (s["candidate"] for s in comparison["standings"])
     evaluations = {r: read(index["stages"][f"evaluate-{r}"]["dir"])["metrics"] for r in (leader, second)}
     # the ranking the stage made is the rule's, on the evaluations it read
-    assert [s.route for s in ranking.rank(evaluations, "win_rate", ["ppo", "grpo"])] == [leader, second]
+    assert [s.candidate for s in ranking.rank(evaluations, "win_rate", ["ppo", "grpo"])] == [leader, second]
     # the KFP UI's artifacts: the compare task's Markdown and HTML outputs
     task_dir = Path(index["stages"]["compare"]["dir"]).parent
     markdown = (task_dir / "leaderboard").read_text(encoding="utf-8")
@@ -335,7 +335,7 @@ def test_one_more_route_with_cache_trains_only_it(routes_run, tmp_path: Path, ca
     second = json.loads((tmp_path / "more" / "run.json").read_text(encoding="utf-8"))
     for task in ("data-split", "sft", "reward", "ppo", "evaluate-ppo", "grpo", "evaluate-grpo"):
         assert second["stages"][task]["dir"] == index["stages"][task]["dir"], task
-    assert {s["route"] for s in read(second["stages"]["compare"]["dir"])["standings"]} == {"ppo", "grpo", "rloo"}
+    assert {s["candidate"] for s in read(second["stages"]["compare"]["dir"])["standings"]} == {"ppo", "grpo", "rloo"}
 
 
 @pytest.mark.kfp
@@ -362,7 +362,7 @@ def test_with_no_route_left_the_run_fails_in_one_line(routes_run, cli, tmp_path:
     # routes_run's, so kfp.local's cache holds them and only the branches run. One candidate at a time: dpo
     # waits for grpo's branch, which fails; the wait runs all the same.
     lora = "{ppo.actor_lora.r: 4, ppo.actor_lora.only_lora: true, ppo.actor_lora.target_modules: [no_such_module]}"
-    broken = [f"pipeline.candidates=[{{algorithm: grpo, set: {lora}}}, {{algorithm: dpo}}]", "pipeline.parallelism=1"]
+    broken = [f"pipeline.candidates=[{{route: grpo, set: {lora}}}, {{route: dpo}}]", "pipeline.parallelism=1"]
     result = cli(*run_args("grpo,dpo", tmp_path / "r"), *(a for item in broken for a in ("--set", item)))
     assert result.code == 2
     assert result.err.splitlines() == [

@@ -30,7 +30,7 @@ from tests.faults.test_faults_registry import GUARD_FIGURES
 from tests.pipelines.test_kfp_local import SHORT as KFP_SHORT
 from tests.pipelines.test_routes import evaluation, fake_evaluation, spec_of
 
-SIX = "pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: [0.01, 0.05, 0.1, 0.3]}}, {algorithm: ppo}, {algorithm: grpo}]"
+SIX = "pipeline.candidates=[{route: dpo, sweep: {dpo.beta: [0.01, 0.05, 0.1, 0.3]}}, {route: ppo}, {route: grpo}]"
 SECTIONS = {"ppo": PPOConfig, "dpo": DPOConfig}
 
 
@@ -40,12 +40,12 @@ SECTIONS = {"ppo": PPOConfig, "dpo": DPOConfig}
 def test_a_sweep_expands_in_grid_order_with_its_fixed_settings() -> None:
     specs = [
         {
-            "algorithm": "grpo",
+            "route": "grpo",
             "name": "g",
             "set": {"ppo.top_k": 5},
             "sweep": {"ppo.kl_coef": [0.1, 0.02], "ppo.temperature": [1, 0.7]},
         },
-        {"algorithm": "dpo", "set": {"dpo.beta": 0.2}},
+        {"route": "dpo", "set": {"dpo.beta": 0.2}},
     ]
     got = expand(specs)
     assert [c.name for c in got] == [
@@ -89,7 +89,7 @@ def test_a_setting_outside_the_routes_section_is_named() -> None:
         (Candidate("d", "dpo", {"dpo": 1}), "setting 'dpo'"),
         (Candidate("d", "dpo", {"dpo.bta": 1}), r"dpo.bta is not a setting of dpo \(no field 'bta'\)"),
         (Candidate("p", "ppo", {"ppo.actor_lora.rank": 4}), "no field 'rank'"),
-        (Candidate("g", "grpo", {"ppo.algorithm": "ppo"}), "ppo.algorithm is the candidate's `algorithm`"),
+        (Candidate("g", "grpo", {"ppo.algorithm": "ppo"}), "ppo.algorithm is the candidate's `route`"),
     ):
         with pytest.raises(ValueError, match=said):
             check_keys(candidate, SECTIONS)
@@ -103,32 +103,32 @@ def test_candidates_config() -> None:
     assert second.dpo.beta == 0.05 and second.candidates() == (Candidate("dpo", "dpo", {}),) and config.dpo.beta == 0.1
     assert config.for_candidate(config.candidates()[5]).ppo.algorithm == "grpo"
     # a candidate without settings or a name: the route at its section's settings, named after it
-    assert load_config(None, ["pipeline.candidates=[{algorithm: grpo}, {algorithm: dpo}]"]).candidates() == (
+    assert load_config(None, ["pipeline.candidates=[{route: grpo}, {route: dpo}]"]).candidates() == (
         Candidate("grpo", "grpo", {}),
         Candidate("dpo", "dpo", {}),
     )
-    one = load_config(None, ["pipeline.candidates=[{algorithm: grpo, set: {ppo.kl_coef: 0.3}}]"])
+    one = load_config(None, ["pipeline.candidates=[{route: grpo, set: {ppo.kl_coef: 0.3}}]"])
     assert not one.several() and one.route() == "grpo"
     for bad, said in (
         (
-            "pipeline.candidates=[{algorithm: dpo, set: {dpo.beta: -1}}]",
+            "pipeline.candidates=[{route: dpo, set: {dpo.beta: -1}}]",
             "pipeline.candidates: candidate dpo: field 'dpo.beta': Input should be greater than 0",
         ),
         (
-            "pipeline.candidates=[{algorithm: rloo, set: {ppo.samples_per_prompt: 1}}]",
+            "pipeline.candidates=[{route: rloo, set: {ppo.samples_per_prompt: 1}}]",
             "candidate rloo: field 'ppo': ppo.algorithm rloo needs ppo.samples_per_prompt >= 2",
         ),
-        ("pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: []}}]", "sweep dpo.beta: no values"),
+        ("pipeline.candidates=[{route: dpo, sweep: {dpo.beta: []}}]", "sweep dpo.beta: no values"),
         ("pipeline.candidates=[]", "pipeline.candidates"),
     ):
         with pytest.raises(UserError, match=said):
             load_config(None, [bad])
     with pytest.raises(UserError, match="pipeline.candidates and pipeline.algorithm"):
-        load_config(None, ["pipeline.algorithms=[ppo,dpo]", "pipeline.candidates=[{algorithm: dpo}]"])
+        load_config(None, ["pipeline.algorithms=[ppo,dpo]", "pipeline.candidates=[{route: dpo}]"])
 
 
 def test_an_unknown_setting_is_one_line_and_exit_2(cli, tmp_path: Path) -> None:
-    bad = "pipeline.candidates=[{algorithm: dpo, sweep: {dpo.betta: [0.1, 0.2]}}]"
+    bad = "pipeline.candidates=[{route: dpo, sweep: {dpo.betta: [0.1, 0.2]}}]"
     result = cli("run", "--set", bad, "--output", tmp_path / "r")
     assert result.code == 2 and result.out == ""
     assert result.err.splitlines() == [
@@ -164,7 +164,7 @@ def test_the_kl_budget_excludes_the_best_candidate() -> None:
     }
     order = list(evaluations)
     standings = ranking.rank(evaluations, "win_rate", order, max_kl=0.4)
-    assert [(s.route, s.rank) for s in standings] == [
+    assert [(s.candidate, s.rank) for s in standings] == [
         ("ppo", 1),
         ("dpo-beta-0p1", 2),
         ("grpo", 3),
@@ -174,10 +174,10 @@ def test_the_kl_budget_excludes_the_best_candidate() -> None:
     assert standings[2].why == "kl_to_baseline 0.41 > pipeline.max_kl 0.4"
     assert standings[3].why == "kl_to_baseline 0.9 > pipeline.max_kl 0.4"
     # no budget: the bound alone
-    assert [s.route for s in ranking.rank(evaluations, "win_rate", order)][:2] == ["grpo", "dpo-beta-0p01"]
+    assert [s.candidate for s in ranking.rank(evaluations, "win_rate", order)][:2] == ["grpo", "dpo-beta-0p01"]
     # a missing KL keeps no budget
     unknown = {"x": {"win_rate_lower_bound": 0.9, "candidate_reward_mean": 1.0}, "y": evaluation(0.1, 0.0, 0.1)}
-    assert [s.route for s in ranking.rank(unknown, "win_rate", ["x", "y"], max_kl=1.0)] == ["y", "x"]
+    assert [s.candidate for s in ranking.rank(unknown, "win_rate", ["x", "y"], max_kl=1.0)] == ["y", "x"]
 
 
 def test_with_no_candidate_within_the_budget_nothing_leads(tmp_path: Path) -> None:
@@ -278,7 +278,7 @@ def test_task_list_of_a_sweep() -> None:
     config = load_config(
         None,
         [
-            "pipeline.candidates=[{algorithm: dpo, sweep: {dpo.beta: [0.1, 0.5]}}, {algorithm: grpo}]",
+            "pipeline.candidates=[{route: dpo, sweep: {dpo.beta: [0.1, 0.5]}}, {route: grpo}]",
             "pipeline.parallelism=1",
         ],
     )
@@ -305,7 +305,7 @@ def test_task_list_of_a_sweep() -> None:
 
 
 def sweep_args(betas: str, output: Path) -> list[str]:
-    candidates = f"pipeline.candidates=[{{algorithm: dpo, sweep: {{dpo.beta: [{betas}]}}}}]"
+    candidates = f"pipeline.candidates=[{{route: dpo, sweep: {{dpo.beta: [{betas}]}}}}]"
     sets = [*KFP_SHORT, candidates, "pipeline.parallelism=1"]
     return ["run", *(arg for item in sets for arg in ("--set", item)), "--output", str(output), "--cache"]
 
@@ -329,12 +329,12 @@ def test_a_two_candidate_sweep_draws_the_frontier_and_promotes_the_leader(sweep_
     out, index, printed = sweep_run
     names = ["dpo-beta-0p05", "dpo-beta-2p0"]
     assert index["succeeded"] and index["algorithms"] == names and index["failed_routes"] == {}
-    assert index["candidates"][1] == {"name": "dpo-beta-2p0", "algorithm": "dpo", "set": {"dpo.beta": 2.0}}
+    assert index["candidates"][1] == {"name": "dpo-beta-2p0", "route": "dpo", "set": {"dpo.beta": 2.0}}
     comparison = read(index["stages"]["compare"]["dir"])
     metrics = {n: read(index["stages"][f"evaluate-{n}"]["dir"])["metrics"] for n in names}
     expected = ranking.rank(metrics, "win_rate", names)
-    assert [s["route"] for s in comparison["standings"]] == [s.route for s in expected]
-    leader = expected[0].route
+    assert [s["candidate"] for s in comparison["standings"]] == [s.candidate for s in expected]
+    leader = expected[0].candidate
     assert comparison["leader"] == leader
     points = {n: (metrics[n]["kl_to_baseline"], metrics[n]["candidate_reward_mean"]) for n in names}
     assert comparison["front"] == pareto_front(points)
@@ -398,13 +398,13 @@ def test_one_more_candidate_with_cache_trains_only_it(sweep_run, tmp_path: Path,
     for task in ("data-split", "sft", "reward", "dpo-beta-0p05", "evaluate-dpo-beta-0p05", "dpo-beta-2p0"):
         assert second["stages"][task]["dir"] == index["stages"][task]["dir"], task
     standings = read(second["stages"]["compare"]["dir"])["standings"]
-    assert {s["route"] for s in standings} == {"dpo-beta-0p05", "dpo-beta-2p0", "dpo-beta-0p5"}
+    assert {s["candidate"] for s in standings} == {"dpo-beta-0p05", "dpo-beta-2p0", "dpo-beta-0p5"}
 
 
 @pytest.mark.kfp
 def test_one_candidate_compiles_to_the_one_route_dag_with_its_settings_on_its_task(tmp_path: Path) -> None:
-    _, plain = spec_of(tmp_path / "plain", ["pipeline.candidates=[{algorithm: dpo}]"])
-    _, one = spec_of(tmp_path / "one", ["pipeline.candidates=[{algorithm: dpo, set: {dpo.beta: 0.3}}]"])
+    _, plain = spec_of(tmp_path / "plain", ["pipeline.candidates=[{route: dpo}]"])
+    _, one = spec_of(tmp_path / "one", ["pipeline.candidates=[{route: dpo, set: {dpo.beta: 0.3}}]"])
     defaults = {k: v.default_value for k, v in one.root.input_definitions.parameters.items()}
     # the shared tasks' inputs (config_json and the rest) are a plain dpo run's: their cache stays valid
     assert defaults == {k: v.default_value for k, v in plain.root.input_definitions.parameters.items()}

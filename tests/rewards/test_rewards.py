@@ -439,7 +439,7 @@ def test_the_dag_without_a_reward_model_and_an_edited_function_reruns_only_ppo_a
     (tmp_path / "check.py").write_text(CHECK, encoding="utf-8")
     config = tmp_path / "c.yaml"
     settings = {
-        "pipeline": {"candidates": [{"algorithm": "grpo"}]},
+        "pipeline": {"candidates": [{"route": "grpo"}]},
         "rewards": {"model_weight": 0, "functions": [{"path": "check.py:short"}]},
         "sft": {"num_train_epochs": 1},  # what is run again and what is cached matters here, not quality
         "ppo": {"num_iterations": 1, "generation_batch_size": 4},

@@ -189,12 +189,12 @@ def test_a_refused_candidate_never_leads_and_says_why():
     }
     refused = {"hacked": "capability: ..."}
     standings = ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"], refused=refused)
-    assert [s.route for s in standings] == ["honest", "tame", "hacked"]
+    assert [s.candidate for s in standings] == ["honest", "tame", "hacked"]
     assert standings[2].why == "refused by a guard: capability: ..." and standings[0].why == ""
-    assert [s.route for s in ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"])][0] == "hacked"
+    assert [s.candidate for s in ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"])][0] == "hacked"
     # refused and over the KL budget rank below every eligible one, among themselves by the rule
     budget = ranking.rank(evaluations, "win_rate", ["hacked", "honest", "tame"], max_kl=0.75, refused=refused)
-    assert [s.route for s in budget] == ["tame", "hacked", "honest"]
+    assert [s.candidate for s in budget] == ["tame", "hacked", "honest"]
     line = no_leader(standings[2:], None, refused)
     assert line == "no leader: a promotion guard refuses every candidate (hacked: capability: ...); nothing is promoted"
     line = no_leader(budget[1:], 0.75, refused)
@@ -317,3 +317,11 @@ def test_the_gate_refuses_a_candidate_the_heldout_reward_model_does_not_prefer()
     assert gate({**fooled, "heldout_win_rate": 0.5}, PromoteConfig(), None)[0]
     # promote.min_win_rate is the bar: a lower one lets the same figures through
     assert gate(fooled, PromoteConfig(min_win_rate=0.25), None)[0]
+
+
+def test_a_standing_names_its_candidate_and_an_older_result_s_route_still_reads() -> None:
+    from kubealign.selection.ranking import standing_name
+
+    assert standing_name({"candidate": "dpo-beta-0p1", "rank": 1}) == "dpo-beta-0p1"
+    assert standing_name({"route": "grpo", "rank": 2}) == "grpo"  # a compare result.json of an earlier release
+    assert standing_name({"candidate": "a", "route": "b"}) == "a"
