@@ -71,8 +71,7 @@ def connect(args: argparse.Namespace) -> Any:
 
 def push_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.feedback import push
-    from kubealign.feedback import tasks as tk
+    from kubealign.feedback import pairs, push
     from kubealign.tracking.runs import check_uri, resolve_uri
 
     if args.count < 1:
@@ -86,8 +85,8 @@ def push_command(args: argparse.Namespace) -> None:
     prompts = push.held_out_prompts(args.prompts, args.count)
     name = args.model or config.promote.registered_model
     (first, first_dir), (second, second_dir) = push.registered_dirs(config.serve, uri, name, [args.first, args.second])
-    sides = (tk.Side(first.alias, first.version), tk.Side(second.alias, second.version))
-    pairs = tk.pairwise_tasks(
+    sides = (pairs.Side(first.alias, first.version), pairs.Side(second.alias, second.version))
+    pairs = pairs.pairwise_tasks(
         prompts,
         push.answers(first_dir, prompts, config),
         push.answers(second_dir, prompts, config),

@@ -15,7 +15,7 @@ def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, 
 
     --front: the local split's backends; the judged version is its canary's. A rerun after a crash between
     the registry and the front finds `challenger` already cleared: the front's canary version is then the one
-    the verdict was about, and act.alias_plan finds the registry already as it wants (or refuses)."""
+    the verdict was about, and aliases.verdict_plan finds the registry already as it wants (or refuses)."""
     from kubealign.serving import act, split
 
     if args.front and (args.champion or args.canary):

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kubealign.errors import UserError
-from kubealign.feedback import tasks as tk
+from kubealign.feedback import pairs
 
 
 class Pushed(NamedTuple):
@@ -27,9 +27,9 @@ def push_tasks(client: Any, title: str, tasks: list[dict[str, Any]]) -> Pushed:
     project = client.find_project(title)
     created = project is None
     if created:
-        project = client.create_project(title, tk.LABEL_CONFIG)
+        project = client.create_project(title, pairs.LABEL_CONFIG)
     present = {t.get("meta", {}).get("kubealign", {}).get("prompt_sha256") for t in client.tasks(project)}
-    fresh = tk.new_tasks(tasks, present)
+    fresh = pairs.new_tasks(tasks, present)
     added = client.import_tasks(project, fresh) if fresh else 0
     return Pushed(project, created, added, len(tasks) - len(fresh))
 

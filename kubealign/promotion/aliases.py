@@ -11,6 +11,9 @@
   (`champion` first) and read back. When even that fails the journal stays, and the next promote or
   rollback first undoes the interrupted move (`recover`), or just clears it if every move had landed.
 Callers hold the registry lease (kubealign.promotion.lease) around every read-decide-move.
+
+The rules that decide the moves live here too, one function each: a promotion's (`promotion_plan`, the promote
+stage) and an online verdict's (`verdict_plan`, the act task and `kubealign judge --act`).
 """
 
 from __future__ import annotations
@@ -134,3 +137,35 @@ def recover(client: Any, uri: str, name: str) -> dict[str, str]:
         )
     client.delete_registered_model_tag(name, JOURNAL_TAG)
     return read_state(client, name)[0]
+
+
+def promotion_plan(
+    mode: str, leads: bool, passed: bool, ours: str, champion: str | None
+) -> list[tuple[str, str | None]]:
+    """The alias moves of a promotion, in journal order. direct: every leader becomes challenger, and champion
+    too when it passes (the old champion kept as previous-champion). canary: a leader that passes becomes
+    challenger alone, to be judged online beside the champion; with no champion yet it becomes champion."""
+    if not leads:
+        return []
+    if mode == "canary":
+        if champion is None:
+            return [(CHAMPION, ours)] if passed else []
+        return [(CHALLENGER, ours)] if passed and champion != ours else []
+    plan: list[tuple[str, str | None]] = [(CHALLENGER, ours)]
+    if passed and champion != ours:
+        plan += [(PREVIOUS, champion)] if champion is not None else []
+        plan.append((CHAMPION, ours))
+    return plan
+
+
+def verdict_plan(promoted: bool, version: str, aliases: dict[str, str]) -> list[tuple[str, str | None]] | None:
+    """The alias moves of the online judge's verdict on `version` (kubealign.serving.act), in journal order;
+    [] when the registry already says it (a rerun); None when `version` is no longer what the verdict was about."""
+    champion, challenger = aliases.get(CHAMPION), aliases.get(CHALLENGER)
+    if challenger is None and (champion == version) == promoted:
+        return []
+    if challenger != version:
+        return None
+    if not promoted:
+        return [(CHALLENGER, None)]
+    return [*([(PREVIOUS, champion)] if champion is not None else []), (CHAMPION, version), (CHALLENGER, None)]

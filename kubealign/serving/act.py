@@ -27,6 +27,7 @@ from kubealign.promotion.aliases import (
     read_state,
     recover,
     registry_errors,
+    verdict_plan,
 )
 
 REJECTED_TAG = "kubealign.online"
@@ -50,19 +51,6 @@ def judged_version(config: KubealignConfig, required: bool = True) -> tuple[str,
     return uri, version
 
 
-def alias_plan(promoted: bool, version: str, aliases: dict[str, str]) -> list[tuple[str, str | None]] | None:
-    """The moves that make the verdict on `version` true; [] when the registry already says it (a rerun);
-    None when `version` is no longer what the verdict was about."""
-    champion, challenger = aliases.get(CHAMPION), aliases.get(CHALLENGER)
-    if challenger is None and (champion == version) == promoted:
-        return []
-    if challenger != version:
-        return None
-    if not promoted:
-        return [(CHALLENGER, None)]
-    return [*([(PREVIOUS, champion)] if champion is not None else []), (CHAMPION, version), (CHALLENGER, None)]
-
-
 def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str) -> dict[str, Any]:
     """Move the aliases (or find them moved); the aliases after."""
     from mlflow.tracking import MlflowClient
@@ -75,7 +63,7 @@ def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str)
         client = MlflowClient(uri)
         with lease(client, uri, name):
             aliases = recover(client, uri, name)
-            plan = alias_plan(promoted, version, aliases)
+            plan = verdict_plan(promoted, version, aliases)
             if plan is None:
                 now = aliases.get(CHALLENGER)
                 raise UserError(

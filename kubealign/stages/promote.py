@@ -31,12 +31,12 @@ from kubealign.outputs import atomic_dir, check_output_path, read_result, write_
 from kubealign.promotion import guards
 from kubealign.promotion.aliases import (
     ALIASES,
-    CHALLENGER,
     CHAMPION,
     PREVIOUS,
     REGISTRY_HTTP,
     error_code,
     move_aliases,
+    promotion_plan,
     read_state,
     recover,
     registry_errors,
@@ -166,7 +166,7 @@ def promote_in_registry(
             wanted = [*GATED_METRICS, *([cfg.metric] if cfg.metric != "win_rate" else [])]
             champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in wanted}
         passed, checks = gate(metrics, cfg, champion_metrics)
-        plan = alias_plan(cfg.mode, leads, passed, ours, champion)
+        plan = promotion_plan(cfg.mode, leads, passed, ours, champion)
         move_aliases(client, uri, name, aliases, plan)
         after, _ = read_state(client, name)
     summary = {"gate_passed": float(passed), "version": float(ours)}
@@ -181,23 +181,6 @@ def promote_in_registry(
         "model_uri": f"models:/{name}/{ours}",
     }
     return summary, details
-
-
-def alias_plan(mode: str, leads: bool, passed: bool, ours: str, champion: str | None) -> list[tuple[str, str | None]]:
-    """The alias moves of a promotion, in journal order. direct: every leader becomes challenger, and champion
-    too when it passes (the old champion kept as previous-champion). canary: a leader that passes becomes
-    challenger alone, to be judged online beside the champion; with no champion yet it becomes champion."""
-    if not leads:
-        return []
-    if mode == "canary":
-        if champion is None:
-            return [(CHAMPION, ours)] if passed else []
-        return [(CHALLENGER, ours)] if passed and champion != ours else []
-    plan: list[tuple[str, str | None]] = [(CHALLENGER, ours)]
-    if passed and champion != ours:
-        plan += [(PREVIOUS, champion)] if champion is not None else []
-        plan.append((CHAMPION, ours))
-    return plan
 
 
 def ranked(comparison: Path, candidate: str) -> dict[str, Any]:

@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kubealign.feedback import push
-from kubealign.feedback import tasks as tk
+from kubealign.feedback import pairs, push
 from kubealign.feedback.client import LabelStudio
 
 RECORDED = Path(__file__).parent / "recorded"
@@ -56,7 +55,7 @@ def main(url: str, token: str, out: Path) -> None:
     old = {name: json.loads((RECORDED / f"label-studio-1.23.2{name}.json").read_text()) for name in ("", "-push")}
     main_ex = Recording(url, token)
     assert main_ex.find_project("kubealign-feedback") is None, "record on a fresh Label Studio"
-    project = main_ex.create_project("kubealign-feedback", tk.LABEL_CONFIG)
+    project = main_ex.create_project("kubealign-feedback", pairs.LABEL_CONFIG)
     main_ex.import_tasks(project, old[""]["pushed"])
     listed = main_ex.tasks(project)
     person = LabelStudio(url, token)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from kubealign.feedback import annotations as an
-from kubealign.feedback import tasks as tk
+from kubealign.feedback import pairs
 
 pytestmark = pytest.mark.unit
-CHAMPION, CHALLENGER = tk.Side("champion", "3"), tk.Side("challenger", "4")
+CHAMPION, CHALLENGER = pairs.Side("champion", "3"), pairs.Side("challenger", "4")
 
 
 def vote(who: int, selected: str | None, cancelled: bool = False) -> dict:
@@ -25,7 +25,7 @@ def exported(pushed: list[dict], ballots: list[list[dict]]) -> list[dict]:
 
 def test_sides_are_shuffled_per_task_and_kept_in_meta():
     prompts = [f"q{i}" for i in range(40)]
-    pushed = tk.pairwise_tasks(
+    pushed = pairs.pairwise_tasks(
         prompts, [f"champ{i}" for i in range(40)], [f"chal{i}" for i in range(40)], (CHAMPION, CHALLENGER), 7
     )
     left = [t["meta"]["kubealign"]["answer1"] for t in pushed]
@@ -37,15 +37,17 @@ def test_sides_are_shuffled_per_task_and_kept_in_meta():
         }
         assert sides == {"champion:3": f"champ{i}", "challenger:4": f"chal{i}"}
         assert set(t["data"]) == {"prompt", "answer1", "answer2"}  # no identity where the annotator looks
-    assert pushed == tk.pairwise_tasks(
+    assert pushed == pairs.pairwise_tasks(
         prompts, [f"champ{i}" for i in range(40)], [f"chal{i}" for i in range(40)], (CHAMPION, CHALLENGER), 7
     )
-    present = {tk.prompt_key("q0"), tk.prompt_key("q5")}
-    assert [t["data"]["prompt"] for t in tk.new_tasks(pushed, present)] == [p for p in prompts if p not in ("q0", "q5")]
+    present = {pairs.prompt_key("q0"), pairs.prompt_key("q5")}
+    assert [t["data"]["prompt"] for t in pairs.new_tasks(pushed, present)] == [
+        p for p in prompts if p not in ("q0", "q5")
+    ]
 
 
 def test_choices_map_back_to_the_models_and_odd_tasks_are_counted():
-    pushed = tk.pairwise_tasks(
+    pushed = pairs.pairwise_tasks(
         ["a", "b", "c", "d", "e"],
         ["A0", "B0", "C0", "D0", "E0"],
         ["A1", "B1", "C1", "D1", "E1"],

@@ -14,7 +14,7 @@ import pytest
 
 from kubealign.errors import UserError
 from kubealign.feedback import annotations as an
-from kubealign.feedback import tasks as tk
+from kubealign.feedback import pairs
 from kubealign.feedback.client import LabelStudio
 
 pytestmark = pytest.mark.unit
@@ -68,13 +68,13 @@ def replay():
 def test_push_then_pull_through_the_recorded_exchange(replay):
     ls = LabelStudio(replay, TOKEN)
     assert ls.find_project("kubealign-feedback") is None
-    project = ls.create_project("kubealign-feedback", tk.LABEL_CONFIG)
+    project = ls.create_project("kubealign-feedback", pairs.LABEL_CONFIG)
     assert project == RECORDED["calls"][1]["reply"]["id"]  # the id the server gave
     assert ls.import_tasks(project, RECORDED["pushed"]) == 4
     listed = ls.tasks(project)
     present = {t["meta"]["kubealign"]["prompt_sha256"] for t in listed}
-    assert present == {tk.prompt_key(t["data"]["prompt"]) for t in RECORDED["pushed"]}
-    assert tk.new_tasks(RECORDED["pushed"], present) == []  # pushing again adds nothing
+    assert present == {pairs.prompt_key(t["data"]["prompt"]) for t in RECORDED["pushed"]}
+    assert pairs.new_tasks(RECORDED["pushed"], present) == []  # pushing again adds nothing
     out = an.pulled(ls.export(project))
     assert Replay.calls == [] and set(Replay.seen) == {f"Token {TOKEN}"}
     # the real export: task 1 left, task 2 right, task 3 skipped, task 4 not annotated

@@ -778,7 +778,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
 
 
 def test_the_alias_plan_of_a_verdict() -> None:
-    from kubealign.serving.act import alias_plan
+    from kubealign.promotion.aliases import verdict_plan as alias_plan
 
     state = {"champion": "1", "challenger": "2"}
     assert alias_plan(True, "2", state) == [("previous-champion", "1"), ("champion", "2"), ("challenger", None)]

@@ -96,7 +96,7 @@ def test_in_canary_mode_a_passing_candidate_becomes_challenger_only(cli, tmp_pat
 
 
 def test_the_alias_plan_of_each_mode() -> None:
-    from kubealign.stages.promote import alias_plan
+    from kubealign.promotion.aliases import promotion_plan as alias_plan
 
     assert alias_plan("direct", True, True, "3", "1") == [
         ("challenger", "3"),

@@ -1,4 +1,4 @@
-"""Pairwise tasks for Label Studio: one prompt, two answers, the sides shuffled per task (issue 59).
+"""Pairwise comparisons for Label Studio (its "tasks"): one prompt, two answers, the sides shuffled per pair.
 
 The annotator sees the prompt and `answer1` / `answer2` under Label Studio's Pairwise control (LABEL_CONFIG:
 its "human preference" pairwise layout); which model wrote which answer is kept in the task's `meta`, which
