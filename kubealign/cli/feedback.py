@@ -86,14 +86,14 @@ def push_command(args: argparse.Namespace) -> None:
     name = args.model or config.promote.registered_model
     (first, first_dir), (second, second_dir) = push.registered_dirs(config.serve, uri, name, [args.first, args.second])
     sides = (pairs.Side(first.alias, first.version), pairs.Side(second.alias, second.version))
-    pairs = pairs.pairwise_tasks(
+    comparisons = pairs.pairwise_tasks(
         prompts,
         push.answers(first_dir, prompts, config),
         push.answers(second_dir, prompts, config),
         sides,
         config.evaluate.seed,
     )
-    done = push.push_tasks(client, args.project, pairs)
+    done = push.push_tasks(client, args.project, comparisons)
     made = "created" if done.created else "found"
     print(f"feedback: project {args.project!r} ({made}, id {done.project}) at {client.url}")
     print(f"  {done.added} tasks added, {done.present} of the prompts were there already")
