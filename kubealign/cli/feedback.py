@@ -1,9 +1,9 @@
-"""The `kubealign feedback` commands (issue 59). push: two registry aliases' answers to held-out prompts, as
-pairwise Label Studio tasks (kubealign.feedback.push). pull: people's choices in a Label Studio project -> a
-preference file data-split reads: the rows (prompt, chosen, rejected) written atomically, deduplicated; the
-counts, the human win-rate of the challenger with its 95 % interval and the people's agreement printed and
-logged to MLflow as a `feedback` run whose dataset input is the file (its sha256, the project, the versions
-compared, the annotators), so the next reward model's lineage can lead back to it."""
+"""The `kubealign feedback` commands, their parser beside their handlers. push: two registry aliases' answers to
+held-out prompts, as pairwise Label Studio tasks (kubealign.feedback.push). pull: people's choices in a Label
+Studio project -> a preference file data-split reads: the rows (prompt, chosen, rejected) written atomically,
+deduplicated; the counts, the human win-rate of the challenger with its 95 % interval and the people's
+agreement printed and logged to MLflow as a `feedback` run whose dataset input is the file (its sha256, the
+project, the versions compared, the annotators), so the next reward model's lineage can lead back to it."""
 
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ def add_parser(sub: Any) -> None:
         help="whose human win-rate is reported (default challenger)",
     )
     pull.add_argument("--config", dest="config", metavar="CONFIG", help="config whose tracking section is used")
+    feedback.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> None:

@@ -1,5 +1,6 @@
-"""The serving commands of `kubealign`: serve (here, or the InferenceService's manifest), judge (a canary
-online) and rollback (the registry, and what is served with it)."""
+"""`kubealign serve`: a registry alias served here with vLLM's OpenAI-compatible server (a canary beside it
+behind a front), or its KServe InferenceService's manifest written; its parser beside its handler. Judging
+a served canary and rolling back: kubealign.cli.judging."""
 
 from __future__ import annotations
 
@@ -7,116 +8,42 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from kubealign.cli.options import add_config_options
 from kubealign.errors import UserError
 
 
-def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, str | None]:
-    """(champion URL, canary URL, the judged version, the registry's URI with --act).
-
-    --front: the local split's backends; the judged version is its canary's. A rerun after a crash between
-    the registry and the front finds `challenger` already cleared: the front's canary version is then the one
-    the verdict was about, and aliases.verdict_plan finds the registry already as it wants (or refuses)."""
-    from kubealign.serving import act, split
-
-    if args.front and (args.champion or args.canary):
-        raise UserError("--front: the local split names both servers; give it or --champion and --canary")
-    if not args.front and not (args.champion and args.canary):
-        raise UserError("give --front URL (kubealign serve --canary) or both --champion URL and --canary URL")
-    if args.namespace and not args.act:
-        raise UserError("--namespace: only with --act (the served model changes only when the verdict is acted on)")
-    if args.front and args.namespace:
-        raise UserError("--namespace: the cluster's service, --front: the local one; give one")
-    if not args.front:
-        return args.champion, args.canary, *_judged_in_cluster(args, config)
-    route = split.read_route(args.front)
-    if route["canary"] is None:
-        raise UserError(f"--front {args.front}: serves version {route['stable']['version']} alone: no canary to judge")
-    version = str(route["canary"]["version"])
-    uri = None
-    if args.act:  # challenger None: cleared already, the rerun of a verdict carried out halfway
-        uri, challenger = act.judged_version(config, required=False)
-        if challenger not in (None, version):
-            raise UserError(f"--front {args.front}: its canary is version {version}, challenger is {challenger}")
-    return route["stable"]["url"], route["canary"]["url"], version, uri
-
-
-def _judged_in_cluster(args: argparse.Namespace, config: Any) -> tuple[str, str | None]:
-    """(the judged version, the registry's URI with --act): `challenger`'s, or, with --namespace where it is
-    cleared already (the rerun of a verdict carried out halfway), the InferenceService's canary's."""
-    from kubealign.serving import act
-
-    if not args.act:
-        return "?", None
-    uri, version = act.judged_version(config, required=not args.namespace)
-    if version is None:
-        from kubealign.cluster.trainjob import connect
-
-        name = config.promote.registered_model
-        version = act.served_canary(connect()[0], args.namespace, name)
-        if version is None:
-            raise UserError(f"judge --act: {name} has no challenger alias and its InferenceService no canary")
-    return version, uri
-
-
-def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str], version: str, uri: str | None):
-    """The check that each URL serves the version the registry says (kubealign.serving.identity), before any
-    prompt. Without --act no registry is read (the judge never needed one to report): said, not failed."""
-    from kubealign.serving import identity
-
-    if uri is None:
-        lines = identity.unchecked("judged without --act, the registry is not read")
-        print(f"judge: {lines[0]}", flush=True)
-        return lines
-    name = config.promote.registered_model
-    expected = identity.expected_versions(uri, name, version)
-    return identity.check(urls, expected, name, dict.fromkeys(urls, args.served_name or name))
-
-
-def judge_command(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.serving import act
-    from kubealign.stages import judge
-
-    config = load_config(args.config, args.overrides)
-    champion, canary, version, uri = _judged_urls(args, config)
-    checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)
-    inputs = (args.prompts, args.tokenizer, args.reward, champion, canary, args.output, args.served_name)
-    human = None
-    if config.canary.min_human_win_rate is not None:  # people's verdict on this version (kubealign feedback pull)
-        from kubealign.feedback import lookup
-
-        human = lookup.latest(uri, config.tracking.experiment, version)
-    result = judge.run(config, *inputs, version, tuple(checked), human)
-    print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
-    if not args.act:
-        return
-
-    after = act.in_registry(config, uri, result["promoted"], version)
-    print(f"  registry: {', '.join(f'{a} = {v}' for a, v in after.items())}")
-    if args.front:
-        print(f"  serving: {args.front} {act.in_local(config, uri, args.front)}: version {after['champion']} alone")
-    if args.namespace:
-        from kubealign.cluster.trainjob import connect
-
-        custom, _ = connect()
-        print(f"  serving: InferenceService {act.in_serving(config, uri, args.namespace, custom)}, Ready")
-
-
-def rollback_command(args: argparse.Namespace) -> None:
-    from kubealign.config import load_config
-    from kubealign.stages import promote
-
-    config = load_config(args.config, args.overrides)
-    state = promote.rollback(config)
-    print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
-    if args.namespace:  # the served model follows the registry: the champion's InferenceService, no canary
-        from kubealign.cluster.trainjob import connect
-        from kubealign.serving import act
-        from kubealign.tracking.runs import resolve_uri
-
-        custom, _ = connect()
-        action = act.in_serving(config, resolve_uri(config), args.namespace, custom)
-        print(f"rollback: InferenceService {args.namespace}: {action}, Ready")
+def add_parser(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve",
+        help="serve a registry alias here with vLLM's OpenAI server, or write its KServe InferenceService",
+        description="Resolve ALIAS of the registered model to its version and check that version's Hugging Face "
+        "directory (config, safetensors, tokenizer). Without --manifest: serve it on 127.0.0.1:PORT with vLLM's "
+        "OpenAI-compatible server (the runtime KServe runs; its venv is created on first use). With --manifest: "
+        "write the InferenceService (serving.kserve.io/v1beta1) whose storageUri is that directory in the artifact "
+        "store (serve.artifacts_destination for a server that serves its artifacts). Settings: the serve section.",
+    )
+    add_config_options(serve)
+    serve.add_argument("--tracking-uri", metavar="URI", help="the registry (default: $MLFLOW_TRACKING_URI)")
+    serve.add_argument("--model", metavar="NAME", help="registered model (default: promote.registered_model)")
+    serve.add_argument("--alias", metavar="ALIAS", help="the alias served (default: serve.alias, champion)")
+    serve.add_argument("--namespace", metavar="NS", help="namespace of the InferenceService (default: serve.namespace)")
+    serve.add_argument(
+        "--manifest", type=Path, metavar="FILE", help="write the InferenceService here instead of serving here"
+    )
+    serve.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (default 8000), without --manifest")
+    serve.add_argument(
+        "--canary",
+        metavar="ALIAS",
+        help="serve this alias (e.g. challenger) beside --alias with its share of the traffic: here, both servers "
+        "behind a front on --port; with --manifest, as the InferenceService's canary",
+    )
+    serve.add_argument(
+        "--canary-percent",
+        type=int,
+        metavar="N",
+        help="the canary's share of the traffic, 1-99 %% (default: canary.percent, 10)",
+    )
+    serve.set_defaults(func=serve_command)
 
 
 def serve_command(args: argparse.Namespace) -> None:

@@ -114,7 +114,7 @@ PULL = json.loads((Path(__file__).parent / "recorded" / "label-studio-1.23.2-pul
 def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pull, tmp_path, monkeypatch, capsys):
     from mlflow import MlflowClient
 
-    from kubealign.cli.commands import main
+    from kubealign.cli import main
     from kubealign.tracking.runs import default_store
 
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)

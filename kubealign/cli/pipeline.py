@@ -1,0 +1,165 @@
+"""The pipeline commands of `kubealign`, each its parser beside its handler: run (the whole DAG here, through
+kfp.local), compile (KFP IR YAML), submit and upload (to a Kubeflow Pipelines API) and rerun (one stage of an
+earlier run on its artifacts). kubealign.pipelines does the work."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from kubealign.cli.options import add_set_option
+from kubealign.errors import UserError
+from kubealign.shape import ACT, JUDGE, ROUTES, SERVE, SHARED
+
+
+def add_parser(sub: Any) -> None:
+    run = sub.add_parser(
+        "run",
+        help="the whole DAG on this machine through kfp.local (the embedded default: tiny models, synthetic data)",
+        description="Run data-split -> sft || reward -> ppo -> evaluate -> promote as the KFP pipeline, each task a "
+        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI).",
+    )
+    _add_pipeline_config(run)
+    run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
+    run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
+    run.add_argument(
+        "--runner",
+        choices=["subprocess", "docker"],
+        default="subprocess",
+        help="subprocess (default): each task a process of this Python environment; docker: each task in the "
+        "CPU image (make images) through kfp.local's DockerRunner",
+    )
+    run.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="stream every task's output as kfp.local does (default: one line per task; full output in DIR/logs/)",
+    )
+    run.set_defaults(func=run_command)
+
+    compile_ = sub.add_parser("compile", help="write the pipeline as KFP IR YAML (for the UI or kfp.Client)")
+    _add_pipeline_config(compile_)
+    compile_.add_argument("-o", "--output", type=Path, default=Path("pipeline.yaml"), metavar="FILE")
+    compile_.set_defaults(func=compile_command)
+
+    submit = sub.add_parser("submit", help="compile and start a run on a Kubeflow Pipelines API (kfp.Client)")
+    _add_pipeline_config(submit)
+    submit.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint, e.g. http://localhost:8080")
+    submit.add_argument("--experiment", help="KFP experiment (default: tracking.experiment)")
+    submit.add_argument("--run-name", help="run name (default: kubealign-<timestamp>)")
+    submit.add_argument("--namespace", help="profile namespace on multi-user Kubeflow")
+    submit.add_argument("--no-cache", action="store_true", help="run every task even if KFP has a cached result")
+    submit.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
+    submit.add_argument(
+        "--no-parent-run", action="store_true", help="do not create a parent MLflow run for the pipeline run"
+    )
+    submit.set_defaults(func=submit_command)
+
+    upload = sub.add_parser("upload", help="compile and upload the pipeline to KFP (new pipeline or new version)")
+    _add_pipeline_config(upload)
+    upload.add_argument("--host", required=True, metavar="URL", help="KFP API endpoint")
+    upload.add_argument(
+        "--pipeline-name", default="kubealign-rlhf", help="pipeline name in KFP (default: kubealign-rlhf)"
+    )
+    upload.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
+    upload.set_defaults(func=upload_command)
+    _add_rerun(sub)
+
+
+def _add_rerun(sub: Any) -> None:
+    rerun = sub.add_parser("rerun", help="rerun one stage (and optionally its downstream) on an earlier run's outputs")
+    rerun.add_argument(
+        "stage",
+        metavar="STAGE",
+        help=f"a stage ({', '.join([*SHARED, *ROUTES, 'evaluate', 'promote', SERVE, JUDGE, ACT])}; {ACT}: the "
+        "judge's verdict carried out again, which finishes one carried out halfway); in a run comparing several "
+        "candidates, a candidate's name (its training, evaluation, then the comparison and the promotions) or compare",
+    )
+    rerun.add_argument(
+        "--from", dest="run", required=True, type=Path, metavar="RUN_DIR", help="--output of an earlier `kubealign run`"
+    )
+    rerun.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one field of that run's config (repeatable)",
+    )
+    rerun.add_argument("--downstream", action="store_true", help="also rerun every stage that depends on it")
+    rerun.add_argument("--output", type=Path, metavar="DIR", help="default: RUN_DIR-rerun-STAGE-<timestamp>")
+    rerun.set_defaults(func=rerun_command)
+
+
+def _add_pipeline_config(parser: argparse.ArgumentParser) -> None:
+    """The pipeline commands take the config as a positional (`kubealign run [CONFIG]`) or as --config, the
+    stage commands' spelling (`kubealign run --config tiny-cpu-verifiable`), plus --set."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
+    parser.add_argument("--config", dest="config_option", metavar="CONFIG", help="the same as the positional CONFIG")
+    add_set_option(parser)
+
+
+def run_command(args: argparse.Namespace) -> None:
+    from kubealign.cli.summary import summarize
+    from kubealign.config import load_config
+    from kubealign.pipelines import local
+
+    config = load_config(args.config, args.overrides)
+    try:
+        index = local.run(config, args.output, caching=args.cache, verbose=args.verbose, runner=args.runner)
+    except local.PipelineFailed as exc:
+        raise UserError(str(exc)) from None
+    print()
+    print("\n".join(summarize(args.output)))
+    mlflow = index["mlflow"]
+    print(f"\npipeline run: {index['wall_time_s']:.0f} s; artifacts indexed in {args.output.resolve() / 'run.json'}")
+    print(f"task logs: {args.output.resolve() / local.LOGS_DIR}/<task>.log")
+    print(f"MLflow: parent run {mlflow['parent_run_id']} in {mlflow['tracking_uri']}")
+    if mlflow["tracking_uri"].startswith("sqlite:"):
+        print(f"  open the UI: mlflow ui --backend-store-uri {mlflow['tracking_uri']}")
+
+
+def compile_command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import compile_pipeline
+
+    path = compile_pipeline(load_config(args.config, args.overrides), args.output)
+    print(f"compiled pipeline -> {path}")
+
+
+def submit_command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import submit
+
+    result = submit(
+        load_config(args.config, args.overrides),
+        args.host,
+        args.experiment,
+        args.run_name,
+        args.namespace,
+        enable_caching=not args.no_cache,
+        token=args.token,
+        parent_run=not args.no_parent_run,
+    )
+    print(f"submitted run {result['run_name']} ({result['run_id']}): {result['url']}")
+    if result["mlflow_parent_run_id"]:
+        print(f"MLflow parent run: {result['mlflow_parent_run_id']}")
+
+
+def upload_command(args: argparse.Namespace) -> None:
+    from kubealign.config import load_config
+    from kubealign.pipelines.remote import upload
+
+    result = upload(load_config(args.config, args.overrides), args.host, args.pipeline_name, token=args.token)
+    print(f"uploaded {args.pipeline_name} version {result['version']} (pipeline id {result['pipeline_id']})")
+
+
+def rerun_command(args: argparse.Namespace) -> None:
+    from kubealign.cli.summary import summarize
+    from kubealign.pipelines.rerun import rerun
+
+    index = rerun(args.stage, args.run, args.overrides, downstream=args.downstream, output=args.output)
+    out = Path(index["stages"][index["rerun"][0]]["dir"]).parent
+    print(f"reran {', '.join(index['rerun'])}; reused {', '.join(index['reused']) or 'nothing'} from {args.run}")
+    print("\n".join(summarize(out)))
