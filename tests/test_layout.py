@@ -175,7 +175,7 @@ def test_every_library_package_has_a_layer():
 
 
 def test_the_library_layers_order_what_may_import_what():
-    assert layer("kubealign.errors") < layer("kubealign.config.schema") < layer("kubealign.serving.act")
+    assert layer("kubealign.errors") < layer("kubealign.config.schema") < layer("kubealign.serving.carry_out")
     assert layer("kubealign.cluster.secrets") < layer("kubealign.training.loop") < layer("kubealign.rl.losses")
     assert layer("kubealign.serving.deploy") < layer("kubealign.stages.ppo") < layer("kubealign.tasks.launch")
     assert layer("kubealign.tasks") < layer("kubealign.cli.commands") < layer("kubealign.components.stages")

@@ -129,11 +129,11 @@ def rollback_command(args: argparse.Namespace) -> None:
     print(f"rollback: champion is version {state['champion']} again (was {state['rolled_back_from']})")
     if args.namespace:  # the served model follows the registry: the champion's InferenceService, no canary
         from kubealign.cluster.trainjob import connect
-        from kubealign.serving import act
+        from kubealign.serving import carry_out
         from kubealign.tracking.runs import resolve_uri
 
         custom, _ = connect()
-        action = act.in_serving(config, resolve_uri(config), args.namespace, custom)
+        action = carry_out.in_serving(config, resolve_uri(config), args.namespace, custom)
         print(f"rollback: InferenceService {args.namespace}: {action}, Ready")
 
 
@@ -143,7 +143,7 @@ def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, 
     --front: the local split's backends; the judged version is its canary's. A rerun after a crash between
     the registry and the front finds `challenger` already cleared: the front's canary version is then the one
     the verdict was about, and aliases.verdict_plan finds the registry already as it wants (or refuses)."""
-    from kubealign.serving import act, split
+    from kubealign.serving import carry_out, split
 
     if args.front and (args.champion or args.canary):
         raise UserError("--front: the local split names both servers; give it or --champion and --canary")
@@ -161,7 +161,7 @@ def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, 
     version = str(route["canary"]["version"])
     uri = None
     if args.act:  # challenger None: cleared already, the rerun of a verdict carried out halfway
-        uri, challenger = act.judged_version(config, required=False)
+        uri, challenger = carry_out.judged_version(config, required=False)
         if challenger not in (None, version):
             raise UserError(f"--front {args.front}: its canary is version {version}, challenger is {challenger}")
     return route["stable"]["url"], route["canary"]["url"], version, uri
@@ -170,16 +170,16 @@ def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, 
 def _judged_in_cluster(args: argparse.Namespace, config: Any) -> tuple[str, str | None]:
     """(the judged version, the registry's URI with --act): `challenger`'s, or, with --namespace where it is
     cleared already (the rerun of a verdict carried out halfway), the InferenceService's canary's."""
-    from kubealign.serving import act
+    from kubealign.serving import carry_out
 
     if not args.act:
         return "?", None
-    uri, version = act.judged_version(config, required=not args.namespace)
+    uri, version = carry_out.judged_version(config, required=not args.namespace)
     if version is None:
         from kubealign.cluster.trainjob import connect
 
         name = config.promote.registered_model
-        version = act.served_canary(connect()[0], args.namespace, name)
+        version = carry_out.served_canary(connect()[0], args.namespace, name)
         if version is None:
             raise UserError(f"judge --act: {name} has no challenger alias and its InferenceService no canary")
     return version, uri
@@ -201,7 +201,7 @@ def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str]
 
 def judge_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.serving import act
+    from kubealign.serving import carry_out
     from kubealign.stages import judge
 
     config = load_config(args.config, args.overrides)
@@ -218,12 +218,14 @@ def judge_command(args: argparse.Namespace) -> None:
     if not args.act:
         return
 
-    after = act.in_registry(config, uri, result["promoted"], version)
+    after = carry_out.in_registry(config, uri, result["promoted"], version)
     print(f"  registry: {', '.join(f'{a} = {v}' for a, v in after.items())}")
     if args.front:
-        print(f"  serving: {args.front} {act.in_local(config, uri, args.front)}: version {after['champion']} alone")
+        print(
+            f"  serving: {args.front} {carry_out.in_local(config, uri, args.front)}: version {after['champion']} alone"
+        )
     if args.namespace:
         from kubealign.cluster.trainjob import connect
 
         custom, _ = connect()
-        print(f"  serving: InferenceService {act.in_serving(config, uri, args.namespace, custom)}, Ready")
+        print(f"  serving: InferenceService {carry_out.in_serving(config, uri, args.namespace, custom)}, Ready")

@@ -159,7 +159,7 @@ def promotion_plan(
 
 
 def verdict_plan(promoted: bool, version: str, aliases: dict[str, str]) -> list[tuple[str, str | None]] | None:
-    """The alias moves of the online judge's verdict on `version` (kubealign.serving.act), in journal order;
+    """The alias moves of the online judge's verdict on `version` (kubealign.serving.carry_out), in journal order;
     [] when the registry already says it (a rerun); None when `version` is no longer what the verdict was about."""
     champion, challenger = aliases.get(CHAMPION), aliases.get(CHALLENGER)
     if challenger is None and (champion == version) == promoted:

@@ -10,7 +10,7 @@ one asked for over any 100 requests and a test can count it (KServe's split is r
 Only requests under /v1/ count in the split; anything else (a health probe, /metrics) goes to the stable
 server and takes no canary slot.
 
-Control, for the judge acting on its verdict (kubealign.serving.act.in_local): GET /kubealign/route says
+Control, for the judge acting on its verdict (kubealign.serving.carry_out.in_local): GET /kubealign/route says
 who is served (each backend's own URL, which the judge asks directly); POST /kubealign/route
 {"only": VERSION} makes that version the whole service; `kubealign serve` then stops the other server.
 The front listens on 127.0.0.1 only, but any web page open in a local browser can send it requests: the

@@ -1,7 +1,7 @@
 """The DAG's optional `act` task, after `judge` with canary.act (the default): the judge's verdict carried out.
 
 Reads the judge task's verdict.json (kubealign.stages.judge_task.VERDICT_FILE) and makes it true as `kubealign
-judge --act --namespace` does (kubealign.serving.act): the registry's aliases under promote's lease and journal,
+judge --act --namespace` does (kubealign.serving.carry_out): the registry's aliases under promote's lease and journal,
 then the InferenceService (the champion alone), waiting for Ready. It runs no user code, so its pod holds the
 pipeline identity, the one that may move `champion`; the judge, which runs the reward functions, holds the
 tracking identity (kubealign.cluster.secrets). A crash between the registry and the cluster is finished by
@@ -68,7 +68,7 @@ def verdict_problem(verdict: Any, registered_model: str) -> str | None:
 def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """judgement: the judge task's output; custom: a kubernetes CustomObjectsApi (default: the cluster this pod
     runs in)."""
-    from kubealign.serving import act
+    from kubealign.serving import carry_out
     from kubealign.tracking.runs import resolve_uri
 
     check_output_path(output, STAGE)
@@ -86,14 +86,14 @@ def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = No
     if not uri:
         raise UserError("act: no registry (MLFLOW_TRACKING_URI, tracking.uri) to carry the verdict out in")
     promoted, version, service = verdict["promoted"], verdict["version"], verdict["inference_service"]
-    after = act.in_registry(config, uri, promoted, version)
+    after = carry_out.in_registry(config, uri, promoted, version)
     registry = ", ".join(f"{alias} = {value}" for alias, value in after.items())
     print(f"act: registry {registry}", flush=True)
     if custom is None:
         from kubealign.cluster.trainjob import connect
 
         custom, _ = connect()
-    action = act.in_serving(config, uri, service.split("/")[0], custom)
+    action = carry_out.in_serving(config, uri, service.split("/")[0], custom)
     summary = f"registry {registry}; InferenceService {service} {action}, Ready"
     print(f"act: InferenceService {service} {action}, Ready", flush=True)
     details = {"promoted": promoted, "version": version, "verdict": verdict.get("verdict", "")}

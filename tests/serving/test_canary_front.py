@@ -110,7 +110,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     from mlflow.tracking import MlflowClient
 
     from kubealign.models import loading
-    from kubealign.serving import act
+    from kubealign.serving import carry_out
     from tests.faults.test_faults_registry import aliases
 
     uri, name = f"sqlite:///{tmp_path / 'registry.db'}", "front-actor"
@@ -141,7 +141,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
         assert "judge: challenger (version 2) rolled back: win_rate 0.000 >= 0.5" in done.out
         assert f"serving: {url} updated: version 1 alone" in done.out
         assert aliases(uri, name) == {"champion": "1"}
-        assert MlflowClient(uri).get_model_version(name, "2").tags[act.REJECTED_TAG] == "rejected"
+        assert MlflowClient(uri).get_model_version(name, "2").tags[carry_out.REJECTED_TAG] == "rejected"
         assert route.describe()["canary"] is None and route.stable.version == "1"
         assert {completion(url)[1] for _ in range(4)} == {"champion@1"}
         # judged again: nothing left to judge at that front
@@ -157,7 +157,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     route = split.Route(split.Backend("champion", "1", curt.url), split.Backend("challenger", "3", courteous.url), 50)
     curt.models, courteous.models = listing(name, "1"), listing(name, "3")
     front = split.start(port, route)
-    real = act.in_local
+    real = carry_out.in_local
     calls = []
 
     def crash_once(*args):
@@ -166,7 +166,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
             raise UserError("the front went away")
         return real(*args)
 
-    monkeypatch.setattr(act, "in_local", crash_once)
+    monkeypatch.setattr(carry_out, "in_local", crash_once)
     try:
         done = cli(*base, "--front", url, "--output", tmp_path / "better")
         assert done.code == 2 and "the front went away" in done.err

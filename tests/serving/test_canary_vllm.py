@@ -126,7 +126,7 @@ def test_a_sabotaged_challenger_is_rolled_back_online_and_a_good_one_promoted_an
     import yaml
     from mlflow.tracking import MlflowClient
 
-    from kubealign.serving.act import REJECTED_TAG
+    from kubealign.serving.carry_out import REJECTED_TAG
 
     bad_rm = sabotaged_copy(trained["rm"], tmp_path / "bad-rm")
     fast = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=10", "--set", "ppo.actor_learning_rate=3e-4"]

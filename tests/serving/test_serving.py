@@ -667,7 +667,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
 
     from kubealign.config import load_config
     from kubealign.models import loading
-    from kubealign.serving import act
+    from kubealign.serving import carry_out
     from kubealign.stages import act as act_task
     from kubealign.stages import judge_task
     from kubealign.stages import serve as stage
@@ -711,9 +711,9 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     courteous.models, curt.models = listing(name, "1", first=name), listing(name, "2", first=name)  # vllm runtime's
     judged = load_config(judge_config(tmp_path), [*sets, "tracking.enabled=true", "canary.min_answers=3"])
     judge = functools.partial(judge_task.run, judged, split_dir, loading.resolve("tiny-opt"), None, core=kube.core())
-    carry_out = functools.partial(act_task.run, judged, custom=kube.client())
+    act_on = functools.partial(act_task.run, judged, custom=kube.client())
     assert judge(tmp_path / "s0", tmp_path / "j0")["why"] == "serve applied no canary: nothing to judge"
-    nothing = carry_out(tmp_path / "j0", tmp_path / "a0")
+    nothing = act_on(tmp_path / "j0", tmp_path / "a0")
     assert not nothing["acted"] and nothing["why"] == "nothing to carry out: serve applied no canary: nothing to judge"
     promote_canary(1, "tiny-llama", 1.2)
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
@@ -737,13 +737,13 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     # the judge (user code, the tracking identity) moved nothing: the registry and the service are as they were
     assert aliases(registry.url, name) == {"champion": "1", "challenger": "2"} and "canary" in served()["spec"]
     # the act task carries it out
-    acted = carry_out(tmp_path / "j1", tmp_path / "a1")
+    acted = act_on(tmp_path / "j1", tmp_path / "a1")
     assert acted["registry"] == {"challenger": None, "champion": "1", "previous-champion": None}
     assert (acted["inference_service"], acted["action"]) == (f"team-a/{name}", "updated")
-    assert MlflowClient(registry.url).get_model_version(name, "2").tags[act.REJECTED_TAG] == "rejected"
+    assert MlflowClient(registry.url).get_model_version(name, "2").tags[carry_out.REJECTED_TAG] == "rejected"
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == stable
     assert errors(served()) == []
-    again = carry_out(tmp_path / "j1", tmp_path / "a1")  # a rerun of act: nothing moves, nothing changes
+    again = act_on(tmp_path / "j1", tmp_path / "a1")  # a rerun of act: nothing moves, nothing changes
     assert again["registry"]["champion"] == "1" and again["action"] == "unchanged"
     # promoted (a verdict on version 3), the service update failing once
     promote_canary(2, "tiny-llama", 1.3)
@@ -753,19 +753,19 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     (tmp_path / "j2" / judge_task.VERDICT_FILE).write_text(json.dumps({**verdict, "promoted": True, "version": "3"}))
     kube.fail[("PATCH", len(kube.calls("PATCH")) + 1)] = 500
     with pytest.raises(UserError, match=f"updating InferenceService team-a/{name}: HTTP 500"):
-        carry_out(tmp_path / "j2", tmp_path / "a2")
+        act_on(tmp_path / "j2", tmp_path / "a2")
     assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}  # decided in the registry
     assert "canary" in served()["spec"] and not (tmp_path / "a2").exists()  # still split in the cluster
-    assert act.served_canary(kube.client(), "team-a", name) == "3"  # what a rerun of the judge judges
-    finished = carry_out(tmp_path / "j2", tmp_path / "a2")  # the rerun of act: moves nothing, finishes the service
+    assert carry_out.served_canary(kube.client(), "team-a", name) == "3"  # what a rerun of the judge judges
+    finished = act_on(tmp_path / "j2", tmp_path / "a2")  # the rerun of act: moves nothing, finishes the service
     assert finished["registry"] == {"challenger": None, "champion": "3", "previous-champion": "1"}
     assert aliases(registry.url, name) == {"champion": "3", "previous-champion": "1"}
-    assert finished["action"] == "updated" and act.served_canary(kube.client(), "team-a", name) is None
+    assert finished["action"] == "updated" and carry_out.served_canary(kube.client(), "team-a", name) is None
     assert "canary" not in served()["spec"] and served()["spec"]["predictor"]["model"]["storageUri"] == canary_files
-    assert act.served_canary(kube.client(), "team-b", name) is None  # no such service
+    assert carry_out.served_canary(kube.client(), "team-b", name) is None  # no such service
     # a verdict about a version that is not challenger any more is refused
     with pytest.raises(UserError, match="challenger is now version None, not the judged version 2: judge again"):
-        act.in_registry(config, registry.url, True, "2")
+        carry_out.in_registry(config, registry.url, True, "2")
     # `kubealign rollback --namespace`: the previous champion again, in the registry and in what is served
     from kubealign.cluster import trainjob
 

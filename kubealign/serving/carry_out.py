@@ -1,4 +1,4 @@
-"""The online judge's verdict made true: first in the registry, then in what is served (issue 39). Called by
+"""The online judge's verdict carried out: first in the registry, then in what is served. Called by
 `kubealign judge --act` and, in the DAG, by the act task (kubealign.stages.act) on the judge task's verdict.json.
 
 Registry, under promote's lease and alias journal (kubealign.promotion): a promoted canary's version becomes
