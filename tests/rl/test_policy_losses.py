@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kubealign.rl.correction import mismatch, rollout_weights
-from kubealign.rl.losses import POLICY_LOSSES, policy_loss, sequence_log_ratio
+from kubealign.rl.losses import POLICY_LOSSES, PolicyLossSettings, policy_loss, sequence_log_ratio
 
 LOW, HIGH = 0.2, 0.28  # bounds 0.8 and 1.28 (clip-higher: the two differ, so a swap shows)
 GARBAGE = 7.0  # log-ratio outside the response: must not matter
@@ -36,9 +36,14 @@ def close(x: torch.Tensor, expected) -> bool:
     return torch.allclose(x.double(), expected, rtol=1e-6, atol=1e-9)
 
 
+def settings(kind: str = "ppo", **kwargs) -> PolicyLossSettings:
+    """This file's bounds (LOW, HIGH) for the surrogate `kind`, other settings as given."""
+    return PolicyLossSettings(kind, LOW, HIGH, **kwargs)
+
+
 def loss_and_grad(kind: str, ratios, advantages, **kwargs):
     logprobs, old, adv, mask = rows(ratios, advantages)
-    out = policy_loss(logprobs, old, adv, mask, LOW, HIGH, kind=kind, **kwargs)
+    out = policy_loss(logprobs, old, adv, mask, settings(kind, **kwargs))
     out.loss.backward()
     return out, logprobs.grad
 
@@ -94,7 +99,7 @@ def test_gspo_with_per_token_advantages_keeps_each_tokens_own_advantage():
     # GSPO-token (eq. 13): the value is the sequence ratio, the gradient each token's own -A_t s grad log pi_t
     logprobs, old, _, mask = rows([[1.2, 1.0]], [0.0])
     adv = torch.tensor([[1.0, -3.0, 0, 0]], dtype=torch.float64)
-    policy_loss(logprobs, old, adv, mask, LOW, HIGH, kind="gspo").loss.backward()
+    policy_loss(logprobs, old, adv, mask, settings("gspo")).loss.backward()
     s = 1.2**0.5  # inside both bounds
     assert close(logprobs.grad, [[-1.0 * s / 2, 3.0 * s / 2, 0, 0]])
 
@@ -118,7 +123,7 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
 
 def test_cispo_with_cliprange_one_has_no_lower_bound():
     logprobs, old, adv, mask = rows([[0.1, 2.0]], [-1.0])
-    out = policy_loss(logprobs, old, adv, mask, 1.0, 0.28, kind="cispo")
+    out = policy_loss(logprobs, old, adv, mask, PolicyLossSettings("cispo", cliprange=1.0, cliprange_high=0.28))
     assert out.loss.item() == pytest.approx((0.1 + 1.28) / 2)
 
 
@@ -130,7 +135,9 @@ def sapo_by_hand(ratio: float, adv: float, tau: float) -> tuple[float, float]:
 
 def test_sapo_gates_softly_with_a_temperature_per_advantage_sign():
     taus = (1.0, 2.0)  # far apart: using tau_pos for a negative advantage would show
-    out, grad = loss_and_grad("sapo", TOKEN_RATIOS, TOKEN_ADV, sapo_temperatures=taus)
+    out, grad = loss_and_grad(
+        "sapo", TOKEN_RATIOS, TOKEN_ADV, sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1]
+    )
     expected = [
         [sapo_by_hand(r, a, taus[0] if a > 0 else taus[1]) if r else (0, 0) for r in row]
         for row, a in zip(TOKEN_RATIOS, TOKEN_ADV, strict=True)
@@ -170,7 +177,7 @@ def test_every_choice_is_the_plain_policy_gradient_at_ratio_one(kind):
 def test_an_unknown_policy_loss_is_refused():
     logprobs, old, adv, mask = rows([[1.0]], [1.0])
     with pytest.raises(ValueError, match="unknown policy loss 'grpo'"):
-        policy_loss(logprobs, old, adv, mask, LOW, kind="grpo")
+        policy_loss(logprobs, old, adv, mask, settings("grpo"))
 
 
 # --- rollout correction -------------------------------------------------------------------------------------
@@ -211,7 +218,7 @@ def test_no_correction_weighs_every_token_one():
 def test_the_correction_weights_the_loss_and_carries_no_gradient():
     logprobs, old, adv, mask = rows([[1.0, 1.0, 1.0], [None, 1.0]], [1.0, -2.0])
     weights = torch.tensor([[2.0, 0.5, 0.0, 9.0], [9.0, 1.5, 9.0, 9.0]], dtype=torch.float64, requires_grad=True)
-    out = policy_loss(logprobs, old, adv, mask, LOW, HIGH, weights=weights)
+    out = policy_loss(logprobs, old, adv, mask, settings(), weights=weights)
     out.loss.backward()
     assert out.loss.item() == pytest.approx((-2.0 - 0.5 - 0.0 + 2 * 1.5) / 4)  # the denominator stays 4 tokens
     assert close(logprobs.grad, [[-0.5, -0.125, 0, 0], [0, 0.75, 0, 0]])
