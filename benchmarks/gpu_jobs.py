@@ -172,15 +172,15 @@ def ppo_config(spec: dict[str, Any]) -> Any:
 
 
 def build(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """The four models exactly as the ppo stage builds them (kubealign.stages.ppo.build_models)."""
-    from kubealign.stages import ppo
+    """The four models exactly as the ppo stage builds them (kubealign.stages.ppo_models.build_models)."""
+    from kubealign.stages import ppo_models
     from kubealign.training import distributed
 
     cfg = ppo_config(spec)
     distributed.init()
     distributed.seed_everything(cfg.seed)
     with forced_path(spec["path"]):
-        models, check = ppo.build_models(cfg, spec["actor"], spec["critic"], spec["critic"], 1)
+        models, check = ppo_models.build_models(cfg, spec["actor"], spec["critic"], spec["critic"], 1)
     return cfg, models, check
 
 

@@ -135,8 +135,35 @@ def aggregate(
     return total / (denominator if denominator > 0 else 1.0)  # nothing counted: a zero loss, not 0 / 0
 
 
-# ppo.policy_loss: how the ratio of the new to the old policy weighs each response action's advantage
-POLICY_LOSSES = ("ppo", "gspo", "cispo", "sapo")
+class PolicyLossSettings(NamedTuple):
+    """What the policy loss reads from ppo's config, built once per run (PolicyLossSettings.of) and passed down
+    to policy_loss and every surrogate, so that the loss's signature does not grow with each new choice."""
+
+    kind: str = "ppo"  # ppo.policy_loss: the surrogate's name in SURROGATES
+    cliprange: float = 0.2  # eps_low: the ratio's lower bound is 1 - cliprange
+    cliprange_high: float | None = None  # eps_high: the upper bound is 1 + cliprange_high; None: cliprange
+    aggregation: str = "token"  # ppo.loss_aggregation (aggregate)
+    max_tokens: int = 0  # ppo.max_new_tokens: the constant aggregation's length
+    sapo_temperature_pos: float = 1.0  # sapo's gate temperature where the advantage is > 0
+    sapo_temperature_neg: float = 1.05  # and where it is <= 0
+
+    @classmethod
+    def of(cls, cfg: Any) -> PolicyLossSettings:
+        """The settings of a ppo config section (PPOConfig)."""
+        return cls(
+            cfg.policy_loss,
+            cfg.cliprange,
+            cfg.cliprange_high,
+            cfg.loss_aggregation,
+            cfg.max_new_tokens,
+            cfg.sapo_temperature_pos,
+            cfg.sapo_temperature_neg,
+        )
+
+    @property
+    def clip_high(self) -> float:
+        """eps_high as the bounds use it: cliprange_high, or cliprange when that is None (symmetric clip)."""
+        return self.cliprange if self.cliprange_high is None else self.cliprange_high
 
 
 class Surrogate(NamedTuple):
@@ -144,7 +171,7 @@ class Surrogate(NamedTuple):
     clipped: torch.Tensor  # [B, A] bool: where the bound cut the ratio (or its weight) of this action
 
 
-def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> Surrogate:
+def ppo_clip(log_ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> Surrogate:
     """[B, A] -> max(-A r, -A clip(r, 1 - low, 1 + high)), r = exp(log_ratio) (PPO eq. 7 as a loss; high > low
     is DAPO's clip-higher, Yu et al. 2025 eq. 10). The clipped side has no gradient: a token whose ratio has
     left the trust region in the direction its advantage pushes stops moving."""
@@ -152,6 +179,13 @@ def clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: fl
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
     return Surrogate(torch.maximum(unclipped, clipped), clipped > unclipped)
+
+
+def clipped_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, settings: PolicyLossSettings
+) -> Surrogate:
+    """ppo: `ppo_clip` of each token's own ratio to [1 - cliprange, 1 + clip_high] (response_mask: unused)."""
+    return ppo_clip(log_ratio, advantages, settings.cliprange, settings.clip_high)
 
 
 def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -162,7 +196,7 @@ def sequence_log_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> 
 
 
 def gspo_surrogate(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, low: float, high: float
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, settings: PolicyLossSettings
 ) -> Surrogate:
     """GSPO-token (Zheng et al. 2025 eq. 13-14): every action of row i carries the sequence ratio s_i in value,
     r_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)], clipped as PPO clips. Why: one ratio per response (a geometric mean)
@@ -170,16 +204,19 @@ def gspo_surrogate(
     is kept or clipped as a whole. With one advantage per row (grpo, rloo) its gradient is GSPO's,
     s_i * A_i * mean_t grad log pi(y_t) per row; with GAE's per-token advantages (ppo) each token keeps its own."""
     seq = sequence_log_ratio(log_ratio, response_mask).detach()
-    return clipped_surrogate(seq + log_ratio - log_ratio.detach(), advantages, low, high)
+    return ppo_clip(seq + log_ratio - log_ratio.detach(), advantages, settings.cliprange, settings.clip_high)
 
 
-def cispo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: float, high: float) -> Surrogate:
+def cispo_surrogate(
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, settings: PolicyLossSettings
+) -> Surrogate:
     """CISPO (MiniMax-M1, Chen et al. 2025 eq. 4): -sg[clip(r, 1 - low, 1 + high)] * A * log pi per action. The
     importance weight is clipped and held constant, not the update: every token keeps a gradient,
     sg[w] * A * grad log pi, where PPO's clip gives a token out of range none (the rare "fork" tokens a
     reasoning model needs to learn are exactly those). Written as -A * sg[w] * exp(log r - sg[log r]): the
     same gradient, and a value -A * w comparable with the other choices' (TRL's -A w log pi is not).
     MiniMax-M1 bounds only the top: cliprange 1 puts the lower bound at 0, which no ratio reaches."""
+    low, high = settings.cliprange, settings.clip_high
     ratio = log_ratio.exp()
     weight = ratio.clamp(1.0 - low, 1.0 + high).detach()
     per_token = -advantages * weight * (log_ratio - log_ratio.detach()).exp()
@@ -187,41 +224,42 @@ def cispo_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, low: floa
 
 
 def sapo_surrogate(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, temperature_pos: float, temperature_neg: float
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, settings: PolicyLossSettings
 ) -> Surrogate:
     """SAPO's soft gate (Gao et al. 2025, as TRL implements it): -A * sigmoid(tau (r - 1)) * 4 / tau per action,
-    tau = temperature_pos where A > 0, temperature_neg elsewhere. Why: a hard clip drops a token's gradient at
-    a cliff; the gate's gradient weight 4 sigmoid'(tau (r - 1)) is 1 at r = 1 (the plain policy gradient) and
-    fades smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos: pushing a token's
-    probability down is the less stable direction). Its value at r = 1 is -2 A / tau, not -A. There is no
-    bound: `clipped` is left to the caller."""
+    tau = sapo_temperature_pos where A > 0, sapo_temperature_neg elsewhere. Why: a hard clip drops a token's
+    gradient at a cliff; the gate's gradient weight 4 sigmoid'(tau (r - 1)) is 1 at r = 1 (the plain policy
+    gradient) and fades smoothly as r leaves 1, faster for negative advantages (tau_neg > tau_pos: pushing a
+    token's probability down is the less stable direction). Its value at r = 1 is -2 A / tau, not -A. The gate
+    has no bound: `clipped` marks where PPO's hard clip would have cut (the same bounds), so that
+    clip_fraction compares across the choices."""
     ratio = log_ratio.exp()
-    tau = torch.where(advantages > 0, temperature_pos, temperature_neg).to(ratio.dtype)
+    tau = torch.where(advantages > 0, settings.sapo_temperature_pos, settings.sapo_temperature_neg).to(ratio.dtype)
     gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
-    return Surrogate(-advantages * gate, torch.zeros_like(ratio, dtype=torch.bool))
+    would_clip = ppo_clip(log_ratio.detach(), advantages, settings.cliprange, settings.clip_high).clipped
+    return Surrogate(-advantages * gate, would_clip)
+
+
+# ppo.policy_loss -> how the ratio of the new to the old policy weighs each response action's advantage; one
+# signature, (log_ratio, advantages, response_mask, settings) -> Surrogate, chosen by the config's name (as
+# veRL registers its policy losses). The names are config/ppo.py's ppo.policy_loss values.
+SURROGATES = {
+    "ppo": clipped_surrogate,
+    "gspo": gspo_surrogate,
+    "cispo": cispo_surrogate,
+    "sapo": sapo_surrogate,
+}
+POLICY_LOSSES = tuple(SURROGATES)
 
 
 def surrogate(
-    kind: str,
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    low: float,
-    high: float,
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
+    log_ratio: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, settings: PolicyLossSettings
 ) -> Surrogate:
-    """The per-token loss of ppo.policy_loss `kind` (POLICY_LOSSES). sapo's `clipped` marks where PPO's hard
-    clip would have cut (the same [1 - low, 1 + high]): clip_fraction then compares across the choices."""
-    if kind == "ppo":
-        return clipped_surrogate(log_ratio, advantages, low, high)
-    if kind == "gspo":
-        return gspo_surrogate(log_ratio, advantages, response_mask, low, high)
-    if kind == "cispo":
-        return cispo_surrogate(log_ratio, advantages, low, high)
-    if kind == "sapo":
-        soft = sapo_surrogate(log_ratio, advantages, *sapo_temperatures)
-        return Surrogate(soft.per_token, clipped_surrogate(log_ratio.detach(), advantages, low, high).clipped)
-    raise ValueError(f"unknown policy loss {kind!r} (expected one of {', '.join(POLICY_LOSSES)})")
+    """[B, A] -> the per-token loss of the surrogate settings.kind names (SURROGATES)."""
+    chosen = SURROGATES.get(settings.kind)
+    if chosen is None:
+        raise ValueError(f"unknown policy loss {settings.kind!r} (expected one of {', '.join(POLICY_LOSSES)})")
+    return chosen(log_ratio, advantages, response_mask, settings)
 
 
 def policy_loss(
@@ -229,25 +267,20 @@ def policy_loss(
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange: float,
-    cliprange_high: float | None = None,
-    aggregation: str = "token",
-    max_tokens: int = 0,
+    settings: PolicyLossSettings,
+    *,
     denominator: float | None = None,
-    kind: str = "ppo",
     weights: torch.Tensor | None = None,
-    sapo_temperatures: tuple[float, float] = (1.0, 1.05),
 ) -> PolicyLoss:
-    """The policy loss of ppo.policy_loss `kind` (`surrogate`; ppo: the clipped surrogate, PPO paper eq. 7,
-    with eps_high = cliprange_high, None = cliprange) per response action, times `weights` ([B, A], the
-    rollout correction's, held constant; None: 1), aggregated (`aggregate`), r = exp(logprobs - old_logprobs).
-    Positions outside the response do not matter, even at -inf. clip_fraction and approx_kl are token means
-    whatever the aggregation. denominator: see `aggregate`."""
+    """[B, A] -> the policy loss of settings.kind (`surrogate`; ppo: the clipped surrogate, PPO paper eq. 7) per
+    response action, times `weights` ([B, A], the rollout correction's, held constant; None: 1), aggregated by
+    settings.aggregation (`aggregate`), r = exp(logprobs - old_logprobs). Positions outside the response do not
+    matter, even at -inf. clip_fraction and approx_kl are token means whatever the aggregation. denominator:
+    see `aggregate`."""
     log_ratio = torch.where(response_mask.bool(), logprobs - old_logprobs, torch.zeros_like(logprobs))
-    high = cliprange if cliprange_high is None else cliprange_high
-    term = surrogate(kind, log_ratio, advantages, response_mask, cliprange, high, sapo_temperatures)
+    term = surrogate(log_ratio, advantages, response_mask, settings)
     per_token = term.per_token if weights is None else term.per_token * weights.detach().to(term.per_token.dtype)
-    loss = aggregate(per_token, response_mask, aggregation, max_tokens, denominator)
+    loss = aggregate(per_token, response_mask, settings.aggregation, settings.max_tokens, denominator)
     clip_fraction = masked_mean(term.clipped.to(logprobs.dtype), response_mask)
     ratio = log_ratio.exp()
     approx_kl = masked_mean((ratio - 1) - log_ratio, response_mask)  # k3: unbiased, always >= 0

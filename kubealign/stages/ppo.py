@@ -29,14 +29,9 @@ from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rewards.totals import function_means, function_totals
-from kubealign.rl import multiturn
-from kubealign.rl.experience import make_experience
-from kubealign.rl.iteration import NonFiniteExperience, UnsupervisedData, iteration
-from kubealign.rl.kl import KLController
-from kubealign.rl.losses import Sampling
-from kubealign.rl.rollout import PPOModels, generate
-from kubealign.stages.ppo_models import build_models, check_inputs, model_dirs, train_config  # noqa: F401
-from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
+from kubealign.rl import experience, experience_checks, kl, losses, multiturn, rollout, unsupervised
+from kubealign.rl.iteration import iteration
+from kubealign.stages import ppo_models, ppo_state
 from kubealign.tracking.lineage import phase_ref
 from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, export, preemption
@@ -71,7 +66,9 @@ def prompt_batch(prompts: list[list[int]], order: list[int], pad: int):
 
 
 @torch.no_grad()
-def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: Rows | None = None) -> dict[str, float]:
+def evaluate(
+    models: rollout.PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: Rows | None = None
+) -> dict[str, float]:
     """Mean reward and KL to the reference on the eval prompts (rows: theirs, for reward functions), sampled
     with a fixed seed (the training RNG, CPU and GPU, is left untouched); with reward functions also each
     one's mean, fn/<NAME>."""
@@ -86,9 +83,11 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
             if models.tools is not None:  # the same turns as training: tools or the environment answer
                 batch = multiturn.rollout(models, ids, mask, cfg, models.tools, prompt_rows)
             else:
-                batch = generate(models, ids, mask, cfg)
+                batch = rollout.generate(models, ids, mask, cfg)
             chunk = prompt_rows.repeat(cfg.group_size) if prompt_rows else None
-            exp = make_experience(batch, mask, models.tokenizer.eos_token_id, models, Sampling.of(cfg), chunk)
+            exp = experience.make_experience(
+                batch, mask, models.tokenizer.eos_token_id, models, losses.Sampling.of(cfg), chunk
+            )
             exp = multiturn.with_environment_rewards(exp, getattr(batch, "env_rewards", None))
             scores += exp.scores.tolist()
             kls += (exp.logprobs - exp.ref_logprobs).sum(-1).tolist()  # both are 0 outside the response
@@ -96,7 +95,7 @@ def evaluate(models: PPOModels, prompts: list[list[int]], cfg: PPOConfig, rows: 
     return {"reward": sum(scores) / len(scores), "kl": sum(kls) / len(kls), **function_means(totals)}
 
 
-def tool_session(config: KubealignConfig, models: PPOModels, runner: Any) -> multiturn.ToolSession:
+def tool_session(config: KubealignConfig, models: rollout.PPOModels, runner: Any) -> multiturn.ToolSession:
     """The multi-turn rollouts' tools (or environment), run by the reward-function worker (rewards' limits)."""
     if models.synced_gpus:  # ranks would run different numbers of turns, each a collective generate
         raise UserError(
@@ -117,13 +116,13 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     rows = phases.load(prompts, "phase1_sft")["train"]
     examples = tokenize(rows, tokenizer, cfg.max_prompt_len + cfg.max_new_tokens, include_prompt=False)
     rank, world = distributed.init()
-    return UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
+    return unsupervised.UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
 
 
 def diverged(exc: NonFiniteLoss, cfg: PPOConfig, step: int, checkpoints: Path) -> UserError:
     """The one line of a non-finite loss or experience at iteration STEP."""
     lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
-    frozen = isinstance(exc, NonFiniteExperience) and not exc.trained  # no learning rate made that
+    frozen = isinstance(exc, experience_checks.NonFiniteExperience) and not exc.trained  # no learning rate made that
     hint = "" if frozen else f" ({lrs})"
     return UserError(
         f"{STAGE}: {exc} at iteration {step}{hint}; stopped before applying it, no model was written, "
@@ -131,7 +130,7 @@ def diverged(exc: NonFiniteLoss, cfg: PPOConfig, step: int, checkpoints: Path) -
     )
 
 
-def log_samples(models: PPOModels, cfg: PPOConfig, exp: Any, tracker: Any, step: int) -> None:
+def log_samples(models: rollout.PPOModels, cfg: PPOConfig, exp: Any, tracker: Any, step: int) -> None:
     """Every sample_every_iterations: four of the iteration's prompts + responses as an MLflow text artifact."""
     if cfg.sample_every_iterations and step % cfg.sample_every_iterations == 0:
         texts = models.tokenizer.batch_decode(exp.input_ids[:4], skip_special_tokens=True)
@@ -139,7 +138,7 @@ def log_samples(models: PPOModels, cfg: PPOConfig, exp: Any, tracker: Any, step:
 
 
 def save_or_stop(
-    models: PPOModels,
+    models: rollout.PPOModels,
     cfg: PPOConfig,
     checkpoints: Path,
     step: int,
@@ -151,19 +150,19 @@ def save_or_stop(
     all) saves, unless just saved, and stops every rank here. state: (KL controller, EMA, client state)."""
     saved = bool(cfg.save_every_iterations) and step % cfg.save_every_iterations == 0
     if saved:
-        save_checkpoint(models, checkpoints, step, *state)
+        ppo_state.save_checkpoint(models, checkpoints, step, *state)
         tracker.flush()  # MLflow holds what the checkpoint does (bounded; no wait while it is down)
     fault_hook(step)
     signum = stop.agreed()
     if signum:
         if not saved:
-            save_checkpoint(models, checkpoints, step, *state)
+            ppo_state.save_checkpoint(models, checkpoints, step, *state)
         tracker.flush()
         raise preemption.stopped(STAGE, signum, f"iteration {step}", str(checkpoints / f"iter{step}"))
 
 
 def train(
-    models: PPOModels,
+    models: rollout.PPOModels,
     cfg: PPOConfig,
     prompts,
     eval_prompts,
@@ -185,9 +184,11 @@ def train(
             f"{len(prompts)} phase-3 training prompts"
         )
     lengths = [len(p) for p in prompts]
-    kl = KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-    ema = EMA(cfg.ema_coef) if cfg.ema_coef else None
-    state = load_checkpoint(models, checkpoints, kl, ema, cfg.algorithm) if resume else {"iteration": 0}
+    controller = kl.KLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    ema = ppo_state.EMA(cfg.ema_coef) if cfg.ema_coef else None
+    state = (
+        ppo_state.load_checkpoint(models, checkpoints, controller, ema, cfg.algorithm) if resume else {"iteration": 0}
+    )
     start = state["iteration"]
     before = state.get("before") or evaluate(models, eval_prompts, cfg, eval_rows)
     history = state.get("history", [])
@@ -205,7 +206,7 @@ def train(
                 ids, mask = prompt_batch(prompts, order, models.tokenizer.pad_token_id)
                 batch_rows = rows.take(order) if rows else None
                 try:
-                    metrics, exp = iteration(models, ids, mask, cfg, kl, gen, unsup, batch_rows)
+                    metrics, exp = iteration(models, ids, mask, cfg, controller, gen, unsup, batch_rows)
                 except NonFiniteLoss as exc:  # raised on every rank at once; the checkpoints stay as last saved
                     raise diverged(exc, cfg, step, checkpoints) from None
                 if ema is not None:
@@ -223,7 +224,7 @@ def train(
                     "algorithm": cfg.algorithm,
                     "unsup_served": served,
                 }
-                save_or_stop(models, cfg, checkpoints, step, (kl, ema, extra), tracker, stop)
+                save_or_stop(models, cfg, checkpoints, step, (controller, ema, extra), tracker, stop)
         finally:
             bar.close()
     after = evaluate(models, eval_prompts, cfg, eval_rows)
@@ -255,8 +256,8 @@ def run(
     check_output_path(output, STAGE)
     checkpoint_dir = checkpoints.checkpoint_dir(output, resume, checkpoint_location)
     reward_flag = "--reward" if reward is not None else "--critic"
-    critic, reward = model_dirs(cfg, config.rewards, actor, critic, reward)
-    check_inputs(cfg, actor, critic, reward, reward_flag)
+    critic, reward = ppo_models.model_dirs(cfg, config.rewards, actor, critic, reward)
+    ppo_models.check_inputs(cfg, actor, critic, reward, reward_flag)
     specs = definitions.resolve_all(config.rewards, config.tools, config.base_dir) if functions is None else functions
     definitions.check_matches(specs, config.rewards, config.tools)
     dataset = phases.load(prompts, "phase3_prompts")
@@ -268,7 +269,7 @@ def run(
     r = config.rewards
     runner = FunctionRunner.for_config(specs, r) if specs else None
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
-        models, check = build_models(
+        models, check = ppo_models.build_models(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
         )
         tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
@@ -333,7 +334,9 @@ def summarize(history: list[dict], before: dict[str, float], after: dict[str, fl
     }
 
 
-def write_outputs(models: PPOModels, cfg: PPOConfig, ema: EMA | None, output: Path, result: dict) -> None:
+def write_outputs(
+    models: rollout.PPOModels, cfg: PPOConfig, ema: ppo_state.EMA | None, output: Path, result: dict
+) -> None:
     """Actor (adapters merged) at DIR, critic at DIR/critic (ppo), EMA at DIR/ema — one atomic output."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 

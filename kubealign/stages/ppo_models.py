@@ -15,7 +15,6 @@ from kubealign.models.value_head import load_reward_model
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl import preflight
 from kubealign.rl.rollout import ModuleRollout, PPOModels, disable_dropout
-from kubealign.stages.ppo_state import EMA, EMA_FILE, checkpoint_parts, load_checkpoint, save_checkpoint  # noqa: F401
 from kubealign.training import engine as engines
 from kubealign.usercode.runner import FunctionRunner
 

@@ -195,15 +195,15 @@ def test_ppo_moves_latest_only_after_the_actor_and_the_critic_are_sealed(tmp_pat
     from types import SimpleNamespace
 
     from kubealign.rl.kl import KLController
-    from kubealign.stages import ppo
+    from kubealign.stages import ppo_state
 
     kl = KLController(0.1, None, 1)
     models = SimpleNamespace(actor=SavingEngine(), critic=SavingEngine())
-    ppo.save_checkpoint(models, tmp_path, 1, kl, None, {})
+    ppo_state.save_checkpoint(models, tmp_path, 1, kl, None, {})
     assert (tmp_path / "latest").read_text() == "iter1"
     models.critic.dies = True
     with pytest.raises(KeyboardInterrupt):
-        ppo.save_checkpoint(models, tmp_path, 2, kl, None, {})
+        ppo_state.save_checkpoint(models, tmp_path, 2, kl, None, {})
     assert (tmp_path / "latest").read_text() == "iter1"  # the actor's iteration 2 is on disk, not committed
     assert (tmp_path / "actor" / "iter2" / checkpoints.MANIFEST).exists() is False
     assert checkpoints.resume_tag(tmp_path, [tmp_path / "actor", tmp_path / "critic"]) == "iter1"

@@ -12,7 +12,14 @@ import torch
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.advantages import kl_penalized_rewards, last_action_index
 from kubealign.rl.experience import make_experience, paired_logprobs, policy_logprobs, response_masks
-from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
+from kubealign.rl.losses import (
+    PolicyLossSettings,
+    Sampling,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    scaled_logits,
+)
 from kubealign.rl.rollout import PPOModels
 
 EOS = 2  # also the pad token, as build_models makes it for a tokenizer without one
@@ -110,7 +117,7 @@ def test_kl_and_policy_loss_ignore_minus_infinity_outside_the_response():
     lp, old = torch.tensor([[inf, -1.0, -2.0]]), torch.tensor([[inf, -1.0, -2.0]])
     rewards = kl_penalized_rewards(lp, torch.tensor([[inf, -1.5, -2.0]]), torch.tensor([0.0]), mask, 1.0, 5.0)
     assert rewards.kl.tolist() == [[0.0, 0.5, 0.0]]
-    out = policy_loss(lp, old, torch.tensor([[3.0, 1.0, -1.0]]), mask, 0.2)
+    out = policy_loss(lp, old, torch.tensor([[3.0, 1.0, -1.0]]), mask, PolicyLossSettings(cliprange=0.2))
     assert out.loss.item() == 0.0 and out.approx_kl.item() == 0.0 and out.clip_fraction.item() == 0.0
 
 
@@ -264,31 +271,31 @@ def test_generate_samples_in_eval_mode_with_exactly_the_configured_settings():
 
 
 def test_the_kl_controller_sees_every_ranks_kl(monkeypatch):
-    from kubealign.rl import iteration
+    from kubealign.rl import targets
     from kubealign.rl.kl import KLController
 
     # This rank measured KL 1 and 3 (mean 2); the other rank measured 10 and 10 (sum 20, 2 samples).
-    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 200.0, v[2] + 2.0])
+    monkeypatch.setattr(targets.distributed, "all_reduce_sum", lambda v: [v[0] + 20.0, v[1] + 200.0, v[2] + 2.0])
     kl = KLController(0.1, target=4.0, horizon=100)
-    assert iteration.update_kl(kl, torch.tensor([1.0, 3.0])) == 6.0
+    assert targets.update_kl(kl, torch.tensor([1.0, 3.0])) == 6.0
     # mean over ranks = 24 / 4 = 6: error min(6 / 4 - 1, 0.2) = 0.2 over 4 samples (one rank alone: 2 / 4 - 1)
     assert kl.value == pytest.approx(0.1 * (1 + 0.2 * 4 / 100))
 
 
 def test_logged_reward_and_kl_pool_every_ranks_values(monkeypatch):
-    from kubealign.rl import iteration
+    from kubealign.rl import targets
 
     # this rank scored 1 and 3; the other rank scored 5 and 7 (sum 12, squares 74, 2 samples)
-    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: [v[0] + 12.0, v[1] + 74.0, v[2] + 2.0])
-    mean, std, count = iteration.global_stats(torch.tensor([1.0, 3.0]))
+    monkeypatch.setattr(targets.distributed, "all_reduce_sum", lambda v: [v[0] + 12.0, v[1] + 74.0, v[2] + 2.0])
+    mean, std, count = targets.global_stats(torch.tensor([1.0, 3.0]))
     assert (mean, count) == (4.0, 4)
     assert std == pytest.approx(torch.tensor([1.0, 3.0, 5.0, 7.0]).std().item())  # unbiased, like torch.std
-    monkeypatch.setattr(iteration.distributed, "all_reduce_sum", lambda v: v)  # one rank
-    assert iteration.global_stats(torch.tensor([2.0])) == (2.0, 0.0, 1)
+    monkeypatch.setattr(targets.distributed, "all_reduce_sum", lambda v: v)  # one rank
+    assert targets.global_stats(torch.tensor([2.0])) == (2.0, 0.0, 1)
 
 
 def test_ptx_batches_differ_across_ranks_and_wrap_around():
-    from kubealign.rl.iteration import UnsupervisedData
+    from kubealign.rl.unsupervised import UnsupervisedData
 
     examples = [{"input_ids": [i]} for i in range(5)]
     ranks = [UnsupervisedData(examples, 2, 0, rank=r, world=2) for r in range(2)]
@@ -329,7 +336,7 @@ def test_generation_config_turns_every_other_processor_off():
 
 def test_a_non_finite_experience_names_what_is_not_finite_and_where():
     from kubealign.rl.experience import Experience
-    from kubealign.rl.iteration import experience_fault
+    from kubealign.rl.experience_checks import experience_fault
 
     inf, nan = float("inf"), float("nan")
     mask = torch.tensor([[0, 1, 1], [0, 1, 0]])

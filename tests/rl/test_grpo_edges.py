@@ -18,8 +18,9 @@ from kubealign.rewards.scorer import Scorer, scored_rows
 from kubealign.rl import iteration
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import GRPO_EPS, group_std, grpo_advantages, rloo_advantages
-from kubealign.rl.losses import aggregate, loss_denominator
-from kubealign.training import distributed
+from kubealign.rl.losses import PolicyLossSettings, aggregate, loss_denominator
+from kubealign.rl.targets import global_stats, group_targets
+from kubealign.training import distributed, loop
 from kubealign.usercode import definitions
 from kubealign.usercode.runner import FunctionRunner
 from tests.rewards.test_rewards import FUNCTIONS, ORIGINS, CharTokenizer
@@ -57,11 +58,12 @@ def test_constant_aggregation_divides_by_the_kept_rows_only():
         loss_aggregation="constant",
         max_new_tokens=4,
     )
-    targets = iteration.group_targets(exp, cfg, beta=0.1)
+    targets = group_targets(exp, cfg, beta=0.1)
     n = lengths(exp)
     policy = sum(-GROUP0[i] * n[i] for i in range(3)) / (3 * 4)
     kl = sum(k3_sum(exp, i) for i in range(3)) / (3 * 4)
-    obj = iteration.actor_objective(actor, exp, torch.arange(6), targets.advantages, cfg, 0.1, keep=targets.keep)
+    inputs = iteration.UpdateInputs(exp, targets.advantages, keep=targets.keep, kl_coef=0.1)
+    obj = iteration.actor_objective(actor, inputs, torch.arange(6), cfg, PolicyLossSettings.of(cfg))
     assert obj.policy.loss.item() == pytest.approx(policy, abs=1e-6)  # today's code: half of it (6 rows)
     assert obj.kl.item() == pytest.approx(kl, rel=1e-6)  # float32 log-probs
     assert obj.loss.item() == pytest.approx(policy + 0.1 * kl, abs=1e-6)
@@ -72,12 +74,13 @@ def test_the_entropy_bonus_averages_over_the_kept_rows_only():
     cfg = PPOConfig(
         algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True, entropy_coef=0.01
     )
-    targets = iteration.group_targets(exp, cfg, beta=0.1)
+    targets = group_targets(exp, cfg, beta=0.1)
     # the entropy of the actor's next-token distribution at each kept response action, by hand from its table
     probs = torch.softmax(actor.table.float(), -1)
     per_token = (-(probs * probs.log()).sum(-1)).tolist()  # the entropy after each token id
     kept = [per_token[int(exp.input_ids[i, t])] for i in range(3) for t in range(6) if exp.response_mask[i, t]]
-    obj = iteration.actor_objective(actor, exp, torch.arange(6), targets.advantages, cfg, 0.1, keep=targets.keep)
+    inputs = iteration.UpdateInputs(exp, targets.advantages, keep=targets.keep, kl_coef=0.1)
+    obj = iteration.actor_objective(actor, inputs, torch.arange(6), cfg, PolicyLossSettings.of(cfg))
     assert obj.entropy.item() == pytest.approx(sum(kept) / len(kept), rel=1e-5)
     assert obj.loss.item() == pytest.approx((obj.policy.loss + 0.1 * obj.kl - 0.01 * obj.entropy).item(), rel=1e-6)
 
@@ -115,16 +118,18 @@ def test_token_is_the_global_token_mean_over_every_rank(monkeypatch):
     assert abs(global_mean - per_rank_means) > 1e-3
 
     losses = []
+    settings, inputs = PolicyLossSettings.of(cfg), iteration.UpdateInputs(exp, adv)
     for mine, theirs in ((range(3), range(3, 6)), (range(3, 6), range(3))):
         fake_ranks(monkeypatch, [float(sum(n[i] for i in theirs))])
         idx = torch.tensor(list(mine))
-        denominator = iteration.minibatch_denominator(exp.response_mask[idx], cfg)
+        denominator = iteration.minibatch_denominator(exp.response_mask[idx], settings)
         assert denominator == sum(n) / 2
-        losses.append(iteration.actor_objective(actor, exp, idx, adv, cfg, denominator=denominator).policy.loss.item())
+        objective = iteration.actor_objective(actor, inputs, idx, cfg, settings, denominator=denominator)
+        losses.append(objective.policy.loss.item())
     assert sum(losses) / 2 == pytest.approx(global_mean, abs=1e-6)  # what DeepSpeed's gradient average sees
     monkeypatch.undo()
     # one process holding every row: the same number
-    one = iteration.actor_objective(actor, exp, torch.arange(6), adv, cfg, denominator=None).policy.loss.item()
+    one = iteration.actor_objective(actor, inputs, torch.arange(6), cfg, settings, denominator=None).policy.loss.item()
     assert one == pytest.approx(global_mean, abs=1e-6)
 
 
@@ -175,14 +180,14 @@ def test_a_step_where_every_rank_dropped_every_row_is_skipped(monkeypatch):
     keep = torch.tensor([True] * 3 + [False] * 3)
     adv = torch.tensor(GROUP0 + [0.0] * 3, dtype=torch.float64)[:, None] * exp.response_mask
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan, keep=keep)
+    settings, shuffle = PolicyLossSettings.of(cfg), iteration.Plan(torch.Generator().manual_seed(0), plan)
+    stats = iteration.update(models, iteration.UpdateInputs(exp, adv, keep=keep), cfg, settings, shuffle)
     assert (actor.backwards, actor.steps, stats["skipped_steps"]) == (1, 1, 1.0)
     # nothing anywhere: no step at all, and the weights are exactly as they were (no momentum, no decay)
     actor = CountingActor(before.clone())
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(
-        models, exp, adv, None, cfg, torch.Generator().manual_seed(0), plan=plan, keep=torch.zeros(6, dtype=torch.bool)
-    )
+    nothing = iteration.UpdateInputs(exp, adv, keep=torch.zeros(6, dtype=torch.bool))
+    stats = iteration.update(models, nothing, cfg, settings, shuffle._replace(gen=torch.Generator().manual_seed(0)))
     assert (actor.backwards, actor.steps, stats["skipped_steps"]) == (0, 0, 2.0)
     assert torch.equal(actor.table, before) and "policy_loss" not in stats
 
@@ -191,7 +196,7 @@ def test_a_rank_with_nothing_steps_with_a_zero_loss_while_another_rank_has_rows(
     """Every rank must take the same steps (a ZeRO step is collective): with another rank counting 5 tokens
     this rank, whose rows are all dropped, still runs backward and step, and its loss adds nothing."""
     fake_ranks(monkeypatch, [5.0])
-    monkeypatch.setattr(iteration, "check_finite", lambda losses: None)  # its flags' all_reduce is not faked here
+    monkeypatch.setattr(loop, "check_finite", lambda losses: None)  # its flags' all_reduce is not faked here
     _, exp = hand_experience(REWARDS)
     actor = CountingActor(torch.randn(6, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     before = actor.table.detach().clone()
@@ -205,9 +210,9 @@ def test_a_rank_with_nothing_steps_with_a_zero_loss_while_another_rank_has_rows(
     )
     adv = torch.ones_like(exp.logprobs)
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(
-        models, exp, adv, None, cfg, torch.Generator().manual_seed(0), keep=torch.zeros(6, dtype=torch.bool)
-    )
+    inputs = iteration.UpdateInputs(exp, adv, keep=torch.zeros(6, dtype=torch.bool))
+    plan = iteration.Plan(torch.Generator().manual_seed(0))
+    stats = iteration.update(models, inputs, cfg, PolicyLossSettings.of(cfg), plan)
     assert (actor.backwards, actor.steps, stats["skipped_steps"], stats["policy_loss"]) == (1, 1, 0.0, 0.0)
     assert torch.equal(actor.table, before)  # a zero gradient, and plain SGD has no momentum
 
@@ -248,13 +253,13 @@ def test_group_targets_and_the_reward_mean_leave_unscored_rows_out():
     scored = torch.tensor([True, False, True, True, True, True])
     exp = exp._replace(scored=scored)
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True)
-    targets = iteration.group_targets(exp, cfg, beta=0.1)
+    targets = group_targets(exp, cfg, beta=0.1)
     # group 0 over 1 and 3: mean 2, std sqrt(2); the unscored row 0. Group 1: equal rewards, dropped.
     a = 1 / (math.sqrt(2) + GRPO_EPS)
     assert targets.advantages[:, 2].tolist() == pytest.approx([-a, 0.0, a, 0.0, 0.0, 0.0], abs=1e-6)
     assert targets.keep.tolist() == [True] * 3 + [False] * 3
     assert targets.metrics["group_reward_std"] == pytest.approx(math.sqrt(2) / 2)
-    mean, _, count = iteration.global_stats(exp.scores[exp.scored])
+    mean, _, count = global_stats(exp.scores[exp.scored])
     assert (mean, count) == (pytest.approx(13 / 5), 5)
 
 
@@ -305,7 +310,8 @@ def test_each_row_of_the_clipped_loss(ratio, advantage, loss, clipped):
     # one response of two tokens, the second outside the response (its ratio would be huge)
     logprobs = torch.tensor([[math.log(ratio), 5.0]], dtype=torch.float64)
     old, mask = torch.zeros(1, 2, dtype=torch.float64), torch.tensor([[1, 0]])
-    out = policy_loss(logprobs, old, torch.tensor([[advantage, 9.0]], dtype=torch.float64), mask, 0.2)
+    adv = torch.tensor([[advantage, 9.0]], dtype=torch.float64)
+    out = policy_loss(logprobs, old, adv, mask, PolicyLossSettings(cliprange=0.2))
     assert out.loss.item() == pytest.approx(loss)
     assert out.clip_fraction.item() == float(clipped)
     assert out.approx_kl.item() == pytest.approx((ratio - 1) - math.log(ratio))
@@ -313,7 +319,7 @@ def test_each_row_of_the_clipped_loss(ratio, advantage, loss, clipped):
 
 def test_pooled_statistics_with_a_faked_second_rank(monkeypatch):
     fake_ranks(monkeypatch, [3.0 + 4.0, 9.0 + 16.0, 2.0])  # the other rank holds 3 and 4
-    mean, std, count = iteration.global_stats(torch.tensor([1.0, 2.0, 5.0]))
+    mean, std, count = global_stats(torch.tensor([1.0, 2.0, 5.0]))
     values = [1.0, 2.0, 5.0, 3.0, 4.0]
     by_hand = sum(values) / 5
     assert (mean, count) == (pytest.approx(by_hand), 5)
@@ -327,7 +333,7 @@ def test_batch_scale_divides_by_the_std_pooled_over_every_rank_in_the_update_pat
     other = [10.0, 20.0, 30.0, 0.0, 0.0, 0.0]  # the other rank's rewards
     calls = fake_ranks(monkeypatch, [sum(other), sum(r * r for r in other), float(len(other))])
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=100, scale_rewards="batch")
-    targets = iteration.group_targets(exp, cfg, beta=0.0)
+    targets = group_targets(exp, cfg, beta=0.0)
     assert calls[0][2] == 6.0  # the first pooled statistic is the batch std's: this rank's six rewards
     pooled = REWARDS.tolist() + other
     mean = sum(pooled) / 12

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kubealign.rl.correction import mismatch, rollout_weights
-from kubealign.rl.losses import POLICY_LOSSES, policy_loss, sequence_log_ratio
+from kubealign.rl.losses import POLICY_LOSSES, PolicyLossSettings, policy_loss, sequence_log_ratio
 
 LOW, HIGH = 0.2, 0.28  # bounds 0.8 and 1.28 (clip-higher: the two differ, so a swap shows)
 GARBAGE = 7.0  # log-ratio outside the response: must not matter
@@ -36,9 +36,14 @@ def close(x: torch.Tensor, expected) -> bool:
     return torch.allclose(x.double(), expected, rtol=1e-6, atol=1e-9)
 
 
+def settings(kind: str = "ppo", **kwargs) -> PolicyLossSettings:
+    """This file's bounds (LOW, HIGH) for the surrogate `kind`, other settings as given."""
+    return PolicyLossSettings(kind, LOW, HIGH)._replace(**kwargs)
+
+
 def loss_and_grad(kind: str, ratios, advantages, **kwargs):
     logprobs, old, adv, mask = rows(ratios, advantages)
-    out = policy_loss(logprobs, old, adv, mask, LOW, HIGH, kind=kind, **kwargs)
+    out = policy_loss(logprobs, old, adv, mask, settings(kind, **kwargs))
     out.loss.backward()
     return out, logprobs.grad
 
@@ -94,7 +99,7 @@ def test_gspo_with_per_token_advantages_keeps_each_tokens_own_advantage():
     # GSPO-token (eq. 13): the value is the sequence ratio, the gradient each token's own -A_t s grad log pi_t
     logprobs, old, _, mask = rows([[1.2, 1.0]], [0.0])
     adv = torch.tensor([[1.0, -3.0, 0, 0]], dtype=torch.float64)
-    policy_loss(logprobs, old, adv, mask, LOW, HIGH, kind="gspo").loss.backward()
+    policy_loss(logprobs, old, adv, mask, settings("gspo")).loss.backward()
     s = 1.2**0.5  # inside both bounds
     assert close(logprobs.grad, [[-1.0 * s / 2, 3.0 * s / 2, 0, 0]])
 
@@ -118,7 +123,7 @@ def test_cispo_clips_the_weight_and_keeps_every_tokens_gradient():
 
 def test_cispo_with_cliprange_one_has_no_lower_bound():
     logprobs, old, adv, mask = rows([[0.1, 2.0]], [-1.0])
-    out = policy_loss(logprobs, old, adv, mask, 1.0, 0.28, kind="cispo")
+    out = policy_loss(logprobs, old, adv, mask, PolicyLossSettings("cispo", cliprange=1.0, cliprange_high=0.28))
     assert out.loss.item() == pytest.approx((0.1 + 1.28) / 2)
 
 
@@ -130,7 +135,9 @@ def sapo_by_hand(ratio: float, adv: float, tau: float) -> tuple[float, float]:
 
 def test_sapo_gates_softly_with_a_temperature_per_advantage_sign():
     taus = (1.0, 2.0)  # far apart: using tau_pos for a negative advantage would show
-    out, grad = loss_and_grad("sapo", TOKEN_RATIOS, TOKEN_ADV, sapo_temperatures=taus)
+    out, grad = loss_and_grad(
+        "sapo", TOKEN_RATIOS, TOKEN_ADV, sapo_temperature_pos=taus[0], sapo_temperature_neg=taus[1]
+    )
     expected = [
         [sapo_by_hand(r, a, taus[0] if a > 0 else taus[1]) if r else (0, 0) for r in row]
         for row, a in zip(TOKEN_RATIOS, TOKEN_ADV, strict=True)
@@ -170,7 +177,7 @@ def test_every_choice_is_the_plain_policy_gradient_at_ratio_one(kind):
 def test_an_unknown_policy_loss_is_refused():
     logprobs, old, adv, mask = rows([[1.0]], [1.0])
     with pytest.raises(ValueError, match="unknown policy loss 'grpo'"):
-        policy_loss(logprobs, old, adv, mask, LOW, kind="grpo")
+        policy_loss(logprobs, old, adv, mask, settings("grpo"))
 
 
 # --- rollout correction -------------------------------------------------------------------------------------
@@ -211,7 +218,7 @@ def test_no_correction_weighs_every_token_one():
 def test_the_correction_weights_the_loss_and_carries_no_gradient():
     logprobs, old, adv, mask = rows([[1.0, 1.0, 1.0], [None, 1.0]], [1.0, -2.0])
     weights = torch.tensor([[2.0, 0.5, 0.0, 9.0], [9.0, 1.5, 9.0, 9.0]], dtype=torch.float64, requires_grad=True)
-    out = policy_loss(logprobs, old, adv, mask, LOW, HIGH, weights=weights)
+    out = policy_loss(logprobs, old, adv, mask, settings(), weights=weights)
     out.loss.backward()
     assert out.loss.item() == pytest.approx((-2.0 - 0.5 - 0.0 + 2 * 1.5) / 4)  # the denominator stays 4 tokens
     assert close(logprobs.grad, [[-0.5, -0.125, 0, 0], [0, 0.75, 0, 0]])
@@ -225,3 +232,81 @@ def test_mismatch_by_hand_and_zero_for_one_computation():
     assert mismatch(trainer, rollout, mask) == pytest.approx((2.5, 2.0, 5.0))
     assert mismatch(trainer, trainer, mask) == (0.0, 0.0, 5.0)
     assert mismatch(trainer, rollout, torch.zeros_like(mask)) == (0.0, 0.0, 0.0)
+
+
+# --- the settings value and the registry of surrogates -------------------------------------------------------
+
+# One row, two actions, A = +1: token ratios 2.0 (above 1 + HIGH) and 0.5 (below 1 - LOW), whose geometric mean
+# is exactly 1. Each surrogate gives another number here, so a name mapped to the wrong surrogate shows.
+SPLIT = [[2.0, 0.5]]
+SPLIT_BY_HAND = {
+    "ppo": (max(-2.0, -(1 + HIGH)) + max(-0.5, -(1 - LOW))) / 2,  # -0.89: each token clipped on its own
+    "gspo": (-1.0 + -1.0) / 2,  # -1.0: the sequence ratio 1 is inside the bounds, on both tokens
+    "cispo": (-(1 + HIGH) + -(1 - LOW)) / 2,  # -1.04: the weights clipped to 1.28 and 0.8
+    "sapo": -(4 / (1 + math.exp(-1.0)) + 4 / (1 + math.exp(0.5))) / 2,  # -2.217: the gate at tau 1
+}
+
+
+def test_each_config_name_is_its_own_surrogate():
+    from typing import get_args
+
+    from kubealign.config.schema import PPOConfig
+    from kubealign.rl.losses import SURROGATES
+
+    assert set(get_args(PPOConfig.model_fields["policy_loss"].annotation)) == set(SURROGATES) == set(POLICY_LOSSES)
+    assert len(set(SPLIT_BY_HAND.values())) == 4  # four different numbers: a swap of any two names changes one
+    logprobs, old, adv, mask = rows(SPLIT, [1.0])
+    log_ratio = torch.where(mask.bool(), logprobs - old, torch.zeros_like(logprobs))
+    for name, expected in SPLIT_BY_HAND.items():
+        per_token = SURROGATES[name](log_ratio, adv, mask, settings(name)).per_token.detach()
+        assert float((per_token * mask).sum() / 2) == pytest.approx(expected, rel=1e-9), name
+        assert policy_loss(logprobs, old, adv, mask, settings(name)).loss.item() == pytest.approx(expected), name
+
+
+def test_policy_loss_reads_its_settings():
+    """Each setting changed in the value alone changes the loss by what the hand computation says."""
+    logprobs, old, adv, mask = rows(SPLIT, [1.0])
+    base = policy_loss(logprobs, old, adv, mask, settings()).loss.item()
+    assert base == pytest.approx(SPLIT_BY_HAND["ppo"])
+    wider = policy_loss(logprobs, old, adv, mask, settings(cliprange_high=0.5)).loss.item()
+    assert wider - base == pytest.approx((-1.5 - -(1 + HIGH)) / 2)  # the upper bound 1.5 instead of 1.28
+    # the lower bound matters where A < 0: -A r = 2 and 0.5, the clip holds 0.5 at 1 - LOW = 0.8 ...
+    pushed_down = policy_loss(logprobs, old, -adv, mask, settings()).loss.item()
+    assert pushed_down == pytest.approx((2.0 + (1 - LOW)) / 2)
+    # ... and with cliprange 0.6 (lower bound 0.4) 0.5 is inside: unclipped
+    lower = policy_loss(logprobs, old, -adv, mask, PolicyLossSettings("ppo", 0.6, HIGH)).loss.item()
+    assert lower - pushed_down == pytest.approx((0.5 - (1 - LOW)) / 2)
+    symmetric = policy_loss(logprobs, old, adv, mask, PolicyLossSettings("ppo", LOW)).loss.item()
+    assert symmetric == pytest.approx((-(1 + LOW) - 0.5) / 2)  # no cliprange_high: the upper bound 1 + cliprange
+    constant = policy_loss(logprobs, old, adv, mask, settings(aggregation="constant", max_tokens=4)).loss.item()
+    assert constant == pytest.approx(base * 2 / 4)  # the sum over 1 row x 4 tokens
+    hotter = policy_loss(logprobs, old, adv, mask, settings("sapo", sapo_temperature_pos=2.0)).loss.item()
+    assert hotter == pytest.approx(-(2 / (1 + math.exp(-2.0)) + 2 / (1 + math.exp(1.0))) / 2)  # 4 / tau, tau 2
+    negative = policy_loss(logprobs, old, -adv, mask, settings("sapo", sapo_temperature_neg=2.0)).loss.item()
+    assert negative == pytest.approx(-hotter)  # A = -1 takes the negative temperature
+
+
+def test_the_settings_of_a_config_are_its_fields():
+    from kubealign.config.schema import PPOConfig
+
+    cfg = PPOConfig(
+        policy_loss="cispo",
+        cliprange=0.3,
+        cliprange_high=0.4,
+        loss_aggregation="sequence",
+        max_new_tokens=9,
+        sapo_temperature_pos=2.0,
+        sapo_temperature_neg=3.0,
+    )
+    assert PolicyLossSettings.of(cfg) == PolicyLossSettings("cispo", 0.3, 0.4, "sequence", 9, 2.0, 3.0)
+    assert PolicyLossSettings.of(cfg).clip_high == 0.4
+    assert PolicyLossSettings.of(PPOConfig(cliprange=0.3)).clip_high == 0.3  # None: the symmetric clip
+
+
+def test_an_unknown_policy_loss_name_is_refused_by_the_config_too():
+    from pydantic import ValidationError
+
+    from kubealign.config.schema import PPOConfig
+
+    with pytest.raises(ValidationError, match="policy_loss"):
+        PPOConfig(policy_loss="grpo")

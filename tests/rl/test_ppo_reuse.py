@@ -112,7 +112,7 @@ def run(cfg: PPOConfig, monkeypatch):
     models, gen = setup(cfg)
     ids = sampled(cfg) if cfg.top_k or cfg.top_p < 1 else IDS.clone()
     batch = SimpleNamespace(input_ids=ids, response_start_idx=torch.full((6,), 4))
-    monkeypatch.setattr(iteration, "generate", lambda *args: batch)
+    monkeypatch.setattr(rl_rollout, "generate", lambda *args: batch)
     metrics, exp = iteration.iteration(models, IDS[:, :4], PROMPT_MASK, cfg, KLController(0.1), gen)
     return models, metrics, exp
 

@@ -17,7 +17,14 @@ from kubealign.rl import iteration
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import masked_mean
 from kubealign.rl.experience import make_experience, response_masks, response_only
-from kubealign.rl.losses import Sampling, entropy_from_logits, logprobs_from_logits, policy_loss, scaled_logits
+from kubealign.rl.losses import (
+    PolicyLossSettings,
+    Sampling,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    scaled_logits,
+)
 from kubealign.rl.rollout import PPOModels, generation_config
 from tests.rl.test_experience import TableLM, TokenValue
 
@@ -56,7 +63,7 @@ def old_actor_loss(actor, exp, idx, advantages, cfg):
     logits = scaled_logits(forward_logits(actor, ids, mask), Sampling.of(cfg))
     logprobs = response_only(logprobs_from_logits(logits, ids), resp)
     entropy = response_only(entropy_from_logits(logits), resp)
-    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, cfg.cliprange)
+    pl = policy_loss(logprobs, exp.logprobs[idx], advantages[idx], resp, PolicyLossSettings(cliprange=cfg.cliprange))
     mean_entropy = masked_mean(entropy, resp)
     return pl.loss - cfg.entropy_coef * mean_entropy, mean_entropy
 
@@ -75,7 +82,8 @@ def test_entropy_coef_zero_gives_bit_identical_loss_and_gradients_and_the_same_l
     idx = torch.tensor([2, 0, 1])
     old_loss, old_entropy = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    _, entropy, loss, _ = iteration.actor_objective(actor, exp, idx, advantages, cfg)
+    inputs = iteration.UpdateInputs(exp, advantages)
+    _, entropy, loss, _ = iteration.actor_objective(actor, inputs, idx, cfg, PolicyLossSettings.of(cfg))
     assert not entropy.requires_grad  # logged only: nothing of it in the backward graph
     assert torch.equal(loss, old_loss)
     assert torch.equal(grad_of(actor, loss), old_grad)
@@ -93,12 +101,13 @@ def test_a_positive_entropy_coef_puts_the_entropy_in_the_gradient():
     cfg = PPOConfig(entropy_coef=0.1)
     old_loss, _ = old_actor_loss(actor, exp, idx, advantages, cfg)
     old_grad = grad_of(actor, old_loss)
-    pl, entropy, loss, _ = iteration.actor_objective(actor, exp, idx, advantages, cfg)
+    inputs = iteration.UpdateInputs(exp, advantages)
+    pl, entropy, loss, _ = iteration.actor_objective(actor, inputs, idx, cfg, PolicyLossSettings.of(cfg))
     assert entropy.requires_grad
     assert loss.item() == pytest.approx((pl.loss - 0.1 * entropy).item())
     new_grad = grad_of(actor, loss)
     assert torch.allclose(new_grad, old_grad, atol=1e-7)
-    _, _, without, _ = iteration.actor_objective(actor, exp, idx, advantages, PPOConfig())
+    _, _, without, _ = iteration.actor_objective(actor, inputs, idx, PPOConfig(), PolicyLossSettings.of(PPOConfig()))
     assert not torch.allclose(grad_of(actor, without), new_grad, atol=1e-4)  # the entropy term is in it
 
 

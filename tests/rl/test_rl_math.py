@@ -10,6 +10,7 @@ import torch
 from kubealign.rl.advantages import gae, kl_penalized_rewards, masked_mean, whiten
 from kubealign.rl.kl import KLController
 from kubealign.rl.losses import (
+    PolicyLossSettings,
     entropy_from_logits,
     explained_variance,
     logprobs_from_logits,
@@ -86,13 +87,13 @@ def test_kl_penalized_rewards_by_hand():
 
 def test_policy_loss_by_hand():
     logprobs = torch.log(t([1.5, 0.5]))
-    out = policy_loss(logprobs, t([0, 0]), t([1, 1]), t([1, 1]), cliprange=0.2)
+    out = policy_loss(logprobs, t([0, 0]), t([1, 1]), t([1, 1]), PolicyLossSettings(cliprange=0.2))
     # action 0: max(-1.5, -1.2) = -1.2 (clip active); action 1: max(-0.5, -0.8) = -0.5
     assert out.loss.item() == pytest.approx(-0.85)
     assert out.clip_fraction.item() == pytest.approx(0.5)
     expected_kl = ((1.5 - 1 - math.log(1.5)) + (0.5 - 1 - math.log(0.5))) / 2
     assert out.approx_kl.item() == pytest.approx(expected_kl)
-    same = policy_loss(t([-0.3, -0.7]), t([-0.3, -0.7]), t([2, -1]), t([1, 1]), 0.2)
+    same = policy_loss(t([-0.3, -0.7]), t([-0.3, -0.7]), t([2, -1]), t([1, 1]), PolicyLossSettings(cliprange=0.2))
     assert same.loss.item() == pytest.approx(-(2 - 1) / 2) and same.approx_kl.item() == 0
 
 
@@ -139,7 +140,7 @@ def test_adaptive_kl_controller_by_hand():
 
 def test_policy_loss_clips_a_shrinking_ratio_for_a_negative_advantage():
     # ratio 0.5, A = -1: max(0.5, 0.8) = 0.8 — the lower clip 1 - eps is what makes it 0.8
-    out = policy_loss(torch.log(t([0.5])), t([0]), t([-1]), t([1]), cliprange=0.2)
+    out = policy_loss(torch.log(t([0.5])), t([0]), t([-1]), t([1]), PolicyLossSettings(cliprange=0.2))
     assert out.loss.item() == pytest.approx(0.8) and out.clip_fraction.item() == 1
 
 

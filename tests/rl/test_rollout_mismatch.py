@@ -10,7 +10,7 @@ import torch
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import iteration
+from kubealign.rl import iteration, losses, targets
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.correction import mismatch
 from kubealign.rl.experience import make_experience
@@ -78,8 +78,8 @@ def routed_models(cfg: PPOConfig, bias: float):
 @pytest.mark.parametrize("algorithm", ["ppo", "grpo", "rloo"])
 def test_every_route_logs_the_mismatch_and_corrects_it(algorithm, monkeypatch):
     seen = []
-    real = iteration.policy_loss
-    monkeypatch.setattr(iteration, "policy_loss", lambda *a, **k: seen.append(k["weights"]) or real(*a, **k))
+    real = losses.policy_loss
+    monkeypatch.setattr(losses, "policy_loss", lambda *a, **k: seen.append(k["weights"]) or real(*a, **k))
     base = {"algorithm": algorithm, "max_new_tokens": 5, "micro_batch_size": 16, "samples_per_prompt": 2}
     for bias, kind in ((0.0, "none"), (3.0, "tis")):
         cfg = PPOConfig(**base, rollout_correction={"kind": kind, "cap": 1.2})
@@ -104,8 +104,8 @@ def test_a_correction_without_the_rollouts_logprobs_is_refused():
     cfg = PPOConfig(rollout_correction={"kind": "mask"})
     exp = SimpleExperience()
     with pytest.raises(UserError, match="ppo.rollout_correction.kind=mask needs the rollout's log-probs"):
-        iteration.rollout_correction(exp, cfg)
-    assert iteration.rollout_correction(exp, PPOConfig()) == (None, {})
+        targets.rollout_correction(exp, cfg)
+    assert targets.rollout_correction(exp, PPOConfig()) == (None, {})
 
 
 class SimpleExperience:
@@ -121,5 +121,5 @@ def test_the_max_mismatch_pools_every_rank(monkeypatch):
     # the other rank: 6 tokens, |diff| summing to 9, one of 4
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda v: [v[0] + 9.0, v[1] + 6.0, v[2] + 0.0])
     monkeypatch.setattr(distributed, "all_reduce_max", lambda v: [max(v[0], 4.0)])
-    _, metrics = iteration.rollout_correction(exp, PPOConfig())
+    _, metrics = targets.rollout_correction(exp, PPOConfig())
     assert metrics == pytest.approx({"rollout_logprob_diff_mean": 10 / 8, "rollout_logprob_diff_max": 4.0})

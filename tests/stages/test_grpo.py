@@ -16,7 +16,7 @@ from kubealign.config.load import config_from_json, config_to_json
 from kubealign.config.schema import PPOConfig
 from kubealign.errors import UserError
 from kubealign.rewards.scorer import Scorer
-from kubealign.rl import iteration
+from kubealign.rl import iteration, losses
 from kubealign.rl import rollout as rl_rollout
 from kubealign.rl.advantages import (
     GRPO_EPS,
@@ -28,8 +28,9 @@ from kubealign.rl.advantages import (
 )
 from kubealign.rl.experience import make_experience
 from kubealign.rl.kl import k3
-from kubealign.rl.losses import Sampling
+from kubealign.rl.losses import PolicyLossSettings, Sampling
 from kubealign.rl.rollout import PPOModels
+from kubealign.rl.targets import group_targets
 from tests.conftest import NO_TRACKING
 from tests.rl.test_experience import TableLM, TokenValue
 from tests.stages.test_ppo import ppo_args, trained, without_timings  # noqa: F401  (trained: the module-scoped SFT + RM fixture)
@@ -205,14 +206,14 @@ def hand_experience(scores: torch.Tensor):
 def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffled(monkeypatch):
     actor, exp = hand_experience(REWARDS)
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, micro_batch_size=2, ppo_epochs=2, reward_clip=10)
-    targets = iteration.group_targets(exp, cfg, beta=0.1)
+    targets = group_targets(exp, cfg, beta=0.1)
     by_hand = torch.tensor([-2, -1, 3, 0, 0, 0]) / (math.sqrt(7) + GRPO_EPS)
     assert torch.allclose(targets.advantages, by_hand[:, None] * exp.response_mask, atol=1e-6)
     assert targets.returns is None
     assert targets.metrics["zero_std_fraction"] == 0.5  # group 1: all rewards equal
     assert targets.metrics["group_reward_std"] == pytest.approx(math.sqrt(7) / 2)
     # rloo: the KL penalty summed over each response comes off its reward, then the leave-one-out baseline
-    rloo = iteration.group_targets(exp, cfg.model_copy(update={"algorithm": "rloo"}), beta=0.1)
+    rloo = group_targets(exp, cfg.model_copy(update={"algorithm": "rloo"}), beta=0.1)
     kl = [
         sum(exp.logprobs[i, t] - exp.ref_logprobs[i, t] for t in range(6) if exp.response_mask[i, t]) for i in range(6)
     ]
@@ -224,7 +225,7 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
     assert abs(kl[0]) > 0.1 and torch.equal(rloo.kl, exp.logprobs - exp.ref_logprobs)
     assert rloo.metrics["zero_std_fraction"] == 0  # the KL penalties tell group 1's equal scores apart
     seen, minibatches = [], []
-    real_loss, real_batches = iteration.policy_loss, iteration._minibatches
+    real_loss, real_batches = losses.policy_loss, iteration._minibatches
 
     def spy_loss(*args, **kwargs):
         seen.append(args[2])  # the advantages the loss weights this minibatch's actions by
@@ -234,10 +235,11 @@ def test_groups_are_formed_over_the_rollout_batch_before_minibatches_are_shuffle
         minibatches.extend(real_batches(*args))
         return minibatches[-3:]
 
-    monkeypatch.setattr(iteration, "policy_loss", spy_loss)
+    monkeypatch.setattr(losses, "policy_loss", spy_loss)
     monkeypatch.setattr(iteration, "_minibatches", spy_batches)
     models = rl_rollout.PPOModels(actor, None, None, None, None, None)
-    stats = iteration.update(models, exp, targets.advantages, None, cfg, torch.Generator().manual_seed(0))
+    inputs, plan = iteration.UpdateInputs(exp, targets.advantages), iteration.Plan(torch.Generator().manual_seed(0))
+    stats = iteration.update(models, inputs, cfg, PolicyLossSettings.of(cfg), plan)
     assert len(seen) == len(minibatches) == 6
     # The shuffled minibatches mix the two prompts' samples, and each row still gets its own group's value.
     assert any(len({int(i) // 3 for i in idx}) == 2 for idx in minibatches)
@@ -251,13 +253,15 @@ def test_grpo_puts_the_k3_kl_in_the_actor_loss_and_ppo_does_not():
     exp = exp._replace(ref_logprobs=exp.logprobs - 0.3 * exp.response_mask)  # log pi_ref = log pi - 0.3
     idx, advantages = torch.arange(6), torch.ones_like(exp.logprobs)
     grpo = PPOConfig(algorithm="grpo")
-    obj = iteration.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.5)
+    settings = PolicyLossSettings.of(grpo)
+    obj = iteration.actor_objective(actor, iteration.UpdateInputs(exp, advantages, kl_coef=0.5), idx, grpo, settings)
     # k3 per token with ref - logp = -0.3 on every response action: exp(-0.3) + 0.3 - 1
     assert obj.kl.item() == pytest.approx(math.exp(-0.3) + 0.3 - 1, rel=1e-5)
     assert obj.loss.item() == pytest.approx((obj.policy.loss + 0.5 * obj.kl).item(), rel=1e-9)
-    without = iteration.actor_objective(actor, exp, idx, advantages, grpo, kl_coef=0.0)
+    without = iteration.actor_objective(actor, iteration.UpdateInputs(exp, advantages), idx, grpo, settings)
     assert torch.equal(without.loss, without.policy.loss)
-    ppo = iteration.actor_objective(actor, exp, idx, advantages, PPOConfig(), kl_coef=0.5)
+    inputs = iteration.UpdateInputs(exp, advantages, kl_coef=0.5)
+    ppo = iteration.actor_objective(actor, inputs, idx, PPOConfig(), PolicyLossSettings.of(PPOConfig()))
     assert ppo.kl is None and torch.equal(ppo.loss, ppo.policy.loss)
 
 
@@ -368,16 +372,21 @@ def test_clip_higher_widens_only_the_upper_bound():
     # Row 0: ratio 1.5 with advantage +1; row 1: ratio 0.5 with advantage -1 (one token each).
     logprobs = torch.tensor([[math.log(1.5)], [math.log(0.5)]])
     old, mask, adv = torch.zeros(2, 1), torch.ones(2, 1), torch.tensor([[1.0], [-1.0]])
-    symmetric = policy_loss(logprobs, old, adv, mask, 0.2)
+    symmetric = policy_loss(logprobs, old, adv, mask, PolicyLossSettings(cliprange=0.2))
     # row 0: max(-1.5, -1.2) = -1.2; row 1: max(0.5, 0.8) = 0.8 -> mean -0.2
     assert symmetric.loss.item() == pytest.approx(-0.2) and symmetric.clip_fraction.item() == 1.0
-    higher = policy_loss(logprobs, old, adv, mask, 0.2, cliprange_high=0.28)
+    clip_higher = PolicyLossSettings(cliprange=0.2, cliprange_high=0.28)
+    higher = policy_loss(logprobs, old, adv, mask, clip_higher)
     assert higher.loss.item() == pytest.approx((-1.28 + 0.8) / 2)  # the lower bound 1 - 0.2 unchanged
     # Each row alone: the two rows' mean is the same with the bounds swapped (clip(r, 0.72, 1.2): (-1.2 + 0.72) / 2),
     # the rows are not.
-    rows = [policy_loss(logprobs[i : i + 1], old[:1], adv[i : i + 1], mask[:1], 0.2, 0.28).loss.item() for i in (0, 1)]
+    rows = [
+        policy_loss(logprobs[i : i + 1], old[:1], adv[i : i + 1], mask[:1], clip_higher).loss.item() for i in (0, 1)
+    ]
     assert rows == pytest.approx([-1.28, 0.8])
-    constant = policy_loss(logprobs, old, adv, mask, 0.2, aggregation="constant", max_tokens=4)
+    constant = policy_loss(
+        logprobs, old, adv, mask, PolicyLossSettings(cliprange=0.2, aggregation="constant", max_tokens=4)
+    )
     assert constant.loss.item() == pytest.approx((-1.2 + 0.8) / (2 * 4))
 
 
@@ -397,15 +406,16 @@ def test_grpo_scales_rewards_per_group_per_batch_or_not_at_all():
 def test_groups_with_equal_rewards_are_left_out_of_the_loss_and_counted(monkeypatch):
     actor, exp = hand_experience(REWARDS)  # group 0 rewards 1 2 6, group 1 all 3
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=3, reward_clip=10, drop_equal_reward_groups=True)
-    targets = iteration.group_targets(exp, cfg, beta=0.1)
+    targets = group_targets(exp, cfg, beta=0.1)
     assert targets.keep.tolist() == [True] * 3 + [False] * 3 and targets.metrics["groups_dropped"] == 1
-    assert iteration.group_targets(exp, cfg.model_copy(update={"drop_equal_reward_groups": False}), 0.1).keep is None
+    assert group_targets(exp, cfg.model_copy(update={"drop_equal_reward_groups": False}), 0.1).keep is None
     # The loss over all six rows with group 1 left out is the loss over group 0's rows alone (token mean:
     # group 1's zero advantages no longer dilute it), and the k3 term likewise.
     rows = torch.arange(6)
-    kept = iteration.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1, keep=targets.keep)
-    alone = iteration.actor_objective(actor, exp, rows[:3], targets.advantages, cfg, 0.1)
-    everything = iteration.actor_objective(actor, exp, rows, targets.advantages, cfg, 0.1)
+    settings, inputs = PolicyLossSettings.of(cfg), iteration.UpdateInputs(exp, targets.advantages, kl_coef=0.1)
+    kept = iteration.actor_objective(actor, inputs._replace(keep=targets.keep), rows, cfg, settings)
+    alone = iteration.actor_objective(actor, inputs, rows[:3], cfg, settings)
+    everything = iteration.actor_objective(actor, inputs, rows, cfg, settings)
     assert kept.loss.item() == pytest.approx(alone.loss.item(), abs=1e-6)
     assert kept.kl.item() == pytest.approx(alone.kl.item(), abs=1e-6)
     assert abs(everything.loss.item() - alone.loss.item()) > 1e-3
