@@ -267,10 +267,10 @@ def test_grpo_puts_the_k3_kl_in_the_actor_loss_and_ppo_does_not():
 def preferred_rate(model_dir: Path, split: Path, n: int = 48) -> float:
     """What the synthetic task's grammar says of n eval-prompt samples at the evaluation's settings (the
     evaluate stage's own sampling)."""
+    from kubealign.answers.sampling import sample
     from kubealign.data import phases, synthetic
     from kubealign.data.tokenize import cut_left, encode_prompt
     from kubealign.models import loading
-    from kubealign.stages.evaluate import sample
 
     config = load_config(None, [NO_TRACKING])
     tokenizer = loading.load_tokenizer(str(model_dir))
@@ -278,14 +278,14 @@ def preferred_rate(model_dir: Path, split: Path, n: int = 48) -> float:
     encoded = [cut_left(encode_prompt(tokenizer, p), config.ppo.max_prompt_len, tokenizer.bos_token_id) for p in texts]
     rows = sample(loading.load_causal_lm(str(model_dir)).eval(), tokenizer, encoded, config.evaluate)
     answers = [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows]
-    return sum(synthetic.judge(p, a).preferred for p, a in zip(texts, answers, strict=True)) / len(texts)
+    return sum(synthetic.grade(p, a).preferred for p, a in zip(texts, answers, strict=True)) / len(texts)
 
 
 JUDGE = """from kubealign.data import synthetic
 
 
 def preferred(prompts, completions, **_):
-    return [float(synthetic.judge(p, c).preferred) for p, c in zip(prompts, completions)]
+    return [float(synthetic.grade(p, c).preferred) for p, c in zip(prompts, completions)]
 """
 
 
