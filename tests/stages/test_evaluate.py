@@ -62,7 +62,7 @@ def evaluated(trained, ppo_dir: Path, tmp_path_factory) -> Path:  # noqa: F811
 def test_the_suites_score_both_models_and_reach_the_summary(evaluated: Path, trained, ppo_dir: Path):  # noqa: F811
     from kubealign.cli.summary import evaluate_lines
     from kubealign.models import loading
-    from tests.selection.test_suites import own_accuracy
+    from tests.answers.test_suites import own_accuracy
 
     m = result_of(evaluated)["metrics"]
     tokenizer = loading.load_tokenizer(str(trained["sft"]))
