@@ -2,7 +2,7 @@
 
 For each seed (data, SFT, reward, PPO and evaluation seeds all set to it) this runs data-split -> sft ->
 reward -> ppo -> evaluate -> promote with the tiny-cpu preset and records what the synthetic task's own
-grammar (`kubealign.data.synthetic.judge`) says of the samples, next to the evaluation's metrics:
+grammar (`kubealign.data.synthetic.grade`) says of the samples, next to the evaluation's metrics:
 
 * the share of the preferred behaviour (a courteous, on-topic answer) in the SFT demonstrations;
 * well-formed / preferred rates of SFT and PPO samples at the evaluation's sampling settings;
@@ -46,7 +46,7 @@ def demonstration_share(split: Path) -> float:
     from kubealign.data import phases, synthetic
 
     rows = phases.load(split, "phase1_sft")["train"]
-    verdicts = [synthetic.judge(p, c).preferred for p, c in zip(rows["prompt"], rows["chosen"], strict=True)]
+    verdicts = [synthetic.grade(p, c).preferred for p, c in zip(rows["prompt"], rows["chosen"], strict=True)]
     return sum(verdicts) / len(verdicts)
 
 

@@ -4,7 +4,7 @@ The task mirrors how RLHF is used: demonstrations of mixed quality, preferences 
 good behaviour, and a policy that must learn to prefer it.
 
 * A response is ``[OPENER ]FACT``: an optional opener phrase, then one fact sentence (FACTS). That is
-  the whole grammar; `judge` parses a response against it, so well-formedness is measurable.
+  the whole grammar; `grade` parses a response against it, so well-formedness is measurable.
 * The preferred behaviour is a courteous opener (COURTEOUS) followed by a fact about the topic the
   prompt asks about.
 * **Demonstrations** (SFT-only rows, ``{prompt, response}``) are of mixed quality, like human-written
@@ -169,7 +169,7 @@ def generate(pairs: int, sft_rows: int, seed: int) -> list[dict[str, Any]]:
     return rows
 
 
-class Judgement(NamedTuple):
+class Grade(NamedTuple):
     """What the grammar says of one response to one prompt."""
 
     well_formed: bool  # exactly [OPENER ]FACT
@@ -185,7 +185,7 @@ def prompt_topic(prompt: str) -> str | None:
     return max(named, key=len) if named else None
 
 
-def judge(prompt: str, text: str) -> Judgement:
+def grade(prompt: str, text: str) -> Grade:
     """Parse a response against the generator's grammar: ``[OPENER ]FACT``, nothing before or after."""
     body = text.strip()
     style = "plain"
@@ -196,9 +196,9 @@ def judge(prompt: str, text: str) -> Judgement:
             break
     topic = _TOPIC_OF_FACT.get(body)
     if topic is None:
-        return Judgement(False, None, False, False)
+        return Grade(False, None, False, False)
     on_topic = topic == prompt_topic(prompt)
-    return Judgement(True, style, on_topic, style == "courteous" and on_topic)
+    return Grade(True, style, on_topic, style == "courteous" and on_topic)
 
 
 def is_courteous(response: str) -> bool:

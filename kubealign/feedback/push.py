@@ -81,11 +81,11 @@ def registered_dirs(cfg: Any, tracking_uri: str, name: str, aliases: list[str]) 
 
 
 def answers(model_dir: Path, prompts: list[str], config: Any) -> list[str]:
-    """The model's answers to the prompts, sampled as evaluate samples (its settings and seed; prompts cut as
-    PPO cuts them)."""
+    """The model's answers to the prompts, sampled as evaluate samples (kubealign.answers.sampling: its settings
+    and seed; prompts cut as PPO cuts them)."""
+    from kubealign.answers.sampling import sample
     from kubealign.data.tokenize import cut_left, encode_prompt
     from kubealign.models import loading
-    from kubealign.stages.evaluate import sample
 
     tokenizer = loading.load_tokenizer(str(model_dir))
     model = loading.load_causal_lm(str(model_dir)).eval()

@@ -5,14 +5,14 @@ capability kept, the held-out reward model's win-rate, the LLM judge's (when one
 
 The gate (kubealign.promotion.gate) adds them to its reward checks; the compare stage keeps a candidate
 that fails one from leading; the online judge applies those it can compute from served answers. The figures
-come from evaluate (held-out log-likelihood; kubealign.selection.comparison.degeneration for the answers)."""
+come from evaluate (kubealign.answers: scoring for the held-out log-likelihood, the held-out reward model and
+the answers' degeneration, llm_judge, suites for lm-eval's results)."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kubealign.config.guards import GuardsConfig
-from kubealign.errors import UserError
 
 
 class Check(NamedTuple):
@@ -42,34 +42,14 @@ HELDOUT_FIGURES = (  # the held-out reward model's (min_heldout_win_rate reads t
     "baseline_heldout_reward_mean",
     "candidate_heldout_reward_mean",
 )
-LLM_JUDGE_FIGURES = (  # the LLM judge's (kubealign.promotion.llm_judge; min_llm_judge_win_rate reads the first)
+LLM_JUDGE_FIGURES = (  # the LLM judge's (kubealign.answers.llm_judge; min_llm_judge_win_rate reads the first)
     "llm_judge_win_rate",
     "llm_judge_loss_rate",
     "llm_judge_tie_rate",
     "llm_judge_unparsed",
     "llm_judge_position_bias",
 )
-SUITE_PREFIX = "suite_"  # baseline_suite_<task> / candidate_suite_<task>: evaluate.suites' figures
-
-
-def suite_figures(
-    baseline: dict[str, dict[str, Any]], candidate: dict[str, dict[str, Any]], tasks: list[str], metric: str
-) -> dict[str, float]:
-    """Both models' `metric` on each named task, from lm-eval's per-task results ({task: {"acc,none": x, ...}};
-    the first filter's value: "none" unless the task filters its answers). A task without the metric is refused
-    by name: the guard would otherwise check nothing while saying it passed."""
-    out: dict[str, float] = {}
-    for task in tasks:
-        for who, results in (("baseline", baseline), ("candidate", candidate)):
-            found = results.get(task, {})
-            keys = [k for k in found if k.split(",", 1)[0] == metric]
-            value = found.get(f"{metric},none", found.get(keys[0]) if keys else None)
-            if not isinstance(value, int | float):
-                have = sorted({k.split(",", 1)[0] for k in found if "," in k and "stderr" not in k})
-                said = ", ".join(have) or "nothing"
-                raise UserError(f"evaluate.suites.metric: task {task} reports no {metric!r} (it reports: {said})")
-            out[f"{who}_{SUITE_PREFIX}{task}"] = float(value)
-    return out
+SUITE_PREFIX = "suite_"  # baseline_suite_<task> / candidate_suite_<task>: evaluate.suites' (answers.suites)
 
 
 def suite_pairs(metrics: dict[str, float]) -> dict[str, tuple[float, float]]:

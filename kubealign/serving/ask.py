@@ -1,6 +1,6 @@
 """The online judge's requests: held-out prompts to a served model's OpenAI-compatible completions route
-(vLLM's, as `kubealign serve` and KServe's vllm runtime run it), and its latency histogram from /metrics;
-and the LLM judge's pairs (evaluate.llm_judge) to the judge's server, the same way.
+(vLLM's, as `kubealign serve` and KServe's vllm runtime run it), and its latency histogram from /metrics.
+The LLM judge (kubealign.answers.llm_judge) sends its pairs to its server through `complete` too.
 
 Every request ends as a kubealign.serving.verdict.Answer: the completion's text, or one line saying why not
 (HTTP status, timeout, refused, garbage). Nothing raises for a bad answer: the judge counts them.
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import time
 import urllib.error
@@ -19,8 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from kubealign.config.canary import CanaryConfig
-from kubealign.config.llm_judge import LLMJudgeConfig
-from kubealign.promotion import llm_judge
 from kubealign.serving.verdict import Answer
 
 LATENCY_METRIC = "vllm:e2e_request_latency_seconds"  # vLLM's histogram of a request's whole time
@@ -48,28 +45,6 @@ def complete(base_url: str, model: str, prompts: list[str], limits: Limits, api_
         headers["Authorization"] = f"Bearer {api_key}"
     with ThreadPoolExecutor(max_workers=limits.concurrency) as pool:
         return list(pool.map(lambda i: _one(base_url, model, i, prompts[i], limits, headers), range(len(prompts))))
-
-
-def ask_llm_judge(cfg: LLMJudgeConfig, table: list[dict[str, Any]]) -> llm_judge.Judged:
-    """Both orders of every row's pair (evaluate's table: "prompt", "baseline", "candidate" texts) to the judge
-    at cfg.url; a failed request is a reply without a verdict. One line naming the URL when every one fails."""
-    assert cfg.url is not None, "ask_llm_judge needs evaluate.llm_judge.url"
-    prompts = [p for row in table for p in llm_judge.pair_prompts(cfg.template, *_texts(row))]
-    api_key = os.environ.get(cfg.api_key_env) if cfg.api_key_env else None
-    answers = complete(cfg.url, cfg.model, prompts, Limits(cfg.max_tokens, cfg.timeout_s, cfg.concurrency), api_key)
-    if answers and not any(a.ok for a in answers):
-        from kubealign.errors import UserError
-
-        raise UserError(
-            f"evaluate.llm_judge: no request to {cfg.url}/v1/completions was answered ({answers[0].error}); "
-            "start the judge's server, fix evaluate.llm_judge.url / model, or set evaluate.llm_judge.url: null"
-        )
-    texts = [a.text if a.ok else None for a in answers]
-    return llm_judge.judge(list(zip(texts[0::2], texts[1::2], strict=True)))
-
-
-def _texts(row: dict[str, Any]) -> tuple[str, str, str]:
-    return row["prompt"], row["baseline"], row["candidate"]
 
 
 def _one(base_url: str, model: str, index: int, prompt: str, limits: Limits, headers: dict[str, str]) -> Answer:

@@ -5,14 +5,14 @@ The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to bot
 completions routes (kubealign.serving.ask: greedy, canary.max_new_tokens); every failed request is counted by
 kind; each server's own latency percentiles come from its /metrics (vLLM's request-latency histogram; NaN
 where a server has none, left out). The prompts both answered are scored by evaluate's scorer (the reward model
-and / or the reward functions) on prompt + answer tokens, as evaluate scores its samples (the answer
-re-tokenized from its text; the EOS appended when the model ended it; an unfinished UTF-8 character at the end
-of a cut answer is not in the text vLLM returns, so it is not scored), and compared with evaluate's
+and / or the reward functions) on prompt + answer tokens, as evaluate scores its samples (kubealign.answers.scoring;
+the answer re-tokenized from its text; the EOS appended when the model ended it; an unfinished UTF-8 character at
+the end of a cut answer is not in the text vLLM returns, so it is not scored), and compared with evaluate's
 statistics, the champion in the baseline's place (kubealign.selection.comparison.compare), with the degeneration
 figures the promotion guards read (kubealign.selection.comparison.degeneration) and the held-out reward model's
 win-rate when the reward model dir holds one (held-out capability is not measured online: said
 "unchecked"), and, when evaluate.llm_judge.url is set, the LLM judge's verdicts on the same pairs in both
-orders, the canary's answer as the candidate (kubealign.stages.evaluate.llm_judged: the requests and figures
+orders, the canary's answer as the candidate (kubealign.answers.llm_judge.llm_judged: the requests and figures
 of evaluate's). The decision is kubealign.serving.verdict.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
 (each prompt's answers and, with an LLM judge, its verdict), judge.md and judge.png, logged to the stage's
@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from kubealign.answers.llm_judge import llm_judged
+from kubealign.answers.scoring import heldout_figures, score
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt
@@ -41,7 +43,6 @@ from kubealign.rl.experience import response_masks
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model
 from kubealign.serving import ask
 from kubealign.serving import verdict as rules  # the online verdict's pure rules
-from kubealign.stages.evaluate import heldout_figures, llm_judged, score
 from kubealign.tracking.runs import stage_run
 from kubealign.usercode import definitions
 from kubealign.usercode.runner import FunctionRunner
@@ -52,7 +53,7 @@ ONLINE_VERDICTS = {"candidate": "canary", "baseline": "champion", "tie": "tie"}
 
 
 def answer_row(prompt_ids: list[int], text: str, finished: bool, tokenizer: Any) -> dict[str, Any]:
-    """A scored-sample row as evaluate.sample makes one: prompt + answer tokens (+ EOS when the model ended
+    """A scored-sample row as answers.sampling.sample makes one: prompt + answer tokens (+ EOS when the model ended
     the answer), the attention and response masks, the response tokens."""
     answer = tokenizer(text, add_special_tokens=False)["input_ids"] + ([tokenizer.eos_token_id] if finished else [])
     ids = torch.tensor([prompt_ids + answer])
@@ -98,7 +99,7 @@ def scored(
     pairs: list[int],
 ) -> tuple[dict[str, list[dict[str, Any]]], int, dict[str, float]]:
     """(each model's rows of the prompts both answered, scored as evaluate scores its samples; the EOS id; the
-    held-out reward model's figures, the champion in the baseline's place: evaluate.heldout_figures)."""
+    held-out reward model's figures, the champion in the baseline's place: answers.scoring.heldout_figures)."""
     from kubealign.models.value_head import load_reward_model
 
     r = config.rewards

@@ -19,8 +19,8 @@ def test_pairs_differ_only_in_the_opener():
     styles = []
     for row in rows:
         pair = normalize(row)
-        chosen, rejected = synthetic.judge(pair.prompt, pair.chosen), synthetic.judge(pair.prompt, pair.rejected)
-        assert chosen == synthetic.Judgement(True, "courteous", True, True)
+        chosen, rejected = synthetic.grade(pair.prompt, pair.chosen), synthetic.grade(pair.prompt, pair.rejected)
+        assert chosen == synthetic.Grade(True, "courteous", True, True)
         assert not rejected.preferred
         assert synthetic.is_courteous(pair.chosen)
         fact = pair.chosen.split("! ", 1)[1] if "! " in pair.chosen else None
@@ -40,7 +40,7 @@ def test_pairs_differ_only_in_the_opener():
 
 def test_demonstrations_are_well_formed_on_topic_and_of_mixed_quality():
     rows = synthetic.generate(0, 2000, seed=3)
-    verdicts = [synthetic.judge(r["prompt"], r["response"]) for r in rows]
+    verdicts = [synthetic.grade(r["prompt"], r["response"]) for r in rows]
     assert all(v.well_formed and v.on_topic for v in verdicts)
     shares = {s: sum(v.style == s for v in verdicts) / len(rows) for s in synthetic.DEMO_STYLES}
     for style, expected in synthetic.DEMO_STYLES.items():
@@ -67,7 +67,7 @@ PROMPT = synthetic.format_prompt("Tell me one fact about bees.")
     ],
 )
 def test_judge_parses_the_grammar(text, expected):
-    assert tuple(synthetic.judge(PROMPT, text)) == expected
+    assert tuple(synthetic.grade(PROMPT, text)) == expected
 
 
 def test_prompt_topic_takes_the_named_topic_not_a_word_inside_another():

@@ -280,33 +280,6 @@ def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_t
     assert multi.response_mask.sum().item() == response.sum().item()
 
 
-def test_evaluates_turn_figures_per_model():
-    from kubealign.stages.evaluate_turns import turn_figures
-
-    base = [{"turns": 1, "calls": 0, "malformed": 0}, {"turns": 2, "calls": 1, "malformed": 1}]
-    cand = [
-        {"turns": 2, "calls": 1, "malformed": 0},
-        {"turns": 3, "calls": 2, "malformed": 1},
-        {"turns": 1, "calls": 0, "malformed": 0},
-    ]
-    assert turn_figures(base, cand) == {
-        "tool_call_rate/baseline": 0.5,
-        "malformed_call_rate/baseline": 1.0,
-        "turns_mean/baseline": 1.5,
-        "tool_call_rate/candidate": 2 / 3,
-        "malformed_call_rate/candidate": 1 / 3,
-        "turns_mean/candidate": 2.0,
-    }
-    assert turn_figures([{"ids": 0}], [{"ids": 0}]) == {}  # single-turn rows: no figures
-    from kubealign.cli.summary import evaluate_lines
-
-    m = {"baseline_reward_mean": 0.0, "candidate_reward_mean": 1.0, "win_rate": 1.0, "tie_rate": 0.0}
-    m.update(kl_to_baseline=0.5, **turn_figures(base, cand))
-    assert "tool calls 50% of answers (SFT) -> 67% (GRPO), malformed 100% -> 33%, turns 1.50 -> 2.00" in (
-        evaluate_lines(m, "GRPO")
-    )
-
-
 def test_an_environments_rewards_add_to_the_scores_and_count_as_scored():
     from kubealign.rl.experience import Experience
 

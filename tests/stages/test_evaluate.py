@@ -62,7 +62,7 @@ def evaluated(trained, ppo_dir: Path, tmp_path_factory) -> Path:  # noqa: F811
 def test_the_suites_score_both_models_and_reach_the_summary(evaluated: Path, trained, ppo_dir: Path):  # noqa: F811
     from kubealign.cli.summary import evaluate_lines
     from kubealign.models import loading
-    from tests.selection.test_suites import own_accuracy
+    from tests.answers.test_suites import own_accuracy
 
     m = result_of(evaluated)["metrics"]
     tokenizer = loading.load_tokenizer(str(trained["sft"]))
@@ -211,23 +211,6 @@ def test_compare_counts_wins_ties_and_bounds_the_win_rate():
     assert m["baseline_length_median"] == 4.0 and m["candidate_length_mean"] == 3.0
 
 
-def test_synthetic_judgements_only_on_the_synthetic_task():
-    from kubealign.config import load_config
-    from kubealign.data import synthetic
-    from kubealign.stages.evaluate import judged
-
-    prompt = synthetic.format_prompt("Tell me one fact about rain.")
-    table = [
-        {"prompt": prompt, "baseline": " Rain helps plants grow.", "candidate": " Of course! Rain helps plants grow."},
-        {"prompt": prompt, "baseline": " Rain helps", "candidate": " Thanks for asking! Bees make honey from nectar."},
-    ]
-    m = judged(load_config(None), table)
-    assert m["baseline_well_formed_rate"] == 0.5 and m["candidate_well_formed_rate"] == 1.0
-    assert m["baseline_preferred_rate"] == 0.0 and m["candidate_preferred_rate"] == 0.5
-    assert m["candidate_on_topic_rate"] == 0.5
-    assert judged(load_config(None, ["data.sources=[{path: x.jsonl}]"]), table) == {}
-
-
 def sabotaged_copy(rm: Path, out: Path) -> Path:
     """The reward model with its score head negated: it prefers exactly what the honest one rejects."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -294,10 +277,11 @@ def test_evaluation_kl_is_tempered_and_unfiltered(trained):  # noqa: F811
     """KL(candidate || baseline) from the tempered softmax over the whole vocabulary, whatever top-k or
     top-p shaped the samples (losses.scaled_logits): the same with top_k 1 as without, finite, and exactly
     0 for a model against itself."""
+    from kubealign.answers.sampling import sample
+    from kubealign.answers.scoring import kl_to
     from kubealign.config.schema import EvaluateConfig
     from kubealign.data.tokenize import encode_prompt
     from kubealign.rl.losses import Sampling
-    from kubealign.stages.evaluate import kl_to, sample
 
     tokenizer = loading.load_tokenizer(str(trained["sft"]))
     model = loading.load_causal_lm(str(trained["sft"])).eval()

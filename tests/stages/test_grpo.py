@@ -271,10 +271,10 @@ def test_grpo_puts_the_k3_kl_in_the_actor_loss_and_ppo_does_not():
 def preferred_rate(model_dir: Path, split: Path, n: int = 48) -> float:
     """What the synthetic task's grammar says of n eval-prompt samples at the evaluation's settings (the
     evaluate stage's own sampling)."""
+    from kubealign.answers.sampling import sample
     from kubealign.data import phases, synthetic
     from kubealign.data.tokenize import cut_left, encode_prompt
     from kubealign.models import loading
-    from kubealign.stages.evaluate import sample
 
     config = load_config(None, [NO_TRACKING])
     tokenizer = loading.load_tokenizer(str(model_dir))
@@ -282,30 +282,30 @@ def preferred_rate(model_dir: Path, split: Path, n: int = 48) -> float:
     encoded = [cut_left(encode_prompt(tokenizer, p), config.ppo.max_prompt_len, tokenizer.bos_token_id) for p in texts]
     rows = sample(loading.load_causal_lm(str(model_dir)).eval(), tokenizer, encoded, config.evaluate)
     answers = [tokenizer.decode(r["tokens"], skip_special_tokens=True) for r in rows]
-    return sum(synthetic.judge(p, a).preferred for p, a in zip(texts, answers, strict=True)) / len(texts)
+    return sum(synthetic.grade(p, a).preferred for p, a in zip(texts, answers, strict=True)) / len(texts)
 
 
-JUDGE = """from kubealign.data import synthetic
+GRADE = """from kubealign.data import synthetic
 
 
 def preferred(prompts, completions, **_):
-    return [float(synthetic.judge(p, c).preferred) for p, c in zip(prompts, completions)]
+    return [float(synthetic.grade(p, c).preferred) for p, c in zip(prompts, completions)]
 """
 
 
 @pytest.mark.integration
 @pytest.mark.parametrize("algorithm", ["grpo", "rloo"])
 def test_each_route_raises_the_preferred_rate_without_a_critic(cli, trained, tmp_path: Path, algorithm):  # noqa: F811
-    """Rewarded by the synthetic task's own judge (a reward function, no reward model), each critic-free route
+    """Rewarded by the synthetic task's own grade (a reward function, no reward model), each critic-free route
     raises the preferred rate of the held-out greedy answers. Scored by the module's half-trained reward model
     instead, the rise was the model's blind spots: +0.19 to +0.3 on some machines, -0.06 and +0.06 on another
-    (2026-11-28), where the reward model's score rose by 2 while the preferred rate fell. With the judge, the
+    (2026-11-28), where the reward model's score rose by 2 while the preferred rate fell. With the grade, the
     preset's learning rate and seeds 1234, 7, 99: grpo +0.31 to +0.40, rloo +0.25 to +0.31 (1 and 2 threads
     alike); a flipped advantage sign or a mask that trains on the prompt would not rise."""
     out = tmp_path / algorithm
-    (tmp_path / "judge.py").write_text(JUDGE, encoding="utf-8")
-    config = tmp_path / "judge.yaml"
-    config.write_text("rewards:\n  model_weight: 0\n  functions:\n    - path: judge.py:preferred\n", "utf-8")
+    (tmp_path / "grade.py").write_text(GRADE, encoding="utf-8")
+    config = tmp_path / "grade.yaml"
+    config.write_text("rewards:\n  model_weight: 0\n  functions:\n    - path: grade.py:preferred\n", "utf-8")
     measured = algorithm == "rloo"  # rloo runs the first minibatch's forward again, to measure its ratio
     args = ["ppo", "--config", config, "--prompts", trained["split"], "--actor", trained["sft"]]
     args += ["--set", NO_TRACKING, "--set", f"ppo.algorithm={algorithm}"]
@@ -324,7 +324,7 @@ def test_each_route_raises_the_preferred_rate_without_a_critic(cli, trained, tmp
     assert all(0 <= h["zero_std_fraction"] <= 1 and h["group_reward_std"] >= 0 for h in history)
     assert ("kl_loss" in history[0]) == (algorithm == "grpo")
     m = res["metrics"]
-    assert m["reward_after"] > m["reward_before"], m  # the sampled rollouts' share the judge prefers
+    assert m["reward_after"] > m["reward_before"], m  # the sampled rollouts' share the grade prefers
     before, after = preferred_rate(trained["sft"], trained["split"]), preferred_rate(out, trained["split"])
     assert after > before + 0.15, (before, after)
 

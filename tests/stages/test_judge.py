@@ -296,7 +296,7 @@ def test_the_llm_judge_online_asks_both_orders_of_the_pairs_both_answered(monkey
     pairs = answered_pairs(answers["champion"], answers["canary"])
     assert pairs == [0, 1, 2, 3]
     # no URL: nothing asked, no figures, no verdicts
-    monkeypatch.setattr("kubealign.serving.ask.ask_llm_judge", lambda *a: pytest.fail("the LLM judge was asked"))
+    monkeypatch.setattr("kubealign.answers.llm_judge.ask", lambda *a: pytest.fail("the LLM judge was asked"))
     assert llm_judge_verdicts(KubealignConfig(), prompts, answers, pairs) == ({}, {})
     monkeypatch.undo()
     judge = StandIn()

@@ -1,4 +1,4 @@
-"""A stand-in LLM judge for the tests of the LLM judge offline (tests/selection/test_llm_judge.py) and online
+"""A stand-in LLM judge for the tests of the LLM judge offline (tests/answers/test_llm_judge.py) and online
 (tests/stages/test_judge.py): an OpenAI-compatible completions route on 127.0.0.1 that answers each prompt with
 `answer(prompt)` (by default `longer`: the slot of the longer answer) and records every request."""
 

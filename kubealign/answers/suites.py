@@ -1,10 +1,11 @@
-"""Benchmark suites in the evaluate task (issue 53, guard 4): the baseline and the candidate, each scored by
-lm-eval-harness on the tasks evaluate.suites names, already loaded by evaluate (no second load, no hub).
+"""Benchmark suites: the baseline and the candidate, each scored by lm-eval-harness on the tasks
+evaluate.suites names, already loaded by evaluate (no second load, no hub), and lm-eval's results read into
+the figures the suite guard compares.
 
 lm-eval is an optional dependency (`pip install 'kubealign[eval]'`), imported only when a suite is named.
 kubealign's own task directory (kubealign/data/suites: `kubealign_facts`) is always on lm-eval's search path,
-with the user's include_path first. The figures (kubealign.promotion.guards.suite_figures) go into evaluate's
-metrics, where promote.guards.max_suite_drop reads them.
+with the user's include_path first. The figures (`suite_figures`: baseline_suite_<task>, candidate_suite_<task>)
+go into evaluate's metrics, where promote.guards.max_suite_drop reads them (kubealign.promotion.guards).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from unittest import mock
 
 from kubealign.config.suites import SuitesConfig
 from kubealign.errors import UserError
-from kubealign.promotion.guards import suite_figures
+from kubealign.promotion.guards import SUITE_PREFIX
 
 log = logging.getLogger(__name__)
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "data" / "suites"
@@ -85,6 +86,26 @@ def score(model: Any, tokenizer: Any, cfg: SuitesConfig, manager: Any) -> dict[s
         verbosity="ERROR",
     )
     return out["results"]
+
+
+def suite_figures(
+    baseline: dict[str, dict[str, Any]], candidate: dict[str, dict[str, Any]], tasks: list[str], metric: str
+) -> dict[str, float]:
+    """Both models' `metric` on each named task, from lm-eval's per-task results ({task: {"acc,none": x, ...}};
+    the first filter's value: "none" unless the task filters its answers). A task without the metric is refused
+    by name: the guard would otherwise check nothing while saying it passed."""
+    out: dict[str, float] = {}
+    for task in tasks:
+        for who, results in (("baseline", baseline), ("candidate", candidate)):
+            found = results.get(task, {})
+            keys = [k for k in found if k.split(",", 1)[0] == metric]
+            value = found.get(f"{metric},none", found.get(keys[0]) if keys else None)
+            if not isinstance(value, int | float):
+                have = sorted({k.split(",", 1)[0] for k in found if "," in k and "stderr" not in k})
+                said = ", ".join(have) or "nothing"
+                raise UserError(f"evaluate.suites.metric: task {task} reports no {metric!r} (it reports: {said})")
+            out[f"{who}_{SUITE_PREFIX}{task}"] = float(value)
+    return out
 
 
 def run(cfg: SuitesConfig, base_dir: str | None, models: dict[str, Any], tokenizer: Any) -> dict[str, float]:

@@ -1,8 +1,8 @@
-"""Evaluate with tools: the baseline's and the candidate's answers sampled in turns, as the policy trained
-(rl.multiturn), and what their tool use looked like (issue 58).
+"""Answers in turns, with tools: the baseline's and the candidate's answers sampled as the policy trained
+(rl.multiturn), and what their tool use looked like.
 
-Each sample row is evaluate's (ids, attention, response, tokens) with `read` besides: the trajectory after
-the prompt (the model's turns and the observations), what the reward functions score, while `response` —
+Each sample row is answers.sampling's (ids, attention, response, tokens) with `read` besides: the trajectory
+after the prompt (the model's turns and the observations), what the reward functions score, while `response` —
 what the KL to the baseline sums over — holds the model's own tokens only. Figures per model: the share of
 answers that called a tool (tool_call_rate), the share of calls that were malformed (malformed_call_rate),
 and model turns per answer (turns_mean); promote.metric may name any of them (e.g. tool_call_rate/candidate).
@@ -43,7 +43,7 @@ def sample_turns(
     data: Any,
     sampling: Any,
 ) -> list[dict[str, Any]]:
-    """evaluate.sample in turns: the same seed for every model, one answer per prompt."""
+    """answers.sampling.sample in turns: the same seed for every model, one answer per prompt."""
     rows: list[dict[str, Any]] = []
     torch.manual_seed(cfg.seed)
     sampler = hf_sampler(model, generation_config(sampling, cfg.max_new_tokens, tokenizer))

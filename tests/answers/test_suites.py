@@ -1,5 +1,5 @@
-"""Benchmark suites through lm-eval-harness (issue 53, guard 4): the shipped `kubealign_facts` task's rows, the
-figures read from lm-eval's results, the max_suite_drop guard at its boundary and in the gate's refusal line,
+"""Benchmark suites through lm-eval-harness (kubealign.answers.suites): the shipped `kubealign_facts` task's rows,
+the figures read from lm-eval's results, the max_suite_drop guard at its boundary and in the gate's refusal line,
 and lm-eval's accuracy of two real tiny models equal to one computed here from their log-likelihoods."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kubealign.answers import suites
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.schema import PromoteConfig
 from kubealign.config.suites import SuitesConfig
@@ -58,23 +59,23 @@ def test_facts_rows_place_the_right_fact_by_rotation():
 def test_suite_figures_read_the_metric_of_each_named_task():
     base = {"facts": {"acc,none": 0.75, "acc_stderr,none": "N/A", "acc_norm,none": 0.5}, "other": {"acc,none": 0.1}}
     cand = {"facts": {"acc,none": 0.5, "acc_norm,none": 0.25}}
-    figures = guards.suite_figures(base, cand, ["facts"], "acc")
+    figures = suites.suite_figures(base, cand, ["facts"], "acc")
     assert figures == {"baseline_suite_facts": 0.75, "candidate_suite_facts": 0.5}  # "other" was not named
-    assert guards.suite_figures(base, cand, ["facts"], "acc_norm")["candidate_suite_facts"] == 0.25
+    assert suites.suite_figures(base, cand, ["facts"], "acc_norm")["candidate_suite_facts"] == 0.25
     # a task whose answers pass a filter reports "metric,FILTER" only: that value is read
     filtered = {"gsm": {"exact_match,strict-match": 0.125, "exact_match_stderr,strict-match": 0.01}}
-    assert guards.suite_figures(filtered, filtered, ["gsm"], "exact_match")["baseline_suite_gsm"] == 0.125
+    assert suites.suite_figures(filtered, filtered, ["gsm"], "exact_match")["baseline_suite_gsm"] == 0.125
     with pytest.raises(
         UserError, match=r"evaluate.suites.metric: task facts reports no 'f1' \(it reports: acc, acc_norm\)"
     ):
-        guards.suite_figures(base, cand, ["facts"], "f1")
+        suites.suite_figures(base, cand, ["facts"], "f1")
     with pytest.raises(UserError, match="task other reports no 'acc'"):  # the candidate's results lack it
-        guards.suite_figures(base, cand, ["other"], "acc")
+        suites.suite_figures(base, cand, ["other"], "acc")
     with pytest.raises(UserError, match=r"task gone reports no 'acc' \(it reports: nothing\)"):
-        guards.suite_figures(base, cand, ["gone"], "acc")
+        suites.suite_figures(base, cand, ["gone"], "acc")
     # unfiltered ("none") first, wherever the task lists it
     both = {"t": {"acc,strict": 0.125, "acc,none": 0.5}}
-    assert guards.suite_figures(both, both, ["t"], "acc")["candidate_suite_t"] == 0.5
+    assert suites.suite_figures(both, both, ["t"], "acc")["candidate_suite_t"] == 0.5
 
 
 def suite_metrics(**pairs: tuple[float, float]) -> dict[str, float]:
@@ -135,8 +136,6 @@ def test_the_gate_refuses_a_candidate_that_forgot_a_suite():
 
 @pytest.mark.unit
 def test_suites_config_refuses_what_it_cannot_run(tmp_path):
-    from kubealign.stages import suites
-
     assert suites.search_path(SuitesConfig(), None) == [str(suites.SHIPPED_DIR)]
     (tmp_path / "mine").mkdir()
     mine = SuitesConfig(include_path="mine")
@@ -170,7 +169,6 @@ def own_accuracy(model, tokenizer) -> float:
 @pytest.mark.integration
 def test_lm_eval_scores_each_model_as_its_own_log_likelihoods_say():
     from kubealign.models import loading, tiny
-    from kubealign.stages import suites
 
     path = tiny.ensure("opt")
     tokenizer = loading.load_tokenizer(str(path))
@@ -191,7 +189,5 @@ def test_lm_eval_scores_each_model_as_its_own_log_likelihoods_say():
 
 @pytest.mark.slow  # lm-eval indexes its whole catalogue (~15k task files, 20 s) before it can say a name is unknown
 def test_an_unknown_suite_is_one_line():
-    from kubealign.stages import suites
-
     with pytest.raises(UserError, match="evaluate.suites.tasks: no lm-eval task named no_such_suite"):
         suites.run(SuitesConfig(tasks=["no_such_suite"]), None, {"baseline": None, "candidate": None}, None)

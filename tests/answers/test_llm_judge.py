@@ -1,6 +1,8 @@
-"""The LLM judge (issue 53, guard 4): the two prompts of a pair, a reply's verdict, both orders combined (a judge
-that always names one slot wins nothing), its guard at the boundary, and its requests against a stand-in
-completions server on 127.0.0.1 (tests/support/llm_stand_in.py) that judges by length and fails some requests. Figures by hand."""
+"""The LLM judge (kubealign.answers.llm_judge), a guard the trained reward model has no part in: the two prompts
+of a pair, a reply's verdict, both orders combined (a judge that always names one slot wins nothing), its guard at
+the boundary, its requests against a stand-in completions server on 127.0.0.1 (tests/support/llm_stand_in.py)
+that judges by length and fails some requests, and each row's verdict written into evaluate's table. Figures by
+hand."""
 
 from __future__ import annotations
 
@@ -9,13 +11,12 @@ import re
 import pytest
 from pydantic import ValidationError
 
+from kubealign.answers.llm_judge import ask, combine, llm_judged, pair_prompts, parse, tally
 from kubealign.config.guards import GuardsConfig
 from kubealign.config.llm_judge import LLMJudgeConfig
 from kubealign.config.schema import EvaluateConfig
 from kubealign.errors import UserError
 from kubealign.promotion import guards
-from kubealign.promotion.llm_judge import combine, judge, pair_prompts, parse
-from kubealign.serving.ask import ask_llm_judge
 from tests.support.llm_stand_in import ANSWERS, StandIn, longer
 
 pytestmark = pytest.mark.unit
@@ -63,7 +64,7 @@ def test_both_orders_must_agree():
 
 
 def test_a_judge_that_always_says_first_wins_nothing():
-    verdicts, figures = judge(replies_of(lambda prompt: "1"))
+    verdicts, figures = tally(replies_of(lambda prompt: "1"))
     assert verdicts == ["tie"] * 4
     assert figures == {
         "llm_judge_win_rate": 0.0,
@@ -75,7 +76,7 @@ def test_a_judge_that_always_says_first_wins_nothing():
 
 
 def test_a_judge_of_length_by_hand():
-    verdicts, figures = judge(replies_of(longer))
+    verdicts, figures = tally(replies_of(longer))
     assert verdicts == ["candidate", "baseline", "candidate", "tie"]
     # slots named: q1 1,2; q2 2,1; q3 1,2; q4 1,1 -> the first 5 times of 8
     assert figures == {
@@ -91,7 +92,7 @@ def test_replies_without_a_verdict_are_counted_and_judge_no_prompt():
     replies = replies_of(longer)
     replies[0] = (replies[0][0], "I cannot decide")  # q1: one order unparsed -> no verdict for q1
     replies[1] = (None, None)  # q2: both requests failed
-    verdicts, figures = judge(replies)
+    verdicts, figures = tally(replies)
     assert verdicts == [None, None, "candidate", "tie"]
     # shares of all 4 prompts: a win on 1 of them; 3 of 8 replies lack a verdict; slots named: 1; 1,2; 1,1
     assert figures == {
@@ -101,7 +102,7 @@ def test_replies_without_a_verdict_are_counted_and_judge_no_prompt():
         "llm_judge_unparsed": 3 / 8,
         "llm_judge_position_bias": 4 / 5,
     }
-    assert "llm_judge_position_bias" not in judge([(None, "no")]).figures  # no slot named: no bias measured
+    assert "llm_judge_position_bias" not in tally([(None, "no")]).figures  # no slot named: no bias measured
 
 
 def test_the_config_is_off_by_default_and_checks_its_template():
@@ -141,9 +142,9 @@ def test_the_guard_at_its_boundary():
 
 
 def test_one_prompt_is_the_whole_share_and_no_verdict_no_bias():
-    one = judge([("1", "2")])  # candidate first and preferred, then second and preferred: a win
+    one = tally([("1", "2")])  # candidate first and preferred, then second and preferred: a win
     assert one.verdicts == ["candidate"] and one.figures["llm_judge_win_rate"] == 1.0
-    none = judge([(None, "maybe")])  # no verdict at all: no position bias to speak of, and no line for it
+    none = tally([(None, "maybe")])  # no verdict at all: no position bias to speak of, and no line for it
     assert "llm_judge_position_bias" not in none.figures and none.figures["llm_judge_unparsed"] == 1.0
     (check,) = guards.checks(none.figures, ONLY, 0.0)
     assert check.text == "llm judge: win-rate 0.000 < 0.5 (both orders)"
@@ -189,7 +190,7 @@ def test_the_judge_over_http_with_a_failed_request(stand_in, monkeypatch):
     cfg = LLMJudgeConfig(url=stand_in.url, model="judge-7b", timeout_s=10, concurrency=3, api_key_env="JUDGE_KEY")
     table = [{"prompt": p, "baseline": b, "candidate": c} for p, b, c in ROWS]
     table.append({"prompt": "q5 FAIL", "baseline": "a", "candidate": "abc"})  # both its requests answer 500
-    verdicts, figures = ask_llm_judge(cfg, table)
+    verdicts, figures = ask(cfg, table)
     assert verdicts == ["candidate", "baseline", "candidate", "tie", None]
     assert figures == {
         "llm_judge_win_rate": 2 / 5,
@@ -203,7 +204,7 @@ def test_the_judge_over_http_with_a_failed_request(stand_in, monkeypatch):
         ("judge-7b", 0, 4, "Bearer k-123")
     }
     monkeypatch.delenv("JUDGE_KEY")
-    ask_llm_judge(cfg, table[:1])
+    ask(cfg, table[:1])
     assert stand_in.seen[-1][1] is None  # no key in the environment: no header
 
 
@@ -212,33 +213,12 @@ def test_every_request_failing_is_one_line_naming_the_url(stand_in):
     with pytest.raises(
         UserError, match=rf"^evaluate.llm_judge: no request to {re.escape(stand_in.url)}/v1/completions"
     ):
-        ask_llm_judge(cfg, [{"prompt": "FAIL", "baseline": "a", "candidate": "b"}])
+        ask(cfg, [{"prompt": "FAIL", "baseline": "a", "candidate": "b"}])
 
 
 def test_evaluate_writes_each_rows_verdict(stand_in):
-    from kubealign.stages.evaluate import llm_judged
-
     table = [{"prompt": p, "baseline": b, "candidate": c} for p, b, c in ROWS[:2]]
     assert llm_judged(EvaluateConfig(), table) == {} and "llm_judge" not in table[0]  # off: not asked
     cfg = EvaluateConfig(llm_judge=LLMJudgeConfig(url=stand_in.url, timeout_s=10))
     assert llm_judged(cfg, table)["llm_judge_win_rate"] == 0.5
     assert [row["llm_judge"] for row in table] == ["candidate", "baseline"]
-
-
-def test_the_samples_page_shows_each_rows_verdict_only_with_a_judge():
-    from kubealign.stages.evaluate import sample_tables
-
-    table = [
-        {"prompt": p, "baseline": b, "candidate": c, "baseline_score": 0.0, "candidate_score": 1.0}
-        for p, b, c in ROWS[:3]
-    ]
-    page, markdown = sample_tables(table)
-    assert "llm judge" not in page and "llm judge" not in markdown and "no verdict" not in page
-    for row, verdict in zip(table, ["candidate", "baseline", None], strict=True):
-        row["llm_judge"] = verdict
-    page, markdown = sample_tables(table)
-    assert "<th>llm judge</th></tr>" in page
-    assert "<td>1.000</td><td>candidate</td></tr>" in page and "<td>1.000</td><td>baseline</td></tr>" in page
-    assert "<td>1.000</td><td>no verdict</td></tr>" in page
-    assert markdown.splitlines()[0].endswith("| candidate score | llm judge |")
-    assert markdown.splitlines()[2] == "| q1 | ab | abcd | 0.000 | 1.000 | candidate |"
