@@ -77,7 +77,7 @@ def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:
         name = key.removesuffix("/candidate")
         base = m.get(f"{name}/baseline", float("nan"))
         lines.append(f"{name.removeprefix('fn/')} (reward function): {base:.3f} (SFT) -> {m[key]:.3f} ({label})")
-    if "tool_call_rate/candidate" in m:  # evaluated in turns with tools (stages.evaluate_turns)
+    if "tool_call_rate/candidate" in m:  # evaluated in turns with tools (answers.turns)
         lines.append(
             f"tool calls {m['tool_call_rate/baseline']:.0%} of answers (SFT) -> {m['tool_call_rate/candidate']:.0%} "
             f"({label}), malformed {m['malformed_call_rate/baseline']:.0%} -> {m['malformed_call_rate/candidate']:.0%}"

@@ -2,7 +2,7 @@
 
 Any OpenAI-compatible completions endpoint (one `kubealign serve` or vLLM runs, or a hosted API) is asked, for
 each evaluation prompt, which of two answers is better, once with the candidate's first and once with the
-baseline's first, so a judge's preference for a slot cancels (kubealign.promotion.llm_judge); the online judge
+baseline's first, so a judge's preference for a slot cancels (kubealign.answers.llm_judge); the online judge
 (kubealign.stages.judge) asks it the same way about the served canary's and champion's answers. Off by default:
 no endpoint exists by default. The bar the candidate must meet is promote.guards.min_llm_judge_win_rate.
 """

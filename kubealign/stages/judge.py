@@ -16,7 +16,7 @@ orders, the canary's answer as the candidate (kubealign.answers.llm_judge.llm_ju
 of evaluate's). The decision is kubealign.serving.verdict.decide's. Output
 (atomic): result.json (online metrics, both models' serving figures, the checks, the verdict), answers.json
 (each prompt's answers and, with an LLM judge, its verdict), judge.md and judge.png, logged to the stage's
-MLflow run. Acting on the verdict: kubealign.serving.act.
+MLflow run. Acting on the verdict: kubealign.serving.carry_out.
 """
 
 from __future__ import annotations
