@@ -1,15 +1,16 @@
-"""The code's shape (issue 36): no import circle in the package, the layers point one way, files stay small.
+"""The code's shape: no import circle in the package, the layers point one way, files stay small.
 
 Layers, lowest first: the library (kubealign.*, itself in layers: LIBRARY), the task functions
 (kubealign.tasks.*), the KFP component declarations (components/ = kubealign.components), the DAG (pipelines/ =
 kubealign.pipelines). A module imports only its own layer or lower ones; kubealign.cli (the package and its
 modules) sits above the task functions and may reach the DAG (`kubealign run`, `compile`, `submit`). Imports inside functions count: they are still a
-dependency. Modules are filed into packages named by what they hold: few live loose at the package root (issue 55).
+dependency. Modules are filed into packages named by what they hold: few live loose at the package root.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -236,3 +237,15 @@ def test_tests_are_laid_out_like_the_library() -> None:
     whole = {"test_layout", "test_repo_hygiene", "test_package", "test_errors", "test_config"}
     whole |= {"test_gpu_harness", "test_policy_losses_benchmark"}  # the benchmarks' own tests
     assert top <= whole, top - whole
+
+
+def test_library_files_say_what_they_mean_not_which_issue() -> None:
+    """A reference to an issue number means nothing to a reader of the repository (the tracker is not in it):
+    a comment or docstring says what the thing is, or links the doc section that does."""
+    cited = [
+        f"{path.relative_to(ROOT)}:{number}"
+        for path in modules().values()
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
+        if re.search(r"\b[Ii]ssues? #?\d+", line)
+    ]
+    assert cited == []

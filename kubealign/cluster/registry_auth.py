@@ -1,4 +1,4 @@
-"""The chart's MLflow server with authentication on (issue 37): its config file and its identities.
+"""The chart's MLflow server with authentication on: its config file and its identities.
 
 MLflow's basic-auth app (`mlflow server --app-name basic-auth`) keeps users and permissions in a database
 of its own, named in an ini file (MLFLOW_AUTH_CONFIG_PATH). The database URI can hold a password, so the
@@ -13,7 +13,7 @@ reads everything; whoever creates an experiment or a registered model gets MANAG
 identity owns what its runs create; moving `champion` needs EDIT on the model, creating a run EDIT on the
 experiment. Without credentials a request is 401; the reader's alias move is 403.
 
-The tracker (issue 54) is the identity of the pods that run user code (the reward functions: the ppo task,
+The tracker is the identity of the pods that run user code (the reward functions: the ppo task,
 evaluate, a judge that only reports; kubealign.cluster.secrets): the Job grants it EDIT on the pipeline's
 experiments, so it logs runs there, and READ on the registered models, so it cannot register a version or
 move an alias even where it created the model first.
@@ -137,7 +137,7 @@ def claim_models(tracking_uri: str, names: list[str], wanted: Mapping[str, tuple
     readable by the tracker and the reader (READ), signed in as the admin. MLflow lets any identity create a
     registered model and gives its creator MANAGE: without this the reader (or a pod holding the tracker)
     could create the pipeline's model on a fresh registry and set `champion`, which the pipeline could then
-    not move (issue 54). One line per model."""
+    not move. One line per model."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri, registry_uri=tracking_uri)

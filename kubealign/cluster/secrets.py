@@ -2,7 +2,7 @@
 variables of every task pod (pipelines/dag.py) and every TrainJob node (cluster/trainjob.py). All are
 optional: a Secret holds the ones its installation needs.
 
-Which Secrets a pod gets (issue 54): a pod that runs user code (the reward functions: the ppo task of the
+Which Secrets a pod gets: a pod that runs user code (the reward functions: the ppo task of the
 ppo / grpo / rloo routes and its TrainJob's nodes, evaluate, and the online judge) gets the tracking identity
 (kubernetes.tracking_secret: logs runs, reads the registry, moves nothing) and no object-store keys (the chart's
 MLflow proxies artifacts; kubernetes.object_store_user_code for one that does not). Every other pod gets the

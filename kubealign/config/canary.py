@@ -1,4 +1,4 @@
-"""The `canary` section: a challenger served beside the champion and judged on live traffic (issue 39)."""
+"""The `canary` section: a challenger served beside the champion and judged on live traffic."""
 
 from __future__ import annotations
 

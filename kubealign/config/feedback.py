@@ -1,4 +1,4 @@
-"""The `feedback` section: people's choices from a Label Studio project as data of every run (issue 59).
+"""The `feedback` section: people's choices from a Label Studio project as data of every run.
 
 With `project` set, the pipeline starts with a `feedback` task: it pulls the project's completed pairwise
 annotations (as `kubealign feedback pull` does: the rows, the counts, the human win-rate, a `feedback` MLflow run

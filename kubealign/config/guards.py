@@ -1,4 +1,4 @@
-"""`promote.guards`: what the gate asks of a candidate besides the reward it was trained to raise (issue 53).
+"""`promote.guards`: what the gate asks of a candidate besides the reward it was trained to raise.
 
 The win-rate and the reward gain are scored by the reward model the policy was optimized against: a policy
 that found an exploit of it ("Happy to to to!" to every prompt) wins them. These guards compare the candidate

@@ -1,4 +1,4 @@
-"""`evaluate.llm_judge`: an LLM that compares the baseline's and the candidate's answers (issue 53, guard 4).
+"""`evaluate.llm_judge`: an LLM that compares the baseline's and the candidate's answers (guard 4).
 
 Any OpenAI-compatible completions endpoint (one `kubealign serve` or vLLM runs, or a hosted API) is asked, for
 each evaluation prompt, which of two answers is better, once with the candidate's first and once with the

@@ -106,7 +106,7 @@ class PromoteConfig(Section):
     mode: Literal["direct", "canary"] = Field(
         "direct",
         description="direct: a candidate that passes the gate becomes champion. canary: it becomes challenger only, "
-        "to be served beside the champion and judged online (issue 39); champion stays (a first version, with no "
+        "to be served beside the champion and judged online; champion stays (a first version, with no "
         "champion to be judged against, becomes champion directly).",
     )
 

@@ -1,4 +1,4 @@
-"""The `serve` section: the registry's alias as a KServe InferenceService (issue 38)."""
+"""The `serve` section: the registry's alias as a KServe InferenceService."""
 
 from __future__ import annotations
 

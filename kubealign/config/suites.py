@@ -1,5 +1,5 @@
-"""`evaluate.suites`: benchmark suites through lm-eval-harness, the baseline and the candidate on each (issue 53,
-guard 4).
+"""`evaluate.suites`: benchmark suites through lm-eval-harness, the baseline and the candidate on each (the
+suites guard, docs/guards.md).
 
 lm-eval-harness (EleutherAI's, the library the Kubeflow pipelines-components' evaluation component runs) scores
 both models on the named tasks, in the evaluate task; promote.guards.max_suite_drop bounds how far the

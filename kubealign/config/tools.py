@@ -1,4 +1,4 @@
-"""The `tools` section: tools and an environment the policy calls during its rollouts (issue 58).
+"""The `tools` section: tools and an environment the policy calls during its rollouts.
 
 With tools set, grpo / rloo / ppo roll out in turns: the model writes until it closes a tool call (or ends its
 answer), the call runs in the reward-function worker's sandbox (the `rewards` section's time, memory,

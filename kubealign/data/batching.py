@@ -2,7 +2,7 @@
 
 Every batch is right-padded to its longest member, so a micro-batch of a short and a long sequence spends
 most of its compute on padding. On HH-RLHF at DeepSpeed-Chat's lengths, random batches of 8 are about half
-padding (issue 40's measurement). "grouped" puts sequences of similar length together: the epoch's shuffled
+padding (docs/padding-free.md). "grouped" puts sequences of similar length together: the epoch's shuffled
 order is cut into windows of WINDOW global micro-batches, each window sorted by length (longest first, ties
 in shuffled order) and cut into micro-batches, and the micro-batches of the whole epoch are shuffled again
 so that training does not see the long ones first (HF Trainer's group_by_length works the same way, with

@@ -14,8 +14,8 @@ two phases (the reward model and PPO would see the same prompts). Here the unit 
    (prompt_only_outside_phase3) when they land in phase 1 or 2.
 4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
 5. With `heldout_fraction` > 0, that share of phase 2's train prompts (seeded; at least one, never all)
-   forms phase 2's "heldout" split instead: the pairs the held-out reward model trains on (issue 53's
-   independent scorer). Disjoint from what the reward model the policy is optimized against sees, so an
+   forms phase 2's "heldout" split instead: the pairs the held-out reward model trains on (an
+   independent scorer, docs/guards.md). Disjoint from what the reward model the policy is optimized against sees, so an
    exploit of that model's blind spots is not an exploit of this one's. Reweighted like train.
 """
 

@@ -1,4 +1,4 @@
-"""Built-in data of the tools demo (issue 58): three-digit sums a tiny model cannot do alone, and a tool that can.
+"""Built-in data of the tools demo: three-digit sums a tiny model cannot do alone, and a tool that can.
 
 "What is 347 + 589?" -> ' <tool_call>{"name": "add", "arguments": {"a": 347, "b": 589}}</tool_call>'
 '<tool_response>936</tool_response> 936'. A 2-layer model does not learn three-digit addition from a

@@ -1,4 +1,4 @@
-"""People's choices -> preference rows, and what they say of the two models (issue 59). Pure.
+"""People's choices -> preference rows, and what they say of the two models. Pure.
 
 A task's annotations (Label Studio's JSON export: each task with its `data`, `meta` and `annotations`) are
 read as votes for answer1 ("left": the Pairwise control's first object) or answer2 ("right"). A task is:

@@ -1,4 +1,4 @@
-"""Label Studio's HTTP API, as much of it as `kubealign feedback` needs (issue 59): find or create a project,
+"""Label Studio's HTTP API, as much of it as `kubealign feedback` needs: find or create a project,
 list the prompts of its tasks, import tasks, export the annotated ones.
 
 Connection as Label Studio's own tools take it: the URL from --url or LABEL_STUDIO_URL, the token from

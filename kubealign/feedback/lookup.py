@@ -1,4 +1,4 @@
-"""The online judge's people's check (canary.min_human_win_rate, issue 59): the latest `kubealign feedback
+"""The online judge's people's check (canary.min_human_win_rate): the latest `kubealign feedback
 pull` of a version, read from MLflow (the feedback runs tag the version whose win-rate they measured)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A pull of people's choices (issue 59), shared by `kubealign feedback pull` and the pipeline's `feedback` task:
+"""A pull of people's choices, shared by `kubealign feedback pull` and the pipeline's `feedback` task:
 the project's export -> the preference rows written atomically as a .jsonl file data-split reads, the summary
 lines, and a `feedback` MLflow run whose dataset input is the file (its sha256, the project, the versions
 compared, the annotators) so that the next reward model's lineage leads back to the choices behind it."""

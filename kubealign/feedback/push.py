@@ -1,4 +1,4 @@
-"""`kubealign feedback push` (issue 59): two registry aliases answer the same held-out prompts, and the pairs
+"""`kubealign feedback push`: two registry aliases answer the same held-out prompts, and the pairs
 go to a Label Studio project as pairwise tasks (the sides shuffled per task, the models' identities in the
 task's meta only). The project is created with the pairwise template when missing; pushing again adds only
 the prompts not in it yet.

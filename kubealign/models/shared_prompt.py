@@ -1,4 +1,4 @@
-"""Preference pairs share their prompt: run it through the model once, not once per response (issue 56).
+"""Preference pairs share their prompt: run it through the model once, not once per response.
 
 DPO's batch holds each pair twice, prompt + chosen and prompt + rejected, and the usual forward (TRL's,
 DeepSpeed-Chat's, and this project's before) runs the prompt — in HH the dialogue history, most of each

@@ -1,4 +1,4 @@
-"""The log-probabilities of a causal LM's target tokens, computed where a loss needs them only (issue 56).
+"""The log-probabilities of a causal LM's target tokens, computed where a loss needs them only.
 
 A loss over next-token predictions (SFT's NLL, DPO's sequence log-probs, PPO's ratios, evaluation's
 perplexity) reads one number per *target* position, yet the usual path computes the LM head for every

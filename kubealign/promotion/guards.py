@@ -1,4 +1,4 @@
-"""The guards the optimized reward model cannot fool (issue 53): pure checks of an evaluation's figures,
+"""The guards the optimized reward model cannot fool: pure checks of an evaluation's figures,
 the candidate's against the baseline's on the same held-out prompts, under promote.guards' thresholds:
 capability kept, the held-out reward model's win-rate, the LLM judge's (when one judged), the benchmark suites'
 (when evaluate.suites named any), no degeneration.

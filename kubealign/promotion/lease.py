@@ -65,7 +65,7 @@ def holder_is_dead(holder: dict[str, str]) -> bool:
 
 def refuse_foreign(lock: str, holder: dict[str, str]) -> None:
     """A lease no kubealign promote wrote (an expiry further ahead than any promote sets, or no owner of the
-    form host:pid[:nonce]) is somebody's squat, not a holder to wait for: one line, at once (issue 54: the
+    form host:pid[:nonce]) is somebody's squat, not a holder to wait for: one line, at once (otherwise the
     chart's reader identity could create it and make every promote wait LEASE_WAIT_S, then fail)."""
     if "owner" not in holder or "expires" not in holder:
         return  # a create whose tags are not in yet (MLflow's SQL store writes them apart): wait for it

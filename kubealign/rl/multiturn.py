@@ -1,4 +1,4 @@
-"""Multi-turn rollouts: the model calls tools (or acts in an environment) between its turns (issue 58).
+"""Multi-turn rollouts: the model calls tools (or acts in an environment) between its turns.
 
 Every trajectory starts from its prompt (the batch's prompts, each repeated group_size times, contiguous as
 the single-turn rollout has them). A turn generates for every trajectory still going, in one batch (their

@@ -1,4 +1,4 @@
-"""The tool-call format of multi-turn rollouts: pure functions of text (issue 58).
+"""The tool-call format of multi-turn rollouts: pure functions of text.
 
 The Hermes markup, which Qwen's, Hermes's and other chat templates use for tools and vLLM's `hermes` tool
 parser reads:

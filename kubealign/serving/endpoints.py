@@ -1,5 +1,5 @@
-"""Each predictor of a canaried InferenceService by its own address, for the online judge in the cluster
-(issue 39): the judge asks the stable model and the canary the same prompts, so it cannot go through the
+"""Each predictor of a canaried InferenceService by its own address, for the online judge in the cluster:
+the judge asks the stable model and the canary the same prompts, so it cannot go through the
 service's URL, which splits them by share.
 
 kubealign's manifest labels each predictor (KServe copies a component's `labels` onto its pods):

@@ -1,4 +1,4 @@
-"""Which registered version a server serves, read from its /v1/models (issue 54): the online judge checks it
+"""Which registered version a server serves, read from its /v1/models: the online judge checks it
 before it asks a prompt, so that a wrong or swapped URL, or a backend replaced behind one, never gets a
 version promoted or rolled back on answers another model gave.
 

@@ -1,4 +1,4 @@
-"""The InferenceService of a registry alias, from the registry (issue 38): the alias resolved to its version
+"""The InferenceService of a registry alias, from the registry: the alias resolved to its version
 (kubealign.serving.location), the version's files listed and checked, the chat template an OpenAI-server
 runtime needs read from its tokenizer, then the pure manifest (kubealign.serving.manifest); written whole."""
 

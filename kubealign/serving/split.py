@@ -1,4 +1,4 @@
-"""The local traffic split (issue 39): `kubealign serve --canary ALIAS` runs the stable alias's server and the
+"""The local traffic split: `kubealign serve --canary ALIAS` runs the stable alias's server and the
 canary's, and this front before them on the port asked for, as KServe's `spec.canary` splits one
 InferenceService's traffic in the cluster.
 

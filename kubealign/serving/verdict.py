@@ -1,4 +1,4 @@
-"""The online judge's figures and decision (issue 39). Pure: answers and scores in, numbers and a verdict out.
+"""The online judge's figures and decision. Pure: answers and scores in, numbers and a verdict out.
 
 The judge sends the same held-out prompts to the champion's and the canary's endpoints (kubealign.serving.ask),
 scores both answers with the reward model and functions evaluate uses, and compares them with evaluate's

@@ -1,4 +1,4 @@
-"""The feedback stage (the pipeline's `feedback` task, issue 59): the completed pairwise annotations of the Label
+"""The feedback stage (the pipeline's `feedback` task): the completed pairwise annotations of the Label
 Studio project `feedback.project` pulled into OUTPUT/human.jsonl, the rows data-split then reads as one more
 source (weighted by feedback.weight), with a `feedback` MLflow run (kubealign.feedback.pull: the file as its
 dataset input, the counts and the human win-rate of `feedback.challenger`). An empty file where nobody has

@@ -1,4 +1,4 @@
-"""The online judge (issue 39): the champion and the canary answer the same held-out prompts over HTTP, and
+"""The online judge: the champion and the canary answer the same held-out prompts over HTTP, and
 the canary is judged by what it answered.
 
 The first `canary.prompts` phase-3 prompts (evaluate's held-out split) go to both OpenAI-compatible

@@ -1,4 +1,4 @@
-"""The DAG's optional `judge` task (issue 39), after `serve` in promote.mode canary: the canary the serve task
+"""The DAG's optional `judge` task, after `serve` in promote.mode canary: the canary the serve task
 put beside the champion is judged online, in the cluster, and the verdict written down for the `act` task.
 
 Reads serve's result: when it applied no canary (promote moved nothing, or made a first champion), there is

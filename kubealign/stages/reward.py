@@ -130,7 +130,7 @@ def heldout_sibling(output: Path) -> Path:
 def train_heldout(
     config: KubealignConfig, cfg: Any, dataset: Any, output: Path, resume: bool, location: Path | None
 ) -> dict[str, Any] | None:
-    """The held-out reward model (issue 53's independent scorer): the same recipe on phase 2's heldout pairs,
+    """The held-out reward model (the independent scorer): the same recipe on phase 2's heldout pairs,
     evaluated on the same eval pairs, not tracked as a run of its own (its metrics join the main run's as
     heldout/*). None when phase 2 has no heldout split. A resumed task reuses one that was finished."""
     if HELDOUT not in dataset or len(dataset[HELDOUT]) == 0:

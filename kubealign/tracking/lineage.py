@@ -1,4 +1,4 @@
-"""Data lineage in MLflow (issue 59): which data each run read, as MLflow dataset inputs (`log_inputs`).
+"""Data lineage in MLflow: which data each run read, as MLflow dataset inputs (`log_inputs`).
 
 data-split names every source it read (context `source`: its path, the sha256 of its rows, rows read); every
 stage after it names the data-split phase it trained or evaluated on (context `training` or `evaluation`: the

@@ -1,4 +1,4 @@
-"""What the reward-function worker does to itself before it loads any user code (issue 54), and what the
+"""What the reward-function worker does to itself before it loads any user code, and what the
 trainer does while a worker runs.
 
 The worker (kubealign.usercode.worker) calls `confine`:
