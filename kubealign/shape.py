@@ -8,7 +8,7 @@ code of that task (its stage, task function and component), nothing else; docs/p
 
 from __future__ import annotations
 
-# a candidate's algorithm (pipeline.candidates); the rl ones run the ppo task with ppo.algorithm set to the route's
+# a candidate's route (pipeline.candidates); the rl ones run the ppo task with ppo.algorithm set to the route's
 # name, and of those ppo alone trains a critic (has_critic)
 ROUTES = ("ppo", "grpo", "rloo", "dpo")
 RL_ROUTES = ("ppo", "grpo", "rloo")

@@ -179,11 +179,11 @@ def test_the_library_layers_order_what_may_import_what():
     assert layer("kubealign.errors") < layer("kubealign.config.schema") < layer("kubealign.serving.carry_out")
     assert layer("kubealign.cluster.secrets") < layer("kubealign.training.loop") < layer("kubealign.rl.losses")
     assert layer("kubealign.serving.deploy") < layer("kubealign.stages.ppo") < layer("kubealign.tasks.launch")
-    assert layer("kubealign.tasks") < layer("kubealign.cli.commands") < layer("kubealign.components.stages")
+    assert layer("kubealign.tasks") < layer("kubealign.cli.training") < layer("kubealign.components.stages")
 
 
 def test_the_cli_exception_covers_its_package_only():
-    assert is_cli("kubealign.cli") and is_cli("kubealign.cli.commands")
+    assert is_cli("kubealign.cli") and is_cli("kubealign.cli.training")
     assert not is_cli("kubealign.client") and not is_cli("kubealign.tasks")
 
 

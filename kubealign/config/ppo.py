@@ -43,7 +43,7 @@ class PPOConfig(Section):
         description="ppo: clipped PPO with a critic and GAE; grpo: critic-free, group-relative advantages over "
         "samples_per_prompt responses, KL to the reference as a loss term; rloo: critic-free, leave-one-out "
         "baseline over samples_per_prompt responses. The ppo task's loss; what the DAG trains is chosen by "
-        "pipeline.candidates, and each candidate's algorithm sets this in its ppo task (with no candidates, the "
+        "pipeline.candidates, and each candidate's route sets this in its ppo task (with no candidates, the "
         "one route is this).",
     )
     actor_zero_stage: int = Field(0, ge=0, le=3, description="ZeRO stage of the actor.")
