@@ -3,13 +3,15 @@
 
 Registry, under promote's lease and alias journal (kubealign.promotion): a promoted canary's version becomes
 `champion` (the old one kept as `previous-champion`) and `challenger` is cleared; a rolled-back one loses
-`challenger` and is tagged `kubealign.online=rejected`. Serving, after that: the InferenceService is made
-again from the registry as it now is (the champion's files, no canary) and applied, and the task waits for
-Ready. A crash between the two leaves the registry decided and the service still splitting traffic; the
-rerun finds the registry already as the verdict wants it, moves nothing and finishes the service. A verdict
-on a version that is no longer `challenger` (another promotion since) is refused: judge again. Here (the
-local split of `kubealign serve --canary`, kubealign.serving.split) serving follows the registry the same way:
-the champion's version is made the front's whole service and `kubealign serve` stops the other server.
+`challenger` and is tagged `kubealign.online=rejected`, only when this call takes the alias from it (a verdict
+about a version that is not `challenger`, forged or a rerun's, tags nothing). Serving, after that: the
+InferenceService is made again from the registry as it now is (the champion's files, no canary) and applied,
+and the task waits for Ready. A crash between the two leaves the registry decided and the service still
+splitting traffic; the rerun finds the registry already as the verdict wants it, moves nothing and finishes the
+service. A verdict on a version that is no longer `challenger` (another promotion since) is refused: judge
+again. Here (the local split of `kubealign serve --canary`, kubealign.serving.split) serving follows the
+registry the same way: the champion's version is made the front's whole service and `kubealign serve` stops the
+other server.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def in_registry(config: KubealignConfig, uri: str, promoted: bool, version: str)
                 raise UserError(
                     f"judge: {name} {CHALLENGER} is now version {now}, not the judged version {version}: judge again"
                 )
-            if not promoted:
+            if not promoted and aliases.get(CHALLENGER) == version and (CHALLENGER, None) in plan:
+                # only the version this call takes `challenger` from: a verdict about any other (a forged one, or
+                # a rerun's once the alias is gone) moves nothing and so marks nothing
                 client.set_model_version_tag(name, version, REJECTED_TAG, "rejected")
             move_aliases(client, uri, name, aliases, plan)
             after, _ = read_state(client, name)

@@ -6,13 +6,17 @@ then the InferenceService (the champion alone), waiting for Ready. It runs no us
 pipeline identity, the one that may move `champion`; the judge, which runs the reward functions, holds the
 tracking identity (kubealign.cluster.secrets). A crash between the registry and the cluster is finished by
 running this task again (`kubealign rerun act`): it finds the registry as the verdict wants it, moves nothing
-and finishes the service. A verdict file that is not the judge's whole verdict is refused in one line naming it.
+and finishes the service. A verdict file that is not the judge's whole verdict is refused in one line naming it,
+and so is one about another InferenceService than this run's (serve.namespace or the pod's own namespace, and
+the name the serve task gives): the judge runs user code, so the namespace and the name come from the config,
+never from the verdict, and nothing is moved or applied before they match.
 OUTPUT: result.json (the aliases after, the InferenceService and what was done to it).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -20,10 +24,13 @@ from typing import Any
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError, first_line
 from kubealign.outputs import atomic_dir, check_output_path, write_result
+from kubealign.pod import POD_ENV
 from kubealign.stages.judge_task import VERDICT_FILE
 
 STAGE = "act"
 SERVICE = re.compile(r"[^/\s]+/[^/\s]+")  # NAMESPACE/NAME
+NAMESPACE_ENV = POD_ENV["namespace"]  # as the serve task reads it (kubealign.stages.serve)
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
 def read_verdict(judgement: Path, registered_model: str) -> dict[str, Any]:
@@ -65,6 +72,37 @@ def verdict_problem(verdict: Any, registered_model: str) -> str | None:
     return None
 
 
+def pod_namespace() -> str | None:
+    """The namespace this pod runs in: the downward API's variable when the DAG sets it, else the service
+    account's mount (any pod that reaches the cluster in-cluster has it); None outside a pod."""
+    named = os.environ.get(NAMESPACE_ENV)
+    if named:
+        return named
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def own_service(config: KubealignConfig, judgement: Path, named: str) -> tuple[str, str]:
+    """(namespace, NAMESPACE/NAME) of the InferenceService this run's serve task makes (serve.namespace or the
+    pod's own, serve.name or the registered model's DNS name), refused when the verdict names another: the judge
+    runs user code, so its verdict may say anything."""
+    from kubealign.serving.manifest import dns_name
+
+    namespace = config.serve.namespace or pod_namespace()
+    if not namespace:
+        where = f"${NAMESPACE_ENV}, {SERVICE_ACCOUNT_NAMESPACE}"
+        raise UserError(f"serve.namespace: not set, and the pod's namespace is unknown ({where})")
+    ours = f"{namespace}/{config.serve.name or dns_name(config.promote.registered_model)}"
+    if named != ours:
+        raise UserError(
+            f"{judgement / VERDICT_FILE}: the verdict is about InferenceService {named}, but this run serves "
+            f"{ours} (serve.namespace, serve.name): nothing was carried out"
+        )
+    return namespace, ours
+
+
 def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """judgement: the judge task's output; custom: a kubernetes CustomObjectsApi (default: the cluster this pod
     runs in)."""
@@ -85,7 +123,8 @@ def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = No
     uri = resolve_uri(config)
     if not uri:
         raise UserError("act: no registry (MLFLOW_TRACKING_URI, tracking.uri) to carry the verdict out in")
-    promoted, version, service = verdict["promoted"], verdict["version"], verdict["inference_service"]
+    namespace, service = own_service(config, judgement, verdict["inference_service"])
+    promoted, version = verdict["promoted"], verdict["version"]
     after = carry_out.in_registry(config, uri, promoted, version)
     registry = ", ".join(f"{alias} = {value}" for alias, value in after.items())
     print(f"act: registry {registry}", flush=True)
@@ -93,7 +132,7 @@ def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = No
         from kubealign.cluster.trainjob import connect
 
         custom, _ = connect()
-    action = carry_out.in_serving(config, uri, service.split("/")[0], custom)
+    action = carry_out.in_serving(config, uri, namespace, custom)
     summary = f"registry {registry}; InferenceService {service} {action}, Ready"
     print(f"act: InferenceService {service} {action}, Ready", flush=True)
     details = {"promoted": promoted, "version": version, "verdict": verdict.get("verdict", "")}
