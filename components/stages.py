@@ -141,9 +141,11 @@ def evaluate(
     metrics: Output[Metrics],
     report: Output[HTML],
     samples: Output[Markdown],
+    suites_fingerprint: str = "",
 ):
     """evaluate: PPO candidate vs SFT baseline on held-out prompts; report = samples + plots in one page.
-    reward_model is not read when the reward functions alone score (the DAG then passes the SFT model)."""
+    reward_model is not read when the reward functions alone score (the DAG then passes the SFT model).
+    suites_fingerprint: the sha256 of evaluate.suites' include_path files compiled into the pipeline."""
     from kubealign import tasks
     from kubealign.tasks import artifacts
 
@@ -156,6 +158,7 @@ def evaluate(
         reward_model.path,
         evaluation.path,
         reward_functions,
+        suites_fingerprint,
     )
     artifacts.to_kfp(result, metrics, evaluation)
     artifacts.write_report(evaluation.path, report.path, samples.path)

@@ -20,6 +20,10 @@ pipeline parameter `config_json` (editable in the Kubeflow UI), next to the comm
 | data_fingerprint     | (sources' content hash) | data_split (cache key only)   |
 | sft_model_fingerprint / reward_model_fingerprint | (base models' hashes) | sft / reward (cache key only) |
 
+evaluate also takes a constant input, `suites_fingerprint`: the sha256 of evaluate.suites' include_path files
+(and allow_code), fixed when the pipeline is compiled (no run parameter can change it), in evaluate's cache key
+and checked by the task against the files it reads (kubealign.answers.suites.fingerprint).
+
 Reward functions (rewards.functions) travel inside the compiled pipeline: the parameter reward_functions
 holds their specs with each FILE.py function's source, read when the pipeline is built, so the image need
 not carry them and editing one changes the cache key of exactly the tasks that score with it (ppo and
@@ -51,7 +55,7 @@ from kubealign.feedback.client import TOKEN_ENV, URL_ENV
 from kubealign.images import cpu_image, train_image
 from kubealign.models import hub
 from kubealign.pipelines import placement, sweep
-from kubealign.pipelines.fingerprint import data_fingerprint, model_fingerprint
+from kubealign.pipelines.fingerprint import data_fingerprint, model_fingerprint, suites_fingerprint
 from kubealign.pipelines.sweep import RoutesFunctionOutputs, RoutesOutputs
 from kubealign.shape import scorer as scorer_task
 from kubealign.stages import serve as serve_stage
@@ -127,6 +131,8 @@ class Tasks:
         # key includes a task's environment): every other task stays cached when a function is edited
         self.scoring_env = {pod.FUNCTIONS_SHA_ENV: pins.pop(pod.FUNCTIONS_SHA_ENV)}
         self.env = {**(env or {}), **pins}
+        # the user's suites' files, a constant input of evaluate: its cache key, and what the task checks
+        self.suites = suites_fingerprint(config)
         self.train_image = self.k8s.train_image or train_image()
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
@@ -231,6 +237,7 @@ class Tasks:
             baseline=sft,
             candidate=candidate,
             reward_model=scorer,
+            suites_fingerprint=self.suites,
         )
         return self.place(evaluation, "evaluate", self.k8s.evaluate_gpus, training=False, scoring=True)
 

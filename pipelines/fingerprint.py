@@ -6,6 +6,9 @@ data-split manifest records) as an input of data_split, and the base models' has
 and reward. Downstream tasks take upstream artifacts, so a changed input invalidates everything after
 it and nothing before it.
 
+The user's benchmark suites (evaluate.suites.include_path) are pinned the same way, as a constant input of
+evaluate (`suites_fingerprint`): their files' sha256, which the task checks against the files it reads.
+
 What cannot be hashed from here (a hub dataset or model id, a path that exists only in the cluster) is
 fingerprinted by its name: pin a revision in the name or a dataset version if that matters.
 """
@@ -41,3 +44,11 @@ def model_fingerprint(name: str, revision: str | None = None) -> str:
     if name.startswith("tiny-"):  # built from config by this version of kubealign
         return f"{name}@kubealign-{__version__}"
     return f"hub:{name}@{revision}" if revision else f"name:{name}"
+
+
+def suites_fingerprint(config: KubealignConfig) -> str:
+    """evaluate.suites' include_path files and allow_code (kubealign.answers.suites.fingerprint); "" when no suite
+    reads anything of the user's. A directory holding Python without allow_code is refused here already."""
+    from kubealign.answers import suites
+
+    return suites.fingerprint(config.evaluate.suites, config.base_dir)

@@ -7,6 +7,10 @@ candidate may fall below the baseline on any of them. Off by default (no task na
 models and their data on the pod. kubealign ships one small task for the embedded data, `kubealign_facts`
 (multiple choice on the synthetic facts, kubealign/data/suites/); docs/guards.md says how to point this at
 real suites.
+
+An include_path is user code when it holds Python: lm-eval imports a task's `!function` module inside the
+evaluate process. Such a directory is refused unless `allow_code` says so, and its files are pinned by sha256 in
+the compiled pipeline (kubealign.answers.suites.fingerprint).
 """
 
 from __future__ import annotations
@@ -29,6 +33,14 @@ class SuitesConfig(Section):
         description="A directory of your own lm-eval task YAML files, read besides kubealign's (relative to the "
         "config file's directory; on a cluster, a path the evaluate pod can read: the PVC or your image). "
         "None = kubealign's shipped tasks and lm-eval's own.",
+    )
+    allow_code: bool = Field(
+        False,
+        description="Run the Python a task in include_path brings (a .py file, a YAML `!function` tag, a template "
+        "that reaches Python objects). false (the default): such an include_path is refused in one line naming "
+        "the file and templates render in Jinja's sandbox. true: that code runs inside the evaluate process, with "
+        "its environment and credentials (the tracking identity, MLFLOW_TRACKING_PASSWORD) and its network and "
+        "files; only for task files you would run as evaluate yourself. kubealign's own tasks need no allowing.",
     )
     metric: str = Field(
         "acc",

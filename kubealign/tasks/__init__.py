@@ -142,11 +142,16 @@ def evaluate(
     reward: str,
     output: str,
     functions_json: str = "",
+    suites_fingerprint: str | None = None,
 ) -> dict[str, Any]:
-    """reward: the reward model's dir (not read when rewards.model_weight is 0 with functions)."""
+    """reward: the reward model's dir (not read when rewards.model_weight is 0 with functions); suites_fingerprint:
+    the compiled pipeline's pin of evaluate.suites (kubealign.answers.suites.fingerprint), None outside one."""
+    from kubealign.answers import suites
     from kubealign.stages import evaluate as stage
 
     config = load(config_json, overrides)
+    if suites_fingerprint is not None:  # before any model is loaded
+        suites.check_pinned(config.evaluate.suites, config.base_dir, suites_fingerprint)
     specs = reward_functions(config, functions_json)
     paths = (Path(prompts), Path(baseline), Path(candidate), Path(reward), Path(output))
     return stage.run(config, *paths, functions=specs)
