@@ -19,6 +19,16 @@ from typing import Any, NamedTuple
 from kubealign.data.tokenize import RESULT_CLOSE, RESULT_OPEN  # noqa: F401 - SFT masks these spans too
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# Characters of a tool's result (or an environment's observation) kept per token of its budget, cut in the worker
+# before the trainer reads or tokenizes it: a token of natural text or code spans well under 32 characters, so the
+# budget's tokens are still there to keep; a result of longer tokens is cut to fewer. Without the cut a tool that
+# returned 30 MiB cost the trainer 112 s and 9.9 GiB of tokenizing, outside the worker's limits.
+CHARS_PER_TOKEN = 32
+
+
+def result_chars(tokens: int) -> int:
+    """The characters of a tool result or an observation kept for a budget of `tokens` tokens."""
+    return tokens * CHARS_PER_TOKEN
 
 
 class Call(NamedTuple):

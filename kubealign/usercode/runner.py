@@ -172,23 +172,23 @@ class FunctionRunner:
             sys.stderr.write(printed.decode(errors="replace"))
             sys.stderr.flush()
 
-    def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str) -> dict[str, Any]:
+    def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str, limit: int = REPLY_LIMIT) -> dict[str, Any]:
         assert self.process is not None and self.process.stdin and self.process.stdout
         try:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         except BrokenPipeError:
             raise UserError(f"{label(spec)}: its worker process died ({what})") from None
-        reply = self._read_reply(spec, what)
+        reply = self._read_reply(spec, what, limit)
         if reply.get("memory"):  # the function's allocation failed at the limit
             raise UserError(
                 f"{label(spec)}: ran out of its memory, rewards.memory_limit_mb {self.memory_limit_mb} ({what})"
             )
         return reply
 
-    def _read_reply(self, spec: FunctionSpec | None, what: str) -> dict[str, Any]:
+    def _read_reply(self, spec: FunctionSpec | None, what: str, limit: int = REPLY_LIMIT) -> dict[str, Any]:
         """The worker's next reply line, read within rewards.timeout_s in all: half a line written by the
-        function is a timeout, not a hang; a line over REPLY_LIMIT or not JSON is one line too."""
+        function is a timeout, not a hang; a line over `limit` bytes or not JSON is one line too."""
         assert self.process is not None and self.process.stdout
         name = label(spec) if spec else "the reward-function worker"
         fd = self.process.stdout.fileno()
@@ -205,9 +205,9 @@ class FunctionRunner:
                 killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
                 raise UserError(f"{name}: its worker process exited with code {code}{killed} ({what})")
             self._pending += chunk
-            if len(self._pending) > REPLY_LIMIT:
+            if len(self._pending) > limit:
                 self.close()
-                raise UserError(f"{name}: a reply over {REPLY_LIMIT} bytes ({what}); stopped")
+                raise UserError(f"{name}: a reply over {limit} bytes ({what}); stopped")
         line, _, self._pending = self._pending.partition(b"\n")
         self._drain()
         try:
@@ -250,17 +250,19 @@ class FunctionRunner:
                 raise UserError(f"{label(spec)}: returned {value} for row {origins[i]}; a reward must be finite")
         return values
 
-    def tool_calls(self, calls: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    def tool_calls(self, calls: list[dict[str, Any]], max_chars: int) -> list[tuple[str, bool]]:
         """(text, is_error) per call {name, arguments}, run in the worker in one request: a tool's result, or
-        the error a raising tool, an unknown name or arguments that do not fit give (an observation). A tool
-        that hangs is stopped at rewards.timeout_s with the worker: a UserError naming the tools."""
+        the error a raising tool, an unknown name or arguments that do not fit give (an observation), each at
+        most max_chars characters (cut in the worker; a reply longer than that many can be stops the worker). A
+        tool that hangs is stopped at rewards.timeout_s with the worker: a UserError naming the tools."""
         tools = [s for s in self.specs if s.kind == "tool"]
         if not calls:
             return []
         first = next((s for s in tools if s.name == calls[0]["name"]), tools[0])
-        request = {"op": "tools", "calls": calls, "tools": [s.name for s in tools]}
+        request = {"op": "tools", "calls": calls, "tools": [s.name for s in tools], "max_chars": max_chars}
         names = sorted({c["name"] for c in calls})
-        reply = self._ask(request, first, f"{len(calls)} calls of {', '.join(names)}")
+        limit = sized_reply(len(calls), max_chars)
+        reply = self._ask(request, first, f"{len(calls)} calls of {', '.join(names)}", limit)
         if "error" in reply:
             raise UserError(f"{label(first)}: {reply['message']}")
         return [(r["result"], False) if "result" in r else (r["error"], True) for r in reply["results"]]
@@ -276,9 +278,11 @@ class FunctionRunner:
         return reply["schemas"]
 
     def environment(self, op: str, payload: dict[str, Any], origins: list[str]) -> dict[str, Any]:
-        """reset (slots, rows) -> {observations} or step (slots, actions) -> {steps}; UserError naming the row."""
+        """reset (slots, rows) -> {observations} or step (slots, actions) -> {steps}; UserError naming the row.
+        payload's max_chars: what an observation may hold (cut in the worker; the reply is bounded by it)."""
         spec = next(s for s in self.specs if s.kind == "environment")
-        reply = self._ask({"op": op, "name": spec.name, **payload}, spec, f"{op} of {len(payload['slots'])} rows")
+        what, limit = f"{op} of {len(payload['slots'])} rows", sized_reply(len(payload["slots"]), payload["max_chars"])
+        reply = self._ask({"op": op, "name": spec.name, **payload}, spec, what, limit)
         if "error" in reply:
             row = f" on row {origins[reply['row']]}" if reply.get("row", len(origins)) < len(origins) else ""
             raise UserError(f"{label(spec)}: {reply['message']}{row}")
@@ -305,6 +309,12 @@ class FunctionRunner:
             reply = self._ask(request, spec, f"row {origins[i]}")
             if reply.get("error") == "raised":
                 raise UserError(f"{label(spec)}: raised {reply['message']} on row {origins[i]}")
+
+
+def sized_reply(items: int, max_chars: int) -> int:
+    """Bytes a reply of `items` texts of at most max_chars characters can take: JSON writes a character in up to
+    12 bytes (an escaped surrogate pair), the error messages and the rest of the line fit in the margins."""
+    return items * (12 * max_chars + 30_000) + 4096
 
 
 def label(spec: FunctionSpec) -> str:
