@@ -131,6 +131,12 @@ class FunctionRunner:
             if "error" in reply:
                 raise UserError(f"{spec.field}: {reply['message']}")
 
+    def restart(self) -> None:
+        """A fresh worker with the same functions: nothing the user's code kept in its modules and classes, nor any
+        file it wrote, carries over (evaluate starts one per model)."""
+        self.close()
+        self.start()
+
     def close(self) -> None:
         if self.process is not None:
             with contextlib.suppress(OSError):  # /proc unreadable: the group below still goes

@@ -123,3 +123,65 @@ def test_a_tools_reply_is_bounded_by_max_result_tokens(code_dir: Path):
     with runner, pytest.raises(UserError, match=r"^tool floods \(tools.functions\[0\].path\): a reply over \d+ bytes"):
         runner.tool_calls([{"name": "floods", "arguments": {}}], tc.result_chars(config.max_result_tokens))
     assert runner.process is None
+
+
+STATEFUL = '''
+class Counter:
+    """An environment whose class keeps a count across instances, rows and models."""
+
+    seen = 0
+
+    def reset(self, row):
+        Counter.seen += 1
+        return f"n{Counter.seen}"
+
+    def step(self, action):
+        return None, 1.0, True
+
+
+calls = []
+
+
+def remembers(prompts, completions, **columns):
+    """A reward function whose module keeps a count across calls."""
+    calls.append(1)
+    return [float(len(calls))] * len(completions)
+'''
+
+
+class Scripted:
+    """A model whose generate writes `text` after every context."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def generate(self, input_ids, attention_mask, generation_config, stopping_criteria):
+        import torch
+
+        new = torch.tensor([CHARS.encode(self.text)] * input_ids.shape[0])
+        return torch.cat([input_ids, new], 1)
+
+
+def test_the_baseline_and_the_candidate_each_get_a_fresh_worker_in_evaluate(tmp_path: Path):
+    """The same model as baseline and candidate: the same trajectories and the same scores, whatever the user's
+    code keeps in its classes and modules (before: observation n1 vs n2, score 1.0 vs 2.0)."""
+    from kubealign.config import load_config
+    from kubealign.data.phases import Rows
+    from kubealign.rewards.scorer import Scorer
+    from kubealign.stages import evaluate
+
+    (tmp_path / "code.py").write_text(STATEFUL, encoding="utf-8")
+    (tmp_path / "c.yaml").write_text(
+        "rewards: {model_weight: 0, functions: [{path: code.py:remembers}]}\n"
+        "tools: {environment: code.py:Counter, max_turns: 1}\nevaluate: {max_new_tokens: 4, batch_size: 4}\n",
+        encoding="utf-8",
+    )
+    config = load_config(str(tmp_path / "c.yaml"), [])
+    specs = definitions.resolve_all(config.rewards, config.tools, config.base_dir)
+    data = Rows(["a"], {}, ["d.jsonl:1"])
+    model = Scripted("ok")
+    with FunctionRunner.for_config(specs, config.rewards) as runner:
+        scorer = Scorer(None, 0.0, runner, CHARS)
+        base, cand = evaluate.answers_of(config, runner, scorer, CHARS, [CHARS.encode("a")], data, (model, model))
+    assert CHARS.decode(base[0]["tokens"]) == CHARS.decode(cand[0]["tokens"]) == "n1ok"
+    assert base[0]["score"] == cand[0]["score"] == 1.0
