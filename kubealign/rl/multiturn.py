@@ -235,7 +235,7 @@ def _reset(session: ToolSession, trajectories: list[Trajectory], rows: Any, k: i
     reply = session.runner.environment("reset", payload, origins)
     for t, observation in zip(trajectories, reply["observations"], strict=True):
         if observation:
-            _observe(session, t, observation)
+            _observe(session, t, tool_calls.escape(observation))
 
 
 def _step(session: ToolSession, trajectories: list[Trajectory], going: list[Trajectory], rows: Any, k: int) -> None:
@@ -249,7 +249,7 @@ def _step(session: ToolSession, trajectories: list[Trajectory], going: list[Traj
         if step["reward"] is not None:
             t.reward = (t.reward or 0.0) + step["reward"]
         if step["observation"] and not step["done"] and not t.done:
-            _observe(session, t, step["observation"])
+            _observe(session, t, tool_calls.escape(step["observation"]))
         t.done = t.done or step["done"]
 
 

@@ -14,6 +14,7 @@ rollout answers it with an error observation, so the model can learn from it, in
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple
 
 from kubealign.data.tokenize import RESULT_CLOSE, RESULT_OPEN  # noqa: F401 - SFT masks these spans too
@@ -67,9 +68,20 @@ def parse(turn: str) -> Call | Malformed | None:
     return Call(call["name"], arguments)
 
 
+# a '<' that opens what reads as the markup (<tool_call>, </tool_response>, <tools>, spaced or in any case)
+_MARKUP = re.compile(r"<(?=\s*/?\s*tool)", re.IGNORECASE)
+
+
+def escape(text: str) -> str:
+    """Text the model did not write (a tool's result, an environment's observation) with every '<' that starts
+    what reads as the markup written '&lt;': the trajectory the model sees and reward functions read then holds
+    only the calls the model made and the responses the rollout wrote, whatever a tool answers."""
+    return _MARKUP.sub("&lt;", text)
+
+
 def response(text: str, error: bool = False) -> str:
-    """The observation that answers a call: the tool's result, or the error prefixed 'error: '."""
-    return f"{RESULT_OPEN}{'error: ' if error else ''}{text}{RESULT_CLOSE}"
+    """The observation that answers a call: the tool's result, or the error prefixed 'error: ', escaped."""
+    return f"{RESULT_OPEN}{'error: ' if error else ''}{escape(text)}{RESULT_CLOSE}"
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:
