@@ -35,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.errors import UserError
-from kubealign.usercode import sandbox
+from kubealign.usercode import sandbox, tree
 from kubealign.usercode.definitions import FunctionSpec
-from kubealign.usercode.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV
+from kubealign.usercode.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV, PROCESSES_ENV
 
 Values = list[float | None]
 KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
@@ -45,6 +45,7 @@ OUTPUT_LIMIT = 64 * 1024  # bytes of a call's printed output forwarded to the ta
 REPLY_LIMIT = 64 * 2**20  # bytes of one reply line: values for a batch are far fewer
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_FILE_LIMIT_MB = 1024
+DEFAULT_MAX_PROCESSES = 64
 
 
 def worker_env(environ: dict[str, str], passed: list[str], home: Path, cwd: str) -> dict[str, str]:
@@ -71,10 +72,12 @@ class FunctionRunner:
         passed_env: list[str] | None = None,
         file_limit_mb: int = DEFAULT_FILE_LIMIT_MB,
         network: bool = False,
+        max_processes: int = DEFAULT_MAX_PROCESSES,
     ):
         self.specs, self.timeout_s = specs, timeout_s
         self.memory_limit_mb, self.passed_env = memory_limit_mb, list(passed_env or [])
-        self.file_limit_mb, self.network = file_limit_mb, network
+        self.file_limit_mb, self.network, self.max_processes = file_limit_mb, network, max_processes
+        self.watch: tree.Watch | None = None  # the worker's tree, measured as a whole (memory, processes)
         self.process: subprocess.Popen | None = None
         self.home: Path | None = None
         self.output: Any = None  # the worker's stderr: a file in its private dir, drained after every call
@@ -87,7 +90,7 @@ class FunctionRunner:
     def for_config(cls, specs: list[FunctionSpec], rewards: Any) -> FunctionRunner:
         """The runner of a stage's `rewards` section (kubealign.config.schema.RewardsConfig)."""
         r = rewards
-        return cls(specs, r.timeout_s, r.memory_limit_mb, r.worker_env, r.file_limit_mb, r.network)
+        return cls(specs, r.timeout_s, r.memory_limit_mb, r.worker_env, r.file_limit_mb, r.network, r.max_processes)
 
     def __enter__(self) -> FunctionRunner:
         self.start()
@@ -103,6 +106,7 @@ class FunctionRunner:
         # the worker limits and confines itself before it loads any user code
         env.update({MEMORY_ENV: str(self.memory_limit_mb), FILE_LIMIT_ENV: str(self.file_limit_mb)})
         env[NETWORK_ENV] = "1" if self.network else ""
+        env[PROCESSES_ENV] = str(self.max_processes)
         with contextlib.suppress(OSError, AttributeError):  # not Linux (no prctl): no /proc to close
             self._dumpable = sandbox.undumpable()  # this process's /proc entries: root's while a worker runs
         try:
@@ -121,6 +125,7 @@ class FunctionRunner:
             cwd=self.home,
             start_new_session=True,  # its own process group
         )
+        self.watch = tree.Watch(self.process.pid, self.memory_limit_mb, self.max_processes)
         first = self.specs[0] if self.specs else None
         self.confined = self._read_reply(first, "starting it").get("confined", "") if first else ""
         if first and not self.confined.startswith("Landlock") and not FunctionRunner._unconfined_said:
@@ -138,6 +143,8 @@ class FunctionRunner:
         self.start()
 
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self.process is not None:
             with contextlib.suppress(OSError):  # /proc unreadable: the group below still goes
                 sandbox.end_tree(self.process.pid)  # every descendant, detached ones included (subreaper)
@@ -157,6 +164,13 @@ class FunctionRunner:
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
+
+    def _verdict(self) -> str | None:
+        """What the watch ended the worker's tree for (a limit it went past), if it did."""
+        if self.watch is not None:
+            self.watch.stop()  # it may be ending the tree right now: its verdict is whole once it has stopped
+            return self.watch.verdict
+        return None
 
     def _drain(self) -> None:
         """Forward what the worker printed since the last call to the task's stderr, at most OUTPUT_LIMIT bytes
@@ -184,7 +198,7 @@ class FunctionRunner:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise UserError(f"{label(spec)}: its worker process died ({what})") from None
+            raise UserError(f"{label(spec)}: {self._verdict() or 'its worker process died'} ({what})") from None
         reply = self._read_reply(spec, what, limit)
         if reply.get("memory"):  # the function's allocation failed at the limit
             raise UserError(
@@ -208,6 +222,8 @@ class FunctionRunner:
             if not chunk:
                 self._drain()
                 code = self.process.wait()
+                if self._verdict():
+                    raise UserError(f"{name}: {self._verdict()} ({what}); stopped")
                 killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
                 raise UserError(f"{name}: its worker process exited with code {code}{killed} ({what})")
             self._pending += chunk

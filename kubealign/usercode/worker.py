@@ -182,6 +182,7 @@ class _Environments:
 MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
 FILE_LIMIT_ENV = "KUBEALIGN_WORKER_FILE_LIMIT_MB"
 NETWORK_ENV = "KUBEALIGN_WORKER_NETWORK"
+PROCESSES_ENV = "KUBEALIGN_WORKER_MAX_PROCESSES"
 
 
 def limit_self(memory_mb: int) -> None:
@@ -204,8 +205,10 @@ def main() -> int:
     confined = ""
     if os.environ.get(FILE_LIMIT_ENV):  # started by FunctionRunner: confine before any user code
         from kubealign.usercode.sandbox import confine
+        from kubealign.usercode.tree import nproc_limit
 
         confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)))
+        confined += f"; {nproc_limit(int(os.environ.get(PROCESSES_ENV) or 64))}"
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the functions' print() goes to stderr
     sys.stdout = sys.stderr
