@@ -128,9 +128,13 @@ class FunctionRunner:
         self.watch = tree.Watch(self.process.pid, self.memory_limit_mb, self.max_processes)
         first = self.specs[0] if self.specs else None
         self.confined = self._read_reply(first, "starting it").get("confined", "") if first else ""
-        if first and not self.confined.startswith("Landlock") and not FunctionRunner._unconfined_said:
+        partly = not self.confined.startswith("Landlock") or "not confined" in self.confined
+        if first and partly and not FunctionRunner._unconfined_said:
             FunctionRunner._unconfined_said = True  # once per process: each stage starts one worker per run
-            print(f"kubealign: warning: reward functions run without a sandbox: {self.confined}", file=sys.stderr)
+            print(
+                f"kubealign: warning: reward functions run outside part of the sandbox: {self.confined}",
+                file=sys.stderr,
+            )
         for spec in self.specs:
             reply = self._ask({"op": "load", "spec": spec._asdict()}, spec, "loading it")
             if "error" in reply:

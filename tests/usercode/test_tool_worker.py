@@ -146,7 +146,7 @@ def test_a_tool_reaches_no_credential_of_the_trainer(tools_dir: Path):
     assert "read" not in out["text"]
     if sandbox.landlock_abi() >= 1:
         assert out["text"] == "absent; trainer: refused (Permission denied)"
-        assert out["confined"].endswith(("; no capabilities", "; no capability but reading files"))
+        assert "; no capabilities" in out["confined"] or "; no capability but reading files" in out["confined"]
 
 
 def test_a_hanging_tool_is_one_line_and_the_worker_is_stopped(tools_dir: Path):
