@@ -34,10 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubealign.config.cache import cache_root
 from kubealign.errors import UserError
 from kubealign.usercode import sandbox, tree
 from kubealign.usercode.definitions import FunctionSpec
-from kubealign.usercode.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV, PROCESSES_ENV
+from kubealign.usercode.worker import FILE_LIMIT_ENV, HIDDEN_ENV, MEMORY_ENV, NETWORK_ENV, PROCESSES_ENV
 
 Values = list[float | None]
 KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
@@ -107,6 +108,7 @@ class FunctionRunner:
         env.update({MEMORY_ENV: str(self.memory_limit_mb), FILE_LIMIT_ENV: str(self.file_limit_mb)})
         env[NETWORK_ENV] = "1" if self.network else ""
         env[PROCESSES_ENV] = str(self.max_processes)
+        env[HIDDEN_ENV] = str(cache_root())  # the canary fronts' tokens, the built models: none of the worker's
         with contextlib.suppress(OSError, AttributeError):  # not Linux (no prctl): no /proc to close
             self._dumpable = sandbox.undumpable()  # this process's /proc entries: root's while a worker runs
         try:

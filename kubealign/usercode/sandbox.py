@@ -31,6 +31,7 @@ import os
 import resource
 import signal
 import struct
+import sys
 from pathlib import Path
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same numbers on x86-64 and arm64
@@ -43,6 +44,7 @@ _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER, _PR_GET_DUMPABLE, _PR_SET_DUMPABL
 _FS_WRITE_FILE, _FS_REMOVE_DIR, _FS_REMOVE_FILE, _FS_MAKE_CHAR, _FS_MAKE_DIR = 1 << 1, 1 << 4, 1 << 5, 1 << 6, 1 << 7
 _FS_MAKE_REG, _FS_MAKE_SOCK, _FS_MAKE_FIFO, _FS_MAKE_BLOCK, _FS_MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
 _FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+_FS_READ_FILE, _FS_READ_DIR = 1 << 2, 1 << 3
 _WRITES_ABI1 = (
     _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_CHAR | _FS_MAKE_DIR | _FS_MAKE_REG
     | _FS_MAKE_SOCK | _FS_MAKE_FIFO | _FS_MAKE_BLOCK | _FS_MAKE_SYM
@@ -89,7 +91,7 @@ def write_rights(abi: int) -> int:
 
 def _ruleset(abi: int, network: bool) -> bytes:
     """struct landlock_ruleset_attr for `abi`: its size grew with each ABI (fs, then net, then scoped)."""
-    handled_fs = write_rights(abi)
+    handled_fs = write_rights(abi) | _FS_READ_FILE | _FS_READ_DIR
     if abi < 4:
         return struct.pack("=Q", handled_fs)
     handled_net = 0 if network else _NET_BIND_TCP | _NET_CONNECT_TCP
@@ -107,25 +109,60 @@ def _allow_beneath(ruleset_fd: int, path: Path, rights: int) -> None:
         os.close(fd)
 
 
-def _landlock(home: Path, network: bool) -> str:
+def _allow_reads_but(ruleset_fd: int, hidden: Path) -> str:
+    """Read access beneath everything but `hidden` (kubealign's cache: the canary fronts' tokens, the built
+    models): beneath every entry of each directory from / down to it but the one on the way, then the paths the
+    interpreter imports from that lie inside it. In a line, what holds. Landlock grants, never refuses, so the
+    hidden directory is what no rule reaches; an entry made beside the way after this call is unreadable too."""
+    way, here = hidden.resolve().parts, Path("/")
+    try:
+        for name in way[1:]:
+            for entry in os.scandir(here):
+                if entry.name != name and not entry.is_symlink():  # a link's target is reached by its own path
+                    rights = _FS_READ_FILE | _FS_READ_DIR if entry.is_dir() else _FS_READ_FILE
+                    with contextlib.suppress(OSError):  # gone meanwhile, or a file Landlock takes no rule on
+                        _allow_beneath(ruleset_fd, Path(entry.path), rights)
+            here = here / name
+            if not here.is_dir():  # not made yet: whenever it is, nothing grants it
+                break
+    except OSError as exc:  # a directory on the way that cannot be listed: every read stays open
+        _allow_beneath(ruleset_fd, Path("/"), _FS_READ_FILE | _FS_READ_DIR)
+        return f"kubealign's cache not confined ({exc.strerror}: {exc.filename})"
+    inside = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p]
+    for path in inside:  # an interpreter or a module directory kept in the cache stays importable
+        if path.is_relative_to(hidden.resolve()) and path != hidden.resolve() and path.exists():
+            _allow_beneath(ruleset_fd, path, _FS_READ_FILE | _FS_READ_DIR)
+    return f"nothing read under {hidden}"
+
+
+def _landlock(home: Path, network: bool, hidden: Path | None = None) -> str:
     abi = landlock_abi()
     if abi < 1:
-        return "no Landlock in this kernel: writes, network and /proc of the trainer not confined"
+        return "no Landlock in this kernel: writes, network, reads of kubealign's cache and /proc not confined"
     attr = _ruleset(abi, network)
+    reads = _FS_READ_FILE | _FS_READ_DIR
     ruleset_fd = _syscall(_SYS_CREATE_RULESET, ctypes.c_char_p(attr), len(attr), 0)
     try:
-        _allow_beneath(ruleset_fd, home, write_rights(abi))
-        _allow_beneath(ruleset_fd, Path("/dev/null"), _FS_WRITE_FILE | (_FS_TRUNCATE if abi >= 3 else 0))
+        _allow_beneath(ruleset_fd, home, write_rights(abi) | reads)
+        _allow_beneath(
+            ruleset_fd, Path("/dev/null"), _FS_WRITE_FILE | _FS_READ_FILE | (_FS_TRUNCATE if abi >= 3 else 0)
+        )
+        if hidden is None:
+            _allow_beneath(ruleset_fd, Path("/"), reads)
+            secrets = "reads open"
+        else:
+            secrets = _allow_reads_but(ruleset_fd, hidden)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # what an unprivileged process must set before it restricts itself
         _syscall(_SYS_RESTRICT_SELF, ruleset_fd, 0)
     finally:
         os.close(ruleset_fd)
     net = "network open (rewards.network)" if network else "no TCP" if abi >= 4 else "network open (Landlock ABI < 4)"
-    return f"Landlock ABI {abi}: writes only in its directory, {net}"
+    return f"Landlock ABI {abi}: writes only in its directory, {secrets}, {net}"
 
 
-def confine(home: Path, file_limit_mb: int, network: bool) -> str:
-    """Limit this process (the worker, before any user code) and everything it starts; what holds, in a line."""
+def confine(home: Path, file_limit_mb: int, network: bool, hidden: Path | None = None) -> str:
+    """Limit this process (the worker, before any user code) and everything it starts; what holds, in a line.
+    hidden: a directory none of it may read (kubealign's cache)."""
     limit = file_limit_mb * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), the worker lives
@@ -133,7 +170,7 @@ def confine(home: Path, file_limit_mb: int, network: bool) -> str:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     except (OSError, AttributeError):  # not Linux: only the process group is ended
         return "not Linux: no sandbox but the file-size limit"
-    landlocked = _landlock(home, network)
+    landlocked = _landlock(home, network, hidden)
     sockets = "sockets open (rewards.network)" if network else socket_filter()
     return f"{landlocked}; {sockets}; {drop_capabilities()}"
 

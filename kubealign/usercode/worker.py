@@ -183,6 +183,7 @@ MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
 FILE_LIMIT_ENV = "KUBEALIGN_WORKER_FILE_LIMIT_MB"
 NETWORK_ENV = "KUBEALIGN_WORKER_NETWORK"
 PROCESSES_ENV = "KUBEALIGN_WORKER_MAX_PROCESSES"
+HIDDEN_ENV = "KUBEALIGN_WORKER_HIDDEN"  # a directory the worker may not read: kubealign's cache
 
 
 def limit_self(memory_mb: int) -> None:
@@ -207,7 +208,8 @@ def main() -> int:
         from kubealign.usercode.sandbox import confine
         from kubealign.usercode.tree import nproc_limit
 
-        confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)))
+        hidden = Path(os.environ[HIDDEN_ENV]) if os.environ.get(HIDDEN_ENV) else None
+        confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)), hidden)
         confined += f"; {nproc_limit(int(os.environ.get(PROCESSES_ENV) or 64))}"
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the functions' print() goes to stderr

@@ -74,6 +74,15 @@ def pairs() -> str:
     return b.recv(2).decode()
 
 
+def reads(path: str) -> str:
+    """The first bytes of a file, or why not."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f"read {f.read(8)!r}"
+    except OSError as exc:
+        return f"refused ({exc.strerror})"
+
+
 class Loud:
     """An environment whose observations are 2 MiB."""
 
@@ -262,3 +271,20 @@ def test_no_udp_and_no_unix_socket_by_path_unless_the_network_is_on(code_dir: Pa
         with FunctionRunner(specs, 20.0, network=True) as runner:
             assert runner.tool_calls(calls, 2048) == [("reached", False)] * 2 + [("ok", False)]
         assert udp.recv(16) == b"hello"
+
+
+def test_kubealigns_own_secrets_are_out_of_the_workers_reach(code_dir: Path, tmp_path: Path, monkeypatch):
+    """The canary front's control token (0600, the same uid): before, a tool read it and, with rewards.network
+    on, made the challenger the whole service. Now nothing under kubealign's cache is readable from the worker;
+    files beside it still are."""
+    from kubealign.serving import split
+
+    monkeypatch.setenv("KUBEALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    token = split.new_token(8123)
+    (tmp_path / "data.txt").write_text("mine", encoding="utf-8")
+    specs = definitions.resolve_tools(ToolsConfig(functions=[{"path": "code.py:reads"}]), str(code_dir))
+    calls = [{"name": "reads", "arguments": {"path": str(p)}} for p in (split.token_file(8123), tmp_path / "data.txt")]
+    with FunctionRunner(specs, 20.0, network=True) as runner:
+        got = runner.tool_calls(calls, 2048)
+    assert got == [("refused (Permission denied)", False), ("read 'mine'", False)], runner.confined
+    assert split.token_file(8123).read_text(encoding="utf-8") == token  # the trainer's own reads are untouched
