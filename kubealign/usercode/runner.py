@@ -238,6 +238,10 @@ class FunctionRunner:
                 raise UserError(f"{name}: a reply over {limit} bytes ({what}); stopped")
         line, _, self._pending = self._pending.partition(b"\n")
         self._drain()
+        if self.watch is not None and self.watch.check() is not None:  # what the call left running counts too
+            verdict = self._verdict()
+            self.close()
+            raise UserError(f"{name}: {verdict} ({what}); stopped")
         try:
             reply = json.loads(line)
         except ValueError:

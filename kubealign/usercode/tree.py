@@ -60,15 +60,21 @@ class Watch:
 
     def _run(self) -> None:
         while not self._stop.wait(PERIOD_S):
-            try:
-                verdict = measure(self.pid, self.memory_mb, self.max_processes)
-            except OSError:  # /proc unreadable: nothing to measure with
+            if self.check() is not None:
                 return
-            if verdict is not None and not self._stop.is_set():
-                self.verdict = verdict
-                with contextlib.suppress(OSError):
-                    sandbox.end_tree(self.pid)
-                return
+
+    def check(self) -> str | None:
+        """Measure now (the runner does at every reply too: a burst of processes the call leaves behind is caught
+        before the call returns); past a limit, end the tree and say why."""
+        try:
+            verdict = measure(self.pid, self.memory_mb, self.max_processes)
+        except OSError:  # /proc unreadable: nothing to measure with
+            return None
+        if verdict is not None and not self._stop.is_set():
+            self.verdict = verdict
+            with contextlib.suppress(OSError):
+                sandbox.end_tree(self.pid)
+        return self.verdict
 
     def stop(self) -> None:
         """Measure no more (before the worker is reaped: its pid must not be taken for another's)."""
