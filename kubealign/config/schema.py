@@ -171,8 +171,9 @@ class RewardsConfig(Section):
     )
     network: bool = Field(
         False,
-        description="Let reward functions open TCP connections (e.g. to a judge API). Off: connect and bind "
-        "are refused by the kernel (Landlock ABI >= 4).",
+        description="Let reward functions, tools and environments open sockets (e.g. to a judge API). Off: TCP "
+        "connect and bind are refused by Landlock (ABI >= 4), and socket(2) by a seccomp filter for every family "
+        "but netlink routing (UDP, unix sockets by path, raw), socketpair(2) but for unix stream pairs.",
     )
     max_processes: int = Field(
         64,

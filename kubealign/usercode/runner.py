@@ -10,9 +10,11 @@ that makes it raise.
 The worker's limits (user code runs there, not in the trainer): an environment with none of the task's
 variables but PATH, LANG, LC_*, TZ, PYTHONPATH and those rewards.worker_env names (so no MLflow or object-store
 credentials); a private working and temporary directory, removed at the end, the only place it may write,
-with no TCP unless rewards.network, and no way to read the trainer's /proc entries (its environment, its
-working directory): kubealign.usercode.sandbox; rewards.memory_limit_mb of address space, past which its
-allocation fails and the call is one line, with the worker first in line for the OOM killer;
+with no sockets unless rewards.network, nothing read under kubealign's cache, and no way to read the trainer's
+/proc entries (its environment, its working directory): kubealign.usercode.sandbox; rewards.memory_limit_mb of
+address space per process, past which its allocation fails and the call is one line, and for its processes
+together, with rewards.max_processes of them (kubealign.usercode.tree: past either the tree is stopped with one
+line), the worker first in line for the OOM killer;
 rewards.file_limit_mb per file; every process it starts, detached or not, ended with it on a timeout or at
 the end; its replies read with the call's deadline (half a line is a timeout, not a hang); and what it
 prints, forwarded to the task's log at most OUTPUT_LIMIT bytes per call (only the last part is read).

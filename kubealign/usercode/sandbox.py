@@ -14,8 +14,12 @@ The worker (kubealign.usercode.worker) calls `confine`:
   process outside it — as long as it holds no CAP_SYS_PTRACE, which a worker of a root trainer would: it gives
   up every capability but reading files after Landlock (`drop_capabilities`), so the trainer's credentials are
   out of reach by that path for root too.
-Reads stay open (a function reads its own data and Python's libraries); what it could read is what the
-task's user can read, minus other processes' /proc entries.
+- Landlock also handles reads: they are granted beneath everything but kubealign's cache (the canary fronts'
+  tokens), by a rule on each entry of each directory on the way to it but the one leading there.
+- seccomp (`socket_filter`, without rewards.network): socket(2) refused for every family but netlink routing,
+  socketpair(2) but for unix stream pairs, io_uring altogether — Landlock's network rules cover TCP only.
+Other reads stay open (a function reads its own data and Python's libraries); what it could read is what the
+task's user can read, minus other processes' /proc entries and kubealign's cache.
 
 The trainer calls `undumpable` while a worker runs: a non-dumpable process's /proc entries belong to root,
 so a worker of the same non-root uid cannot open them even where Landlock is missing.
