@@ -264,6 +264,8 @@ def test_no_udp_and_no_unix_socket_by_path_unless_the_network_is_on(code_dir: Pa
             ToolsConfig(functions=[{"path": "code.py:reaches"}, {"path": "code.py:pairs"}]), str(code_dir)
         )
         with FunctionRunner(specs, 20.0) as runner:
+            if "sockets not confined" in runner.confined:
+                pytest.skip(f"the worker could not filter sockets here: {runner.confined}")
             closed = runner.tool_calls(calls, 2048)
         assert closed == [("refused (Permission denied)", False)] * 2 + [("ok", False)], runner.confined
         with pytest.raises(BlockingIOError):
@@ -278,7 +280,10 @@ def test_kubealigns_own_secrets_are_out_of_the_workers_reach(code_dir: Path, tmp
     on, made the challenger the whole service. Now nothing under kubealign's cache is readable from the worker;
     files beside it still are."""
     from kubealign.serving import split
+    from kubealign.usercode import sandbox
 
+    if sandbox.landlock_abi() < 1:
+        pytest.skip("no Landlock in this kernel: the worker cannot be kept from reading kubealign's cache")
     monkeypatch.setenv("KUBEALIGN_CACHE_DIR", str(tmp_path / "cache"))
     token = split.new_token(8123)
     (tmp_path / "data.txt").write_text("mine", encoding="utf-8")
