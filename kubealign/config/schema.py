@@ -153,8 +153,10 @@ class RewardsConfig(Section):
     memory_limit_mb: int = Field(
         4096,
         ge=256,
-        description="Address-space limit of the reward-function worker, MiB: past it the function fails with one "
-        "line, not the trainer (the worker is also the OOM killer's first choice).",
+        description="Memory of the reward-function worker, MiB: the address space of each of its processes "
+        "(past it an allocation fails and the call is one line) and what its processes hold together (their "
+        "proportional set size, read every 0.25 s by the trainer: past it the tree is stopped with one line). The "
+        "worker is also the OOM killer's first choice.",
     )
     worker_env: list[str] = Field(
         default_factory=list,
@@ -169,8 +171,17 @@ class RewardsConfig(Section):
     )
     network: bool = Field(
         False,
-        description="Let reward functions open TCP connections (e.g. to a judge API). Off: connect and bind "
-        "are refused by the kernel (Landlock ABI >= 4).",
+        description="Let reward functions, tools and environments open sockets (e.g. to a judge API). Off: TCP "
+        "connect and bind are refused by Landlock (ABI >= 4), and socket(2) by a seccomp filter for every family "
+        "but netlink routing (UDP, unix sockets by path, raw), socketpair(2) but for unix stream pairs.",
+    )
+    max_processes: int = Field(
+        64,
+        ge=1,
+        description="Processes the reward-function worker's code (reward functions, tools, an environment) may run "
+        "at once besides the worker, detached ones included: past it the whole tree is stopped with one line. "
+        "The trainer counts them every 0.25 s; the worker's RLIMIT_NPROC (its uid's tasks at its start + this + 8, "
+        "threads included; not for uid 0) refuses a fork past it sooner.",
     )
 
     @property

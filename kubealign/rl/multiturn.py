@@ -207,15 +207,16 @@ def _answer_calls(session: ToolSession, going: list[Trajectory]) -> None:
         else:
             waiting.append(t)
             calls.append({"name": call.name, "arguments": call.arguments})
-    answers = session.runner.tool_calls(calls) if calls else []  # one request for the whole turn
+    chars = tool_calls.result_chars(tools.max_result_tokens)  # cut in the worker, and here again before tokenizing
+    answers = session.runner.tool_calls(calls, chars) if calls else []  # one request for the whole turn
     for t, (text, error) in zip(waiting, answers, strict=True):
-        inner = tokenizer.decode(session.encode(text, tools.max_result_tokens))
+        inner = tokenizer.decode(session.encode(text[:chars], tools.max_result_tokens))
         _observe(session, t, tool_calls.response(inner, error))
 
 
 def _observe(session: ToolSession, t: Trajectory, text: str) -> None:
     room = session.tools.max_total_tokens - len(t.tokens)
-    t.add(session.encode(text, room), OBSERVATION)
+    t.add(session.encode(text[: tool_calls.result_chars(room) + len(tool_calls.RESULT_OPEN)], room), OBSERVATION)
     t.done = t.done or len(t.tokens) >= session.tools.max_total_tokens
 
 
@@ -229,11 +230,12 @@ def _last_turn_start(t: Trajectory) -> int:
 
 def _reset(session: ToolSession, trajectories: list[Trajectory], rows: Any, k: int) -> None:
     payload = {"slots": list(range(len(trajectories))), "rows": [_row(rows, i // k) for i in range(len(trajectories))]}
+    payload["max_chars"] = tool_calls.result_chars(session.tools.max_total_tokens)
     origins = [rows.origins[i // k] for i in range(len(trajectories))] if rows is not None else []
     reply = session.runner.environment("reset", payload, origins)
     for t, observation in zip(trajectories, reply["observations"], strict=True):
         if observation:
-            _observe(session, t, observation)
+            _observe(session, t, tool_calls.escape(observation))
 
 
 def _step(session: ToolSession, trajectories: list[Trajectory], going: list[Trajectory], rows: Any, k: int) -> None:
@@ -241,12 +243,13 @@ def _step(session: ToolSession, trajectories: list[Trajectory], going: list[Traj
     slots = [trajectories.index(t) for t in going]
     actions = [tokenizer.decode(t.tokens[_last_turn_start(t) :], skip_special_tokens=True) for t in going]
     origins = [rows.origins[s // k] for s in slots] if rows is not None else []
-    reply = session.runner.environment("step", {"slots": slots, "actions": actions}, origins)
+    chars = tool_calls.result_chars(session.tools.max_total_tokens)
+    reply = session.runner.environment("step", {"slots": slots, "actions": actions, "max_chars": chars}, origins)
     for t, step in zip(going, reply["steps"], strict=True):
         if step["reward"] is not None:
             t.reward = (t.reward or 0.0) + step["reward"]
         if step["observation"] and not step["done"] and not t.done:
-            _observe(session, t, step["observation"])
+            _observe(session, t, tool_calls.escape(step["observation"]))
         t.done = t.done or step["done"]
 
 

@@ -14,11 +14,22 @@ rollout answers it with an error observation, so the model can learn from it, in
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, NamedTuple
 
 from kubealign.data.tokenize import RESULT_CLOSE, RESULT_OPEN  # noqa: F401 - SFT masks these spans too
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# Characters of a tool's result (or an environment's observation) kept per token of its budget, cut in the worker
+# before the trainer reads or tokenizes it: a token of natural text or code spans well under 32 characters, so the
+# budget's tokens are still there to keep; a result of longer tokens is cut to fewer. Without the cut a tool that
+# returned 30 MiB cost the trainer 112 s and 9.9 GiB of tokenizing, outside the worker's limits.
+CHARS_PER_TOKEN = 32
+
+
+def result_chars(tokens: int) -> int:
+    """The characters of a tool result or an observation kept for a budget of `tokens` tokens."""
+    return tokens * CHARS_PER_TOKEN
 
 
 class Call(NamedTuple):
@@ -57,9 +68,20 @@ def parse(turn: str) -> Call | Malformed | None:
     return Call(call["name"], arguments)
 
 
+# a '<' that opens what reads as the markup (<tool_call>, </tool_response>, <tools>, spaced or in any case)
+_MARKUP = re.compile(r"<(?=\s*/?\s*tool)", re.IGNORECASE)
+
+
+def escape(text: str) -> str:
+    """Text the model did not write (a tool's result, an environment's observation) with every '<' that starts
+    what reads as the markup written '&lt;': the trajectory the model sees and reward functions read then holds
+    only the calls the model made and the responses the rollout wrote, whatever a tool answers."""
+    return _MARKUP.sub("&lt;", text)
+
+
 def response(text: str, error: bool = False) -> str:
-    """The observation that answers a call: the tool's result, or the error prefixed 'error: '."""
-    return f"{RESULT_OPEN}{'error: ' if error else ''}{text}{RESULT_CLOSE}"
+    """The observation that answers a call: the tool's result, or the error prefixed 'error: ', escaped."""
+    return f"{RESULT_OPEN}{'error: ' if error else ''}{escape(text)}{RESULT_CLOSE}"
 
 
 def call_text(name: str, arguments: dict[str, Any]) -> str:

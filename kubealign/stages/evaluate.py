@@ -106,10 +106,7 @@ def run(
         if reward is not None:
             reward_model = load_reward_model(str(reward), False, tokenizer.pad_token_id, "fp32").eval()
         scorer = Scorer(reward_model, config.rewards.model_weight if specs else 1.0, runner, tokenizer)
-        # sample, score
-        base, cand = sampled(config, runner, tokenizer, encoded, data, tuple(models.values()))
-        score(scorer, base, cfg.batch_size, data)
-        score(scorer, cand, cfg.batch_size, data)
+        base, cand = answers_of(config, runner, scorer, tokenizer, encoded, data, tuple(models.values()))
         metrics, table = figures(config, prompts, reward, tokenizer, models, (base, cand), data.prompts)
         metrics["wall_time_s"] = time.perf_counter() - started
         paths = {"baseline": baseline, "candidate": candidate, "reward": reward, "prompts": prompts}
@@ -118,6 +115,23 @@ def run(
         for name in made:
             tracker.log_artifact(output / name, STAGE)
     return {**result, "output": str(output), "run_id": tracker.run_id}
+
+
+def answers_of(
+    config: KubealignConfig, runner: Any, scorer: Scorer, tokenizer: Any, encoded: list, data: Any, models: tuple
+) -> tuple:
+    """Each model's sample rows, sampled (with the tools, in turns) and scored, each model in a fresh worker: what
+    the user's tools, environment or reward functions keep in their modules and classes from one model's turns
+    and scores cannot change the next model's (measured before: the same actions scored 2.0 as the baseline's
+    and 4.0 as the candidate's)."""
+    out = []
+    for i, model in enumerate(models):
+        if runner is not None and i:
+            runner.restart()
+        (rows,) = sampled(config, runner, tokenizer, encoded, data, (model,))
+        score(scorer, rows, config.evaluate.batch_size, data)
+        out.append(rows)
+    return tuple(out)
 
 
 def figures(

@@ -10,9 +10,11 @@ that makes it raise.
 The worker's limits (user code runs there, not in the trainer): an environment with none of the task's
 variables but PATH, LANG, LC_*, TZ, PYTHONPATH and those rewards.worker_env names (so no MLflow or object-store
 credentials); a private working and temporary directory, removed at the end, the only place it may write,
-with no TCP unless rewards.network, and no way to read the trainer's /proc entries (its environment, its
-working directory): kubealign.usercode.sandbox; rewards.memory_limit_mb of address space, past which its
-allocation fails and the call is one line, with the worker first in line for the OOM killer;
+with no sockets unless rewards.network, nothing read under kubealign's cache, and no way to read the trainer's
+/proc entries (its environment, its working directory): kubealign.usercode.sandbox; rewards.memory_limit_mb of
+address space per process, past which its allocation fails and the call is one line, and for its processes
+together, with rewards.max_processes of them (kubealign.usercode.tree: past either the tree is stopped with one
+line), the worker first in line for the OOM killer;
 rewards.file_limit_mb per file; every process it starts, detached or not, ended with it on a timeout or at
 the end; its replies read with the call's deadline (half a line is a timeout, not a hang); and what it
 prints, forwarded to the task's log at most OUTPUT_LIMIT bytes per call (only the last part is read).
@@ -34,10 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kubealign.config.cache import cache_root
 from kubealign.errors import UserError
-from kubealign.usercode import sandbox
+from kubealign.usercode import sandbox, tree
 from kubealign.usercode.definitions import FunctionSpec
-from kubealign.usercode.worker import FILE_LIMIT_ENV, MEMORY_ENV, NETWORK_ENV
+from kubealign.usercode.worker import FILE_LIMIT_ENV, HIDDEN_ENV, MEMORY_ENV, NETWORK_ENV, PROCESSES_ENV
 
 Values = list[float | None]
 KEPT_ENV = ("PATH", "LANG", "TZ", "PYTHONPATH")  # and LC_*: what a Python function may need, no credential
@@ -45,6 +48,7 @@ OUTPUT_LIMIT = 64 * 1024  # bytes of a call's printed output forwarded to the ta
 REPLY_LIMIT = 64 * 2**20  # bytes of one reply line: values for a batch are far fewer
 DEFAULT_MEMORY_MB = 4096
 DEFAULT_FILE_LIMIT_MB = 1024
+DEFAULT_MAX_PROCESSES = 64
 
 
 def worker_env(environ: dict[str, str], passed: list[str], home: Path, cwd: str) -> dict[str, str]:
@@ -71,10 +75,12 @@ class FunctionRunner:
         passed_env: list[str] | None = None,
         file_limit_mb: int = DEFAULT_FILE_LIMIT_MB,
         network: bool = False,
+        max_processes: int = DEFAULT_MAX_PROCESSES,
     ):
         self.specs, self.timeout_s = specs, timeout_s
         self.memory_limit_mb, self.passed_env = memory_limit_mb, list(passed_env or [])
-        self.file_limit_mb, self.network = file_limit_mb, network
+        self.file_limit_mb, self.network, self.max_processes = file_limit_mb, network, max_processes
+        self.watch: tree.Watch | None = None  # the worker's tree, measured as a whole (memory, processes)
         self.process: subprocess.Popen | None = None
         self.home: Path | None = None
         self.output: Any = None  # the worker's stderr: a file in its private dir, drained after every call
@@ -87,7 +93,7 @@ class FunctionRunner:
     def for_config(cls, specs: list[FunctionSpec], rewards: Any) -> FunctionRunner:
         """The runner of a stage's `rewards` section (kubealign.config.schema.RewardsConfig)."""
         r = rewards
-        return cls(specs, r.timeout_s, r.memory_limit_mb, r.worker_env, r.file_limit_mb, r.network)
+        return cls(specs, r.timeout_s, r.memory_limit_mb, r.worker_env, r.file_limit_mb, r.network, r.max_processes)
 
     def __enter__(self) -> FunctionRunner:
         self.start()
@@ -103,6 +109,8 @@ class FunctionRunner:
         # the worker limits and confines itself before it loads any user code
         env.update({MEMORY_ENV: str(self.memory_limit_mb), FILE_LIMIT_ENV: str(self.file_limit_mb)})
         env[NETWORK_ENV] = "1" if self.network else ""
+        env[PROCESSES_ENV] = str(self.max_processes)
+        env[HIDDEN_ENV] = str(cache_root())  # the canary fronts' tokens, the built models: none of the worker's
         with contextlib.suppress(OSError, AttributeError):  # not Linux (no prctl): no /proc to close
             self._dumpable = sandbox.undumpable()  # this process's /proc entries: root's while a worker runs
         try:
@@ -121,17 +129,30 @@ class FunctionRunner:
             cwd=self.home,
             start_new_session=True,  # its own process group
         )
+        self.watch = tree.Watch(self.process.pid, self.memory_limit_mb, self.max_processes)
         first = self.specs[0] if self.specs else None
         self.confined = self._read_reply(first, "starting it").get("confined", "") if first else ""
-        if first and not self.confined.startswith("Landlock") and not FunctionRunner._unconfined_said:
+        partly = not self.confined.startswith("Landlock") or "not confined" in self.confined
+        if first and partly and not FunctionRunner._unconfined_said:
             FunctionRunner._unconfined_said = True  # once per process: each stage starts one worker per run
-            print(f"kubealign: warning: reward functions run without a sandbox: {self.confined}", file=sys.stderr)
+            print(
+                f"kubealign: warning: reward functions run outside part of the sandbox: {self.confined}",
+                file=sys.stderr,
+            )
         for spec in self.specs:
             reply = self._ask({"op": "load", "spec": spec._asdict()}, spec, "loading it")
             if "error" in reply:
                 raise UserError(f"{spec.field}: {reply['message']}")
 
+    def restart(self) -> None:
+        """A fresh worker with the same functions: nothing the user's code kept in its modules and classes, nor any
+        file it wrote, carries over (evaluate starts one per model)."""
+        self.close()
+        self.start()
+
     def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
         if self.process is not None:
             with contextlib.suppress(OSError):  # /proc unreadable: the group below still goes
                 sandbox.end_tree(self.process.pid)  # every descendant, detached ones included (subreaper)
@@ -151,6 +172,13 @@ class FunctionRunner:
         if self.home is not None:
             shutil.rmtree(self.home, ignore_errors=True)
             self.home = None
+
+    def _verdict(self) -> str | None:
+        """What the watch ended the worker's tree for (a limit it went past), if it did."""
+        if self.watch is not None:
+            self.watch.stop()  # it may be ending the tree right now: its verdict is whole once it has stopped
+            return self.watch.verdict
+        return None
 
     def _drain(self) -> None:
         """Forward what the worker printed since the last call to the task's stderr, at most OUTPUT_LIMIT bytes
@@ -172,23 +200,23 @@ class FunctionRunner:
             sys.stderr.write(printed.decode(errors="replace"))
             sys.stderr.flush()
 
-    def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str) -> dict[str, Any]:
+    def _ask(self, request: dict[str, Any], spec: FunctionSpec, what: str, limit: int = REPLY_LIMIT) -> dict[str, Any]:
         assert self.process is not None and self.process.stdin and self.process.stdout
         try:
             self.process.stdin.write((json.dumps(request) + "\n").encode())
             self.process.stdin.flush()
         except BrokenPipeError:
-            raise UserError(f"{label(spec)}: its worker process died ({what})") from None
-        reply = self._read_reply(spec, what)
+            raise UserError(f"{label(spec)}: {self._verdict() or 'its worker process died'} ({what})") from None
+        reply = self._read_reply(spec, what, limit)
         if reply.get("memory"):  # the function's allocation failed at the limit
             raise UserError(
                 f"{label(spec)}: ran out of its memory, rewards.memory_limit_mb {self.memory_limit_mb} ({what})"
             )
         return reply
 
-    def _read_reply(self, spec: FunctionSpec | None, what: str) -> dict[str, Any]:
+    def _read_reply(self, spec: FunctionSpec | None, what: str, limit: int = REPLY_LIMIT) -> dict[str, Any]:
         """The worker's next reply line, read within rewards.timeout_s in all: half a line written by the
-        function is a timeout, not a hang; a line over REPLY_LIMIT or not JSON is one line too."""
+        function is a timeout, not a hang; a line over `limit` bytes or not JSON is one line too."""
         assert self.process is not None and self.process.stdout
         name = label(spec) if spec else "the reward-function worker"
         fd = self.process.stdout.fileno()
@@ -202,14 +230,20 @@ class FunctionRunner:
             if not chunk:
                 self._drain()
                 code = self.process.wait()
+                if self._verdict():
+                    raise UserError(f"{name}: {self._verdict()} ({what}); stopped")
                 killed = " (killed: out of memory?)" if code == -signal.SIGKILL else ""
                 raise UserError(f"{name}: its worker process exited with code {code}{killed} ({what})")
             self._pending += chunk
-            if len(self._pending) > REPLY_LIMIT:
+            if len(self._pending) > limit:
                 self.close()
-                raise UserError(f"{name}: a reply over {REPLY_LIMIT} bytes ({what}); stopped")
+                raise UserError(f"{name}: a reply over {limit} bytes ({what}); stopped")
         line, _, self._pending = self._pending.partition(b"\n")
         self._drain()
+        if self.watch is not None and self.watch.check() is not None:  # what the call left running counts too
+            verdict = self._verdict()
+            self.close()
+            raise UserError(f"{name}: {verdict} ({what}); stopped")
         try:
             reply = json.loads(line)
         except ValueError:
@@ -250,17 +284,19 @@ class FunctionRunner:
                 raise UserError(f"{label(spec)}: returned {value} for row {origins[i]}; a reward must be finite")
         return values
 
-    def tool_calls(self, calls: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    def tool_calls(self, calls: list[dict[str, Any]], max_chars: int) -> list[tuple[str, bool]]:
         """(text, is_error) per call {name, arguments}, run in the worker in one request: a tool's result, or
-        the error a raising tool, an unknown name or arguments that do not fit give (an observation). A tool
-        that hangs is stopped at rewards.timeout_s with the worker: a UserError naming the tools."""
+        the error a raising tool, an unknown name or arguments that do not fit give (an observation), each at
+        most max_chars characters (cut in the worker; a reply longer than that many can be stops the worker). A
+        tool that hangs is stopped at rewards.timeout_s with the worker: a UserError naming the tools."""
         tools = [s for s in self.specs if s.kind == "tool"]
         if not calls:
             return []
         first = next((s for s in tools if s.name == calls[0]["name"]), tools[0])
-        request = {"op": "tools", "calls": calls, "tools": [s.name for s in tools]}
+        request = {"op": "tools", "calls": calls, "tools": [s.name for s in tools], "max_chars": max_chars}
         names = sorted({c["name"] for c in calls})
-        reply = self._ask(request, first, f"{len(calls)} calls of {', '.join(names)}")
+        limit = sized_reply(len(calls), max_chars)
+        reply = self._ask(request, first, f"{len(calls)} calls of {', '.join(names)}", limit)
         if "error" in reply:
             raise UserError(f"{label(first)}: {reply['message']}")
         return [(r["result"], False) if "result" in r else (r["error"], True) for r in reply["results"]]
@@ -276,9 +312,11 @@ class FunctionRunner:
         return reply["schemas"]
 
     def environment(self, op: str, payload: dict[str, Any], origins: list[str]) -> dict[str, Any]:
-        """reset (slots, rows) -> {observations} or step (slots, actions) -> {steps}; UserError naming the row."""
+        """reset (slots, rows) -> {observations} or step (slots, actions) -> {steps}; UserError naming the row.
+        payload's max_chars: what an observation may hold (cut in the worker; the reply is bounded by it)."""
         spec = next(s for s in self.specs if s.kind == "environment")
-        reply = self._ask({"op": op, "name": spec.name, **payload}, spec, f"{op} of {len(payload['slots'])} rows")
+        what, limit = f"{op} of {len(payload['slots'])} rows", sized_reply(len(payload["slots"]), payload["max_chars"])
+        reply = self._ask({"op": op, "name": spec.name, **payload}, spec, what, limit)
         if "error" in reply:
             row = f" on row {origins[reply['row']]}" if reply.get("row", len(origins)) < len(origins) else ""
             raise UserError(f"{label(spec)}: {reply['message']}{row}")
@@ -305,6 +343,12 @@ class FunctionRunner:
             reply = self._ask(request, spec, f"row {origins[i]}")
             if reply.get("error") == "raised":
                 raise UserError(f"{label(spec)}: raised {reply['message']} on row {origins[i]}")
+
+
+def sized_reply(items: int, max_chars: int) -> int:
+    """Bytes a reply of `items` texts of at most max_chars characters can take: JSON writes a character in up to
+    12 bytes (an escaped surrogate pair), the error messages and the rest of the line fit in the margins."""
+    return items * (12 * max_chars + 30_000) + 4096
 
 
 def label(spec: FunctionSpec) -> str:

@@ -14,8 +14,12 @@ The worker (kubealign.usercode.worker) calls `confine`:
   process outside it — as long as it holds no CAP_SYS_PTRACE, which a worker of a root trainer would: it gives
   up every capability but reading files after Landlock (`drop_capabilities`), so the trainer's credentials are
   out of reach by that path for root too.
-Reads stay open (a function reads its own data and Python's libraries); what it could read is what the
-task's user can read, minus other processes' /proc entries.
+- Landlock also handles reads: they are granted beneath everything but kubealign's cache (the canary fronts'
+  tokens), by a rule on each entry of each directory on the way to it but the one leading there.
+- seccomp (`socket_filter`, without rewards.network): socket(2) refused for every family but netlink routing,
+  socketpair(2) but for unix stream pairs, io_uring altogether — Landlock's network rules cover TCP only.
+Other reads stay open (a function reads its own data and Python's libraries); what it could read is what the
+task's user can read, minus other processes' /proc entries and kubealign's cache.
 
 The trainer calls `undumpable` while a worker runs: a non-dumpable process's /proc entries belong to root,
 so a worker of the same non-root uid cannot open them even where Landlock is missing.
@@ -31,6 +35,7 @@ import os
 import resource
 import signal
 import struct
+import sys
 from pathlib import Path
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # the same numbers on x86-64 and arm64
@@ -43,6 +48,7 @@ _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER, _PR_GET_DUMPABLE, _PR_SET_DUMPABL
 _FS_WRITE_FILE, _FS_REMOVE_DIR, _FS_REMOVE_FILE, _FS_MAKE_CHAR, _FS_MAKE_DIR = 1 << 1, 1 << 4, 1 << 5, 1 << 6, 1 << 7
 _FS_MAKE_REG, _FS_MAKE_SOCK, _FS_MAKE_FIFO, _FS_MAKE_BLOCK, _FS_MAKE_SYM = 1 << 8, 1 << 9, 1 << 10, 1 << 11, 1 << 12
 _FS_REFER, _FS_TRUNCATE = 1 << 13, 1 << 14  # ABI 2, ABI 3
+_FS_READ_FILE, _FS_READ_DIR = 1 << 2, 1 << 3
 _WRITES_ABI1 = (
     _FS_WRITE_FILE | _FS_REMOVE_DIR | _FS_REMOVE_FILE | _FS_MAKE_CHAR | _FS_MAKE_DIR | _FS_MAKE_REG
     | _FS_MAKE_SOCK | _FS_MAKE_FIFO | _FS_MAKE_BLOCK | _FS_MAKE_SYM
@@ -89,7 +95,7 @@ def write_rights(abi: int) -> int:
 
 def _ruleset(abi: int, network: bool) -> bytes:
     """struct landlock_ruleset_attr for `abi`: its size grew with each ABI (fs, then net, then scoped)."""
-    handled_fs = write_rights(abi)
+    handled_fs = write_rights(abi) | _FS_READ_FILE | _FS_READ_DIR
     if abi < 4:
         return struct.pack("=Q", handled_fs)
     handled_net = 0 if network else _NET_BIND_TCP | _NET_CONNECT_TCP
@@ -107,25 +113,60 @@ def _allow_beneath(ruleset_fd: int, path: Path, rights: int) -> None:
         os.close(fd)
 
 
-def _landlock(home: Path, network: bool) -> str:
+def _allow_reads_but(ruleset_fd: int, hidden: Path) -> str:
+    """Read access beneath everything but `hidden` (kubealign's cache: the canary fronts' tokens, the built
+    models): beneath every entry of each directory from / down to it but the one on the way, then the paths the
+    interpreter imports from that lie inside it. In a line, what holds. Landlock grants, never refuses, so the
+    hidden directory is what no rule reaches; an entry made beside the way after this call is unreadable too."""
+    way, here = hidden.resolve().parts, Path("/")
+    try:
+        for name in way[1:]:
+            for entry in os.scandir(here):
+                if entry.name != name and not entry.is_symlink():  # a link's target is reached by its own path
+                    rights = _FS_READ_FILE | _FS_READ_DIR if entry.is_dir() else _FS_READ_FILE
+                    with contextlib.suppress(OSError):  # gone meanwhile, or a file Landlock takes no rule on
+                        _allow_beneath(ruleset_fd, Path(entry.path), rights)
+            here = here / name
+            if not here.is_dir():  # not made yet: whenever it is, nothing grants it
+                break
+    except OSError as exc:  # a directory on the way that cannot be listed: every read stays open
+        _allow_beneath(ruleset_fd, Path("/"), _FS_READ_FILE | _FS_READ_DIR)
+        return f"kubealign's cache not confined ({exc.strerror}: {exc.filename})"
+    inside = [Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path) if p]
+    for path in inside:  # an interpreter or a module directory kept in the cache stays importable
+        if path.is_relative_to(hidden.resolve()) and path != hidden.resolve() and path.exists():
+            _allow_beneath(ruleset_fd, path, _FS_READ_FILE | _FS_READ_DIR)
+    return f"nothing read under {hidden}"
+
+
+def _landlock(home: Path, network: bool, hidden: Path | None = None) -> str:
     abi = landlock_abi()
     if abi < 1:
-        return "no Landlock in this kernel: writes, network and /proc of the trainer not confined"
+        return "no Landlock in this kernel: writes, network, reads of kubealign's cache and /proc not confined"
     attr = _ruleset(abi, network)
+    reads = _FS_READ_FILE | _FS_READ_DIR
     ruleset_fd = _syscall(_SYS_CREATE_RULESET, ctypes.c_char_p(attr), len(attr), 0)
     try:
-        _allow_beneath(ruleset_fd, home, write_rights(abi))
-        _allow_beneath(ruleset_fd, Path("/dev/null"), _FS_WRITE_FILE | (_FS_TRUNCATE if abi >= 3 else 0))
+        _allow_beneath(ruleset_fd, home, write_rights(abi) | reads)
+        _allow_beneath(
+            ruleset_fd, Path("/dev/null"), _FS_WRITE_FILE | _FS_READ_FILE | (_FS_TRUNCATE if abi >= 3 else 0)
+        )
+        if hidden is None:
+            _allow_beneath(ruleset_fd, Path("/"), reads)
+            secrets = "reads open"
+        else:
+            secrets = _allow_reads_but(ruleset_fd, hidden)
         _prctl(_PR_SET_NO_NEW_PRIVS, 1)  # what an unprivileged process must set before it restricts itself
         _syscall(_SYS_RESTRICT_SELF, ruleset_fd, 0)
     finally:
         os.close(ruleset_fd)
     net = "network open (rewards.network)" if network else "no TCP" if abi >= 4 else "network open (Landlock ABI < 4)"
-    return f"Landlock ABI {abi}: writes only in its directory, {net}"
+    return f"Landlock ABI {abi}: writes only in its directory, {secrets}, {net}"
 
 
-def confine(home: Path, file_limit_mb: int, network: bool) -> str:
-    """Limit this process (the worker, before any user code) and everything it starts; what holds, in a line."""
+def confine(home: Path, file_limit_mb: int, network: bool, hidden: Path | None = None) -> str:
+    """Limit this process (the worker, before any user code) and everything it starts; what holds, in a line.
+    hidden: a directory none of it may read (kubealign's cache)."""
     limit = file_limit_mb * 2**20
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG), the worker lives
@@ -133,8 +174,72 @@ def confine(home: Path, file_limit_mb: int, network: bool) -> str:
         _prctl(_PR_SET_CHILD_SUBREAPER, 1)
     except (OSError, AttributeError):  # not Linux: only the process group is ended
         return "not Linux: no sandbox but the file-size limit"
-    landlocked = _landlock(home, network)
-    return f"{landlocked}; {drop_capabilities()}"
+    landlocked = _landlock(home, network, hidden)
+    sockets = "sockets open (rewards.network)" if network else socket_filter()
+    return f"{landlocked}; {sockets}; {drop_capabilities()}"
+
+
+# seccomp's classic BPF (linux/filter.h, linux/seccomp.h) and the system calls it looks at, per architecture
+_LD_W_ABS, _JEQ, _JGE, _AND, _RET = 0x20, 0x15, 0x35, 0x54, 0x06
+_ALLOW, _DENY = 0x7FFF0000, 0x00050000 | 13  # SECCOMP_RET_ALLOW; SECCOMP_RET_ERRNO with EACCES
+_ARCHES = {  # machine: (AUDIT_ARCH_*, socket, socketpair, io_uring_setup)
+    "x86_64": (0xC000003E, 41, 53, 425),
+    "aarch64": (0xC00000B7, 198, 199, 425),
+}
+_AF_UNIX, _AF_NETLINK, _SOCK_STREAM, _SOCK_TYPE_MASK = 1, 16, 1, 0xF
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+
+
+def _socket_program(arch: int, socket_nr: int, pair_nr: int, uring_nr: int) -> list[tuple[int, int, int, int]]:
+    """(code, jump if true, jump if false, k) instructions: socket(2) refused (EACCES) for every family but
+    netlink's routing protocol (what getaddrinfo asks about the machine's own addresses), socketpair(2) for all
+    but a unix stream pair (asyncio's and multiprocessing's pipes: connected to each other, to nothing else),
+    io_uring refused (it opens sockets without socket(2)), and any other architecture's system calls refused."""
+    nr, args = 0, lambda i: 16 + 8 * i  # offsets in struct seccomp_data: nr, arch at 4, args[i] (the low word)
+    return [
+        (_LD_W_ABS, 0, 0, 4),
+        (_JEQ, 0, 16, arch),  # -> deny
+        (_LD_W_ABS, 0, 0, nr),
+        (_JGE, 14, 0, 0x40000000),  # x86-64's x32 numbers -> deny
+        (_JEQ, 3, 0, socket_nr),  # -> socket
+        (_JEQ, 6, 0, pair_nr),  # -> socketpair
+        (_JEQ, 11, 0, uring_nr),  # -> deny
+        (_RET, 0, 0, _ALLOW),
+        (_LD_W_ABS, 0, 0, args(0)),  # socket: the family
+        (_JEQ, 0, 8, _AF_NETLINK),  # -> deny
+        (_LD_W_ABS, 0, 0, args(2)),  # the protocol: NETLINK_ROUTE is 0
+        (_JEQ, 5, 6, 0),  # -> allow, deny
+        (_LD_W_ABS, 0, 0, args(0)),  # socketpair: the family
+        (_JEQ, 0, 4, _AF_UNIX),  # -> deny
+        (_LD_W_ABS, 0, 0, args(1)),  # the type, without SOCK_NONBLOCK and SOCK_CLOEXEC
+        (_AND, 0, 0, _SOCK_TYPE_MASK),
+        (_JEQ, 0, 1, _SOCK_STREAM),  # -> allow, deny
+        (_RET, 0, 0, _ALLOW),
+        (_RET, 0, 0, _DENY),
+    ]
+
+
+def socket_filter() -> str:
+    """Install the seccomp filter of `_socket_program` on this process and everything it starts (never undone),
+    in a line. Landlock's network rules cover TCP only (ABI 4+): without it a function sent UDP to 127.0.0.1 and
+    connected to a unix socket by its path with the network off. seccomp needs no privilege once no_new_privs is
+    set, and container runtimes' default profiles let a process add a filter of its own."""
+    import platform
+
+    machine = platform.machine()
+    if machine not in _ARCHES:
+        return f"sockets not confined (no seccomp program for {machine})"
+    program = b"".join(struct.pack("=HBBI", *op) for op in _socket_program(*_ARCHES[machine]))
+    buffer = ctypes.create_string_buffer(program)
+    fprog = struct.pack("=HxxxxxxQ", len(program) // 8, ctypes.addressof(buffer))  # struct sock_fprog
+    try:
+        _prctl(_PR_SET_NO_NEW_PRIVS, 1)
+        result = _libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.c_char_p(fprog), 0, 0)
+        if result < 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except (OSError, AttributeError) as exc:
+        return f"sockets not confined (seccomp: {getattr(exc, 'strerror', exc)})"
+    return "no socket but unix stream pairs and netlink routes (seccomp)"
 
 
 _SYS_CAPGET, _SYS_CAPSET = 125, 126  # x86-64 (arm64: 90, 91)

@@ -21,10 +21,12 @@ import types
 from pathlib import Path
 from typing import Any
 
+MESSAGE_CHARS = 2000  # of an exception's message: an error is one line, whatever the user's code raised
+
 
 def _describe(exc: BaseException) -> str:
     """'Type: message' of an exception, with the user file's line where the traceback has one."""
-    text = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1]
+    text = "".join(traceback.format_exception_only(type(exc), exc)).strip().splitlines()[-1][:MESSAGE_CHARS]
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.endswith("worker.py")]
     return f"{text} ({frames[-1].filename}, line {frames[-1].lineno})" if frames else text
 
@@ -106,7 +108,7 @@ def _call(function: Any, request: dict[str, Any]) -> dict[str, Any]:
 def _tool_calls(functions: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
     """Each call {name, arguments} -> {"result": text} or {"error": text}: a tool that raises, an unknown tool
     and arguments that do not fit are the model's mistakes, answered as observations it can learn from."""
-    results = []
+    results, chars = [], request.get("max_chars")  # what a result may hold: cut here, before the trainer reads it
     for call in request["calls"]:
         function = functions.get(call["name"]) if call["name"] in request["tools"] else None
         if function is None:
@@ -120,11 +122,11 @@ def _tool_calls(functions: dict[str, Any], request: dict[str, Any]) -> dict[str,
         except ValueError:
             pass
         try:
-            results.append({"result": str(function(**call["arguments"]))})
+            results.append({"result": str(function(**call["arguments"]))[:chars]})
         except MemoryError:
             return {"error": "memory", "memory": True, "message": "MemoryError"}
         except Exception as exc:  # the tool's error is the observation
-            results.append({"error": _describe(exc)})
+            results.append({"error": _describe(exc)[:chars]})
     return {"results": results}
 
 
@@ -154,7 +156,7 @@ class _Environments:
                 observation = self.live[slot].reset(row)
             except Exception as exc:
                 return {"error": "raised", "message": f"reset: {_describe(exc)}", "row": len(observations)}
-            observations.append(None if observation is None else str(observation))
+            observations.append(None if observation is None else str(observation)[: request.get("max_chars")])
         return {"observations": observations}
 
     def step(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -169,7 +171,7 @@ class _Environments:
                 return {"error": "value", "message": f"step returned the reward {reward!r}", "row": len(steps)}
             steps.append(
                 {
-                    "observation": None if observation is None else str(observation),
+                    "observation": None if observation is None else str(observation)[: request.get("max_chars")],
                     "reward": None if reward is None else float(reward),
                     "done": bool(done),
                 }
@@ -180,6 +182,8 @@ class _Environments:
 MEMORY_ENV = "KUBEALIGN_WORKER_MEMORY_MB"
 FILE_LIMIT_ENV = "KUBEALIGN_WORKER_FILE_LIMIT_MB"
 NETWORK_ENV = "KUBEALIGN_WORKER_NETWORK"
+PROCESSES_ENV = "KUBEALIGN_WORKER_MAX_PROCESSES"
+HIDDEN_ENV = "KUBEALIGN_WORKER_HIDDEN"  # a directory the worker may not read: kubealign's cache
 
 
 def limit_self(memory_mb: int) -> None:
@@ -202,8 +206,11 @@ def main() -> int:
     confined = ""
     if os.environ.get(FILE_LIMIT_ENV):  # started by FunctionRunner: confine before any user code
         from kubealign.usercode.sandbox import confine
+        from kubealign.usercode.tree import nproc_limit
 
-        confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)))
+        hidden = Path(os.environ[HIDDEN_ENV]) if os.environ.get(HIDDEN_ENV) else None
+        confined = confine(Path.cwd(), int(os.environ[FILE_LIMIT_ENV]), bool(os.environ.get(NETWORK_ENV)), hidden)
+        confined += f"; {nproc_limit(int(os.environ.get(PROCESSES_ENV) or 64))}"
     protocol = os.fdopen(os.dup(1), "w", encoding="utf-8")
     os.dup2(2, 1)  # the functions' print() goes to stderr
     sys.stdout = sys.stderr

@@ -94,7 +94,7 @@ class StandInTools:
     def __init__(self) -> None:
         self.requests: list[list[dict]] = []
 
-    def tool_calls(self, calls):
+    def tool_calls(self, calls, max_chars=None):
         self.requests.append(calls)
         out = []
         for call in calls:

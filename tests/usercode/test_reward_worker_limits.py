@@ -38,6 +38,21 @@ def spawns_and_hangs(prompts, completions, **columns):
     print("CHILD-PIDS", child.pid, detached.pid, flush=True)
     time.sleep(600)
 
+def children_hold(prompts, completions, **columns):
+    # four children of 100 MiB each: under the limit one by one, past it together
+    import sys
+    hold = "b = b'x' * (100 * 2**20); print('ready', flush=True); import time; time.sleep(60)"
+    kids = [subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE) for _ in range(4)]
+    for kid in kids:
+        kid.stdout.readline()
+    time.sleep(2)
+    return [1.0] * len(completions)
+
+def many_children(prompts, completions, **columns):
+    kids = [subprocess.Popen(["sleep", "30"]) for _ in range(8)]
+    time.sleep(2)
+    return [float(len(kids))] * len(completions)
+
 def loud(prompts, completions, **columns):
     print("x" * 300_000)
     print("THE END")
@@ -45,10 +60,12 @@ def loud(prompts, completions, **columns):
 """
 
 
-def runner(directory: Path, name: str, timeout_s: float = 20.0, memory_mb: int = 4096, env: list[str] | None = None):
+def runner(
+    directory: Path, name: str, timeout_s: float = 20.0, memory_mb: int = 4096, env: list[str] | None = None, **more
+):
     (directory / "fns.py").write_text(FUNCTIONS, encoding="utf-8")
     rewards = RewardsConfig(functions=[{"path": f"fns.py:{name}"}], timeout_s=timeout_s)
-    return FunctionRunner(definitions.resolve(rewards, str(directory)), timeout_s, memory_mb, env)
+    return FunctionRunner(definitions.resolve(rewards, str(directory)), timeout_s, memory_mb, env, **more)
 
 
 def call(r: FunctionRunner) -> list:
@@ -99,6 +116,25 @@ def test_past_its_memory_limit_a_function_fails_in_one_line_and_the_caller_lives
     )
     with runner(tmp_path, "greedy", memory_mb=2048) as r:  # room for it: the same function works
         assert call(r) == [float(2**30)]
+
+
+def test_the_memory_limit_holds_for_the_worker_and_its_children_together(tmp_path):
+    """Four children of 100 MiB under a limit of 256 MiB, each under it alone (before: 1,880 MiB held by six
+    children under a 512 MiB limit); the line names the setting."""
+    with runner(tmp_path, "children_hold", memory_mb=256) as r, pytest.raises(UserError) as err:
+        call(r)
+    assert str(err.value).startswith("reward function children_hold (rewards.functions[0].path): its processes held ")
+    assert ", past rewards.memory_limit_mb 256 (a batch of 1 rows starting at d.jsonl:1); stopped" in str(err.value)
+    assert r.process is None
+
+
+def test_the_number_of_processes_is_bounded(tmp_path):
+    with runner(tmp_path, "many_children", max_processes=4) as r, pytest.raises(UserError) as err:
+        call(r)
+    assert str(err.value).startswith("reward function many_children (rewards.functions[0].path): it ran ")
+    assert "processes besides the worker, past rewards.max_processes 4" in str(err.value)
+    with runner(tmp_path, "many_children", max_processes=12) as r:  # room for them
+        assert call(r) == [8.0]
 
 
 def test_a_timeout_ends_every_process_the_function_started(tmp_path, capfd):

@@ -107,7 +107,7 @@ def test_results_and_errors_are_observations(tools_dir: Path):
         {"name": "add", "arguments": {"a": 1}},
     ]
     with runner_for(tools_dir) as runner:
-        out = runner.tool_calls(calls)
+        out = runner.tool_calls(calls, 2048)
     assert out[0] == ("42", False)
     assert out[1] == ("ValueError: cannot take it (tools.py, line 21)", True)
     assert out[2] == ("unknown tool 'mul' (tools: add, boom, sleepy)", True)
@@ -121,7 +121,7 @@ from kubealign.usercode import definitions
 from kubealign.usercode.runner import FunctionRunner
 specs = definitions.resolve_tools(ToolsConfig(functions=[{"path": "tools.py:peek"}]), sys.argv[1])
 with FunctionRunner(specs, 30.0) as runner:
-    ((text, error),) = runner.tool_calls([{"name": "peek", "arguments": {"name": "AWS_SECRET_ACCESS_KEY"}}])
+    ((text, error),) = runner.tool_calls([{"name": "peek", "arguments": {"name": "AWS_SECRET_ACCESS_KEY"}}], 2048)
 print(json.dumps({"text": text, "error": error, "confined": runner.confined}))
 """
 
@@ -146,7 +146,7 @@ def test_a_tool_reaches_no_credential_of_the_trainer(tools_dir: Path):
     assert "read" not in out["text"]
     if sandbox.landlock_abi() >= 1:
         assert out["text"] == "absent; trainer: refused (Permission denied)"
-        assert out["confined"].endswith(("; no capabilities", "; no capability but reading files"))
+        assert "; no capabilities" in out["confined"] or "; no capability but reading files" in out["confined"]
 
 
 def test_a_hanging_tool_is_one_line_and_the_worker_is_stopped(tools_dir: Path):
@@ -157,7 +157,7 @@ def test_a_hanging_tool_is_one_line_and_the_worker_is_stopped(tools_dir: Path):
             UserError, match=r"^tool sleepy \(tools.functions\[2\].path\): no answer within rewards.timeout_s 1 s"
         ),
     ):
-        runner.tool_calls([{"name": "sleepy", "arguments": {}}])
+        runner.tool_calls([{"name": "sleepy", "arguments": {}}], 2048)
     assert runner.process is None
 
 
