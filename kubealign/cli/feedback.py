@@ -64,10 +64,10 @@ def command(args: argparse.Namespace) -> None:
         pull_command(args)
 
 
-def connect(args: argparse.Namespace) -> Any:
+def connect(args: argparse.Namespace, config: Any) -> Any:
     from kubealign.feedback.client import connect
 
-    return connect(args.url)
+    return connect(args.url, config.feedback)
 
 
 def push_command(args: argparse.Namespace) -> None:
@@ -82,7 +82,7 @@ def push_command(args: argparse.Namespace) -> None:
     uri = args.tracking_uri or resolve_uri(config)
     if not uri:
         raise UserError("--tracking-uri: no registry given (nor MLFLOW_TRACKING_URI, nor tracking.uri)")
-    client = connect(args)
+    client = connect(args, config)
     prompts = push.held_out_prompts(args.prompts, args.count)
     name = args.model or config.promote.registered_model
     (first, first_dir), (second, second_dir) = push.registered_dirs(config.serve, uri, name, [args.first, args.second])
@@ -93,6 +93,7 @@ def push_command(args: argparse.Namespace) -> None:
         push.answers(second_dir, prompts, config),
         sides,
         config.evaluate.seed,
+        name,
     )
     done = push.push_tasks(client, args.project, comparisons)
     made = "created" if done.created else "found"
@@ -104,12 +105,14 @@ def push_command(args: argparse.Namespace) -> None:
 def pull_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.feedback.pull import pull, track
+    from kubealign.tracking.runs import resolve_uri
 
     if args.output.suffix != ".jsonl":
         raise UserError(f"--output {args.output}: write a .jsonl file (data.sources reads it)")
-    if args.output.exists():  # nothing the user owns is overwritten: each pull is a file of its own
+    if args.output.exists() or args.output.is_symlink():  # nothing the user owns is overwritten
         raise UserError(f"--output {args.output}: exists; pull into a new file")
-    client = connect(args)
-    written = pull(client, args.project, args.challenger, args.output)
+    config = load_config(args.config, [])
+    client = connect(args, config)
+    written = pull(client, args.project, args.challenger, args.output, registry=resolve_uri(config))
     print("\n".join(written.lines))
-    track(load_config(args.config, []), written, args.output, args.project, client.url, args.challenger)
+    track(config, written, args.output, args.project, client.url, args.challenger)

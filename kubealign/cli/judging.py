@@ -212,7 +212,7 @@ def judge_command(args: argparse.Namespace) -> None:
     if config.canary.min_human_win_rate is not None:  # people's verdict on this version (kubealign feedback pull)
         from kubealign.feedback import lookup
 
-        human = lookup.latest(uri, config.tracking.experiment, version)
+        human = lookup.latest(uri, config.tracking.experiment, config.promote.registered_model, version)
     result = judge.run(config, *inputs, version, tuple(checked), human)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:

@@ -9,6 +9,8 @@ decided by then. Unset (the default): no feedback task, the DAG as before.
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 from pydantic import Field, field_validator
 
 from kubealign.config.base import Section
@@ -39,10 +41,48 @@ class FeedbackConfig(Section):
     challenger: str = Field(
         "challenger", min_length=1, description="The alias whose human win-rate the feedback run reports."
     )
+    deadline_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a pull may take in all, every call to Label Studio together (connect, reading the "
+        "export): a server that answers slowly, or a byte at a time, is cut off then (one line). Each read also "
+        "waits 30 s at most.",
+    )
+    max_export_mb: float = Field(
+        256.0,
+        gt=0,
+        description="MiB (2**20 bytes) of one reply from Label Studio at most (the export is the largest): a larger "
+        "one is refused as it arrives, before it is parsed.",
+    )
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.max_export_mb * (1 << 20))
 
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError(f"expected an http(s) URL, got {value!r}")
+        refusal = credentials_refusal(value)
+        if refusal:
+            raise ValueError(refusal)
         return value
+
+
+def credentials_refusal(url: str) -> str | None:
+    """Why `url` may not be Label Studio's address when it holds credentials (user:password@, or a user name in an
+    http(s) URL: the rule kubealign.tracking.runs.check_uri applies to tracking.uri), with them masked; None when
+    it holds none. The URL is pinned into the compiled pipeline and printed in error lines; the token has its place."""
+    try:
+        parts = urlsplit(url)
+        user, password = parts.username, parts.password
+    except ValueError:
+        return None  # refused as no http(s) URL, or by the connection
+    if user is None and password is None:
+        return None
+    shown = url.replace(parts.netloc, "***@" + parts.netloc.rpartition("@")[2], 1)
+    return (
+        f"{shown}: credentials do not belong in Label Studio's URL (it is pinned into the compiled pipeline and "
+        f"printed); the token goes in LABEL_STUDIO_API_KEY (on a cluster, the Secret feedback.token_secret)"
+    )

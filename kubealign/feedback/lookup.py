@@ -1,15 +1,19 @@
 """The online judge's people's check (canary.min_human_win_rate): the latest `kubealign feedback
-pull` of a version, read from MLflow (the feedback runs tag the version whose win-rate they measured)."""
+pull` of a registered model's version, read from MLflow: the feedback runs tag the registered model and the version
+whose win-rate they measured, once the registry has vouched for both (feedback.pull), so that feedback about
+another model's version of the same number never passes the judge of this one."""
 
 from __future__ import annotations
 
 from typing import Any
 
 VERSION_TAG = "kubealign.feedback.challenger_version"
+MODEL_TAG = "kubealign.feedback.registered_model"
 
 
-def latest(tracking_uri: str, experiment: str, version: str) -> Any:
-    """serving.verdict.HumanFeedback of the newest feedback run for `version` in `experiment`; None if none."""
+def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
+    """serving.verdict.HumanFeedback of the newest feedback run for `model`'s `version` in `experiment`; None if
+    none."""
     from mlflow.tracking import MlflowClient
 
     from kubealign.promotion.aliases import registry_errors
@@ -22,7 +26,8 @@ def latest(tracking_uri: str, experiment: str, version: str) -> Any:
             return None
         runs = client.search_runs(
             [found.experiment_id],
-            filter_string=f"tags.`{VERSION_TAG}` = '{version}' and attributes.status = 'FINISHED'",
+            filter_string=f"tags.`{MODEL_TAG}` = '{model}' and tags.`{VERSION_TAG}` = '{version}' "
+            "and attributes.status = 'FINISHED'",
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )

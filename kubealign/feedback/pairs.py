@@ -56,16 +56,18 @@ def prompt_key(prompt: str) -> str:
 
 
 def pairwise_tasks(
-    prompts: list[str], first: list[str], second: list[str], sides: tuple[Side, Side], seed: int
+    prompts: list[str], first: list[str], second: list[str], sides: tuple[Side, Side], seed: int, registered_model: str
 ) -> list[dict[str, Any]]:
     """One task per prompt: `first[i]` (sides[0]'s answer) and `second[i]` (sides[1]'s) as answer1 / answer2 in
-    an order drawn per task; meta.kubealign says which side is which."""
+    an order drawn per task; meta.kubealign says which side is which and of which registered model (the pull
+    checks both against the registry)."""
     rng = random.Random(f"kubealign-feedback-{seed}")
     tasks = []
     for prompt, a, b in zip(prompts, first, second, strict=True):
         swap = rng.random() < 0.5
         (one, one_side), (two, two_side) = ((b, sides[1]), (a, sides[0])) if swap else ((a, sides[0]), (b, sides[1]))
         meta = {"answer1": one_side.label, "answer2": two_side.label, "prompt_sha256": prompt_key(prompt)}
+        meta["registered_model"] = registered_model
         tasks.append({"data": {"prompt": prompt, "answer1": one, "answer2": two}, "meta": {"kubealign": meta}})
     return tasks
 

@@ -24,15 +24,17 @@ ROWS_FILE = "human.jsonl"
 def run(config: KubealignConfig, output: Path) -> dict[str, Any]:
     from kubealign.feedback.client import URL_ENV, connect
     from kubealign.feedback.pull import pull, track
+    from kubealign.tracking.runs import resolve_uri
 
     settings = config.feedback
     if settings.project is None:
         raise UserError("feedback.project: not set; name the Label Studio project whose choices to pull")
     check_output_path(output, STAGE)
     started = time.perf_counter()
-    client = connect(os.environ.get(URL_ENV) or settings.url)
+    client = connect(os.environ.get(URL_ENV) or settings.url, settings)
+    registry = resolve_uri(config)  # where the tasks' models and versions are checked (none: not checked)
     with atomic_dir(output) as tmp:
-        written = pull(client, settings.project, settings.challenger, tmp / ROWS_FILE, output / ROWS_FILE)
+        written = pull(client, settings.project, settings.challenger, tmp / ROWS_FILE, output / ROWS_FILE, registry)
         metrics = {**written.metrics, "wall_time_s": round(time.perf_counter() - started, 3)}
         result = write_result(tmp, STAGE, metrics, {"rows": ROWS_FILE}, project=settings.project, url=client.url)
     print("\n".join(written.lines))

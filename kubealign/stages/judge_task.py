@@ -75,7 +75,7 @@ def run(
     if config.canary.min_human_win_rate is not None and uri:  # people's verdict (kubealign feedback pull)
         from kubealign.feedback import lookup
 
-        human = lookup.latest(uri, config.tracking.experiment, version)
+        human = lookup.latest(uri, config.tracking.experiment, registered, version)
     inputs = (stable, other, output, names, version, tuple(checked), human)
     result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
     verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}

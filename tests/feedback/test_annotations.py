@@ -26,7 +26,12 @@ def exported(pushed: list[dict], ballots: list[list[dict]]) -> list[dict]:
 def test_sides_are_shuffled_per_task_and_kept_in_meta():
     prompts = [f"q{i}" for i in range(40)]
     pushed = pairs.pairwise_tasks(
-        prompts, [f"champ{i}" for i in range(40)], [f"chal{i}" for i in range(40)], (CHAMPION, CHALLENGER), 7
+        prompts,
+        [f"champ{i}" for i in range(40)],
+        [f"chal{i}" for i in range(40)],
+        (CHAMPION, CHALLENGER),
+        7,
+        "kubealign-actor",
     )
     left = [t["meta"]["kubealign"]["answer1"] for t in pushed]
     assert 10 < left.count("champion:3") < 30  # both sides on the left, about half of the time
@@ -37,8 +42,14 @@ def test_sides_are_shuffled_per_task_and_kept_in_meta():
         }
         assert sides == {"champion:3": f"champ{i}", "challenger:4": f"chal{i}"}
         assert set(t["data"]) == {"prompt", "answer1", "answer2"}  # no identity where the annotator looks
+        assert t["meta"]["kubealign"]["registered_model"] == "kubealign-actor"  # what the pull checks
     assert pushed == pairs.pairwise_tasks(
-        prompts, [f"champ{i}" for i in range(40)], [f"chal{i}" for i in range(40)], (CHAMPION, CHALLENGER), 7
+        prompts,
+        [f"champ{i}" for i in range(40)],
+        [f"chal{i}" for i in range(40)],
+        (CHAMPION, CHALLENGER),
+        7,
+        "kubealign-actor",
     )
     present = {pairs.prompt_key("q0"), pairs.prompt_key("q5")}
     assert [t["data"]["prompt"] for t in pairs.new_tasks(pushed, present)] == [
@@ -53,6 +64,7 @@ def test_choices_map_back_to_the_models_and_odd_tasks_are_counted():
         ["A1", "B1", "C1", "D1", "E1"],
         (CHAMPION, CHALLENGER),
         1,
+        "kubealign-actor",
     )
     challenger_left = [t["meta"]["kubealign"]["answer1"] == "challenger:4" for t in pushed]
 
@@ -81,13 +93,19 @@ def test_choices_map_back_to_the_models_and_odd_tasks_are_counted():
     assert out.annotators == [1, 2, 3]
 
 
-def test_the_same_pair_twice_is_one_row():
+def test_the_same_pair_twice_is_one_row_and_one_decided_task():
     task = {
         "data": {"prompt": "p", "answer1": "x", "answer2": "y"},
         "meta": {"kubealign": {"answer1": "challenger:4", "answer2": "champion:3"}},
     }
     out = an.pulled([{**task, "annotations": [vote(1, "left")]}, {**task, "annotations": [vote(2, "left")]}])
-    assert len(out.rows) == 1 and out.decided == 2 and out.challenger_wins == 2
+    assert len(out.rows) == 1 and out.decided == 1 and out.challenger_wins == 1 and out.duplicates == 1
+    swapped = {  # the same comparison with the sides the other way round: a duplicate too
+        "data": {"prompt": "p", "answer1": "y", "answer2": "x"},
+        "meta": {"kubealign": {"answer1": "champion:3", "answer2": "challenger:4"}},
+    }
+    out = an.pulled([{**task, "annotations": [vote(1, "left")]}, {**swapped, "annotations": [vote(2, "left")]}])
+    assert (len(out.rows), out.decided, out.duplicates) == (1, 1, 1)
 
 
 def test_wilson_interval():

@@ -111,14 +111,27 @@ def replay_pull():
 PULL = json.loads((Path(__file__).parent / "recorded" / "label-studio-1.23.2-pull.json").read_text())
 
 
+def registry_holding(root: Path, versions: int, model: str = "kubealign-actor") -> str:
+    """A sqlite registry under `root` holding versions 1..`versions` of `model` (the recorded tasks name
+    kubealign-actor's versions 3 and 4): its URI."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{root / 'registry.db'}"
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    client.create_registered_model(model)
+    for _ in range(versions):
+        client.create_model_version(model, (root / "weights").as_uri())
+    return uri
+
+
 def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pull, tmp_path, monkeypatch, capsys):
     from mlflow import MlflowClient
 
     from kubealign.cli import main
-    from kubealign.tracking.runs import default_store
 
+    registry = registry_holding(tmp_path, 4)
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry)
     out = tmp_path / "fb" / "human.jsonl"
     args = ["feedback", "pull", "--project", "kubealign-feedback", "--url", replay_pull, "--output", str(out)]
     assert main(args) == 0
@@ -144,18 +157,19 @@ def test_feedback_pull_writes_the_rows_and_logs_the_file_as_a_dataset(replay_pul
     low, high = an.wilson(wins, 2)
     assert "pending 1, skipped 1, tied 0" in printed
     assert f"human win-rate of challenger: {wins / 2:.2f} (95 % interval {low:.2f}-{high:.2f})" in printed
-    client = MlflowClient(default_store(tmp_path / "fb")[0])
+    client = MlflowClient(registry)
     (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
     (given,) = client.get_run(run.info.run_id).inputs.dataset_inputs
     assert given.dataset.name == "human.jsonl" and given.dataset.source_type == "label-studio"
     assert json.loads(given.dataset.profile)["versions"] == ["challenger:4", "champion:3"]
     assert run.data.metrics["decided"] == 2 and run.data.metrics["human_win_rate"] == wins / 2
-    # the online judge's check (canary.min_human_win_rate) finds it by the challenger's version
+    # the online judge's check (canary.min_human_win_rate) finds it by the registered model and challenger's version
     from kubealign.feedback import lookup
 
-    found = lookup.latest(default_store(tmp_path / "fb")[0], "kubealign-tiny", "4")
+    found = lookup.latest(registry, "kubealign-tiny", "kubealign-actor", "4")
     assert (found.win_rate, found.decided) == (wins / 2, 2) and found.source == f"feedback run {run.info.run_id}"
-    assert lookup.latest(default_store(tmp_path / "fb")[0], "kubealign-tiny", "3") is None  # the champion's: none
+    assert lookup.latest(registry, "kubealign-tiny", "kubealign-actor", "3") is None  # the champion's: none
+    assert lookup.latest(registry, "kubealign-tiny", "another-model", "4") is None  # another model's version 4
     assert main(args) == 2  # the file is there: never overwritten
     assert "exists; pull into a new file" in capsys.readouterr().err
 

@@ -15,7 +15,7 @@ from google.protobuf import json_format
 from kubealign import tasks
 from kubealign.config import config_to_json, load_config
 from kubealign.data import phases
-from tests.feedback.test_client import PULL, RECORDED, TOKEN, replay_pull  # noqa: F401  (the fixture)
+from tests.feedback.test_client import PULL, RECORDED, TOKEN, registry_holding, replay_pull  # noqa: F401  (the fixture)
 from tests.pipelines.test_pipeline_compile import compiled, secret_names
 
 pytestmark = pytest.mark.kfp
@@ -101,7 +101,7 @@ def test_the_feedback_task_runs_in_kfp_local_and_feeds_data_split(replay_pull, t
 
     from kubealign.pipelines import dag
 
-    registry = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    registry = registry_holding(tmp_path, 4)  # the recorded tasks' versions, checked by the pull
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", registry)
     settings = [*SMALL, "feedback.project=kubealign-feedback", f"feedback.url={replay_pull}"]
@@ -133,6 +133,7 @@ def test_the_feedback_task_runs_in_kfp_local_and_feeds_data_split(replay_pull, t
     assert stages == ["data-split", "feedback"], stages
     (feedback,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "feedback"]
     assert feedback.data.metrics["decided"] == 2 and feedback.data.metrics["skipped"] == 1
+    assert feedback.data.tags["kubealign.feedback.registered_model"] == "kubealign-actor"
     (given,) = feedback.inputs.dataset_inputs
     (split_run,) = [r for r in runs if r.data.tags.get("kubealign.stage") == "data-split"]
     assert given.dataset.digest in {d.dataset.digest for d in split_run.inputs.dataset_inputs}  # the lineage
@@ -151,12 +152,13 @@ SHORT = [
 
 def test_kubealign_run_pulls_first_and_a_rerun_reuses_the_pull(replay_pull, tmp_path, monkeypatch, capsys):  # noqa: F811
     """`kubealign run` with feedback.project: the feedback task first, its output in run.json and the summary; a
-    rerun of data-split reads the run's pulled file and asks Label Studio nothing (the recording holds one pull)."""
+    rerun of data-split reads the run's pulled file and asks Label Studio nothing (the recording holds one pull).
+    The run tracks to the registry the tasks were pushed from (it holds their versions: the pull checks them)."""
     from kubealign.cli import main
     from tests.feedback.test_client import Replay
 
     monkeypatch.setenv("LABEL_STUDIO_API_KEY", TOKEN)
-    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", registry_holding(tmp_path, 4))
     settings = [*SMALL, *SHORT, "feedback.project=kubealign-feedback", f"feedback.url={replay_pull}"]
     out = tmp_path / "run"
     assert main(["run", *(a for s in settings for a in ("--set", s)), "--output", str(out)]) == 0

@@ -202,7 +202,7 @@ def test_push_annotate_as_two_people_and_pull(label_studio, tmp_path: Path):
         mine = "answer1" if meta["answer1"].startswith("champion:") else "answer2"
         theirs = "answer2" if mine == "answer1" else "answer1"
         assert row == {"prompt": data["prompt"], "chosen": data[mine], "rejected": data[theirs]}
-    assert "pending 0, skipped 1, tied 1; annotators 2" in done.stdout
+    assert "pending 0, skipped 1, tied 1, duplicates 0; annotators 2" in done.stdout
     assert "human win-rate of champion: 1.00" in done.stdout and "agreement 0.50" in done.stdout
     from mlflow import MlflowClient
 
