@@ -24,17 +24,18 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
     checks.append(
         (
             metrics["reward_gain"] >= cfg.min_reward_gain,
-            f"reward_gain {metrics['reward_gain']:.3f} >= {cfg.min_reward_gain}",
+            guards.needs("reward_gain", f">= {cfg.min_reward_gain}", f"{metrics['reward_gain']:.3f}"),
         )
     )
     if cfg.max_kl is not None:
         kl = metrics["kl_to_baseline"]
-        checks.append((kl <= cfg.max_kl, f"kl_to_baseline {kl:.3f} <= {cfg.max_kl}"))
+        checks.append((kl <= cfg.max_kl, guards.needs("kl_to_baseline", f"<= {cfg.max_kl}", f"{kl:.3f}")))
     if cfg.metric != "win_rate":
         checks += metric_checks(metrics, cfg, champion)
     elif champion is not None and cfg.require_beat_champion:
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
-        checks.append((ours > theirs, f"candidate_reward_mean {ours:.3f} > champion's {theirs:.3f}"))
+        needed = f"> {theirs:.3f} (the champion's)"
+        checks.append((ours > theirs, guards.needs("candidate_reward_mean", needed, f"{ours:.3f}")))
     lines = [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
     guarded = guards.checks(metrics, cfg.guards, cfg.min_win_rate)
     passed = all(ok for ok, _ in checks) and all(g.ok is not False for g in guarded)
@@ -42,13 +43,14 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
 
 
 def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple[bool, str]]:
-    checks = [(metrics["win_rate"] >= cfg.min_win_rate, f"win_rate {metrics['win_rate']:.3f} >= {cfg.min_win_rate}")]
+    rate = metrics["win_rate"]
+    checks = [(rate >= cfg.min_win_rate, guards.needs("win_rate", f">= {cfg.min_win_rate}", f"{rate:.3f}"))]
     if cfg.min_win_rate_lower_bound is not None:
         bound = metrics.get("win_rate_lower_bound")
         if bound is None:
             raise UserError("promote.min_win_rate_lower_bound is set but the evaluation has no win_rate_lower_bound")
         threshold = cfg.min_win_rate_lower_bound
-        checks.append((bound >= threshold, f"win_rate_lower_bound {bound:.3f} >= {threshold}"))
+        checks.append((bound >= threshold, guards.needs("win_rate_lower_bound", f">= {threshold}", f"{bound:.3f}")))
     return checks
 
 
@@ -64,14 +66,14 @@ def metric_checks(
     ours = metrics[name]
     checks = []
     if cfg.min_metric is not None:
-        checks.append((ours >= cfg.min_metric, f"{name} {ours:.3f} >= {cfg.min_metric}"))
+        checks.append((ours >= cfg.min_metric, guards.needs(name, f">= {cfg.min_metric}", f"{ours:.3f}")))
     if name.endswith("/candidate") and name.removesuffix("/candidate") + "/baseline" in metrics:
         base = metrics[name.removesuffix("/candidate") + "/baseline"]
-        checks.append((ours > base, f"{name} {ours:.3f} > the baseline's {base:.3f}"))
+        checks.append((ours > base, guards.needs(name, f"> {base:.3f} (the baseline's)", f"{ours:.3f}")))
     if champion is not None and cfg.require_beat_champion:
         theirs = champion.get(name, float("nan"))
         if math.isnan(theirs):
             checks.append((True, f"{name}: the champion has none recorded, not compared"))
         else:
-            checks.append((ours > theirs, f"{name} {ours:.3f} > champion's {theirs:.3f}"))
+            checks.append((ours > theirs, guards.needs(name, f"> {theirs:.3f} (the champion's)", f"{ours:.3f}")))
     return checks

@@ -26,6 +26,16 @@ class Check(NamedTuple):
         return {True: "pass: ", False: "FAIL: ", None: "unchecked: "}[self.ok] + self.text
 
 
+def needs(what: str, needed: str, got: str, said: str = "") -> str:
+    """The one form of every gate and guard line: what was needed, then what was measured, e.g.
+    "win_rate: needs >= 0.5, got 0.400" (never the requirement written as if it were the fact)."""
+    return f"{what}: needs {needed}, got {got}" + (f" ({said})" if said else "")
+
+
+def _sides(base: float, cand: float) -> str:
+    return f"baseline {base:.3f}, candidate {cand:.3f}"
+
+
 FIGURES = {  # each guard's field and the figures (baseline_<name> and candidate_<name>) it reads
     "max_logprob_drop": "heldout_logprob",
     "max_repetition_rise": "repetition_rate",
@@ -101,13 +111,8 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) ->
             base, cand = pair
             drop = base - cand
             ok = drop <= cfg.max_logprob_drop
-            out.append(
-                Check(
-                    ok,
-                    f"capability: held-out log-likelihood per token {base:.3f} -> {cand:.3f} "
-                    f"(drop {drop:.3f} {'<=' if ok else '>'} {cfg.max_logprob_drop})",
-                )
-            )
+            what = "capability: held-out log-likelihood per token drop"
+            out.append(Check(ok, needs(what, f"<= {cfg.max_logprob_drop}", f"{drop:.3f}", _sides(base, cand))))
     out += heldout_checks(metrics, cfg, min_win_rate)
     out += llm_judge_checks(metrics, cfg, min_win_rate)
     out += suite_checks(metrics, cfg)
@@ -125,8 +130,8 @@ def heldout_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: f
         return [Check(None, "held-out reward model: none scored the answers")]
     ok = rate >= floor
     agree = metrics.get("reward_agreement")
-    said = "" if agree is None else f"; agrees with the training reward model on {agree:.0%} of the prompts"
-    return [Check(ok, f"held-out reward model: win-rate {rate:.3f} {'>=' if ok else '<'} {floor}{said}")]
+    said = "" if agree is None else f"agrees with the training reward model on {agree:.0%} of the prompts"
+    return [Check(ok, needs("held-out reward model: win-rate", f">= {floor}", f"{rate:.3f}", said))]
 
 
 def llm_judge_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
@@ -138,8 +143,8 @@ def llm_judge_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate:
         return []
     ok = rate >= floor
     bias = metrics.get("llm_judge_position_bias")
-    said = "" if bias is None else f"; position bias {bias:.2f}"
-    return [Check(ok, f"llm judge: win-rate {rate:.3f} {'>=' if ok else '<'} {floor} (both orders{said})")]
+    said = "" if bias is None else f"position bias {bias:.2f}"
+    return [Check(ok, needs("llm judge: win-rate in both orders", f">= {floor}", f"{rate:.3f}", said))]
 
 
 def suite_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
@@ -151,12 +156,8 @@ def suite_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Check]:
     for name, (base, cand) in suite_pairs(metrics).items():
         drop = base - cand
         ok = drop <= cfg.max_suite_drop
-        out.append(
-            Check(
-                ok,
-                f"suites: {name} {base:.3f} -> {cand:.3f} (drop {drop:.3f} {'<=' if ok else '>'} {cfg.max_suite_drop})",
-            )
-        )
+        said = _sides(base, cand)
+        out.append(Check(ok, needs(f"suites: {name} drop", f"<= {cfg.max_suite_drop}", f"{drop:.3f}", said)))
     return out
 
 
@@ -184,7 +185,8 @@ def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Ch
             continue
         base, cand = pair
         ok = cand - base <= limit
-        out.append(Check(ok, f"degeneration: {said} {base:.3f} -> {cand:.3f} (rise {'<=' if ok else '>'} {limit})"))
+        rise = f"{cand - base:.3f}"
+        out.append(Check(ok, needs(f"degeneration: {said} rise", f"<= {limit}", rise, _sides(base, cand))))
     ratios = (
         ("distinct_2", "distinct-2", cfg.min_distinct_ratio, None),
         ("length_mean", "mean length", cfg.min_length_ratio, cfg.max_length_ratio),
@@ -199,7 +201,7 @@ def degeneration_checks(metrics: dict[str, float], cfg: GuardsConfig) -> list[Ch
         ratio = cand / base if base > 0 else (1.0 if cand == base else float("inf"))
         ok = (low is None or ratio >= low) and (high is None or ratio <= high)
         bounds = " and ".join(f"{sign} {limit}" for sign, limit in ((">=", low), ("<=", high)) if limit is not None)
-        out.append(Check(ok, f"degeneration: {said} {base:.3f} -> {cand:.3f} (ratio {ratio:.3f}, needs {bounds})"))
+        out.append(Check(ok, needs(f"degeneration: {said} ratio", bounds, f"{ratio:.3f}", _sides(base, cand))))
     return out
 
 

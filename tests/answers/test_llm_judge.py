@@ -136,9 +136,9 @@ ONLY = GuardsConfig(
 def test_the_guard_at_its_boundary():
     (check,) = guards.checks(JUDGED, ONLY, 0.9)
     assert check.ok is True
-    assert check.text == "llm judge: win-rate 0.500 >= 0.5 (both orders; position bias 0.62)"
+    assert check.text == "llm judge: win-rate in both orders: needs >= 0.5, got 0.500 (position bias 0.62)"
     (check,) = guards.checks({**JUDGED, "llm_judge_win_rate": 0.5 - 2**-20}, ONLY, 0.0)
-    assert check.ok is False and check.text.startswith("llm judge: win-rate 0.500 < 0.5")
+    assert check.ok is False and check.text.startswith("llm judge: win-rate in both orders: needs >= 0.5, got 0.500")
 
 
 def test_one_prompt_is_the_whole_share_and_no_verdict_no_bias():
@@ -147,7 +147,7 @@ def test_one_prompt_is_the_whole_share_and_no_verdict_no_bias():
     none = tally([(None, "maybe")])  # no verdict at all: no position bias to speak of, and no line for it
     assert "llm_judge_position_bias" not in none.figures and none.figures["llm_judge_unparsed"] == 1.0
     (check,) = guards.checks(none.figures, ONLY, 0.0)
-    assert check.text == "llm judge: win-rate 0.000 < 0.5 (both orders)"
+    assert check.text == "llm judge: win-rate in both orders: needs >= 0.5, got 0.000"
 
 
 def test_min_win_rate_is_the_gates_bar():
@@ -172,7 +172,7 @@ def test_a_failed_judge_refuses_and_its_figures_are_recorded():
     lines = [c.line for c in guards.checks({**JUDGED, "llm_judge_win_rate": 0.25}, ONLY, 0.5)]
     refusal = guards.refusal(lines, {"reward_gain": 1.5})
     assert refusal == (
-        "gate refused: llm judge: win-rate 0.250 < 0.5 (both orders; position bias 0.62); "
+        "gate refused: llm judge: win-rate in both orders: needs >= 0.5, got 0.250 (position bias 0.62); "
         "the training reward model's gain +1.500 is not trusted (reward hacking suspected)"
     )
     assert guards.recorded({**JUDGED, "other": 1.0}) == list(JUDGED)

@@ -90,8 +90,8 @@ def test_max_suite_drop_at_its_boundary_one_line_per_suite():
     # drop exactly 0.25 passes; 2**-20 more fails; a rise is no drop
     at = guards.suite_checks(suite_metrics(a=(0.75, 0.5), b=(0.5, 0.75)), ONLY_SUITES)
     assert [c.line for c in at] == [
-        "pass: suites: a 0.750 -> 0.500 (drop 0.250 <= 0.25)",
-        "pass: suites: b 0.500 -> 0.750 (drop -0.250 <= 0.25)",
+        "pass: suites: a drop: needs <= 0.25, got 0.250 (baseline 0.750, candidate 0.500)",
+        "pass: suites: b drop: needs <= 0.25, got -0.250 (baseline 0.500, candidate 0.750)",
     ]
     over = guards.suite_checks(suite_metrics(a=(0.75, 0.5 - 2**-20)), ONLY_SUITES)
     assert [c.ok for c in over] == [False]
@@ -126,9 +126,9 @@ def test_the_gate_refuses_a_candidate_that_forgot_a_suite():
     cfg = PromoteConfig(min_win_rate=0.5, guards=ONLY_SUITES)
     passed, lines = gate(metrics, cfg, None)
     assert not passed
-    assert "FAIL: suites: kubealign_facts 0.625 -> 0.250 (drop 0.375 > 0.25)" in lines
+    assert "FAIL: suites: kubealign_facts drop: needs <= 0.25, got 0.375 (baseline 0.625, candidate 0.250)" in lines
     refusal = guards.refusal(lines, metrics)
-    assert refusal.startswith("gate refused: suites: kubealign_facts 0.625 -> 0.250")
+    assert refusal.startswith("gate refused: suites: kubealign_facts drop: needs <= 0.25, got 0.375")
     assert refusal.endswith("the training reward model's gain +2.000 is not trusted (reward hacking suspected)")
     metrics["candidate_suite_kubealign_facts"] = 0.5
     assert gate(metrics, cfg, None)[0]

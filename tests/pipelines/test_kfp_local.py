@@ -108,7 +108,7 @@ def test_local_run_registers_a_champion(first_run) -> None:
     evaluation = json.loads((Path(index["stages"]["evaluate"]["dir"]) / "result.json").read_text(encoding="utf-8"))
     evaluation = evaluation["metrics"]
     assert [line.split(";")[0] for line in promote["gate"] if "held-out reward model" in line] == [
-        f"pass: held-out reward model: win-rate {evaluation['heldout_win_rate']:.3f} >= 0.0"
+        f"pass: held-out reward model: win-rate: needs >= 0.0, got {evaluation['heldout_win_rate']:.3f}"
     ]
     client = MlflowClient(index["mlflow"]["tracking_uri"])
     assert index["mlflow"]["tracking_uri"] == f"sqlite:///{out.resolve() / 'mlflow.db'}"

@@ -336,9 +336,9 @@ def test_promote_metric_replaces_the_win_rate_checks():
     passed, checks = gate(EVALUATION, cfg, None)
     assert passed, checks
     assert checks == [
-        "pass: reward_gain 0.300 >= 0.0",
-        "pass: fn/exact/candidate 0.700 >= 0.6",
-        "pass: fn/exact/candidate 0.700 > the baseline's 0.400",
+        "pass: reward_gain: needs >= 0.0, got 0.300",
+        "pass: fn/exact/candidate: needs >= 0.6, got 0.700",
+        "pass: fn/exact/candidate: needs > 0.400 (the baseline's), got 0.700",
     ]
     assert not gate({**EVALUATION, "fn/exact/candidate": 0.4}, PromoteConfig(metric="fn/exact/candidate"), None)[0]
     assert not gate(EVALUATION, cfg.model_copy(update={"min_metric": 0.71}), None)[0]
@@ -348,7 +348,7 @@ def test_promote_metric_against_the_champion():
     cfg = PromoteConfig(metric="fn/exact/candidate", guards=NO_GUARDS)
     champion = {"candidate_reward_mean": 9.0, "fn/exact/candidate": 0.75}
     passed, checks = gate(EVALUATION, cfg, champion)
-    assert not passed and checks[-1] == "FAIL: fn/exact/candidate 0.700 > champion's 0.750"
+    assert not passed and checks[-1] == "FAIL: fn/exact/candidate: needs > 0.750 (the champion's), got 0.700"
     passed, checks = gate(EVALUATION, cfg, {**champion, "fn/exact/candidate": float("nan")})
     assert passed and checks[-1] == "pass: fn/exact/candidate: the champion has none recorded, not compared"
 

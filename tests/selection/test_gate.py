@@ -23,7 +23,9 @@ def test_gate_by_hand():
     assert gate({**good, "win_rate": 0.4}, cfg, None)[0] is False
     assert gate({**good, "kl_to_baseline": 3.0}, cfg, None)[0] is False
     passed, lines = gate(good, cfg, {"candidate_reward_mean": 1.5})
-    assert passed is False and lines[-1].startswith("FAIL: candidate_reward_mean 1.000 > champion's 1.500")
+    assert passed is False and lines[-1].startswith(
+        "FAIL: candidate_reward_mean: needs > 1.500 (the champion's), got 1.000"
+    )
     assert gate(good, cfg.model_copy(update={"require_beat_champion": False}), {"candidate_reward_mean": 1.5})[0]
 
 
@@ -37,10 +39,10 @@ def test_gate_on_the_win_rate_lower_bound():
         "candidate_reward_mean": 1.0,
     }
     passed, lines = gate(good, cfg, None)
-    assert passed and "pass: win_rate_lower_bound 0.620 >= 0.5" in lines
+    assert passed and "pass: win_rate_lower_bound: needs >= 0.5, got 0.620" in lines
     # a high point estimate on few prompts: the bound below 0.5 refuses it
     passed, lines = gate({**good, "win_rate_lower_bound": 0.45}, cfg, None)
-    assert not passed and "FAIL: win_rate_lower_bound 0.450 >= 0.5" in lines
+    assert not passed and "FAIL: win_rate_lower_bound: needs >= 0.5, got 0.450" in lines
     assert gate({**good, "win_rate_lower_bound": 0.5}, cfg, None)[0]  # the bound may equal the threshold
     assert gate({**good, "win_rate_lower_bound": 0.1}, PromoteConfig(), None)[0]  # unset: not checked
     with pytest.raises(UserError, match="no win_rate_lower_bound"):
@@ -55,14 +57,14 @@ def test_every_threshold_holds_at_its_boundary():
     cfg = PromoteConfig(min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0, guards=NO_GUARDS)
     passed, lines = gate(GOOD, cfg, None)
     assert passed and lines == [
-        "pass: win_rate 0.500 >= 0.5",
-        "pass: reward_gain 0.100 >= 0.1",
-        "pass: kl_to_baseline 2.000 <= 2.0",
+        "pass: win_rate: needs >= 0.5, got 0.500",
+        "pass: reward_gain: needs >= 0.1, got 0.100",
+        "pass: kl_to_baseline: needs <= 2.0, got 2.000",
     ]
     for key, worse in (("win_rate", 0.4999), ("reward_gain", 0.0999), ("kl_to_baseline", 2.0001)):
         assert gate({**GOOD, key: worse}, cfg, None)[0] is False, key
     passed, lines = gate(GOOD, cfg, {"candidate_reward_mean": 1.0})  # a tie with the champion
-    assert not passed and lines[-1] == "FAIL: candidate_reward_mean 1.000 > champion's 1.000"
+    assert not passed and lines[-1] == "FAIL: candidate_reward_mean: needs > 1.000 (the champion's), got 1.000"
     bound = cfg.model_copy(update={"min_win_rate_lower_bound": 0.3})
     with pytest.raises(UserError, match=r"^promote\.min_win_rate_lower_bound is set but the evaluation has no"):
         gate(GOOD, bound, None)
@@ -72,9 +74,12 @@ def test_promote_metric_boundaries_a_missing_baseline_and_a_champion_without_it(
     evaluation = {**GOOD, "fn/exact/candidate": 0.6}  # no fn/exact/baseline: no baseline check
     cfg = PromoteConfig(metric="fn/exact/candidate", min_metric=0.6, guards=NO_GUARDS)
     passed, lines = gate(evaluation, cfg, None)
-    assert passed and lines == ["pass: reward_gain 0.100 >= 0.0", "pass: fn/exact/candidate 0.600 >= 0.6"]
+    assert passed and lines == [
+        "pass: reward_gain: needs >= 0.0, got 0.100",
+        "pass: fn/exact/candidate: needs >= 0.6, got 0.600",
+    ]
     passed, lines = gate(evaluation, cfg, {"fn/exact/candidate": 0.6})  # the champion's equal value: not beaten
-    assert not passed and lines[-1] == "FAIL: fn/exact/candidate 0.600 > champion's 0.600"
+    assert not passed and lines[-1] == "FAIL: fn/exact/candidate: needs > 0.600 (the champion's), got 0.600"
     passed, lines = gate(evaluation, cfg, {"candidate_reward_mean": 5.0})  # registered before the metric existed
     assert passed and lines[-1] == "pass: fn/exact/candidate: the champion has none recorded, not compared"
     with pytest.raises(UserError, match=r"the evaluation has no such metric \(no fn/ metrics\)$"):

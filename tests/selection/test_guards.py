@@ -94,12 +94,12 @@ def test_guard_lines_say_the_figures_and_the_limit():
         c.line for c in guards.checks(figures(heldout_logprob=-6.75, distinct_2=0.0625, length_mean=2.0), LIMITS, 0.5)
     ]
     assert lines == [
-        "FAIL: capability: held-out log-likelihood per token -1.250 -> -6.750 (drop 5.500 > 1.0)",
-        "pass: degeneration: repeated-bigram rate 0.250 -> 0.250 (rise <= 0.25)",
-        "pass: degeneration: empty answers 0.000 -> 0.000 (rise <= 0.25)",
-        "pass: degeneration: unfinished answers 0.125 -> 0.125 (rise <= 0.25)",
-        "FAIL: degeneration: distinct-2 0.500 -> 0.062 (ratio 0.125, needs >= 0.5)",
-        "FAIL: degeneration: mean length 8.000 -> 2.000 (ratio 0.250, needs >= 0.5 and <= 2.0)",
+        "FAIL: capability: held-out log-likelihood per token drop: needs <= 1.0, got 5.500 (baseline -1.250, candidate -6.750)",
+        "pass: degeneration: repeated-bigram rate rise: needs <= 0.25, got 0.000 (baseline 0.250, candidate 0.250)",
+        "pass: degeneration: empty answers rise: needs <= 0.25, got 0.000 (baseline 0.000, candidate 0.000)",
+        "pass: degeneration: unfinished answers rise: needs <= 0.25, got 0.000 (baseline 0.125, candidate 0.125)",
+        "FAIL: degeneration: distinct-2 ratio: needs >= 0.5, got 0.125 (baseline 0.500, candidate 0.062)",
+        "FAIL: degeneration: mean length ratio: needs >= 0.5 and <= 2.0, got 0.250 (baseline 8.000, candidate 2.000)",
     ]
 
 
@@ -117,7 +117,7 @@ def test_a_guard_turned_off_is_not_checked_and_absent_figures_are_said():
     assert guards.checks(figures(heldout_logprob=-50.0, distinct_2=0.0), off, 0.5) == []
     only_upper = off.model_copy(update={"max_length_ratio": 2.0})
     assert [c.line for c in guards.checks(figures(length_mean=2.0), only_upper, 0.5)] == [
-        "pass: degeneration: mean length 8.000 -> 2.000 (ratio 0.250, needs <= 2.0)"
+        "pass: degeneration: mean length ratio: needs <= 2.0, got 0.250 (baseline 8.000, candidate 2.000)"
     ]
     online = {k: v for k, v in figures().items() if "heldout" not in k}  # the judge measures no log-likelihood
     first = guards.checks(online, LIMITS, 0.5)[0]
@@ -150,10 +150,10 @@ HACKED = {
 
 def test_the_gate_refuses_a_hacked_candidate_in_one_line():
     passed, lines = gate(HACKED, PromoteConfig(min_win_rate_lower_bound=0.5), None)
-    assert not passed and "pass: win_rate_lower_bound 0.880 >= 0.5" in lines
+    assert not passed and "pass: win_rate_lower_bound: needs >= 0.5, got 0.880" in lines
     assert guards.refusal(lines, HACKED) == (
-        "gate refused: capability: held-out log-likelihood per token -1.250 -> -6.750 (drop 5.500 > 1.0); "
-        "degeneration: distinct-2 0.500 -> 0.062 (ratio 0.125, needs >= 0.5); "
+        "gate refused: capability: held-out log-likelihood per token drop: needs <= 1.0, got 5.500 (baseline -1.250, candidate -6.750); "
+        "degeneration: distinct-2 ratio: needs >= 0.5, got 0.125 (baseline 0.500, candidate 0.062); "
         "the training reward model's gain +3.875 is not trusted (reward hacking suspected)"
     )
     honest = {**HACKED, **figures(heldout_logprob=-1.5)}
@@ -162,7 +162,7 @@ def test_the_gate_refuses_a_hacked_candidate_in_one_line():
     # a refusal by the reward checks alone says no more than they do
     worse = {**honest, "win_rate": 0.25, "reward_gain": -0.5}
     assert guards.refusal(gate(worse, PromoteConfig(), None)[1], worse) == (
-        "gate refused: win_rate 0.250 >= 0.5; reward_gain -0.500 >= 0.0"
+        "gate refused: win_rate: needs >= 0.5, got 0.250; reward_gain: needs >= 0.0, got -0.500"
     )
     # a guard failing while the reward fell too: no gain to distrust
     both = {**worse, **figures(heldout_logprob=-6.75)}
@@ -209,30 +209,36 @@ def test_every_guard_is_checked_on_its_own_whatever_the_others():
     off = dict.fromkeys(GuardsConfig.model_fields)
     only_empty = GuardsConfig(**{**off, "max_empty_rise": 0.25})
     assert [c.line for c in guards.checks(figures(empty_rate=0.5), only_empty, 0.5)] == [
-        "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)"
+        "FAIL: degeneration: empty answers rise: needs <= 0.25, got 0.500 (baseline 0.000, candidate 0.500)"
     ]
     lacking = {k: v for k, v in figures(empty_rate=0.5, length_mean=32.0).items() if "repetition" not in k}
     lacking = {k: v for k, v in lacking.items() if "distinct" not in k and k != "baseline_heldout_logprob"}
     assert [c.line for c in guards.checks(lacking, LIMITS, 0.5)] == [
         "unchecked: capability: no held-out log-likelihood measured",  # one side absent is as good as both
         "unchecked: degeneration: no repeated-bigram rate in the evaluation",
-        "FAIL: degeneration: empty answers 0.000 -> 0.500 (rise > 0.25)",
-        "pass: degeneration: unfinished answers 0.125 -> 0.125 (rise <= 0.25)",
+        "FAIL: degeneration: empty answers rise: needs <= 0.25, got 0.500 (baseline 0.000, candidate 0.500)",
+        "pass: degeneration: unfinished answers rise: needs <= 0.25, got 0.000 (baseline 0.125, candidate 0.125)",
         "unchecked: degeneration: no distinct-2 in the evaluation",
-        "FAIL: degeneration: mean length 8.000 -> 32.000 (ratio 4.000, needs >= 0.5 and <= 2.0)",
+        "FAIL: degeneration: mean length ratio: needs >= 0.5 and <= 2.0, got 4.000 (baseline 8.000, candidate 32.000)",
     ]
     assert [c.line for c in guards.checks(figures(heldout_logprob=-1.5), LIMITS, 0.5)][0] == (
-        "pass: capability: held-out log-likelihood per token -1.250 -> -1.500 (drop 0.250 <= 1.0)"
+        "pass: capability: held-out log-likelihood per token drop: needs <= 1.0, got 0.250 (baseline -1.250, candidate -1.500)"
     )
 
 
 def test_a_ratio_against_a_zero_baseline():
     zero = {**figures(), "baseline_distinct_2": 0.0, "candidate_distinct_2": 0.0, "baseline_length_mean": 0.0}
     lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 0.0}, LIMITS, 0.5)]
-    assert "pass: degeneration: distinct-2 0.000 -> 0.000 (ratio 1.000, needs >= 0.5)" in lines
-    assert "pass: degeneration: mean length 0.000 -> 0.000 (ratio 1.000, needs >= 0.5 and <= 2.0)" in lines
+    assert "pass: degeneration: distinct-2 ratio: needs >= 0.5, got 1.000 (baseline 0.000, candidate 0.000)" in lines
+    assert (
+        "pass: degeneration: mean length ratio: needs >= 0.5 and <= 2.0, got 1.000 (baseline 0.000, candidate 0.000)"
+        in lines
+    )
     lines = [c.line for c in guards.checks({**zero, "candidate_length_mean": 3.0}, LIMITS, 0.5)]
-    assert "FAIL: degeneration: mean length 0.000 -> 3.000 (ratio inf, needs >= 0.5 and <= 2.0)" in lines
+    assert (
+        "FAIL: degeneration: mean length ratio: needs >= 0.5 and <= 2.0, got inf (baseline 0.000, candidate 3.000)"
+        in lines
+    )
 
 
 @pytest.mark.parametrize(
@@ -241,7 +247,7 @@ def test_a_ratio_against_a_zero_baseline():
         ("FAIL: capability: held-out ...", 0.5, True),
         ("FAIL: degeneration: distinct-2 ...", 0.5, True),
         ("FAIL: degeneration: distinct-2 ...", 0.0, False),  # no gain: nothing to distrust
-        ("FAIL: win_rate 0.250 >= 0.5", 0.5, False),  # the reward checks' own failure
+        ("FAIL: win_rate: needs >= 0.5, got 0.250", 0.5, False),  # the reward checks' own failure
     ],
 )
 def test_the_reward_gain_is_distrusted_only_when_a_guard_failed_and_it_rose(failed, gain, distrusted):
@@ -278,14 +284,14 @@ def test_the_heldout_win_rate_holds_at_the_bar_and_fails_below_it(floor: float):
     """'min_win_rate' is promote.min_win_rate's bar; a number of its own replaces it."""
     at = {"heldout_win_rate": floor, "reward_agreement": 0.75}
     assert [c.line for c in guards.checks(at, HELD, floor)] == [
-        f"pass: held-out reward model: win-rate {floor:.3f} >= {floor}; agrees with the training reward model on "
-        "75% of the prompts"
+        f"pass: held-out reward model: win-rate: needs >= {floor}, got {floor:.3f} (agrees with the training reward "
+        "model on 75% of the prompts)"
     ]
     below = {"heldout_win_rate": floor - 2**-20}
     assert [c.ok for c in guards.checks(below, HELD, floor)] == [False]
     own = HELD.model_copy(update={"min_heldout_win_rate": 0.25})
     assert [c.line for c in guards.checks(below, own, floor)] == [
-        f"pass: held-out reward model: win-rate {floor - 2**-20:.3f} >= 0.25"
+        f"pass: held-out reward model: win-rate: needs >= 0.25, got {floor - 2**-20:.3f}"
     ]
     assert [c.ok for c in guards.checks({"heldout_win_rate": 0.25 - 2**-20}, own, floor)] == [False]
 
@@ -311,8 +317,8 @@ def test_the_gate_refuses_a_candidate_the_heldout_reward_model_does_not_prefer()
     passed, lines = gate(fooled, PromoteConfig(), None)
     assert not passed
     assert guards.refusal(lines, fooled) == (
-        "gate refused: held-out reward model: win-rate 0.250 < 0.5; agrees with the training reward model on 30% of "
-        "the prompts; the training reward model's gain +3.875 is not trusted (reward hacking suspected)"
+        "gate refused: held-out reward model: win-rate: needs >= 0.5, got 0.250 (agrees with the training reward model on 30% of "
+        "the prompts); the training reward model's gain +3.875 is not trusted (reward hacking suspected)"
     )
     assert gate({**fooled, "heldout_win_rate": 0.5}, PromoteConfig(), None)[0]
     # promote.min_win_rate is the bar: a lower one lets the same figures through

@@ -55,7 +55,7 @@ def test_gate_aliases_idempotency_and_rollback_on_sqlite(cli, tmp_path: Path):
     assert worse.code == 0 and aliases(root / "p3") == {"challenger": 2, "champion": 1, "previous-champion": None}
     below_champion = promote(cli, evaluation(evals, "below", win=0.9, gain=0.5, reward=0.9), root / "p4")
     assert aliases(root / "p4") == {"challenger": 3, "champion": 1, "previous-champion": None}
-    assert "FAIL: candidate_reward_mean 0.900 > champion's 1.000" in below_champion.out
+    assert "FAIL: candidate_reward_mean: needs > 1.000 (the champion's), got 0.900" in below_champion.out
     better = promote(cli, evaluation(evals, "better", win=0.8, gain=0.4, reward=1.2), root / "p5")
     assert better.code == 0 and aliases(root / "p5") == {"challenger": 4, "champion": 4, "previous-champion": 1}
 
@@ -128,8 +128,8 @@ def test_a_hacked_candidate_is_registered_but_refused_in_one_line(cli, tmp_path:
     done = promote(cli, hacked, root / "p2")
     assert done.code == 0 and aliases(root / "p2") == {"challenger": 2, "champion": 1, "previous-champion": None}
     refusal = (
-        "gate refused: capability: held-out log-likelihood per token -2.000 -> -6.800 (drop 4.800 > 1.0); "
-        "degeneration: distinct-2 0.600 -> 0.020 (ratio 0.033, needs >= 0.5); "
+        "gate refused: capability: held-out log-likelihood per token drop: needs <= 1.0, got 4.800 (baseline -2.000, candidate -6.800); "
+        "degeneration: distinct-2 ratio: needs >= 0.5, got 0.033 (baseline 0.600, candidate 0.020); "
         "the training reward model's gain +3.900 is not trusted (reward hacking suspected)"
     )
     written = json.loads((root / "p2" / "result.json").read_text())
