@@ -100,8 +100,22 @@ def test_invalid_yaml_names_file_and_line(tmp_path: Path):
 def test_unknown_section_in_file_names_file_and_field(tmp_path: Path):
     path = tmp_path / "c.yaml"
     path.write_text("dta:\n  seed: 1\n")
-    with pytest.raises(UserError, match=rf"^{path}: field 'dta': unknown field$"):
+    with pytest.raises(UserError, match=rf"^{path}: field 'dta': unknown field \(did you mean 'data'\?\)$"):
         load_config(path)
+
+
+def test_a_misspelt_field_gets_the_close_one_of_its_section_and_a_far_off_one_none(cli, tmp_path: Path):
+    result = cli("config", "show", "--set", "ppo.kl_cof=0.1")
+    assert result.code == 2 and result.out == ""
+    assert result.err.strip().splitlines() == [
+        "kubealign: error: preset tiny-cpu: field 'ppo.kl_cof' (from --set): unknown field (did you mean 'kl_coef'?)"
+    ]
+    path = tmp_path / "c.yaml"
+    path.write_text("sft:\n  lora:\n    alhpa: 8\n")  # a nested section's own fields
+    with pytest.raises(UserError, match=rf"^{path}: field 'sft.lora.alhpa': unknown field \(did you mean 'alpha'\?\)$"):
+        load_config(path)
+    with pytest.raises(UserError, match=r"^preset tiny-cpu: field 'ppo.zebra' \(from --set\): unknown field$"):
+        load_config(None, ["ppo.zebra=1"])
 
 
 def test_missing_config_lists_presets():

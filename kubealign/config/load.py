@@ -6,16 +6,17 @@ Every failure is a UserError naming the file, line or field.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kubealign.config.pipeline import deprecation
 from kubealign.config.schema import KubealignConfig
@@ -99,11 +100,27 @@ def _format_validation(label: str, exc: ValidationError, overridden: set[str]) -
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         return f"{label}: {message}{more}"
     if err["type"] == "extra_forbidden":
-        message = "unknown field"
+        message = "unknown field" + _did_you_mean(err["loc"])
     from_set = any(field == key or field.startswith(key + ".") or key.startswith(field + ".") for key in overridden)
     origin = " (from --set)" if from_set else ""
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"{label}: field '{field}'{origin}: {message}{more}"
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    """' (did you mean 'X'?)' when a field of the unknown one's own section is a close spelling, else ""."""
+    model: Any = KubealignConfig
+    for part in loc[:-1]:  # down to the section: its fields' annotations (X, X | None, list[X])
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return ""
+        kinds = [field.annotation, *get_args(field.annotation)]
+        kinds += [arg for kind in kinds for arg in get_args(kind)]
+        model = next((k for k in kinds if isinstance(k, type) and issubclass(k, BaseModel)), None)
+    close = difflib.get_close_matches(str(loc[-1]), list(getattr(model, "model_fields", {})), n=1, cutoff=0.75)
+    return f" (did you mean '{close[0]}'?)" if close else ""
 
 
 def load_config(config: str | Path | None = None, overrides: list[str] | None = None) -> KubealignConfig:
