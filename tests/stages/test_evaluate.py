@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kubealign.models import loading
+from kubealign.stages.evaluate_report import headline
 from tests.conftest import NO_TRACKING
 from tests.stages.test_ppo import trained  # noqa: F401  (module-scoped fixture: split, sft, rm)
 from tests.stages.test_training import result_of
@@ -88,7 +89,8 @@ def test_candidate_metrics_match_the_rows(evaluated: Path):
     assert m["candidate_perplexity"] == pytest.approx(math.exp(-m["candidate_heldout_logprob"]))
     assert m["baseline_heldout_logprob"] < 0 and 0 <= m["candidate_distinct_2"] <= 1
     page = (out / "samples.html").read_text()
-    assert page.count("<tr>") == 1 + 5 + 1 + 7  # header + sample_rows, then the guard table's header + 7 figures
+    # header + sample_rows, the guard table's header + 7 figures, and the headline's rows above them
+    assert page.count("<tr>") == 1 + 5 + 1 + 7 + len(headline(m)) and len(headline(m)) >= 4
     # the held-out reward model's figures are those of its per-row scores
     held = [r["candidate_heldout_score"] - r["baseline_heldout_score"] for r in rows]
     assert m["heldout_win_rate"] == pytest.approx(sum(d > 1e-6 for d in held) / 16)
