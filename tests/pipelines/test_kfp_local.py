@@ -107,7 +107,7 @@ def test_local_run_registers_a_champion(first_run) -> None:
     assert (Path(index["stages"]["reward"]["dir"]) / "heldout" / "model.safetensors").is_file()
     evaluation = json.loads((Path(index["stages"]["evaluate"]["dir"]) / "result.json").read_text(encoding="utf-8"))
     evaluation = evaluation["metrics"]
-    assert [line.split(";")[0] for line in promote["gate"] if "held-out reward model" in line] == [
+    assert [line.split(" (")[0] for line in promote["gate"] if "held-out reward model" in line] == [
         f"pass: held-out reward model: win-rate: needs >= 0.0, got {evaluation['heldout_win_rate']:.3f}"
     ]
     client = MlflowClient(index["mlflow"]["tracking_uri"])
