@@ -13,7 +13,7 @@ from kubealign.cli.summary import summarize
 
 pytestmark = pytest.mark.unit
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
 HEADER = "stage          time  result"
 
 RESULTS = {  # a demo run's result.json content, by hand: the metrics tiny-cpu's stages write
