@@ -104,7 +104,7 @@ def test_candidate_metrics_match_the_rows(evaluated: Path):
     from PIL import Image
 
     assert Image.open(out / "reward_distribution.png").size == (600, 400)
-    assert Image.open(out / "ppo_curves.png").size == (900, 600)  # the candidate's PPO history was found
+    assert Image.open(out / "ppo_curves.png").size == (900, 650)  # the PPO history found; 50 px for the caption
 
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
