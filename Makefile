@@ -1,6 +1,9 @@
 # Two commands for a fresh machine: `make demo` (the embedded default) and `make test` (the suite).
 # Each creates .venv with the locked dependencies on first use.
 PYTHON ?= python3
+# The repository root, whatever the working directory (make -f, make -C): for paths handed to processes that
+# run elsewhere (a server started in a temporary directory).
+ROOT := $(patsubst %/,%,$(dir $(abspath $(lastword $(MAKEFILE_LIST)))))
 VENV := .venv
 BIN := $(VENV)/bin
 # The demo needs the runtime dependencies only; the tests add the dev extras (pytest, ruff, helm, ...).
@@ -97,7 +100,7 @@ $(LS_VENV)/.installed: requirements/labelstudio.txt
 	$(LS_VENV)/bin/pip install --disable-pip-version-check -q -r requirements/labelstudio.txt
 	touch $@
 test-labelstudio: $(STAMP) $(LS_VENV)/.installed
-	KUBEALIGN_LABEL_STUDIO_VENV=$(LS_VENV) $(BIN)/pytest -m labelstudio tests/feedback/test_labelstudio.py
+	KUBEALIGN_LABEL_STUDIO_VENV=$(ROOT)/$(LS_VENV) $(BIN)/pytest -m labelstudio tests/feedback/test_labelstudio.py
 
 # The ranges without the lock: a fresh venv with the newest releases pyproject.toml allows, then the stage
 # tests (every stage through its CLI, the preflight, the routes through kfp.local). Not part of `make test`;

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 # Set before anything imports tqdm, datasets or huggingface_hub: they read these at import time.
@@ -16,13 +15,13 @@ os.environ["TQDM_DISABLE"] = "1"
 # 336 s of CPU, 219 s of CPU with 1), and `make test` runs a pytest worker per core (pytest-xdist), which
 # two-thread processes would oversubscribe.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-# DeepSpeed's CPU backend JIT-builds its shared-memory op in every process (kubealign.training.oplocks), by
-# default into ~/.cache/torch_extensions, one directory for every Python environment of the machine. ninja then
-# rebuilds it (a minute of both cores, every DeepSpeed start waiting on its lock) each time a start from another
-# environment follows (its headers' paths differ): seen with two clones' suites on one machine. In a virtual
-# environment the tests build it beside that environment's own packages, once.
-if sys.prefix != sys.base_prefix and os.access(sys.prefix, os.W_OK):
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch-extensions"))
+# DeepSpeed's CPU backend JIT-builds its shared-memory op in every process (kubealign.training.oplocks) into
+# TORCH_EXTENSIONS_DIR, which every stage sets, unless the user did, to a directory of this Python environment (torch's
+# default is one for all environments of the machine: ninja rebuilds the op whenever another one used it last). Set
+# here for the whole session too, so that the tests that look at the op before any stage starts see the same one.
+from kubealign.training.oplocks import use_environment_dir  # noqa: E402
+
+use_environment_dir()
 
 import pytest  # noqa: E402
 

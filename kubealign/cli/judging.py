@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign.cli.options import add_config_options, add_functions_option, reward_functions
+from kubealign.cli.training import add_verbose_option, quiet_libraries
 from kubealign.errors import UserError
 
 
@@ -21,6 +22,7 @@ def add_parser(sub: Any) -> None:
         "fn/NAME/candidate); win-rate, KL, lengths, perplexity, sample table and plots.",
     )
     add_config_options(evaluate)
+    add_verbose_option(evaluate)
     evaluate.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output")
     evaluate.add_argument("--baseline", required=True, type=Path, metavar="SFT_DIR", help="baseline model dir")
     evaluate.add_argument("--candidate", required=True, type=Path, metavar="PPO_DIR", help="candidate model dir")
@@ -61,6 +63,7 @@ def _add_judge(sub: Any) -> None:
         "and the promote gate on the online numbers. Writes result.json, answers.json, judge.md.",
     )
     add_config_options(judge)
+    add_verbose_option(judge)
     judge.add_argument("--champion", metavar="URL", help="the champion's server (http://host:port)")
     judge.add_argument("--canary", metavar="URL", help="the canary's server")
     judge.add_argument(
@@ -97,6 +100,7 @@ def evaluate_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import evaluate
 
+    quiet_libraries(args.verbose)
     config = load_config(args.config, args.overrides)
     result = evaluate.run(
         config, args.prompts, args.baseline, args.candidate, args.reward, args.output, functions=reward_functions(args)
@@ -204,6 +208,7 @@ def judge_command(args: argparse.Namespace) -> None:
     from kubealign.serving import carry_out
     from kubealign.stages import judge
 
+    quiet_libraries(args.verbose)
     config = load_config(args.config, args.overrides)
     champion, canary, version, uri = _judged_urls(args, config)
     checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)

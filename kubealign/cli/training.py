@@ -4,11 +4,42 @@ each its parser beside the handler that runs it (kubealign.stages does the work)
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
 from kubealign.cli.options import add_config_options, add_functions_option, reward_functions
 from kubealign.ranks import is_main
+
+VERBOSE_ENV = "KUBEALIGN_VERBOSE"
+# DeepSpeed's warning that it has no injected kernels for the model (OPT under transformers >= 4.51, every model on
+# a CPU): the rollout then uses the model's own generate(), as the preflight records (the run's rollout path).
+QUIET_DEEPSPEED = ("inference acceleration is unavailable",)
+
+
+def add_verbose_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help=f"show the libraries' messages too (MLflow's INFO lines, DeepSpeed's notices); also {VERBOSE_ENV}=1",
+    )
+
+
+def _deepspeed_worth_showing(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING and not any(text in record.getMessage() for text in QUIET_DEEPSPEED)
+
+
+def quiet_libraries(verbose: bool) -> None:
+    """A stage command's screen: its own lines and the warnings that matter. Unless `verbose` or
+    KUBEALIGN_VERBOSE=1: MLflow's loggers at WARNING (here and in every process started from here), DeepSpeed's
+    INFO lines and its Hybrid Engine notice (QUIET_DEEPSPEED) dropped."""
+    if verbose or os.environ.get(VERBOSE_ENV, "").strip() not in ("", "0"):
+        return
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read by mlflow when imported
+    logging.getLogger("mlflow").setLevel(logging.WARNING)  # in case it is imported already
+    logging.getLogger("DeepSpeed").addFilter(_deepspeed_worth_showing)  # kept when deepspeed sets its level
 
 
 def add_parser(sub: Any) -> None:
@@ -19,6 +50,7 @@ def add_parser(sub: Any) -> None:
         "unique prompts into phase1_sft / phase2_reward / phase3_prompts and write a manifest.",
     )
     add_config_options(split)
+    add_verbose_option(split)
     split.add_argument(
         "--source",
         dest="sources",
@@ -53,6 +85,7 @@ def _add_trainers(sub: Any) -> None:
     ):
         train = sub.add_parser(stage, help=what, description=what)
         add_config_options(train)
+        add_verbose_option(train)
         train.add_argument(
             "--data",
             required=True,
@@ -76,6 +109,7 @@ def _add_ppo(sub: Any) -> None:
         "The critic (ppo only): --critic, else the reward model, else the SFT model with a new value head.",
     )
     add_config_options(ppo)
+    add_verbose_option(ppo)
     ppo.add_argument("--prompts", required=True, type=Path, metavar="SPLIT_DIR", help="data-split output (or phase3)")
     ppo.add_argument("--actor", required=True, type=Path, metavar="SFT_DIR", help="SFT model dir (actor + reference)")
     ppo.add_argument("--critic", type=Path, metavar="RM_DIR", help="critic start (ppo; default: the reward model)")
@@ -114,6 +148,7 @@ def data_split_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import data_split
 
+    quiet_libraries(args.verbose)
     overrides = list(args.overrides)
     if args.sources:  # first, so that a --set on data.sources still wins
         import json
@@ -126,6 +161,7 @@ def data_split_command(args: argparse.Namespace) -> None:
 def train_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
 
+    quiet_libraries(args.verbose)
     if args.command == "sft":
         from kubealign.stages import sft as stage
     elif args.command == "dpo":
@@ -145,6 +181,7 @@ def ppo_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.stages import ppo
 
+    quiet_libraries(args.verbose)
     config = load_config(args.config, args.overrides)
     result = ppo.run(
         config,

@@ -27,6 +27,10 @@ Two failure policies (`stage_run(required=...)`):
   Every metric is also kept in `tracker.history`, which the stages write into result.json
   ("tracked_metrics"), so nothing is lost when MLflow is.
 
+Bad input writes nothing: when a stage stops on a UserError (exit 2), the parts of the default store that this
+command created (mlflow.db, mlartifacts, the output root) are removed again, if they hold no run but this
+stage's (another stage may have started in the same store meanwhile); a store that was there stays.
+
 Only rank 0 (env RANK) logs; other ranks get a NullTracker. mlflow is imported lazily: it is slow to
 import and a disabled tracker must not need it.
 """
@@ -35,6 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -133,22 +139,84 @@ def stage_run(stage: str, config: KubealignConfig, output_root: Path, required: 
         yield NullTracker()
         return
     uri = resolve_uri(config)
-    with contextlib.ExitStack() as stack:
-        if not required:
-            stack.enter_context(http_settings(HTTP_SETTINGS))
-        sender, attached = _start(stage, config, uri, output_root)
-        tracker = sender if required else BackgroundTracker(sender)
-        status = "FINISHED"
-        try:
-            yield tracker
-        except Stopped:  # stopped on a signal with a checkpoint: MLflow's KILLED, not a failure
-            status = "KILLED"
-            raise
-        except BaseException:
-            status = "FAILED"
-            raise
-        finally:
-            _end(tracker, sender, attached, status, required)
+    created = [] if uri else _missing(output_root)
+    run_id, status = None, "FAILED"
+    try:
+        with contextlib.ExitStack() as stack:
+            if not required:
+                stack.enter_context(http_settings(HTTP_SETTINGS))
+            sender, attached = _start(stage, config, uri, output_root)
+            run_id = sender.run_id
+            tracker = sender if required else BackgroundTracker(sender)
+            status = "FINISHED"
+            try:
+                yield tracker
+            except Stopped:  # stopped on a signal with a checkpoint: MLflow's KILLED, not a failure
+                status = "KILLED"
+                raise
+            except BaseException:
+                status = "FAILED"
+                raise
+            finally:
+                _end(tracker, sender, attached, status, required)
+    except UserError:
+        if status == "FAILED":  # bad input; not a run that finished and then failed to end (promote's registry)
+            _remove_created(created, run_id)
+        raise
+
+
+def _missing(output_root: Path) -> list[Path]:
+    """The paths of the default store under output_root that do not exist yet, deepest last: the output root
+    and its missing parents, mlflow.db and mlartifacts."""
+    root = output_root.resolve()
+    dirs = [p for p in (root, *root.parents) if not p.exists()]
+    return [*reversed(dirs), *(p for p in (root / "mlflow.db", root / "mlartifacts") if not p.exists())]
+
+
+def _runs_in(db: Path) -> set[str] | None:
+    """The run ids of the sqlite store `db` (None when it cannot be read or holds a registered model: then
+    it is kept)."""
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn:
+            if conn.execute("SELECT COUNT(*) FROM registered_models").fetchone()[0]:
+                return None
+            return {row[0] for row in conn.execute("SELECT run_uuid FROM runs")}
+    except sqlite3.Error:
+        return set() if db.stat().st_size == 0 else None
+
+
+def _remove_created(created: list[Path], run_id: str | None) -> None:
+    """Remove what this command created of the default store (see the module docstring), never more: a store
+    holding another run stays, and a directory is removed only once empty."""
+    db = next((p for p in created if p.name == "mlflow.db"), None)
+    if db is not None and db.exists():
+        runs = _runs_in(db)
+        if runs is None or runs - {run_id}:
+            return  # another stage logs into the store this command made: all of it stays
+        _forget_store(f"sqlite:///{db}")
+        for path in (db, *(db.with_name(db.name + tail) for tail in ("-journal", "-wal", "-shm"))):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    artifacts = next((p for p in created if p.name == "mlartifacts"), None)
+    # the experiment's artifact location holds a directory per run
+    if artifacts is not None and artifacts.is_dir() and {p.name for p in artifacts.iterdir()} <= {run_id}:
+        shutil.rmtree(artifacts, ignore_errors=True)
+    for directory in reversed([p for p in created if p.name not in ("mlflow.db", "mlartifacts")]):
+        with contextlib.suppress(OSError):  # not empty: something else wrote there
+            directory.rmdir()
+
+
+def _forget_store(uri: str) -> None:
+    """Drop MLflow's cached store and engine of `uri`, whose file is about to go: a later stage of this
+    process then makes a new one instead of writing through a pool of connections to the removed file."""
+    with contextlib.suppress(Exception):  # MLflow internals: a version without them has nothing to drop
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+        from mlflow.tracking._tracking_service.utils import _tracking_store_registry
+
+        _tracking_store_registry._get_store_with_resolved_uri.cache_clear()
+        engine = SqlAlchemyStore._engine_map.pop(uri, None)
+        if engine is not None:
+            engine.dispose()
 
 
 IN_A_POD_ENV = "KUBERNETES_SERVICE_HOST"  # the kubelet sets it in every container of a Kubernetes pod

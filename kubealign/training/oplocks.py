@@ -29,6 +29,14 @@ Where this cannot judge, it never removes and only waits, bounded: a build dir o
 not ours to inspect). Processes in another PID namespace (another container sharing the dir through a
 host path) are invisible to it: keep TORCH_EXTENSIONS_DIR per container, as the default is.
 
+Where the ops go: torch's default, ~/.cache/torch_extensions/py311_cpu, is one directory for every Python
+environment of the machine, and ninja rebuilds the op (a minute of every core) whenever a start from another
+environment follows one (its headers' paths differ): two clones, or two users' environments, then rebuild it
+in turn. So unless the user sets TORCH_EXTENSIONS_DIR, guard() sets it (for this process and all it starts) to
+environment_dir(): inside a writable virtual environment (gone with it), else a directory of kubealign's cache
+keyed by the environment's prefix and its Python, torch and DeepSpeed versions. The comm op then builds once
+per environment, and guard() says so in one line while it does.
+
 Rejected: an age bound (a build takes 20 s to many minutes: no bound is both safe and short); an fcntl
 lock of our own around the build (it proves a FileBaton lock stale only if every builder takes it: the
 live lock of another DeepSpeed program sharing the dir would be removed); skipping the op (DeepSpeed's CPU
@@ -41,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import sys
@@ -62,6 +71,50 @@ COMM_OPS = ("deepspeed_shm_comm",)  # what DeepSpeed's CPU TorchBackend builds i
 NETWORK_FS = ("nfs", "nfs4", "cifs", "smb3", "smbfs", "ceph", "glusterfs", "lustre", "gpfs", "beegfs", "9p", "afs")
 LOCAL_FUSE = ("fuse.fuse-overlayfs", "fuse.lxcfs")  # a rootless container's own root: this machine only
 CLEANERS = ".kubealign-oplocks"  # the cleaners' fcntl lock file, in the extensions root
+EXTENSIONS_ENV = "TORCH_EXTENSIONS_DIR"
+
+
+def environment_dir(prefix: str | None = None, base_prefix: str | None = None) -> Path:
+    """kubealign's op directory for the Python environment at `prefix` (default: this one's, sys.prefix):
+    `<venv>/torch-extensions` in a virtual environment this user may write to, else
+    `$XDG_CACHE_HOME/kubealign/torch_extensions/<hash of the prefix, Python, torch and DeepSpeed versions>`."""
+    from importlib import metadata
+
+    prefix = sys.prefix if prefix is None else prefix
+    base_prefix = sys.base_prefix if base_prefix is None else base_prefix
+    if prefix != base_prefix and os.access(prefix, os.W_OK):
+        return Path(prefix) / "torch-extensions"
+    versions = [os.path.realpath(prefix), sys.version.split()[0]]
+    for package in ("torch", "deepspeed"):
+        try:
+            versions.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            versions.append("-")
+    key = hashlib.sha256("\0".join(versions).encode()).hexdigest()[:16]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kubealign" / "torch_extensions" / key
+
+
+def use_environment_dir() -> Path:
+    """$TORCH_EXTENSIONS_DIR when the user set it, else set to environment_dir() (inherited by every process
+    started from here on: the ranks, kfp.local's tasks); returns it."""
+    if not os.environ.get(EXTENSIONS_ENV):
+        os.environ[EXTENSIONS_ENV] = str(environment_dir())
+    return Path(os.environ[EXTENSIONS_ENV])
+
+
+def say_if_building(ops: Iterable[str], root: Path) -> None:
+    """One line on stderr (from the first rank of the node) for each op of `ops` not built under `root` yet:
+    its build, which DeepSpeed runs without a word, is why the stage is slow for a minute."""
+    if os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    for op in ops:
+        if not (root / op / f"{op}.so").exists():
+            name = op.removeprefix("deepspeed_")
+            sys.stderr.write(
+                f"kubealign: building DeepSpeed's {name} op for this environment (once, about a minute) into {root}\n"
+            )
+            sys.stderr.flush()
 
 
 def extensions_root() -> Path:
@@ -239,9 +292,11 @@ def guard(ops: Iterable[str] = ()) -> Iterator[None]:
     """Around code where DeepSpeed may JIT-build ops: first wait (bounded) for the locks of `ops` and
     remove stale locks of any op; then, while the block runs, a watchdog thread removes locks that go
     stale (an owner killed while this process waits in torch's FileBaton.wait)."""
-    root = extensions_root()
+    ops = tuple(ops)
+    root = use_environment_dir()
     wait_for(ops, root)
     clear_stale(root)
+    say_if_building(ops, root)
     stop = threading.Event()
 
     def watch() -> None:

@@ -26,8 +26,9 @@ from kubealign.feedback.client import LabelStudio
 from tests.faults.test_faults_registry import evaluation, kubealign_env
 
 pytestmark = pytest.mark.labelstudio
+REPO = Path(__file__).resolve().parents[2]
 VENV_ENV = "KUBEALIGN_LABEL_STUDIO_VENV"
-ARTIFACTS = Path(os.environ.get("KUBEALIGN_TEST_ARTIFACTS", "runs/test-artifacts"))
+ARTIFACTS = REPO / os.environ.get("KUBEALIGN_TEST_ARTIFACTS", "runs/test-artifacts")  # an absolute one stays
 ADMIN = ("admin@example.com", "admin-pass-123")
 PEOPLE_PAIRS = 96
 ADMIN_TOKEN = "0123456789abcdef0123456789abcdef01234567"
@@ -55,6 +56,13 @@ print(Token.objects.get_or_create(user=user)[0].key)
 """
 
 
+def venv_path(value: str | None) -> Path:
+    """The Label Studio venv ($KUBEALIGN_LABEL_STUDIO_VENV, default .venv-labelstudio) as an absolute path: a
+    relative one is resolved against the repository, not the working directory (the server runs in a
+    temporary directory, where a relative program path is not found)."""
+    return REPO / Path(value or ".venv-labelstudio").expanduser()  # `/` keeps an absolute right-hand side
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -63,7 +71,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def label_studio(tmp_path_factory):
-    venv = Path(os.environ.get(VENV_ENV, ".venv-labelstudio"))
+    venv = venv_path(os.environ.get(VENV_ENV))
     if not (venv / "bin" / "label-studio").exists():
         pytest.skip(f"no Label Studio venv at {venv} ({VENV_ENV}; `make test-labelstudio` builds one)")
     data = tmp_path_factory.mktemp("label-studio")

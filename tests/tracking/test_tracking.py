@@ -70,12 +70,15 @@ def test_nested_under_parent_and_attached_run(tmp_path: Path, monkeypatch: pytes
 
 
 def test_failed_stage_marks_the_run_failed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """In a store that was there before (one this command made is removed again: bad input writes nothing,
+    tests/cli/test_stage_quiet.py)."""
     src = tmp_path / "bad.jsonl"
     src.write_text("{nope\n")
     config = load_config(None, [f"data.sources=[{{path: {src}}}]"])
+    client = client_for(tmp_path)
+    client.search_experiments()  # makes the store
     with pytest.raises(UserError):
         data_split.run(config, tmp_path / "out")
-    client = client_for(tmp_path)
     (run,) = client.search_runs([client.get_experiment_by_name("kubealign-tiny").experiment_id])
     assert run.info.status == "FAILED"
 
