@@ -105,9 +105,8 @@ def built_extensions(tmp_path_factory) -> Path:
     compiles from nothing)."""
     from kubealign.training import oplocks
 
-    shared = oplocks.extensions_root()
-    env = {k: v for k, v in environment().items() if k != "TORCH_EXTENSIONS_DIR"}
-    code, _, err = finish(start([sys.executable, "-c", BUILD], env), BOUND_S)
+    shared = oplocks.extensions_root()  # this environment's (TORCH_EXTENSIONS_DIR, set by tests/conftest.py)
+    code, _, err = finish(start([sys.executable, "-c", BUILD], environment(shared)), BOUND_S)
     assert code == 0 and list((shared / OP).glob(f"{OP}*.so")), err[-2000:]
     private = tmp_path_factory.mktemp("torch_extensions")
     shutil.copytree(shared / OP, private / OP, ignore=shutil.ignore_patterns("lock", ".ninja_lock"))
