@@ -100,7 +100,7 @@ def extensions(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def built_extensions(tmp_path_factory) -> Path:
     """A private TORCH_EXTENSIONS_DIR holding the op already built: a copy (mtimes kept, so ninja finds it
-    up to date) of the build every DeepSpeed start on this machine uses, made first if it is not there. What
+    up to date) of the build every DeepSpeed start in this environment uses, made first if it is not there. What
     the lock tests prove does not need a compile of their own (a minute of both cores; `make test-system`
     compiles from nothing)."""
     from kubealign.training import oplocks
