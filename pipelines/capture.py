@@ -91,7 +91,7 @@ class Capture:
         self.interrupted = False
         self.live: dict[int, str] = {}  # pid (= its process group: a session of its own) -> task name
         self.stopped: list[str] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the signal handler runs in the main thread, maybe inside a `with`
 
     def _show(self, name: str, **changes: Any) -> None:
         if self.display is not None:

@@ -111,11 +111,13 @@ def rerun(
     # the functions' code as the run used it (run.json), not as the files read now: a rerun repeats the run
     functions = index.get("reward_functions", "")
     status = "FAILED"
+    times = {}
     try:
         with scoped_environ(env):
             for name in todo:
+                started = time.perf_counter()
                 _run_stage(name, config_json, dirs, output / name, config.route(), functions)
-                dirs[name] = output / name
+                dirs[name], times[name] = output / name, time.perf_counter() - started
         status = "FINISHED"
     finally:
         client.set_terminated(parent, status)
@@ -123,7 +125,7 @@ def rerun(
     extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
     extra["reward_functions"] = functions
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
-    return write_index(output, dirs, extra)
+    return write_index(output, dirs, extra, times)
 
 
 def rerun_route(candidate: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:

@@ -79,7 +79,7 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
     assert took < 20
     assert err.splitlines()[-1].startswith("kubealign run: interrupted; ")
     assert f"; {training} stopped; rerun with --cache" in err.splitlines()[-1]
-    assert f"{training} stopped (interrupted)" in rest
+    assert f"{training:<12}stopped (interrupted)" in rest
     assert "Traceback" not in err
     assert not alive(tasks), alive(tasks)
     assert "promote" not in rest  # nothing started after the interrupt
