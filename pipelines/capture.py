@@ -91,6 +91,7 @@ class Capture:
         self.interrupted = False
         self.live: dict[int, str] = {}  # pid (= its process group: a session of its own) -> task name
         self.stopped: list[str] = []
+        self.signalled: set[int] = set()  # the process groups sent SIGTERM
         self._lock = threading.RLock()  # the signal handler runs in the main thread, maybe inside a `with`
 
     def _show(self, name: str, **changes: Any) -> None:
@@ -100,7 +101,7 @@ class Capture:
     def execute_single_task(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         name = kwargs["task_name"] if "task_name" in kwargs else args[0]
         if self.interrupted:  # a task kfp.local starts after Ctrl-C: not run
-            raise Interrupted(signal.SIGINT)
+            raise Interrupted()
         record = self._current = self.records[name] = TaskRecord(name)
         started = time.perf_counter()
         try:
@@ -120,6 +121,8 @@ class Capture:
             record.status = DONE if ok else FAILED
         record.outputs = dict(outputs or {})
         self._show(name, status=record.status, log=record.log)
+        if self.interrupted:  # out of kfp.local's orchestrator, whichever thread runs this task
+            raise Interrupted()
         return outputs, status
 
     def run_local_subprocess(self, full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
@@ -143,14 +146,16 @@ class Capture:
                 self.live[process.pid] = record.name
             if self.interrupted:  # Ctrl-C came while it started
                 _signal_group(process.pid, signal.SIGKILL)
-            while chunk := process.stdout.read1(65536):
-                for line in lines.feed(chunk):
+            try:  # read to the end after a Ctrl-C too: what a stopping stage says (its checkpoint) is logged
+                while chunk := process.stdout.read1(65536):
+                    for line in lines.feed(chunk):
+                        self._line(record.name, line, log)
+                for line in lines.close():
                     self._line(record.name, line, log)
-            for line in lines.close():
-                self._line(record.name, line, log)
-            record.returncode = process.wait()
-            with self._lock:
-                self.live.pop(process.pid, None)
+                record.returncode = process.wait()
+            finally:
+                with self._lock:
+                    self.live.pop(process.pid, None)
         return record.returncode
 
     def interrupt(self, grace: float) -> None:
@@ -163,6 +168,7 @@ class Capture:
         with self._lock:
             live = dict(self.live)
         self.stopped = sorted(set(live.values()))
+        self.signalled = set(live)
         for pid in live:
             _signal_group(pid, signal.SIGTERM)
         killer = threading.Timer(grace, self.kill)
@@ -177,6 +183,7 @@ class Capture:
             for child in _descendants(pid):
                 with contextlib.suppress(OSError):
                     os.kill(child, signal.SIGKILL)
+        for pid in {*live, *self.signalled}:  # a group outlives its leader: what the task left in it
             _signal_group(pid, signal.SIGKILL)
 
     def wait_stopped(self, grace: float) -> None:
@@ -239,10 +246,6 @@ class Capture:
 
 class Interrupted(BaseException):
     """SIGINT or SIGTERM to `kubealign run`: not an Exception, so that kfp.local's handlers let it through."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 def _signal_group(pid: int, signum: int) -> None:

@@ -46,7 +46,9 @@ def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
 
 
 def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path) -> None:
-    env = {**os.environ, "KUBEALIGN_CACHE_DIR": str(tmp_path / "cache")}
+    # progress bars on (the test session disables them): the test waits for the first training step
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env["KUBEALIGN_CACHE_DIR"] = str(tmp_path / "cache")
     # a process group of its own, as a shell gives a command: the terminal's Ctrl-C goes to the whole group
     run = subprocess.Popen(
         command(tmp_path / "a"),
@@ -65,7 +67,10 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
                 break
         assert seen and seen[-1].split()[:2] == [seen[-1].split()[0], "running"], "".join(seen)
         training = seen[-1].split()[0]  # sft or reward: the first after data-split
-        time.sleep(3)  # well under way
+        log = tmp_path / "a" / "logs" / f"{training}.log"
+        deadline = time.monotonic() + 90
+        while "%|" not in (log.read_text(encoding="utf-8") if log.is_file() else "") and time.monotonic() < deadline:
+            time.sleep(0.5)  # until it trains: a progress bar in its log
         tasks = psutil.Process(run.pid).children(recursive=True)
         assert tasks, "no task process to stop"
         os.killpg(run.pid, signal.SIGINT)
@@ -82,6 +87,8 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
     assert f"{training:<12}stopped (interrupted)" in rest
     assert "Traceback" not in err
     assert not alive(tasks), alive(tasks)
+    # SIGTERM first, as on preemption: the stage stopped at a step boundary with a checkpoint, logged
+    assert f"{training}: stopped by SIGTERM at " in log.read_text(encoding="utf-8")
     assert "promote" not in rest  # nothing started after the interrupt
 
     again = subprocess.run(command(tmp_path / "b", "--cache"), env=env, capture_output=True, text=True, timeout=400)
