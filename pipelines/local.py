@@ -14,7 +14,11 @@ OUTPUT/logs/kfp-local.log (kubealign.pipelines.capture); `verbose` streams all o
 (and still writes the logs). A failed task ends the run with PipelineFailed naming the task, its log
 and the log's last error line.
 
-When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory and its content hash.
+Every run records the tasks it finished in kfp.local's cache; only `caching` (--cache) reuses them. Ctrl-C
+or SIGTERM stops every task and ends the run with RunInterrupted (kubealign.pipelines.interrupt).
+
+When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory, its content hash and the
+task's wall time.
 `kubealign summary OUTPUT` and `kubealign rerun STAGE --from OUTPUT` read it.
 """
 

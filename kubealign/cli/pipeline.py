@@ -19,7 +19,9 @@ def add_parser(sub: Any) -> None:
         "run",
         help="the whole DAG on this machine through kfp.local (the embedded default: tiny models, synthetic data)",
         description="Run data-split -> sft || reward -> ppo -> evaluate -> promote as the KFP pipeline, each task a "
-        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI).",
+        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI). "
+        "Ctrl-C stops every task (a training stage saves a checkpoint first) and exits 130; `--cache` then reuses "
+        "what finished.",
     )
     _add_pipeline_config(run)
     run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -45,10 +47,15 @@ def alive(processes: list[psutil.Process]) -> list[psutil.Process]:
     return found
 
 
-def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path) -> None:
-    # progress bars on (the test session disables them): the test waits for the first training step
-    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
-    env["KUBEALIGN_CACHE_DIR"] = str(tmp_path / "cache")
+def trains(log: Path, task: str) -> bool:
+    """Whether the task's log shows its training's progress bar ("sft:  12%|...", not a loading bar)."""
+    text = log.read_text(encoding="utf-8") if log.is_file() else ""
+    return any(line.startswith(task) and "%|" in line for line in re.split(r"[\r\n]", text))
+
+
+def interrupt_training(tmp_path: Path, env: dict[str, str], send: Callable[[int], None]) -> str:
+    """Start `kubealign run` into tmp_path/a, `send` (its pid) a signal once a training task trains, and check
+    that the run stopped as Ctrl-C must stop it. Returns the training task's name."""
     # a process group of its own, as a shell gives a command: the terminal's Ctrl-C goes to the whole group
     run = subprocess.Popen(
         command(tmp_path / "a"),
@@ -69,11 +76,11 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
         training = seen[-1].split()[0]  # sft or reward: the first after data-split
         log = tmp_path / "a" / "logs" / f"{training}.log"
         deadline = time.monotonic() + 90
-        while "%|" not in (log.read_text(encoding="utf-8") if log.is_file() else "") and time.monotonic() < deadline:
-            time.sleep(0.5)  # until it trains: a progress bar in its log
+        while not trains(log, training) and time.monotonic() < deadline:
+            time.sleep(0.5)
         tasks = psutil.Process(run.pid).children(recursive=True)
         assert tasks, "no task process to stop"
-        os.killpg(run.pid, signal.SIGINT)
+        send(run.pid)
         started = time.monotonic()
         rest, err = run.communicate(timeout=30)
         took = time.monotonic() - started
@@ -88,8 +95,16 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
     assert "Traceback" not in err
     assert not alive(tasks), alive(tasks)
     # SIGTERM first, as on preemption: the stage stopped at a step boundary with a checkpoint, logged
-    assert f"{training}: stopped by SIGTERM at " in log.read_text(encoding="utf-8")
+    assert "stopped by SIGTERM at " in log.read_text(encoding="utf-8")
     assert "promote" not in rest  # nothing started after the interrupt
+    return training
+
+
+def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path) -> None:
+    # progress bars on (the test session disables them): the test waits for the first training step
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env["KUBEALIGN_CACHE_DIR"] = str(tmp_path / "cache")
+    training = interrupt_training(tmp_path, env, lambda pid: os.killpg(pid, signal.SIGINT))
 
     again = subprocess.run(command(tmp_path / "b", "--cache"), env=env, capture_output=True, text=True, timeout=400)
     assert again.returncode == 0, again.stdout + again.stderr
@@ -98,3 +113,9 @@ def test_ctrl_c_stops_every_task_then_cache_reuses_what_finished(tmp_path: Path)
     assert f"{training:<12}done" in again.stdout
     index = json.loads((tmp_path / "b" / "run.json").read_text(encoding="utf-8"))
     assert index["succeeded"] and set(index["stages"]) == set(STAGES)
+
+
+def test_sigterm_to_kubealign_run_alone_stops_it_the_same_way(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TQDM_DISABLE"}
+    env["KUBEALIGN_CACHE_DIR"] = str(tmp_path / "cache")
+    interrupt_training(tmp_path, env, lambda pid: os.kill(pid, signal.SIGTERM))
