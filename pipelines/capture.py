@@ -32,13 +32,26 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kubealign.pipelines.progress import CACHED, DONE, FAILED, RUNNING, Display, Lines, last_error_line, progress_of
+from kubealign.pipelines.progress import (
+    CACHED,
+    DONE,
+    FAILED,
+    RUNNING,
+    STOPPED,
+    Display,
+    Lines,
+    last_error_line,
+    progress_of,
+)
 
 TAIL_BYTES = 64 * 1024  # how much of a failed task's log is searched for its error line
 
@@ -52,6 +65,7 @@ class TaskRecord:
     log: Path | None = None
     returncode: int | None = None
     outputs: dict[str, Any] = field(default_factory=dict)
+    wall_time_s: float | None = None  # from kfp.local handing the task over to its return, as the user waited
 
     def error_line(self) -> str:
         """The last error line of the task's log, else its exit code."""
@@ -74,6 +88,11 @@ class Capture:
         self.log_dir, self.display, self.echo = log_dir, display, echo
         self.records: dict[str, TaskRecord] = {}
         self._current: TaskRecord | None = None
+        self.interrupted = False
+        self.live: dict[int, str] = {}  # pid (= its process group: a session of its own) -> task name
+        self.stopped: list[str] = []
+        self.signalled: set[int] = set()  # the process groups sent SIGTERM
+        self._lock = threading.RLock()  # the signal handler runs in the main thread, maybe inside a `with`
 
     def _show(self, name: str, **changes: Any) -> None:
         if self.display is not None:
@@ -81,20 +100,29 @@ class Capture:
 
     def execute_single_task(self, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         name = kwargs["task_name"] if "task_name" in kwargs else args[0]
+        if self.interrupted:  # a task kfp.local starts after Ctrl-C: not run
+            raise Interrupted()
         record = self._current = self.records[name] = TaskRecord(name)
+        started = time.perf_counter()
         try:
             outputs, status = original(*args, **kwargs)
         except BaseException:
-            record.status = FAILED
-            self._show(name, status=FAILED, log=record.log)
+            record.wall_time_s = time.perf_counter() - started
+            record.status = STOPPED if self.interrupted else FAILED
+            self._show(name, status=record.status, log=record.log)
             raise
+        record.wall_time_s = time.perf_counter() - started
         ok = getattr(status, "name", status) == "SUCCESS"
         if record.log is None and ok:  # no subprocess ran: kfp.local's cache had the outputs
             record.status, record.log = CACHED, self._cached_log(name, outputs)
+        elif self.interrupted and not ok:
+            record.status = STOPPED
         else:
             record.status = DONE if ok else FAILED
         record.outputs = dict(outputs or {})
         self._show(name, status=record.status, log=record.log)
+        if self.interrupted:  # out of kfp.local's orchestrator, whichever thread runs this task
+            raise Interrupted()
         return outputs, status
 
     def run_local_subprocess(self, full_command: list[str], env_vars: dict[str, str] | None = None) -> int:
@@ -106,18 +134,64 @@ class Capture:
         # unbuffered: the task's prints reach its log when they happen, in order with its stderr
         env = {**os.environ, **(env_vars or {}), "PYTHONUNBUFFERED": "1"}
         lines = Lines()
+        # a session of its own: a Ctrl-C at the terminal reaches `kubealign run` alone, which stops each task
+        # (stop) as a cluster would, SIGTERM first so that a training stage saves a checkpoint
+        popen = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "env": env, "start_new_session": True}
         with (
             record.log.open("w" if first else "a", encoding="utf-8", buffering=1) as log,
-            subprocess.Popen(full_command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env) as process,
+            subprocess.Popen(full_command, **popen) as process,
         ):
             assert process.stdout is not None
-            while chunk := process.stdout.read1(65536):
-                for line in lines.feed(chunk):
+            with self._lock:
+                self.live[process.pid] = record.name
+            if self.interrupted:  # Ctrl-C came while it started
+                _signal_group(process.pid, signal.SIGKILL)
+            try:  # read to the end after a Ctrl-C too: what a stopping stage says (its checkpoint) is logged
+                while chunk := process.stdout.read1(65536):
+                    for line in lines.feed(chunk):
+                        self._line(record.name, line, log)
+                for line in lines.close():
                     self._line(record.name, line, log)
-            for line in lines.close():
-                self._line(record.name, line, log)
-            record.returncode = process.wait()
+                record.returncode = process.wait()
+            finally:
+                with self._lock:
+                    self.live.pop(process.pid, None)
         return record.returncode
+
+    def interrupt(self, grace: float) -> None:
+        """Ctrl-C (SIGINT) or SIGTERM to `kubealign run`: no task starts any more; each running one gets
+        SIGTERM (a training stage checkpoints, as on preemption), its process group SIGKILL after `grace` s."""
+        if self.interrupted:  # a second signal: no more waiting
+            self.kill()
+            return
+        self.interrupted = True
+        with self._lock:
+            live = dict(self.live)
+        self.stopped = sorted(set(live.values()))
+        self.signalled = set(live)
+        for pid in live:
+            _signal_group(pid, signal.SIGTERM)
+        killer = threading.Timer(grace, self.kill)
+        killer.daemon = True
+        killer.start()
+
+    def kill(self) -> None:
+        """SIGKILL to every task's process group still alive, and to any process it left behind."""
+        with self._lock:
+            live = list(self.live)
+        for pid in live:
+            for child in _descendants(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(child, signal.SIGKILL)
+        for pid in {*live, *self.signalled}:  # a group outlives its leader: what the task left in it
+            _signal_group(pid, signal.SIGKILL)
+
+    def wait_stopped(self, grace: float) -> None:
+        """Return once no task process is left (SIGKILL to what remains after `grace` s)."""
+        deadline = time.monotonic() + grace
+        while self.live and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.kill()
 
     def run_docker_container(
         self, client: Any, image: str, command: list[str], volumes: dict[str, Any], **run_args: Any
@@ -170,9 +244,46 @@ class Capture:
         return next((r for r in self.records.values() if r.status == FAILED), None)
 
 
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM to `kubealign run`: not an Exception, so that kfp.local's handlers let it through."""
+
+
+def _signal_group(pid: int, signum: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signum)
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+class WriteOnlyCache:
+    """kfp.local's cache as a run without --cache uses it: every finished task recorded, none reused, so that
+    a later `kubealign run --cache` reuses what this run finished."""
+
+    def __init__(self, cache: Any):
+        self.cache = cache
+
+    def compute_key(self, *args: Any, **kwargs: Any) -> str:
+        return self.cache.compute_key(*args, **kwargs)
+
+    def get(self, key: str) -> None:
+        return None
+
+    def put(self, key: str, outputs: Any) -> None:
+        self.cache.put(key, outputs)
+
+
 @contextlib.contextmanager
-def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capture]:
-    """Route kfp.local's task lifecycle and task output through a Capture for the block."""
+def capture(log_dir: Path, display: Display | None, echo: bool, reuse: bool = True) -> Iterator[Capture]:
+    """Route kfp.local's task lifecycle and task output through a Capture for the block. reuse False:
+    kfp.local's cache (enabled) records the tasks that finish but returns no earlier outputs."""
+    from kfp.local import cache as cache_module
     from kfp.local import docker_task_handler, subprocess_task_handler
     from kfp.local.orchestrator import orchestrator_utils, task_executor
 
@@ -184,6 +295,7 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
     original_docker = docker_task_handler.run_docker_container
     original_dag_artifacts = utils.__dict__["get_dag_output_artifacts"]
     original_arguments = utils.__dict__["make_task_arguments"]
+    original_cache = cache_module.get_local_cache
 
     def execute_single_task(*args: Any, **kwargs: Any) -> Any:
         return cap.execute_single_task(original_execute, *args, **kwargs)
@@ -198,6 +310,13 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
         return original_arguments.__func__(cls, kept, io_store)
 
     utils.make_task_arguments = classmethod(task_arguments)
+    if not reuse:
+
+        def write_only() -> Any:
+            found = original_cache()
+            return None if found is None else WriteOnlyCache(found)
+
+        cache_module.get_local_cache = write_only
     try:
         yield cap
     finally:
@@ -206,6 +325,7 @@ def capture(log_dir: Path, display: Display | None, echo: bool) -> Iterator[Capt
         docker_task_handler.run_docker_container = original_docker
         utils.get_dag_output_artifacts = original_dag_artifacts
         utils.make_task_arguments = original_arguments
+        cache_module.get_local_cache = original_cache
 
 
 def dag_output_artifacts(cls: Any, dag_outputs_spec: Any, io_store: Any) -> dict[str, Any]:

@@ -14,7 +14,11 @@ OUTPUT/logs/kfp-local.log (kubealign.pipelines.capture); `verbose` streams all o
 (and still writes the logs). A failed task ends the run with PipelineFailed naming the task, its log
 and the log's last error line.
 
-When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory and its content hash.
+Every run records the tasks it finished in kfp.local's cache; only `caching` (--cache) reuses them. Ctrl-C
+or SIGTERM stops every task and ends the run with RunInterrupted (kubealign.pipelines.interrupt).
+
+When it ends, OUTPUT/run.json indexes the run: each stage's artifact directory, its content hash and the
+task's wall time.
 `kubealign summary OUTPUT` and `kubealign rerun STAGE --from OUTPUT` read it.
 """
 
@@ -95,12 +99,16 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
     return client, uri, experiment_id, run_id
 
 
-def write_index(output: Path, stages: dict[str, Path], extra: dict[str, Any]) -> dict:
-    """OUTPUT/run.json: stage -> {dir, sha256}, plus where the run came from."""
-    index = {
-        "stages": {name: {"dir": str(path), "sha256": tree_sha256(path)} for name, path in stages.items()},
-        **extra,
-    }
+def write_index(
+    output: Path, stages: dict[str, Path], extra: dict[str, Any], times: dict[str, float] | None = None
+) -> dict:
+    """OUTPUT/run.json: stage -> {dir, sha256, wall_time_s}, plus where the run came from. wall_time_s: the
+    task's wall time as the user waited for it (`times`; a cached task's is its lookup's)."""
+    entries = {name: {"dir": str(path), "sha256": tree_sha256(path)} for name, path in stages.items()}
+    for name, seconds in (times or {}).items():
+        if name in entries:
+            entries[name]["wall_time_s"] = round(seconds, 3)
+    index = {"stages": entries, **extra}
     write_json(output / INDEX_FILE, index)
     return index
 
@@ -142,6 +150,24 @@ def check_run_output(output: Path) -> None:
         )
 
 
+def check_sources(config: KubealignConfig) -> None:
+    """A local data file that is not there, said in one line before anything is written or started (the
+    data-split task would say the same minutes later, after the run directory and the MLflow run exist)."""
+    from kubealign.data.sources import BUILT_IN, FILE_KINDS
+
+    for i, source in enumerate(config.data.sources):
+        path = Path(source.path).expanduser()
+        if source.path in BUILT_IN or path.exists():
+            continue
+        local_file = source.path.endswith(tuple(FILE_KINDS)) or source.path.startswith((".", "/", "~"))
+        if local_file or source.path.count("/") > 1:  # else a hub dataset name, which data-split loads
+            raise UserError(f"data.sources[{i}].path: no such file or directory: {source.path}")
+
+
+class RunInterrupted(Exception):
+    """SIGINT/SIGTERM stopped the run: the message is the one line to print (exit 130)."""
+
+
 RUNNERS = ("subprocess", "docker")
 
 
@@ -159,8 +185,9 @@ def run(
     kfp.local's DockerRunner: kubealign.containers.runner)."""
     from kfp import local
 
-    from kubealign.pipelines.capture import capture
+    from kubealign.pipelines.capture import Interrupted, capture
     from kubealign.pipelines.dag import build
+    from kubealign.pipelines.interrupt import interrupted_line, stopping_tasks
     from kubealign.pipelines.progress import SKIPPED, Display
 
     if not config.tracking.enabled:
@@ -169,6 +196,7 @@ def run(
         raise UserError(f"--runner {runner}: choose one of {', '.join(RUNNERS)}")
     output = output.resolve()
     check_run_output(output)
+    check_sources(config)
     # docker: kfp.local mounts only the pipeline root into the containers, and the tasks need the MLflow
     # store beside it: the whole OUTPUT is the root there.
     pipeline_root = output / "kfp" if runner == "subprocess" else output
@@ -188,27 +216,35 @@ def run(
         runner=task_runner,
         pipeline_root=str(pipeline_root),
         raise_on_error=False,
-        enable_caching=caching,
+        # always on: a run without --cache still records what it finished (capture's reuse=False reads
+        # nothing back), so that the next `kubealign run --cache` reuses it
+        enable_caching=True,
         cache_root=str(task_cache),
     )
     started = time.perf_counter()
-    with (
-        scoped_environ(env),
-        warnings.catch_warnings(),
-        display or contextlib.nullcontext(),
-        quiet_parent(logs, verbose),
-        capture(logs, display, echo=verbose) as tasks,
-    ):
-        # kfp.local warns that our image names do not say "python": here the image is this environment.
-        warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-        # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
-        warnings.filterwarnings("ignore", message=".*have no effect.*")
-        # kfp.local honours a task's retry policy, backoff included: a task that failed here fails the same way
-        # again (no preemption on this machine), so the retries would only add minutes. Not in any cache key.
-        outputs = build(without_retries(config))().outputs
-        for name in route:  # kfp.local skips, without a word, what depends on a failed task
-            if display is not None and name not in tasks.records:
-                display.update(name, status=SKIPPED)
+    tasks = None
+    try:
+        with (
+            scoped_environ(env),
+            warnings.catch_warnings(),
+            display or contextlib.nullcontext(),
+            quiet_parent(logs, verbose),
+            capture(logs, display, echo=verbose, reuse=caching) as tasks,
+            stopping_tasks(tasks),
+        ):
+            # kfp.local warns that our image names do not say "python": here the image is this environment.
+            warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+            # ... and that GPUs, requests, display names and secrets mean nothing without a cluster.
+            warnings.filterwarnings("ignore", message=".*have no effect.*")
+            # kfp.local honours a task's retry policy, backoff included: a task that failed here fails the same
+            # way again (no preemption on this machine), so the retries would only add minutes. Not in any key.
+            outputs = build(without_retries(config))().outputs
+            for name in route:  # kfp.local skips, without a word, what depends on a failed task
+                if display is not None and name not in tasks.records:
+                    display.update(name, status=SKIPPED)
+    except Interrupted:
+        client.set_terminated(parent, "KILLED")
+        raise RunInterrupted(interrupted_line(tasks)) from None
     wall = time.perf_counter() - started
     stages = _stage_dirs(config, route, tasks.records, outputs)
     mlflow = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
@@ -247,7 +283,8 @@ def _finish(
         extra["candidates"] = [c.as_dict() for c in config.candidates()]
         records = tasks.records
         extra["failed_routes"] = {name: failure_message(failed_in(records, name), logs) for name in failed_candidates}
-    index = write_index(output, stages, extra)
+    times = {r.name: r.wall_time_s for r in tasks.records.values() if r.wall_time_s is not None}
+    index = write_index(output, stages, extra, times)
     parent = extra["mlflow"]["parent_run_id"]
     client.log_metric(parent, "wall_time_s", extra["wall_time_s"])
     client.set_terminated(parent, "FINISHED" if ok else "FAILED")

@@ -23,6 +23,7 @@ from typing import TextIO
 
 PENDING, RUNNING, DONE, CACHED, FAILED = "pending", "running", "done", "cached", "failed"
 SKIPPED = "skipped"  # never ran: a task it needs failed
+STOPPED = "stopped"  # running when the run was interrupted (Ctrl-C)
 NAME_WIDTH = 12
 
 # tqdm's default format: "{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}<{remaining}, {rate}{postfix}]"
@@ -121,6 +122,8 @@ def render_line(state: TaskState, now: float, live: bool = True, width: int = NA
         return f"{head}FAILED{after}{log}"
     if state.status == CACHED:
         return f"{head}cached (kfp.local reused an earlier run's outputs)"
+    if state.status == STOPPED:
+        return f"{head}stopped (interrupted)"
     if state.status == SKIPPED:
         return f"{head}skipped (a task it needs failed)"
     return f"{head}pending"

@@ -63,6 +63,12 @@ def reusable(index: dict[str, Any], run: Path, name: str, stage: str) -> Path:
     return path
 
 
+def kept_times(index: dict[str, Any], reused: list[str]) -> dict[str, float]:
+    """The reused stages' wall times as the earlier run measured them: their run.json entries carry over."""
+    entries = index["stages"]
+    return {name: entries[name]["wall_time_s"] for name in reused if "wall_time_s" in entries.get(name, {})}
+
+
 def start(
     config: Any, index: dict[str, Any], run: Path, stage: str, output: Path | None
 ) -> tuple[Path, Any, str, dict[str, str]]:
@@ -111,11 +117,13 @@ def rerun(
     # the functions' code as the run used it (run.json), not as the files read now: a rerun repeats the run
     functions = index.get("reward_functions", "")
     status = "FAILED"
+    times = {}
     try:
         with scoped_environ(env):
             for name in todo:
+                started = time.perf_counter()
                 _run_stage(name, config_json, dirs, output / name, config.route(), functions)
-                dirs[name] = output / name
+                dirs[name], times[name] = output / name, time.perf_counter() - started
         status = "FINISHED"
     finally:
         client.set_terminated(parent, status)
@@ -123,7 +131,7 @@ def rerun(
     extra = {"config_json": config_json, "rerun_of": str(run), "rerun": todo, "reused": reused}
     extra["reward_functions"] = functions
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
-    return write_index(output, dirs, extra)
+    return write_index(output, dirs, extra, {**kept_times(index, reused), **times})
 
 
 def rerun_route(candidate: str, run: Path, index: dict[str, Any], config: Any, output: Path | None) -> dict[str, Any]:
@@ -193,4 +201,4 @@ def rerun_route(candidate: str, run: Path, index: dict[str, Any], config: Any, o
     extra.update({"reward_functions": functions, "algorithm": config.route(), "algorithms": list(names)})
     extra["failed_routes"] = {r: "failed in the earlier run (not rerun)" for r in names if r not in dirs}
     extra["mlflow"] = {"tracking_uri": uri, "experiment_id": experiment_id, "parent_run_id": parent}
-    return write_index(output, dirs, extra)
+    return write_index(output, dirs, extra, kept_times(index, reused))

@@ -5,6 +5,7 @@ earlier run on its artifacts). kubealign.pipelines does the work."""
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,18 @@ def add_parser(sub: Any) -> None:
         "run",
         help="the whole DAG on this machine through kfp.local (the embedded default: tiny models, synthetic data)",
         description="Run data-split -> sft || reward -> ppo -> evaluate -> promote as the KFP pipeline, each task a "
-        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI).",
+        "subprocess (kfp.local SubprocessRunner), tracking to a local MLflow store (or $MLFLOW_TRACKING_URI). "
+        "Ctrl-C stops every task (a training stage saves a checkpoint first) and exits 130; `--cache` then reuses "
+        "what finished.",
     )
     _add_pipeline_config(run)
     run.add_argument("--output", type=Path, default=Path("runs/demo"), metavar="DIR", help="default: runs/demo")
-    run.add_argument("--cache", action="store_true", help="reuse tasks whose inputs are unchanged (kfp.local cache)")
+    run.add_argument(
+        "--cache",
+        action="store_true",
+        help="reuse tasks whose inputs are unchanged from any earlier run (kfp.local's cache, which every run "
+        "fills, with or without --cache)",
+    )
     run.add_argument(
         "--runner",
         choices=["subprocess", "docker"],
@@ -110,6 +118,10 @@ def run_command(args: argparse.Namespace) -> None:
         index = local.run(config, args.output, caching=args.cache, verbose=args.verbose, runner=args.runner)
     except local.PipelineFailed as exc:
         raise UserError(str(exc)) from None
+    except local.RunInterrupted as exc:
+        sys.stderr.write(f"{exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(130) from None
     print()
     print("\n".join(summarize(args.output)))
     mlflow = index["mlflow"]
@@ -163,3 +175,4 @@ def rerun_command(args: argparse.Namespace) -> None:
     out = Path(index["stages"][index["rerun"][0]]["dir"]).parent
     print(f"reran {', '.join(index['rerun'])}; reused {', '.join(index['reused']) or 'nothing'} from {args.run}")
     print("\n".join(summarize(out)))
+    print(f"\nrerun written to {out.resolve()}; artifacts indexed in {out.resolve() / 'run.json'}")

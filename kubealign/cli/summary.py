@@ -118,6 +118,13 @@ def _seconds(*results: dict[str, Any] | None) -> str:
     return f"{sum(times):.1f} s" if times else "-"
 
 
+def task_seconds(indexed: dict[str, Any], *tasks: str) -> float | None:
+    """The tasks' wall time as `kubealign run` measured it (run.json), None where it did not (an older
+    run.json, or stages run by hand)."""
+    times = [indexed.get("stages", {}).get(task, {}).get("wall_time_s") for task in tasks]
+    return sum(times) if times and all(isinstance(t, int | float) for t in times) else None
+
+
 def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
     """One line per candidate of a several-candidate run, in the comparison's order: its evaluation against
     the SFT model (win-rate with its interval, reward, KL), its registry version and why it did not lead;
@@ -125,8 +132,9 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
     comparison = _result(dirs["compare"]) if "compare" in dirs else None
     if comparison is None:
         return [f"{'compare':<11}{'-':>8}  no comparison (see the failed task above)"]
+    took = _time(indexed, "compare", comparison)
     lines = [
-        f"{'compare':<11}{_seconds(comparison):>8}  {len(comparison['standings'])} candidate(s) ranked by "
+        f"{'compare':<11}{took:>8}  {len(comparison['standings'])} candidate(s) ranked by "
         f"{comparison['measure']}, then candidate_reward_mean, then lower kl_to_baseline"
     ]
     if comparison.get("leader", "") is None:  # a KL budget that no candidate kept: the one line why
@@ -152,7 +160,9 @@ def route_lines(indexed: dict[str, Any], dirs: dict[str, Path]) -> list[str]:
             text += "; on the frontier"
         if standing["why"]:
             text += f"; behind: {standing['why']}"
-        lines.append(f"{standing['rank']} {candidate:<{width}}{_seconds(trained, evaluation):>8}  {text}")
+        took = task_seconds(indexed, candidate, f"evaluate-{candidate}")
+        shown = _seconds(trained, evaluation) if took is None else f"{took:.1f} s"
+        lines.append(f"{standing['rank']} {candidate:<{width}}{shown:>8}  {text}")
     for candidate, message in indexed.get("failed_routes", {}).items():
         lines.append(f"- {candidate:<{width}}{'-':>8}  FAILED: {message}")
     return lines
@@ -165,24 +175,35 @@ def summarize(run_dir: Path) -> list[str]:
     index = run_dir / "run.json"
     dirs = {stage: run_dir / stage for stage in STAGES}
     label = "PPO"
+    indexed: dict[str, Any] = {}
     if index.is_file():
         indexed = json.loads(index.read_text(encoding="utf-8"))
         dirs.update({k: Path(v["dir"]) for k, v in indexed["stages"].items()})
         label = str(indexed.get("algorithm", "ppo")).upper()
         if len(indexed.get("algorithms", [])) > 1:
             shared = [s for s in SHARED if s in indexed["stages"]]
-            return _stage_lines(lines, shared, dirs, label) + route_lines(indexed, dirs)
-    return _stage_lines(lines, STAGES, dirs, label)
+            return _stage_lines(lines, shared, dirs, label, indexed) + route_lines(indexed, dirs)
+    return _stage_lines(lines, STAGES, dirs, label, indexed)
 
 
-def _stage_lines(lines: list[str], stages: Any, dirs: dict[str, Path], label: str) -> list[str]:
+def _time(indexed: dict[str, Any], stage: str, result: dict[str, Any]) -> str:
+    """A stage's time: its task's wall time as `kubealign run` measured it (everything the user waited for:
+    the process, imports, op builds, every model the stage trained), else the time the stage reported."""
+    seconds = task_seconds(indexed, stage)
+    if seconds is None:
+        seconds = result.get("metrics", {}).get("wall_time_s", result.get("wall_time_s"))
+    return f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
+
+
+def _stage_lines(
+    lines: list[str], stages: Any, dirs: dict[str, Path], label: str, indexed: dict[str, Any]
+) -> list[str]:
     for stage in stages:
         path = dirs[stage] / "result.json"
         if not path.is_file():
             continue
         result = json.loads(path.read_text(encoding="utf-8"))
-        seconds = result.get("metrics", {}).get("wall_time_s", result.get("wall_time_s"))
-        shown = f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
+        shown = _time(indexed, stage, result)
         first, *more = _headline(stage, result, label).split("\n")
         lines.append(f"{stage:<11}{shown:>8}  {first}")
         lines += [f"{'':<19}  {line}" for line in more]
