@@ -116,7 +116,7 @@ def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_
 
 def test_summary_says_what_the_judge_decided_and_what_act_did(cli, tmp_path: Path):
     run = tmp_path / "canary"
-    verdict = "judge: challenger (version 2) rolled back: win_rate 0.000 >= 0.5"
+    verdict = "judge: challenger (version 2) rolled back: win_rate: needs >= 0.5, got 0.000"
     write(run, "judge", {"verdict": verdict, "metrics": {"wall_time_s": 4.0}})
     done = (
         "registry challenger = None, champion = 1, previous-champion = None; InferenceService team-a/a updated, Ready"

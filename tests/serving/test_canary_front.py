@@ -138,7 +138,7 @@ def test_judge_front_act_rolls_back_a_worse_canary_and_a_rerun_finishes_a_promot
     try:
         done = cli(*base, "--front", url, "--output", tmp_path / "worse")
         assert done.code == 0, done.err
-        assert "judge: challenger (version 2) rolled back: win_rate 0.000 >= 0.5" in done.out
+        assert "judge: challenger (version 2) rolled back: win_rate: needs >= 0.5, got 0.000" in done.out
         assert f"serving: {url} updated: version 1 alone" in done.out
         assert aliases(uri, name) == {"champion": "1"}
         assert MlflowClient(uri).get_model_version(name, "2").tags[carry_out.REJECTED_TAG] == "rejected"
