@@ -10,6 +10,11 @@ from kubealign.config.base import DType, Section
 from kubealign.config.train import LoraConfig
 from kubealign.shape import RL_ROUTES, has_critic
 
+ROLLOUT_ENGINES = ("auto", "hf", "compiled", "vllm")
+# nats: a mean |log-prob difference| no exact engine comes near (fp32: ~1e-6; bf16 kernels: ~1e-2), which stale
+# weights or another sampling distribution exceed after a few updates.
+DEFAULT_MAX_LOGPROB_DIFF = 0.1
+
 
 class HybridEngineConfig(Section):
     """DeepSpeed's `hybrid_engine` block for the actor (deepspeed.runtime.hybrid_engine)."""
@@ -35,6 +40,55 @@ class RolloutCorrectionConfig(Section):
     cap: float = Field(2.0, ge=1, description="tis: the largest weight a token gets (w is truncated to it).")
     low: float = Field(0.5, ge=0, le=1, description="mask: the smallest w a token may have and still count.")
     high: float = Field(2.0, ge=1, description="mask: the largest w a token may have and still count.")
+
+
+class RolloutEngineConfig(Section):
+    """What generates the RL routes' rollouts (kubealign.rl.engines): every engine samples from the same
+    distribution (temperature, top-k, top-p, EOS, per-row budgets, stop strings) and records the log-prob each
+    sampled token had, so the rollout-trainer mismatch is measured whatever the engine."""
+
+    engine: Literal[ROLLOUT_ENGINES] = Field(
+        "auto",
+        description="hf: transformers' generate loop (through DeepSpeed's rollout API: the hybrid engine's path); "
+        "compiled: the same loop with a static KV cache and the forward compiled by torch.compile (CUDA graphs on "
+        "a GPU: the decode step's ~1,300 kernel launches replayed as one); vllm: a vLLM engine in the trainer's "
+        "own process, the actor's weights loaded into it before each rollout, its own log-probs returned (needs "
+        "the vLLM trainer environment, make .venv-vllm/.installed); auto: the preflight picks (kubealign.rl."
+        "engines.choose; one line says which and why).",
+    )
+    max_logprob_diff: float | None = Field(
+        None,
+        gt=0,
+        description="The run stops (one line) when an iteration's mean |log pi_trainer - log pi_rollout| over its "
+        "response tokens exceeds this, nats: an engine that samples from other weights or another distribution "
+        f"than the trainer's. None = {DEFAULT_MAX_LOGPROB_DIFF} for the compiled and vllm engines, no bound for hf. "
+        "Not checked with top_k or top_p set (the difference then measures the filter, not the engine).",
+    )
+    compile_mode: Literal["auto", "default", "reduce-overhead", "max-autotune"] = Field(
+        "auto",
+        description="compiled: torch.compile's mode; auto = reduce-overhead (CUDA graphs) on a GPU, default on CPU.",
+    )
+    vllm_memory: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="vllm: the share of the GPU's memory vLLM may take (weights and KV cache; its "
+        "gpu_memory_utilization); the training engines share the rest.",
+    )
+    vllm_sleep: bool = Field(
+        True,
+        description="vllm: put the engine to sleep between rollouts (vLLM's sleep mode: its KV cache freed, its "
+        "weights offloaded), so the update gets the memory back; a no-op on CPU, where vLLM has no sleep mode.",
+    )
+    vllm_kv_cache_gib: float = Field(
+        1.0, gt=0, description="vllm on CPU: vLLM's KV cache, GiB (VLLM_CPU_KVCACHE_SPACE; its default takes most RAM)."
+    )
+
+    def bound(self, engine: str) -> float | None:
+        """The mismatch bound that applies to the engine actually picked."""
+        if self.max_logprob_diff is not None:
+            return self.max_logprob_diff
+        return None if engine == "hf" else DEFAULT_MAX_LOGPROB_DIFF
 
 
 class PPOConfig(Section):
@@ -121,6 +175,9 @@ class PPOConfig(Section):
     )
     sapo_temperature_neg: float = Field(
         1.05, gt=0, description="sapo: the gate's temperature for zero and negative advantages."
+    )
+    rollout: RolloutEngineConfig = Field(
+        default_factory=RolloutEngineConfig, description="The rollout engine and its mismatch bound."
     )
     rollout_correction: RolloutCorrectionConfig = Field(
         default_factory=RolloutCorrectionConfig,

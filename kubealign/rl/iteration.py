@@ -16,7 +16,7 @@ import torch
 
 from kubealign.config.schema import PPOConfig
 from kubealign.models import value_head
-from kubealign.rl import advantages, experience, experience_checks, kl, losses, multiturn, rollout, targets
+from kubealign.rl import advantages, engines, experience, experience_checks, kl, losses, multiturn, rollout, targets
 from kubealign.rl.experience import Experience, FirstPass
 from kubealign.rl.unsupervised import UnsupervisedData
 from kubealign.training import distributed, loop
@@ -224,11 +224,12 @@ def iteration(
     settings = losses.PolicyLossSettings.of(cfg)  # what the policy loss reads, once for every minibatch
     started = time.perf_counter()
     recorder = None
-    if models.tools is not None:  # turns with tools or an environment: rl.multiturn (its own masks)
-        batch = multiturn.rollout(models, prompt_ids, prompt_mask, cfg, models.tools, rows)
-    else:
-        recorder = rollout.SampledLogprobs(losses.Sampling.of(cfg))
-        batch = rollout.generate(models, prompt_ids, prompt_mask, cfg, recorder)
+    with engines.awake(models):
+        if models.tools is not None:  # turns with tools or an environment: rl.multiturn (its own masks)
+            batch = multiturn.rollout(models, prompt_ids, prompt_mask, cfg, models.tools, rows)
+        else:
+            recorder = rollout.SampledLogprobs(losses.Sampling.of(cfg))
+            batch = rollout.generate(models, prompt_ids, prompt_mask, cfg, recorder)
     generated = time.perf_counter()
     first_epoch = _minibatches(batch.input_ids.shape[0], cfg.micro_batch_size, gen)  # as update() would draw it
     exp, first = experience_of(models, batch, prompt_mask, cfg, first_epoch[0], rows)
@@ -241,6 +242,7 @@ def iteration(
     kl_coef = controller.value
     target = (targets.ppo_targets if cfg.has_critic else targets.group_targets)(exp, cfg, kl_coef)
     weights, mismatch_metrics = targets.rollout_correction(exp, cfg)
+    targets.check_mismatch(mismatch_metrics, cfg, models.engine)
     inputs = UpdateInputs(exp, target.advantages, target.returns, target.keep, weights, kl_coef, unsup)
     update_stats = update(models, inputs, cfg, settings, Plan(gen, first_epoch, first))
     trained = time.perf_counter()

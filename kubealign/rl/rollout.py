@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from kubealign.config.schema import PPOConfig
+from kubealign.rl import engines
 from kubealign.rl.losses import Sampling
 
 
@@ -109,6 +110,7 @@ class PPOModels:
     tokenizer: Any
     synced_gpus: bool = False  # ranks generate in lockstep (several ranks with actor ZeRO-3)
     tools: Any = None  # a multiturn.ToolSession: rollouts in turns with tools or an environment; None: one answer
+    engine: str = "hf"  # ppo.rollout.engine as chosen (rl.engines): hf | compiled | vllm
 
 
 def sampling_config(cfg: PPOConfig, max_new_tokens: int | None = None, samples: int | None = None) -> Any:
@@ -140,15 +142,23 @@ def generate(
     turn's (default: cfg.max_new_tokens, cfg.group_size); stop: one more stopping criterion (a turn's end)."""
     from deepspeed.runtime.rollout import RolloutRequest
 
-    models.actor.eval()
     most = cfg.max_new_tokens if max_new_tokens is None else max_new_tokens
+    request, sampling = RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg, most, samples)
+    if models.engine == "vllm":  # its own sampler (rl.engines.awake gave it the actor's weights)
+        batch = models.rollout.generate(request, sampling, stop_text=getattr(stop, "text", None))
+        if recorder is not None:
+            recorder.given = models.rollout.last_logprobs
+        return batch
+    models.actor.eval()
     settings = generation_config(Sampling.of(cfg), most, models.tokenizer)
     # min_p 0 removes nothing, yet generate() would run its softmax and vocabulary sort every step; None
     # cannot be filled in from the checkpoint here, since only_settings replaces the checkpoint's config.
     settings.min_p = None
+    if models.engine == "compiled":
+        settings = engines.compiled_settings(settings, cfg.rollout.compile_mode, prompt_ids.is_cuda)
     module = models.actor.module
     with merged_lora(module), only_settings(module, settings), rollout_hooks(module, models, recorder, stop):
-        return models.rollout.generate(RolloutRequest(prompt_ids, prompt_mask), sampling_config(cfg, most, samples))
+        return models.rollout.generate(request, sampling)
 
 
 class EndedAtEOS:
@@ -202,6 +212,7 @@ class SampledLogprobs:
             self.warpers.append(TopPLogitsWarper(sampling.top_p))
         self.pending: torch.Tensor | None = None
         self.steps: list[torch.Tensor] = []
+        self.given: torch.Tensor | None = None  # [N, A] as actions() returns: an engine with its own sampler's
 
     def keep(self, input_ids: torch.Tensor, scores: torch.Tensor) -> None:
         warped = scores.float()
@@ -216,8 +227,10 @@ class SampledLogprobs:
 
     def actions(self, batch: Any) -> torch.Tensor | None:
         """[N, A] the kept log-probs at the actions that produced the response tokens (action t produced
-        token t + 1), 0 elsewhere; None when generate's sampling loop did not run for these rows (another
-        rollout engine: continuous batching, CUDA graphs), so nothing is known of the rollout's log-probs."""
+        token t + 1), 0 elsewhere; an engine with its own sampler (vLLM) gives them (`given`); None when
+        generate's sampling loop did not run for these rows, so nothing is known of the rollout's log-probs."""
+        if self.given is not None:
+            return self.given.to(batch.input_ids.device)
         ids = batch.input_ids
         if not self.steps or self.steps[0].shape[0] != ids.shape[0]:
             return None

@@ -118,3 +118,21 @@ def rollout_correction(exp: Experience, cfg: PPOConfig) -> tuple[torch.Tensor | 
     if fix.kind == "none":
         return None, metrics
     return out.weights, {**metrics, "rollout_corrected_fraction": corrected / count if count else 0.0}
+
+
+def check_mismatch(metrics: dict[str, float], cfg: PPOConfig, engine: str) -> None:
+    """Stop before the update when the rollout's log-probs are further from the trainer's than the bound (mean
+    |difference| over every rank's response tokens, nats; ppo.rollout.max_logprob_diff): the engine then samples
+    from other weights (a weight load that did not happen) or another distribution, and the update would be off
+    policy by more than any correction is meant to repair. The mean is pooled, so every rank stops alike. Not
+    with a top-k / top-p filter: the rollout's log-probs are then of the filtered distribution and the trainer's
+    of the whole one (losses.scaled_logits), so their difference measures the filter, whatever the engine."""
+    bound = cfg.rollout.bound(engine)
+    gap = metrics.get("rollout_logprob_diff_mean")
+    if bound is None or gap is None or gap <= bound or cfg.top_k != 0 or cfg.top_p < 1.0:
+        return
+    raise UserError(
+        f"the {engine} rollout engine's log-probs differ from the trainer's by {gap:.4g} nats (mean over response "
+        f"tokens), more than ppo.rollout.max_logprob_diff {bound:g}: stopped before this iteration's update "
+        "(ppo.rollout.engine hf generates with the trainer's own forward)"
+    )

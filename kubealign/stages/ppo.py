@@ -29,7 +29,7 @@ from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rewards.totals import function_means, function_totals
-from kubealign.rl import experience, experience_checks, kl, losses, multiturn, rollout, unsupervised
+from kubealign.rl import engines, experience, experience_checks, kl, losses, multiturn, rollout, unsupervised
 from kubealign.rl.iteration import iteration
 from kubealign.stages import ppo_models, ppo_state
 from kubealign.tracking.lineage import phase_ref
@@ -74,7 +74,7 @@ def evaluate(
     one's mean, fn/<NAME>."""
     scores, kls, totals = [], [], {}
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() else []  # generate samples on the GPU
-    with torch.random.fork_rng(devices=cuda):
+    with torch.random.fork_rng(devices=cuda), engines.awake(models):
         torch.manual_seed(cfg.seed)
         for i in range(0, len(prompts), cfg.generation_batch_size):
             ids, mask = pad_batch(prompts[i : i + cfg.generation_batch_size], models.tokenizer.pad_token_id, "left")
@@ -272,7 +272,9 @@ def run(
         models, check = ppo_models.build_models(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
         )
-        tracker.log_params({"ppo.rollout_path": check.path, "ppo.group_size": cfg.group_size})
+        tracker.log_params(
+            {"ppo.rollout_path": check.path, "ppo.rollout_engine": models.engine, "ppo.group_size": cfg.group_size}
+        )
         tracker.log_inputs([ref] if (ref := phase_ref(prompts, "phase3_prompts", "training")) else [])
         if config.tools.enabled:
             models.tools = tool_session(config, models, runner)
@@ -300,6 +302,7 @@ def run(
             "metrics": summary,
             "outputs": {"model": ".", **critic_out, **({"ema": "ema"} if ema else {})},
             "rollout_path": check.path,
+            "rollout_engine": models.engine,
             "rollout_notes": check.notes,
             "kl_target": cfg.kl_target,
             "history": history,

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from kubealign.errors import UserError
 from kubealign.models import loading
 from kubealign.models.value_head import load_reward_model
 from kubealign.rewards.scorer import Scorer
+from kubealign.rl import engines as rollout_engines
 from kubealign.rl import preflight
 from kubealign.rl.rollout import ModuleRollout, PPOModels, disable_dropout
 from kubealign.training import engine as engines
@@ -129,10 +131,20 @@ def build_models(
         reward = engines.frozen(reward, reward_stage, cfg.dtype, cfg.offload_reference, cfg.micro_batch_size, world)
     scorer = Scorer(reward, model_weight if runner is not None else 1.0, runner, tokenizer)
     synced = world > 1 and cfg.actor_zero_stage == 3  # each decode forward gathers parameters collectively
-    if check.path == "engine":
+    picked = rollout_engines.choose(
+        cfg.rollout.engine, cuda, world, cfg.actor_zero_stage, hf.model_type, rollout_engines.vllm_available()
+    )
+    check.notes.append(picked.note)
+    if picked.engine == "vllm":
+        from kubealign.rl.vllm_rollout import VLLMRollout
+
+        rollout = VLLMRollout(actor_dir, tokenizer, cfg.dtype, cfg.seed + int(os.environ.get("RANK", "0")), cfg.rollout)
+    elif check.path == "engine":
         rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=synced)
     else:
         from deepspeed.runtime.rollout import HybridEngineRollout, RolloutConfig
 
         rollout = HybridEngineRollout(engine=actor_engine, tokenizer=tokenizer, cfg=RolloutConfig())
-    return PPOModels(actor_engine, critic_engine, reference, scorer, rollout, tokenizer, synced), check
+    models = PPOModels(actor_engine, critic_engine, reference, scorer, rollout, tokenizer, synced)
+    models.engine = picked.engine
+    return models, check

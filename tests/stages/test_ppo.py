@@ -146,6 +146,18 @@ def test_llama_on_cpu_takes_the_plain_engine_path(cli, trained, tmp_path: Path):
     assert res["rollout_notes"][0].endswith("but DeepSpeed implements no inference kernels on cpu: plain engine")
 
 
+def test_the_compiled_engine_runs_the_stage_on_the_hybrid_engines_path_and_says_so(cli, trained, tmp_path: Path):
+    out = tmp_path / "ppo"
+    args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", "--set", "ppo.rollout.engine=compiled"]
+    result = cli(*ppo_args(trained, *args, "--output", out))
+    assert result.code == 0, result.err
+    res = result_of(out)
+    assert (res["rollout_path"], res["rollout_engine"]) == (cpu_opt_path(), "compiled")
+    assert any("static KV cache" in note for note in res["rollout_notes"])
+    for row in res["history"]:  # fp32: the compiled forward samples with the trainer's own log-probs
+        assert row["rollout_logprob_diff_mean"] < 1e-5
+
+
 def test_unsupervised_loss_mix_and_lora_actor_and_critic(cli, trained, tmp_path: Path):
     out = tmp_path / "ptx"
     args = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=2", "--set", "ppo.unsup_coef=0.5"]
