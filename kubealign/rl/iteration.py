@@ -263,6 +263,7 @@ def iteration(
         "generation_time_s": generated - started,
         "experience_time_s": experienced - generated,
         "training_time_s": trained - experienced,
+        "generation_share": (generated - started) / max(trained - started, 1e-9),
         "samples_per_s": exp.input_ids.shape[0] / max(trained - started, 1e-9),
         "tokens_per_s": tokens / max(trained - started, 1e-9),
         **update_stats,

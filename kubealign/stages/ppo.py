@@ -214,7 +214,12 @@ def train(
                 history.append({"iteration": step, **metrics})
                 tracker.log_metrics(metrics, step=step)
                 bar.update()
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", kl=f"{metrics['kl']:.3f}")
+                bar.set_postfix(
+                    reward=f"{metrics['reward_mean']:.3f}",
+                    kl=f"{metrics['kl']:.3f}",
+                    samples_s=f"{metrics['samples_per_s']:.2f}",
+                    generating=f"{metrics['generation_share']:.0%}",
+                )
                 log_samples(models, cfg, exp, tracker, step)
                 served = unsup.served if unsup is not None else 0
                 extra = {
@@ -332,9 +337,19 @@ def summarize(history: list[dict], before: dict[str, float], after: dict[str, fl
         "generation_time_s": sum(h["generation_time_s"] for h in history),
         "experience_time_s": sum(h["experience_time_s"] for h in history),
         "training_time_s": sum(h["training_time_s"] for h in history),
+        **rates(history),
         **{f"{k}/before": v for k, v in before.items() if k.startswith("fn/")},
         **{f"{k}/after": v for k, v in after.items() if k.startswith("fn/")},
     }
+
+
+def rates(history: list[dict]) -> dict[str, float]:
+    """samples_per_s and generation_share over the iterations alone (evaluation and start-up excluded): what a
+    rollout engine or the generation batch changes. An iteration's time is its three parts' sum."""
+    times = [h["generation_time_s"] + h["experience_time_s"] + h["training_time_s"] for h in history]
+    total = max(sum(times), 1e-9)
+    samples = sum(h["samples_per_s"] * t for h, t in zip(history, times, strict=True))
+    return {"samples_per_s": samples / total, "generation_share": sum(h["generation_time_s"] for h in history) / total}
 
 
 def write_outputs(

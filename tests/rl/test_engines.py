@@ -148,3 +148,16 @@ def test_an_engine_sampling_from_other_logits_stops_the_iteration_before_the_upd
         iteration.iteration(models, PROMPTS, PROMPT_MASK, cfg, KLController(0.1), gen)
     handle.remove()
     assert all(torch.equal(a, b) for a, b in zip(before, models.actor.module.parameters(), strict=True))
+
+
+def test_the_stage_reports_samples_per_second_and_the_generation_share_of_its_iterations():
+    from kubealign.stages.ppo import rates
+
+    # two iterations of 16 samples: 2 + 1 + 1 s (4 samples/s) and 1 + 0.5 + 0.5 s (8 samples/s)
+    history = [
+        {"generation_time_s": 2.0, "experience_time_s": 1.0, "training_time_s": 1.0, "samples_per_s": 4.0},
+        {"generation_time_s": 1.0, "experience_time_s": 0.5, "training_time_s": 0.5, "samples_per_s": 8.0},
+    ]
+    out = rates(history)
+    assert out["samples_per_s"] == pytest.approx(32 / 6)  # 32 samples in 6 s, not the mean of the rates (6)
+    assert out["generation_share"] == pytest.approx(3 / 6)
