@@ -1,10 +1,11 @@
 """The rollout engines (ppo.rollout.engine) side by side in one process: kubealign's own rollout
 (rl.rollout.generate, as the ppo stage calls it) with each engine, on the same weights and prompts.
 
-Per engine: its start (the first rollout: torch.compile's compilation, vLLM's engine start and first weight load),
-then generated tokens/s of a sampled rollout (temperature 1; random weights rarely sample EOS, and the tokens
-actually generated are what is counted), the mean and max |log-prob difference| of the sampled tokens between what the engine recorded and the trainer's full
-forward (the mismatch the ppo stage logs), and the greedy tokens (top-k 1) against HF eager's, row by row.
+Per engine: its start (the first rollout: torch.compile's compilation, vLLM's engine start and first weight
+load), then generated tokens/s of a sampled rollout (temperature 1; random weights rarely sample EOS, and the
+tokens actually generated are what is counted), the mean and max |log-prob difference| of the sampled tokens
+between what the engine recorded and the trainer's full forward (the mismatch the ppo stage logs), and the
+greedy tokens (top-k 1) against HF eager's, row by row.
 
   python benchmarks/rollout_engines.py                         # OPT-125M's shape, 64 prompts x 128 new tokens
   python benchmarks/rollout_engines.py --shape tiny --prompts 16 --new-tokens 16   # seconds, a smoke run
