@@ -67,13 +67,15 @@ def choose(asked: str, cuda: bool, world: int, actor_zero_stage: int, model_type
     if not cuda:
         return Choice(
             "hf",
-            "auto on CPU: hf (compiling costs seconds a new shape and vLLM's start tens of seconds, more than a "
-            "small model's whole rollout: benchmarks/results/rollout-engines-cpu.json)",
+            "ppo.rollout.engine auto on CPU: hf (compiling costs seconds a new shape and vLLM's start tens of "
+            "seconds, more than a small model's whole rollout: benchmarks/results/rollout-engines-opt-125m-cpu.json)",
         )
     for engine, why in (("vllm", vllm_blocker()), ("compiled", compiled_blocker())):
         if not why:
-            return Choice(engine, f"auto on a GPU: {engine}, the fastest engine that can run here")
-    return Choice("hf", f"auto on a GPU: hf (vllm: {vllm_blocker()}; compiled: {compiled_blocker()})")
+            return Choice(engine, f"ppo.rollout.engine auto on a GPU: {engine}, the fastest engine that can run here")
+    return Choice(
+        "hf", f"ppo.rollout.engine auto on a GPU: hf (vllm: {vllm_blocker()}; compiled: {compiled_blocker()})"
+    )
 
 
 def compiled_settings(settings: Any, mode: str, cuda: bool) -> Any:

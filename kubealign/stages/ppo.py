@@ -29,7 +29,7 @@ from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.rewards.totals import function_means, function_totals
-from kubealign.rl import engines, experience, experience_checks, kl, losses, multiturn, rollout, unsupervised
+from kubealign.rl import engines, experience, experience_checks, kl, losses, memory, multiturn, rollout, unsupervised
 from kubealign.rl.iteration import iteration
 from kubealign.stages import ppo_models, ppo_state
 from kubealign.tracking.lineage import phase_ref
@@ -280,6 +280,13 @@ def run(
         tracker.log_params(
             {"ppo.rollout_path": check.path, "ppo.rollout_engine": models.engine, "ppo.group_size": cfg.group_size}
         )
+        said = [check.notes[-1]]  # build_models's last note: the rollout engine it picked, and why
+        if torch.cuda.is_available():  # what the generation batch takes, now that the engines are resident
+            hf = getattr(models.actor.module, "get_base_model", lambda: models.actor.module)()
+            said.append(memory.note(hf.config, cfg, torch.cuda.mem_get_info()[0]))
+            check.notes.append(said[-1])
+        if rank == 0:
+            print("\n".join(f"ppo: {line}" for line in said), flush=True)
         tracker.log_inputs([ref] if (ref := phase_ref(prompts, "phase3_prompts", "training")) else [])
         if config.tools.enabled:
             models.tools = tool_session(config, models, runner)

@@ -161,3 +161,28 @@ def test_the_stage_reports_samples_per_second_and_the_generation_share_of_its_it
     out = rates(history)
     assert out["samples_per_s"] == pytest.approx(32 / 6)  # 32 samples in 6 s, not the mean of the rates (6)
     assert out["generation_share"] == pytest.approx(3 / 6)
+
+
+# --- the generation batch against the device's memory -------------------------------------------------------
+
+
+def test_a_prompts_rollout_memory_is_its_samples_kv_cache_and_response_log_softmax():
+    from types import SimpleNamespace
+
+    from kubealign.rl import memory
+
+    opt = SimpleNamespace(num_hidden_layers=24, num_attention_heads=32, hidden_size=2048, vocab_size=50272)
+    assert memory.kv_bytes_per_token(opt, "bf16") == 2 * 24 * 32 * 64 * 2  # K and V, 24 layers, 2,048 wide
+    gqa = SimpleNamespace(
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, hidden_size=64, vocab_size=10
+    )
+    assert memory.kv_bytes_per_token(gqa, "fp32") == 2 * 2 * 2 * 8 * 4  # 2 KV heads of 8, not 8 heads
+    # 2 samples x (5 tokens x 256 bytes of KV + 2 response tokens x 10 logits x 4 bytes)
+    assert memory.prompt_bytes(gqa, "fp32", 3, 2, 2) == 2 * (5 * 256 + 2 * 10 * 4)
+    assert memory.fitting_batch(10_000, 2_720) == 2  # 80 % of 10,000 holds two of 2,720, not three
+    assert memory.fitting_batch(100, 2_720) == 1
+    cfg = PPOConfig(dtype="fp32", max_prompt_len=3, max_new_tokens=2, samples_per_prompt=2, generation_batch_size=2)
+    line = memory.note(gqa, cfg, 10_000)
+    assert "about 2 would fit (the most that fits)" in line and "\n" not in line
+    cfg4 = cfg.model_copy(update={"generation_batch_size": 4})
+    assert "(too many: lower it)" in memory.note(gqa, cfg4, 10_000)
