@@ -195,6 +195,14 @@ def _time(indexed: dict[str, Any], stage: str, result: dict[str, Any]) -> str:
     return f"{seconds:.1f} s" if isinstance(seconds, int | float) else "-"
 
 
+def _shown(path: Path) -> str:
+    """A path as the user can type it from here: relative to the working directory when it lies below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def _stage_lines(
     lines: list[str], stages: Any, dirs: dict[str, Path], label: str, indexed: dict[str, Any]
 ) -> list[str]:
@@ -207,4 +215,7 @@ def _stage_lines(
         first, *more = _headline(stage, result, label).split("\n")
         lines.append(f"{stage:<11}{shown:>8}  {first}")
         lines += [f"{'':<19}  {line}" for line in more]
+        page = dirs[stage] / result.get("outputs", {}).get("samples_html", "-")
+        if page.is_file():  # the evaluation report: its headline, the verdict, the answers side by side
+            lines.append(f"{'':<19}  report: {_shown(page)}")
     return lines

@@ -35,6 +35,8 @@ def quiet_libraries(verbose: bool) -> None:
     """A stage command's screen: its own lines and the warnings that matter. Unless `verbose` or
     KUBEALIGN_VERBOSE=1: MLflow's loggers at WARNING (here and in every process started from here), DeepSpeed's
     INFO lines and its Hybrid Engine notice (QUIET_DEEPSPEED) dropped."""
+    if verbose:  # told on: so is every process started from here, and training.ds_prints
+        os.environ[VERBOSE_ENV] = "1"
     if verbose or os.environ.get(VERBOSE_ENV, "").strip() not in ("", "0"):
         return
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read by mlflow when imported

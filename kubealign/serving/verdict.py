@@ -92,22 +92,26 @@ def decide(
     judge's llm_judge_* when one judged: no figures, no line), None when too few pairs to compute them.
     human: people's verdict, read when canary.min_human_win_rate is set (none found: that check fails)."""
     from kubealign.promotion.gate import gate
+    from kubealign.promotion.guards import needs
 
-    checks = [(pairs >= cfg.min_answers, f"{pairs} prompts answered by both >= canary.min_answers {cfg.min_answers}")]
+    answered = needs("prompts answered by both", f">= canary.min_answers {cfg.min_answers}", str(pairs))
+    checks = [(pairs >= cfg.min_answers, answered)]
     if cfg.min_human_win_rate is not None:
         bar = cfg.min_human_win_rate
         if human is None or human.decided == 0:
-            checks.append((False, f"people's win-rate >= canary.min_human_win_rate {bar}: no decided feedback"))
-        else:
-            text = (
-                f"people's win-rate {human.win_rate:.3f} over {human.decided} tasks >= canary.min_human_win_rate {bar}"
+            checks.append(
+                (False, needs("people's win-rate", f">= canary.min_human_win_rate {bar}", "no decided feedback"))
             )
-            checks.append((human.win_rate >= bar, f"{text} ({human.source})"))
+        else:
+            what, rate_of = f"people's win-rate over {human.decided} tasks", f"{human.win_rate:.3f}"
+            text = needs(what, f">= canary.min_human_win_rate {bar}", rate_of, human.source)
+            checks.append((human.win_rate >= bar, text))
     rate = canary_figures["error_rate"]
-    checks.append((rate <= cfg.max_error_rate, f"canary error_rate {rate:.3f} <= {cfg.max_error_rate}"))
+    checks.append((rate <= cfg.max_error_rate, needs("canary error_rate", f"<= {cfg.max_error_rate}", f"{rate:.3f}")))
     if cfg.max_latency_p95_s is not None:
         p95 = canary_figures["latency_p95_s"]
-        checks.append((p95 <= cfg.max_latency_p95_s, f"canary latency_p95 {p95:.3f} s <= {cfg.max_latency_p95_s} s"))
+        bound = f"<= {cfg.max_latency_p95_s} s"
+        checks.append((p95 <= cfg.max_latency_p95_s, needs("canary latency_p95", bound, f"{p95:.3f} s")))
     lines = [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
     if online is None or pairs < cfg.min_answers:
         return False, [*lines, "FAIL: the gate: not applied on too few answers"]

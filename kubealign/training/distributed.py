@@ -33,9 +33,9 @@ def init() -> tuple[int, int]:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        from kubealign.training import oplocks
+        from kubealign.training import ds_prints, oplocks
 
-        with oplocks.guard(oplocks.COMM_OPS):  # DeepSpeed builds its CPU comm op here: no stale lock may hang it
+        with oplocks.guard(oplocks.COMM_OPS), ds_prints.quiet():  # its CPU comm op: no stale lock may hang it
             deepspeed.init_distributed(dist_backend=backend, verbose=False)
     return dist.get_rank(), dist.get_world_size()
 

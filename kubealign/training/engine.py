@@ -157,9 +157,9 @@ def create(model: torch.nn.Module, cfg: TrainConfig, config: dict[str, Any], tot
         name = "constant_with_warmup" if cfg.lr_scheduler == "constant" else cfg.lr_scheduler
         return get_scheduler(name, optimizer, num_warmup_steps=cfg.warmup_steps, num_training_steps=total_steps)
 
-    from kubealign.training import oplocks
+    from kubealign.training import ds_prints, oplocks
 
-    with oplocks.guard():  # DeepSpeed may JIT-build its optimizer op (fused / CPU Adam) in here
+    with oplocks.guard(), ds_prints.quiet():  # DeepSpeed may JIT-build its optimizer op (fused / CPU Adam) in here
         engine, *_ = deepspeed.initialize(
             model=model, model_parameters=param_groups(model, cfg), config=config, lr_scheduler=scheduler
         )
@@ -230,6 +230,9 @@ def frozen(
         "fp16": {"enabled": dtype == "fp16"},
         "steps_per_print": 10**9,
     }
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    from kubealign.training import ds_prints
+
+    with ds_prints.quiet():
+        engine, *_ = deepspeed.initialize(model=model, config=config)
     engine.eval()
     return engine

@@ -48,7 +48,8 @@ RESULTS = {  # a demo run's result.json content, by hand: the metrics tiny-cpu's
             "heldout_reward_gain": 0.4,
             "reward_agreement": 0.7,
             "wall_time_s": 3.9,
-        }
+        },
+        "outputs": {"samples_html": "samples.html"},
     },
     "promote": {
         "metrics": {"gate_passed": 1.0, "version": 1.0, "wall_time_s": 4.0},
@@ -64,7 +65,9 @@ def shape(lines: list[str]) -> list[str]:
     """Each line's kind: a stage line its stage's name, a continuation line its words before the first number."""
     kinds = []
     for line in lines:
-        if line.startswith(" "):
+        if line.strip().startswith("report: "):  # a path: its digits are not figures
+            kinds.append("  report:")
+        elif line.startswith(" "):
             kinds.append("  " + re.split(r"-?\d", line.strip(), maxsplit=1)[0].strip())
         else:
             kinds.append(line.split()[0])
@@ -83,9 +86,11 @@ def test_the_readmes_sample_output_has_the_shape_of_a_runs_summary(tmp_path: Pat
     for stage, result in RESULTS.items():
         (tmp_path / stage).mkdir()
         (tmp_path / stage / "result.json").write_text(json.dumps(result), encoding="utf-8")
+    (tmp_path / "evaluate" / "samples.html").write_text("<html></html>", encoding="utf-8")
     summary = summarize(tmp_path)
     assert summary[0] == HEADER
     assert shape(readme_sample()) == shape(summary)
     kinds = shape(summary)  # what this test compares, so that it cannot pass vacuously
     assert "  preferred answers" in kinds and "  held-out reward model: win-rate" in kinds
+    assert summary[kinds.index("  report:")].endswith(f"report: {tmp_path / 'evaluate' / 'samples.html'}")
     assert [k for k in kinds if not k.startswith(" ")][1:] == list(RESULTS)

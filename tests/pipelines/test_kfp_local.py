@@ -71,6 +71,9 @@ def test_run_prints_a_line_per_task_then_the_summary(first_run) -> None:
     assert not [line for line in lines if re.search(r"warning", line, re.IGNORECASE)], printed
     assert any(line.startswith("stage ") for line in lines)  # the summary table
     assert f"task logs: {out.resolve() / 'logs'}/<task>.log" in lines
+    report = [line.strip().removeprefix("report: ") for line in lines if line.strip().startswith("report: ")]
+    assert len(report) == 1 and report[0].endswith("/evaluate/evaluation/samples.html"), printed
+    assert Path(report[0]).is_file()  # relative to the working directory (this one) or absolute
 
 
 def test_each_task_writes_its_full_output_to_its_log(first_run) -> None:

@@ -204,15 +204,15 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
         "FAIL: held-out reward model: win-rate: needs >= 0.5, got 0.250 (agrees with the training reward model on 100% of the prompts)"
     ]
     ok, lines = decide(online(0.7, 0.3), 7, quiet, promote, cfg)  # one pair short: never promoted
-    assert not ok and lines[0] == "FAIL: 7 prompts answered by both >= canary.min_answers 8"
+    assert not ok and lines[0] == "FAIL: prompts answered by both: needs >= canary.min_answers 8, got 7"
     assert lines[-1] == "FAIL: the gate: not applied on too few answers"
     ok, lines = decide(online(0.7, 0.3), 8, {"error_rate": 0.125, "latency_p95_s": 0.5}, promote, cfg)
-    assert not ok and "FAIL: canary error_rate 0.125 <= 0.1" in lines
+    assert not ok and "FAIL: canary error_rate: needs <= 0.1, got 0.125" in lines
     ok, lines = decide(online(0.7, 0.3), 8, {"error_rate": 0.1, "latency_p95_s": 2.5}, promote, cfg)
     assert (
         not ok
-        and "FAIL: canary latency_p95 2.500 s <= 2.0 s" in lines
-        and "pass: canary error_rate 0.100 <= 0.1" in lines
+        and "FAIL: canary latency_p95: needs <= 2.0 s, got 2.500 s" in lines
+        and "pass: canary error_rate: needs <= 0.1, got 0.100" in lines
     )
     ok, lines = decide(online(0.4, -0.1), 8, quiet, promote, cfg)  # the gate's own rule on the online numbers
     assert (
@@ -222,8 +222,8 @@ def test_the_decision_needs_enough_answers_few_errors_and_the_gate() -> None:
     )
     ok, lines = decide(online(0.7, 0.3), 8, quiet, PromoteConfig(max_kl=0.5), cfg)  # KL is not measured online
     assert ok and lines[-1].startswith("unchecked: promote.max_kl 0.5")
-    assert verdict_line(False, lines[:1] + ["FAIL: canary error_rate 0.5 <= 0.05"], "challenger", "7") == (
-        "judge: challenger (version 7) rolled back: canary error_rate 0.5 <= 0.05"
+    assert verdict_line(False, lines[:1] + ["FAIL: canary error_rate: needs <= 0.05, got 0.5"], "challenger", "7") == (
+        "judge: challenger (version 7) rolled back: canary error_rate: needs <= 0.05, got 0.5"
     )
     assert verdict_line(True, lines, "challenger", "7").endswith("holds online: promoted to champion")
 
@@ -236,14 +236,19 @@ def test_people_s_win_rate_is_one_more_check_when_asked() -> None:
     assert decide(online(0.7, 0.3), 8, quiet, promote, off, None)[0]  # not asked: no feedback needed
     asked = CanaryConfig(min_answers=8, min_human_win_rate=0.6)
     ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, None)
-    assert not ok and "FAIL: people's win-rate >= canary.min_human_win_rate 0.6: no decided feedback" in lines
+    assert (
+        not ok and "FAIL: people's win-rate: needs >= canary.min_human_win_rate 0.6, got no decided feedback" in lines
+    )
     ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.5, 10, "feedback run r1"))
     assert not ok and (
-        "FAIL: people's win-rate 0.500 over 10 tasks >= canary.min_human_win_rate 0.6 (feedback run r1)" in lines
+        "FAIL: people's win-rate over 10 tasks: needs >= canary.min_human_win_rate 0.6, got 0.500 (feedback run r1)"
+        in lines
     )
     ok, lines = decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.6, 10, "feedback run r2"))
     assert (
-        ok and "pass: people's win-rate 0.600 over 10 tasks >= canary.min_human_win_rate 0.6 (feedback run r2)" in lines
+        ok
+        and "pass: people's win-rate over 10 tasks: needs >= canary.min_human_win_rate 0.6, got 0.600 (feedback run r2)"
+        in lines
     )
     assert not decide(online(0.7, 0.3), 8, quiet, promote, asked, HumanFeedback(0.9, 0, "feedback run r3"))[0]
 
@@ -370,7 +375,7 @@ def test_a_canary_failing_half_its_requests_is_rolled_back_in_one_line(server: C
     assert not ok
     assert (
         verdict_line(ok, lines, "challenger", "2")
-        == "judge: challenger (version 2) rolled back: canary error_rate 0.500 <= 0.05"
+        == "judge: challenger (version 2) rolled back: canary error_rate: needs <= 0.05, got 0.500"
     )
 
 
@@ -484,14 +489,14 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
             proxy.stop()
         result = json.loads((tmp_path / "flaky" / "result.json").read_text())
         assert not result["promoted"] and result["metrics"]["canary/errors/HTTP 500"] == 3
-        assert result["verdict"].endswith("rolled back: canary error_rate 0.500 <= 0.05")
+        assert result["verdict"].endswith("rolled back: canary error_rate: needs <= 0.05, got 0.500")
         assert result["metrics"]["win_rate"] == 1.0  # what it did answer was better: the errors decide
         # a canary that never answers: nothing to score, never promoted, the first reason is the count
         done = cli(
             *base, "--champion", curt.url, "--canary", f"http://127.0.0.1:{free_port()}", "--output", tmp_path / "down"
         )
         result = json.loads((tmp_path / "down" / "result.json").read_text())
-        assert result["verdict"].endswith("rolled back: 0 prompts answered by both >= canary.min_answers 4")
+        assert result["verdict"].endswith("rolled back: prompts answered by both: needs >= canary.min_answers 4, got 0")
         assert result["metrics"]["canary/errors/refused"] == 6
         # a canary that found the reward function's exploit: it wins every prompt with one degenerate answer,
         # and the guards the online judge applies roll it back (issue 53)
