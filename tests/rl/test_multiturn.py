@@ -250,9 +250,11 @@ def test_each_row_keeps_to_its_own_budget_and_results_are_cut_to_max_result_toke
 
 
 @pytest.mark.integration
-def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_turn_rollout_does():
+@pytest.mark.parametrize("engine", ["hf", "compiled"])
+def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_turn_rollout_does(engine):
     """The tiny OPT on DeepSpeed's rollout path (the ppo stage's): with the same seed, the turn loop (prompts
-    repeated up front, one sample each, the close-tag criterion added) samples the single-turn tokens."""
+    repeated up front, one sample each, the close-tag criterion added) samples the single-turn tokens — with
+    each generate-loop engine (ppo.rollout.engine: the compiled one keeps the stop string and the budgets)."""
     from kubealign.rl.rollout import generate
     from kubealign.stages.ppo_models import build_models
     from kubealign.training import distributed
@@ -260,6 +262,7 @@ def test_through_the_real_rollout_a_loop_without_calls_samples_what_the_single_t
     distributed.init()
     cfg = PPOConfig(algorithm="grpo", samples_per_prompt=2, max_new_tokens=12, actor_zero_stage=0, dtype="fp32")
     models, _ = build_models(cfg, "tiny-opt", None, None, 1, 1.0)
+    models.engine = engine
     tokenizer = models.tokenizer
     texts = ["\n\nHuman: What is 1 + 2?\n\nAssistant:", "\n\nHuman: Hi!\n\nAssistant:"]
     ids, mask = mt.left_padded([tokenizer(t).input_ids for t in texts], tokenizer.pad_token_id)
