@@ -109,7 +109,15 @@ DSCHAT_EPOCH = {
     "published_hours": 11.7,
     "published_hardware": "1 x A100-80G",
 }
-GEN_PATHS = ("hf-eager", "hf-static-compile", "kubealign-engine-z2", "kubealign-he-z2", "kubealign-he-z3", "legacy")
+GEN_PATHS = (
+    "hf-eager",
+    "hf-static-compile",
+    "kubealign-engine-z2",
+    "kubealign-he-z2",
+    "kubealign-compiled-z2",  # kubealign-he-z2 with ppo.rollout.engine compiled (rl.engines)
+    "kubealign-he-z3",
+    "legacy",
+)
 LEGACY_VARIANTS = (("he-injected-z2", 2, False), ("he-injected-z2-cuda-graph", 2, True), ("he-injected-z3", 3, False))
 NEEDS_CUDA = "skipped: needs CUDA"
 
@@ -349,6 +357,21 @@ def compare(rollout: Any, reference: Any, scores: Any, tie: float) -> dict[str, 
         result.update(first_mismatch=[row, col], margin_at_mismatch=float(top[0] - top[1]))
     result["near_tie"] = result["margin_at_mismatch"] is not None and result["margin_at_mismatch"] < tie
     return result
+
+
+def logprob_gap(recorded: Any, trainer: Any, response: Any) -> dict[str, Any]:
+    """|log-prob difference| [N, A] of the sampled response tokens between what the rollout engine recorded
+    (rl.rollout.SampledLogprobs) and the trainer's full forward, over the response actions (response mask 1):
+    mean and max, nats, and how many tokens. recorded None: the engine recorded nothing (no figures)."""
+    if recorded is None:
+        return {"logprob_diff_mean": None, "logprob_diff_max": None, "logprob_tokens": 0}
+    diff = (trainer.double() - recorded.double()).abs()[response.bool()]
+    count = int(diff.numel())
+    return {
+        "logprob_diff_mean": float(diff.mean()) if count else None,
+        "logprob_diff_max": float(diff.max()) if count else None,
+        "logprob_tokens": count,
+    }
 
 
 def greedy(model: Any, ids: Any, mask: Any, new_tokens: int) -> tuple[Any, Any]:

@@ -28,6 +28,7 @@ from gpu_core import (
     free_port,
     greedy,
     hf_config,
+    logprob_gap,
     measure,
     random_prompts,
     version,
@@ -109,11 +110,11 @@ def prompt_texts(count: int, seed: int) -> list[str]:
     return [" ".join(word() for _ in range(300)) for _ in range(count)]
 
 
-def write_prompts(root: Path, train: int, evaluation: int) -> Path:
+def write_prompts(root: Path, train: int, evaluation: int, name: str = "prompts") -> Path:
     """A data-split-like dir holding phase3_prompts (train and eval splits), what `kubealign ppo --prompts` reads."""
     import datasets
 
-    directory = root / "prompts"
+    directory = root / name
     if (directory / "phase3_prompts" / "dataset_dict.json").is_file():
         return directory
     texts = prompt_texts(train + evaluation, seed=0)
@@ -167,6 +168,8 @@ def ppo_config(spec: dict[str, Any]) -> Any:
             "reuse_first_forward": "none",
             "sample_every_iterations": 0,
             "actor_lora": lora,
+            # pinned: auto would pick the compiled engine on a GPU, and a path's figures would change meaning
+            "rollout": {"engine": spec.get("engine", "hf")},
         }
     )
 
@@ -198,10 +201,49 @@ def job_rollout(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
 
         return once
 
-    progress.update(rollout_path=check.path, rollout_notes=check.notes)
+    progress.update(rollout_path=check.path, rollout_engine=models.engine, rollout_notes=check.notes)
     for b in sorted(spec["batches"]):  # the smaller first: a failure at the larger keeps its figures
         progress.add(measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
-    return {}
+    small = min(spec["batches"])
+    progress.update(against_hf_eager=against_hf_eager(models, cfg, ids[:small], mask[:small], spec))
+    return {"compiled_graphs": compiled_graphs()}
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile made in this process: more than 0 shows that the compiled engine compiled."""
+    import torch
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def against_hf_eager(models: Any, cfg: Any, ids: Any, mask: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The rollout engine against HF eager on the same weights, at the smaller batch's shapes (a compiled engine
+    is compiled for them already): the mean and max |log-prob difference| of a sampled rollout's tokens between
+    what the engine recorded (rl.rollout.SampledLogprobs, the mismatch correction's denominator) and HF eager's
+    full forward (rl.experience.model_logprobs, the trainer's), and the greedy tokens (top-k 1) against HF
+    eager's greedy generation, with the reference's top-2 margin at the first mismatch (bf16 near-ties of
+    random weights are likely over 256 tokens)."""
+    import torch
+
+    from kubealign.rl import experience, losses
+    from kubealign.rl.rollout import SampledLogprobs, generate
+
+    full = cfg.model_copy(update={"max_new_tokens": spec["new_tokens"]})
+    sampling = losses.Sampling.of(full)
+    torch.manual_seed(1)
+    recorder = SampledLogprobs(sampling)
+    batch = generate(models, ids, mask, full, recorder)
+    eos = models.tokenizer.eos_token_id
+    attention, response = experience.response_masks(batch.input_ids, mask, batch.response_start_idx, eos)
+    module = models.actor.module
+    with torch.no_grad():
+        trainer = experience.model_logprobs(module, batch.input_ids, attention, response, sampling)
+    gap = logprob_gap(recorder.actions(batch), trainer, response)
+    rollout = generate(models, ids, mask, full.model_copy(update={"top_k": 1})).input_ids[:, ids.shape[1] :]
+    with torch.no_grad():
+        reference, scores = greedy(module, ids, mask, spec["new_tokens"])
+    tokens = compare(rollout, reference, scores, tie=1e-4 if spec["dtype"] == "fp32" else 0.1)
+    return {"batch": int(ids.shape[0]), **gap, **tokens}
 
 
 def hf_generate(directory: Path, dtype: str, compiled: bool) -> Any:
@@ -305,8 +347,35 @@ def job_correctness(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def iterations_only() -> Any:
+    """The ppo stage without what the iteration measurement does not time: its evaluations before and after
+    training (a rollout over the eval prompts each, and, for the compiled engine, a compilation for the eval
+    batch's shape: the stage keeps at most 32 eval prompts) and the export of the trained models (about 60 s at
+    OPT-1.3B + OPT-350M on the H200: gathering, hashing and saving some 7 GB; result.json is still written).
+    Every iteration runs exactly as in a real run."""
+    from kubealign.outputs import write_result
+    from kubealign.stages import ppo
+
+    evaluate, write_outputs = ppo.evaluate, ppo.write_outputs
+
+    def no_evaluation(*args: Any, **kwargs: Any) -> dict[str, float]:
+        return {"reward": 0.0, "kl": 0.0}
+
+    def result_only(models: Any, cfg: Any, ema: Any, output: Path, result: dict[str, Any]) -> None:
+        output.mkdir(parents=True, exist_ok=True)
+        write_result(output, **result)
+
+    ppo.evaluate, ppo.write_outputs = no_evaluation, result_only
+    try:
+        yield
+    finally:
+        ppo.evaluate, ppo.write_outputs = evaluate, write_outputs
+
+
 def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off."""
+    """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off, its
+    evaluations and model export left out (iterations_only)."""
     import resource
 
     import torch
@@ -317,7 +386,7 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     config = load_config(REPO / "configs" / "opt-1.3b-1gpu.yaml", spec["overrides"])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")):
+    with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")), iterations_only():
         result = ppo.run(
             config, Path(spec["prompts"]), Path(spec["actor"]), Path(spec["critic"]), None, Path(tmp) / "ppo"
         )
@@ -325,6 +394,9 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     keys = ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s", "response_length")
     mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
     total = sum(mean[k] for k in keys[:3])
+    # the averaged iterations' samples over their time (what the stage's summary reports), not a mean of rates
+    samples = sum(h["samples_per_s"] * sum(h[k] for k in keys[:3]) for h in history)
+    first = result["history"][0]
     peak = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if torch.cuda.is_available():
         peak.update(
@@ -333,7 +405,15 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
         )
     return {
         "rollout_path": result["rollout_path"],
+        "rollout_engine": result.get("rollout_engine"),
         "rollout_notes": result["rollout_notes"],
+        "generation_batch_size": config.ppo.generation_batch_size,
+        "micro_batch_size": config.ppo.micro_batch_size,
+        "samples_per_s": samples / (total * len(history)),
+        "generation_share": mean["generation_time_s"] / total,
+        # the first iteration, left out of the means: the compiled engine compiles its decode step in it
+        "first_iteration_generation_s": first["generation_time_s"],
+        "evaluation_and_export": "left out (gpu_jobs.iterations_only)",
         "iterations": len(result["history"]),
         "iterations_averaged": len(history),
         "per_iteration_mean": mean,
