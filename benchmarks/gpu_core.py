@@ -294,6 +294,23 @@ def dschat_epoch(samples_per_s: float, comparable: bool) -> dict[str, Any]:
     }
 
 
+def iteration_figures(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ppo stage's averaged iterations (history lines): the mean of each time and rate, each part's share of
+    an iteration, samples/s as all their samples over all their time (not a mean of rates; as the stage's own
+    summary has it) and the generation share."""
+    parts = ("generation_time_s", "experience_time_s", "training_time_s")
+    keys = (*parts, "samples_per_s", "response_length")
+    mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
+    total = sum(mean[k] for k in parts)
+    samples = sum(h["samples_per_s"] * sum(h[k] for k in parts) for h in history)
+    return {
+        "samples_per_s": samples / (total * len(history)),
+        "generation_share": mean["generation_time_s"] / total,
+        "per_iteration_mean": mean,
+        "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in parts},
+    }
+
+
 def bandwidth(env: dict[str, Any]) -> dict[str, Any]:
     """The data-sheet bandwidth of the GPU (None on a CPU) and a measured copy bandwidth (bytes read +
     written per second); the roofline uses the data sheet where there is one, else the measured copy."""

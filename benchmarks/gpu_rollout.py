@@ -215,7 +215,7 @@ def lines(case: Case, result: dict[str, Any], rec: Record, dry: bool) -> list[di
     measured = result.pop("cases", None) or []
     status = result.get("status")
     if case.measurement == "iteration" and status == "ok":
-        result["dschat_epoch"] = dschat_epoch(result["per_iteration_mean"]["samples_per_s"], not dry)
+        result["dschat_epoch"] = dschat_epoch(result["samples_per_s"], not dry)  # samples over time
     if case.measurement != "generation":
         return [result]
     shape = (DRY_SHAPES if dry else SHAPES)[case.fields["model"]]

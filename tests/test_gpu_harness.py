@@ -94,6 +94,21 @@ def test_logprob_gap_counts_only_response_actions_by_hand():
     assert gpu_core.logprob_gap(None, trainer, response)["logprob_diff_mean"] is None  # the engine recorded none
 
 
+def test_iteration_figures_are_samples_over_time_by_hand():
+    # 2 s + 1 s + 1 s at 4 samples/s (16 samples), then 1 + 0.5 + 0.5 s at 8 samples/s (16 samples)
+    history = [
+        {"generation_time_s": 2.0, "experience_time_s": 1.0, "training_time_s": 1.0, "samples_per_s": 4.0},
+        {"generation_time_s": 1.0, "experience_time_s": 0.5, "training_time_s": 0.5, "samples_per_s": 8.0},
+    ]
+    for h in history:
+        h["response_length"] = 8.0
+    found = gpu_core.iteration_figures(history)
+    assert found["samples_per_s"] == pytest.approx(32 / 6)  # not the mean of the rates (6)
+    assert found["generation_share"] == pytest.approx(3 / 6)
+    assert found["per_iteration_mean"]["training_time_s"] == pytest.approx(0.75)
+    assert found["time_share"] == pytest.approx({"generation": 0.5, "experience": 0.25, "training": 0.25})
+
+
 def test_data_sheet_bandwidth_matches_a_variant_before_its_family():
     assert gpu_core.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert gpu_core.spec_bandwidth("NVIDIA H100 NVL") == 3.9e12
@@ -269,8 +284,7 @@ def test_dry_iteration_runs_the_ppo_stage_at_each_variant(dry):
         assert sum(case["time_share"].values()) == pytest.approx(1.0)
         assert case["generation_share"] == pytest.approx(case["time_share"]["generation"])
         assert case["samples_per_s"] == pytest.approx(case["per_iteration_mean"]["samples_per_s"])  # one averaged
-        mean = case["per_iteration_mean"]
-        assert case["dschat_epoch"]["hours"] == pytest.approx(131_900 / mean["samples_per_s"] / 3600)
+        assert case["dschat_epoch"]["hours"] == pytest.approx(131_900 / case["samples_per_s"] / 3600)
         assert not case["dschat_epoch"]["comparable"] and case["peak_rss_bytes"] > 0
 
 
