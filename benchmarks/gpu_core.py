@@ -109,7 +109,15 @@ DSCHAT_EPOCH = {
     "published_hours": 11.7,
     "published_hardware": "1 x A100-80G",
 }
-GEN_PATHS = ("hf-eager", "hf-static-compile", "kubealign-engine-z2", "kubealign-he-z2", "kubealign-he-z3", "legacy")
+GEN_PATHS = (
+    "hf-eager",
+    "hf-static-compile",
+    "kubealign-engine-z2",
+    "kubealign-he-z2",
+    "kubealign-compiled-z2",  # kubealign-he-z2 with ppo.rollout.engine compiled (rl.engines)
+    "kubealign-he-z3",
+    "legacy",
+)
 LEGACY_VARIANTS = (("he-injected-z2", 2, False), ("he-injected-z2-cuda-graph", 2, True), ("he-injected-z3", 3, False))
 NEEDS_CUDA = "skipped: needs CUDA"
 
@@ -286,6 +294,23 @@ def dschat_epoch(samples_per_s: float, comparable: bool) -> dict[str, Any]:
     }
 
 
+def iteration_figures(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ppo stage's averaged iterations (history lines): the mean of each time and rate, each part's share of
+    an iteration, samples/s as all their samples over all their time (not a mean of rates; as the stage's own
+    summary has it) and the generation share."""
+    parts = ("generation_time_s", "experience_time_s", "training_time_s")
+    keys = (*parts, "samples_per_s", "response_length")
+    mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
+    total = sum(mean[k] for k in parts)
+    samples = sum(h["samples_per_s"] * sum(h[k] for k in parts) for h in history)
+    return {
+        "samples_per_s": samples / (total * len(history)),
+        "generation_share": mean["generation_time_s"] / total,
+        "per_iteration_mean": mean,
+        "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in parts},
+    }
+
+
 def bandwidth(env: dict[str, Any]) -> dict[str, Any]:
     """The data-sheet bandwidth of the GPU (None on a CPU) and a measured copy bandwidth (bytes read +
     written per second); the roofline uses the data sheet where there is one, else the measured copy."""
@@ -349,6 +374,21 @@ def compare(rollout: Any, reference: Any, scores: Any, tie: float) -> dict[str, 
         result.update(first_mismatch=[row, col], margin_at_mismatch=float(top[0] - top[1]))
     result["near_tie"] = result["margin_at_mismatch"] is not None and result["margin_at_mismatch"] < tie
     return result
+
+
+def logprob_gap(recorded: Any, trainer: Any, response: Any) -> dict[str, Any]:
+    """|log-prob difference| [N, A] of the sampled response tokens between what the rollout engine recorded
+    (rl.rollout.SampledLogprobs) and the trainer's full forward, over the response actions (response mask 1):
+    mean and max, nats, and how many tokens. recorded None: the engine recorded nothing (no figures)."""
+    if recorded is None:
+        return {"logprob_diff_mean": None, "logprob_diff_max": None, "logprob_tokens": 0}
+    diff = (trainer.double() - recorded.double()).abs()[response.bool()]
+    count = int(diff.numel())
+    return {
+        "logprob_diff_mean": float(diff.mean()) if count else None,
+        "logprob_diff_max": float(diff.max()) if count else None,
+        "logprob_tokens": count,
+    }
 
 
 def greedy(model: Any, ids: Any, mask: Any, new_tokens: int) -> tuple[Any, Any]:

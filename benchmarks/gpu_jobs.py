@@ -1,6 +1,6 @@
 """The jobs of benchmarks/gpu_rollout.py that build DeepSpeed engines, each run in a fresh process on a GPU
-(its own DeepSpeed state and peak memory): kubealign's rollout (path c), the correctness check (item 2),
-the ppo stage's iteration (item 3), and the injected kernels in the legacy side environment (path d)."""
+(its own DeepSpeed state and peak memory): kubealign's rollout (path c) and its check against HF eager, the
+correctness check (item 2), the ppo stage's iteration (item 3); the injected kernels (path d) are gpu_legacy's."""
 
 from __future__ import annotations
 
@@ -19,19 +19,19 @@ from typing import Any
 
 from gpu_core import (
     DRY_SHAPES,
-    NEEDS_CUDA,
     REPO,
     SHAPES,
     SPECIAL,
     compare,
     failure,
-    free_port,
     greedy,
     hf_config,
+    iteration_figures,
+    logprob_gap,
     measure,
     random_prompts,
-    version,
 )
+from gpu_legacy import job_legacy
 
 SCRIPT = Path(__file__).resolve().parent / "gpu_rollout.py"  # its `_child` entry runs a job
 
@@ -109,11 +109,11 @@ def prompt_texts(count: int, seed: int) -> list[str]:
     return [" ".join(word() for _ in range(300)) for _ in range(count)]
 
 
-def write_prompts(root: Path, train: int, evaluation: int) -> Path:
+def write_prompts(root: Path, train: int, evaluation: int, name: str = "prompts") -> Path:
     """A data-split-like dir holding phase3_prompts (train and eval splits), what `kubealign ppo --prompts` reads."""
     import datasets
 
-    directory = root / "prompts"
+    directory = root / name
     if (directory / "phase3_prompts" / "dataset_dict.json").is_file():
         return directory
     texts = prompt_texts(train + evaluation, seed=0)
@@ -167,6 +167,8 @@ def ppo_config(spec: dict[str, Any]) -> Any:
             "reuse_first_forward": "none",
             "sample_every_iterations": 0,
             "actor_lora": lora,
+            # pinned: auto would pick the compiled engine on a GPU, and a path's figures would change meaning
+            "rollout": {"engine": spec.get("engine", "hf")},
         }
     )
 
@@ -198,10 +200,49 @@ def job_rollout(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
 
         return once
 
-    progress.update(rollout_path=check.path, rollout_notes=check.notes)
+    progress.update(rollout_path=check.path, rollout_engine=models.engine, rollout_notes=check.notes)
     for b in sorted(spec["batches"]):  # the smaller first: a failure at the larger keeps its figures
         progress.add(measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
-    return {}
+    small = min(spec["batches"])
+    progress.update(against_hf_eager=against_hf_eager(models, cfg, ids[:small], mask[:small], spec))
+    return {"compiled_graphs": compiled_graphs()}
+
+
+def compiled_graphs() -> int:
+    """The graphs torch.compile made in this process: more than 0 shows that the compiled engine compiled."""
+    import torch
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def against_hf_eager(models: Any, cfg: Any, ids: Any, mask: Any, spec: dict[str, Any]) -> dict[str, Any]:
+    """The rollout engine against HF eager on the same weights, at the smaller batch's shapes (a compiled engine
+    is compiled for them already): the mean and max |log-prob difference| of a sampled rollout's tokens between
+    what the engine recorded (rl.rollout.SampledLogprobs, the mismatch correction's denominator) and HF eager's
+    full forward (rl.experience.model_logprobs, the trainer's), and the greedy tokens (top-k 1) against HF
+    eager's greedy generation, with the reference's top-2 margin at the first mismatch (bf16 near-ties of
+    random weights are likely over 256 tokens)."""
+    import torch
+
+    from kubealign.rl import experience, losses
+    from kubealign.rl.rollout import SampledLogprobs, generate
+
+    full = cfg.model_copy(update={"max_new_tokens": spec["new_tokens"]})
+    sampling = losses.Sampling.of(full)
+    torch.manual_seed(1)
+    recorder = SampledLogprobs(sampling)
+    batch = generate(models, ids, mask, full, recorder)
+    eos = models.tokenizer.eos_token_id
+    attention, response = experience.response_masks(batch.input_ids, mask, batch.response_start_idx, eos)
+    module = models.actor.module
+    with torch.no_grad():
+        trainer = experience.model_logprobs(module, batch.input_ids, attention, response, sampling)
+    gap = logprob_gap(recorder.actions(batch), trainer, response)
+    rollout = generate(models, ids, mask, full.model_copy(update={"top_k": 1})).input_ids[:, ids.shape[1] :]
+    with torch.no_grad():
+        reference, scores = greedy(module, ids, mask, spec["new_tokens"])
+    tokens = compare(rollout, reference, scores, tie=1e-4 if spec["dtype"] == "fp32" else 0.1)
+    return {"batch": int(ids.shape[0]), **gap, **tokens}
 
 
 def hf_generate(directory: Path, dtype: str, compiled: bool) -> Any:
@@ -305,8 +346,35 @@ def job_correctness(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     }
 
 
+@contextlib.contextmanager
+def iterations_only() -> Any:
+    """The ppo stage without what the iteration measurement does not time: its evaluations before and after
+    training (a rollout over the eval prompts each, and, for the compiled engine, a compilation for the eval
+    batch's shape: the stage keeps at most 32 eval prompts) and the export of the trained models (about 60 s at
+    OPT-1.3B + OPT-350M on the H200: gathering, hashing and saving some 7 GB; result.json is still written).
+    Every iteration runs exactly as in a real run."""
+    from kubealign.outputs import write_result
+    from kubealign.stages import ppo
+
+    evaluate, write_outputs = ppo.evaluate, ppo.write_outputs
+
+    def no_evaluation(*args: Any, **kwargs: Any) -> dict[str, float]:
+        return {"reward": 0.0, "kl": 0.0}
+
+    def result_only(models: Any, cfg: Any, ema: Any, output: Path, result: dict[str, Any]) -> None:
+        output.mkdir(parents=True, exist_ok=True)
+        write_result(output, **result)
+
+    ppo.evaluate, ppo.write_outputs = no_evaluation, result_only
+    try:
+        yield
+    finally:
+        ppo.evaluate, ppo.write_outputs = evaluate, write_outputs
+
+
 def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off."""
+    """Item 3: the real ppo stage (kubealign.stages.ppo.run) on the opt-1.3b-1gpu preset, tracking off, its
+    evaluations and model export left out (iterations_only)."""
     import resource
 
     import torch
@@ -317,14 +385,11 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
     config = load_config(REPO / "configs" / "opt-1.3b-1gpu.yaml", spec["overrides"])
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")):
+    with tempfile.TemporaryDirectory() as tmp, forced_path(spec.get("path")), iterations_only():
         result = ppo.run(
             config, Path(spec["prompts"]), Path(spec["actor"]), Path(spec["critic"]), None, Path(tmp) / "ppo"
         )
     history = result["history"][1:] or result["history"]  # the first iteration holds one-time warm-up
-    keys = ("generation_time_s", "experience_time_s", "training_time_s", "samples_per_s", "response_length")
-    mean = {k: sum(h[k] for h in history) / len(history) for k in keys}
-    total = sum(mean[k] for k in keys[:3])
     peak = {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
     if torch.cuda.is_available():
         peak.update(
@@ -333,11 +398,16 @@ def job_iteration(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
         )
     return {
         "rollout_path": result["rollout_path"],
+        "rollout_engine": result.get("rollout_engine"),
         "rollout_notes": result["rollout_notes"],
+        "generation_batch_size": config.ppo.generation_batch_size,
+        "micro_batch_size": config.ppo.micro_batch_size,
+        # the first iteration, left out of the means: the compiled engine compiles its decode step in it
+        "first_iteration_generation_s": result["history"][0]["generation_time_s"],
+        "evaluation_and_export": "left out (gpu_jobs.iterations_only)",
         "iterations": len(result["history"]),
         "iterations_averaged": len(history),
-        "per_iteration_mean": mean,
-        "time_share": {k.removesuffix("_time_s"): mean[k] / total for k in keys[:3]},
+        **iteration_figures(history),
         "history": result["history"],
         "wall_time_s": result["metrics"]["wall_time_s"],
         **peak,
@@ -420,117 +490,3 @@ def child(spec_file: str) -> None:
         result = {**progress.data, **failure(exc)}
     progress.data = result
     progress.write()
-
-
-def job_legacy(spec: dict[str, Any], progress: Progress) -> dict[str, Any]:
-    """DeepSpeedHybridEngine with kernel injection, as DeepSpeed-Chat drives it (engine.eval(), then
-    module.generate), at one ZeRO stage with or without enable_cuda_graph and ONE batch size: DeepSpeed's
-    inference workspace is sized at the engine's first forward and never grows, so each batch size gets a
-    fresh process and engine (gpu_plan.legacy_cases). Speed, then (spec["correctness"]) 3 training steps
-    and greedy tokens against HF eager generation from the same (gathered) weights."""
-    import torch
-    import transformers
-
-    from kubealign.training import oplocks
-
-    # A JIT build of an op killed at an earlier case's timeout leaves its lock, on which this process would
-    # wait forever: cleared first (as every stage does through oplocks.guard), then watched while DeepSpeed
-    # loads or builds its ops (below).
-    progress.update(stale_locks_removed=[p.parent.name for p in oplocks.clear_stale()])
-    progress.update(transformers=transformers.__version__, deepspeed=version("deepspeed"))
-    # Imported before the CUDA check: a dry run on CPU proves the side environment loads DeepSpeed's
-    # injection policies beside this transformers before any GPU time is spent on it.
-    import deepspeed
-    from deepspeed.module_inject.replace_policy import replace_policies
-
-    progress.update(injection_policies=len(replace_policies))
-    if not torch.cuda.is_available():
-        return {"status": NEEDS_CUDA}
-    from transformers import AutoModelForCausalLM
-
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    deepspeed.init_distributed(dist_backend="nccl", verbose=False)
-    torch.manual_seed(0)
-    config = hf_config(spec["shape"])
-    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
-    block = {
-        "enabled": True,
-        "max_out_tokens": 512,
-        "inference_tp_size": 1,
-        "release_inference_cache": False,
-        "pin_parameters": True,
-        "tp_gather_partition_size": 8,
-        "enable_cuda_graph": spec["cuda_graph"],
-    }
-    ds = {
-        "train_micro_batch_size_per_gpu": 4,
-        "train_batch_size": 4,
-        "bf16": {"enabled": True},
-        "zero_optimization": {"stage": spec["zero"]},
-        "hybrid_engine": block,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
-        "steps_per_print": 10**9,
-    }
-    start = time.perf_counter()
-    with oplocks.guard():  # loads (or, without the prebuilt ops, JIT-builds) fused_adam, transformer_inference
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds)
-    progress.update(
-        init_s=time.perf_counter() - start,
-        injected_layers=len(engine._inference_containers),
-        cuda_graphs=getattr(engine, "_decode_graphs", None) is not None,
-    )
-    ids, mask = random_prompts(max(spec["batches"]), spec["prompt_len"], spec["shape"]["vocab_size"], "cuda")
-    engine.eval()
-
-    def run(batch: int) -> Any:
-        def once(n: int) -> Any:
-            return engine.module.generate(
-                input_ids=ids[:batch],
-                attention_mask=mask[:batch],
-                do_sample=True,
-                top_k=0,
-                max_new_tokens=n,
-                min_new_tokens=n,
-                pad_token_id=SPECIAL["pad"],
-                eos_token_id=SPECIAL["eos"],
-            )
-
-        return once
-
-    for b in spec["batches"]:
-        progress.add(measure(run(b), b, spec["prompt_len"], spec["new_tokens"], spec["reps"]))
-    if spec.get("correctness"):
-        progress.update(correctness=legacy_correctness(engine, config, spec))
-    return {}
-
-
-def legacy_correctness(engine: Any, config: Any, spec: dict[str, Any]) -> dict[str, Any]:
-    import deepspeed
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    c = spec["correctness"]
-    engine.train()
-    for step in range(c["updates"]):  # LM steps on random sequences: the weights move away from the initial ones
-        seq, _ = random_prompts(4, c["prompt_len"] + c["new_tokens"], spec["shape"]["vocab_size"], "cuda", seed=step)
-        engine.backward(engine(input_ids=seq, labels=seq).loss)
-        engine.step()
-    ids, mask = random_prompts(c["batch"], c["prompt_len"], spec["shape"]["vocab_size"], "cuda", seed=99)
-    engine.eval()
-    with torch.no_grad():
-        out = engine.module.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            do_sample=False,
-            max_new_tokens=c["new_tokens"],
-            pad_token_id=SPECIAL["pad"],
-            eos_token_id=SPECIAL["eos"],
-        )
-    engine.train()
-    reference = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=None), torch.no_grad():
-        reference.load_state_dict({k: v.detach().clone() for k, v in engine.module.state_dict().items()})
-    with torch.no_grad():
-        expected, scores = greedy(reference, ids, mask, c["new_tokens"])
-    return compare(out[:, ids.shape[1] :], expected, scores, tie=0.1)

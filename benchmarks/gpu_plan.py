@@ -29,6 +29,9 @@ SESSION_BUDGET_S = 900.0
 # (an H200: held_s minus the command's wall_s), written down as 180 before any GPU session; kept with margin.
 MACHINE_START_S = 45.0
 HEADLINE_BUDGET_S = 600.0
+# Between two calls of a session's plan the machine waits, warm, for the next call (and after the last for the
+# give-back): the reply read and the next call made at once, written down as 10 s each.
+CALL_GAP_S = 10.0
 # A case is killed at this multiple of its estimate (or at the call's deadline, whichever comes first).
 TIMEOUT_FACTOR = 2.0
 
@@ -38,14 +41,33 @@ TIMEOUT_FACTOR = 2.0
 # Each includes its process's start (python, torch, transformers and DeepSpeed imports: ~15 s) and its
 # model / engine builds. Shapes: OPT-1.3B (or the 1.3B Llama) in bf16, prompt 256, 256 new tokens, a
 # warm-up plus 2 timed runs and 2 prefills per batch; correctness 3 PPO updates at batch 4, 32 + 32 tokens;
-# iteration 4 ppo-stage iterations at the preset's batch 4, 256 + 256 tokens.
+# iteration 4 ppo-stage iterations at the case's generation batch (the preset's 4 unless named), 256 + 256 tokens.
 # First written without a GPU; every record keeps `estimate_s` beside the measured `case_s`. The first GPU
 # run (2026-11-27, one H200, docs/gpu.md) measured hf-eager 52 s (60 estimated), kubealign-he-z2 57 (100),
 # correctness kubealign-he-z2 96 (75), iteration z2-lora 138 (90) and z2-full over 106 (killed at the call's
-# deadline, 90 estimated): those are the figures below (z2-full at z2-lora's plus its full-model optimizer).
-# The cases not yet run are rescaled by their measured neighbour: the rollout cases (kubealign-engine-z2,
-# -he-z3) as -he-z2 (x 0.57), correctness x 1.28, iteration at ZeRO 3 x 1.53; the HF compile and legacy
-# cases keep the figures written without a GPU.
+# deadline, 90 estimated); the second (2026-11-28) z2-full 131 (150). The cases not yet run are rescaled by their
+# measured neighbour: the rollout cases (kubealign-engine-z2, -he-z3) as -he-z2 (x 0.57), correctness x 1.28;
+# the HF compile and legacy cases keep the figures written without a GPU.
+# Issue 74 (2026-12, no GPU; the scaling is written out so that a GPU run can correct each step):
+# * kubealign rollout paths: + 8 s for the check against HF eager (gpu_jobs.against_hf_eager at batch 16: a
+#   sampled rollout, one full forward, one greedy rollout and HF eager's greedy generation, 256 steps each at
+#   about 10 ms a step eager); -he-z3 + 14 (its eager steps gather ZeRO-3 shards).
+# * kubealign-compiled-z2: -he-z2's 57 less its eager decoding (5 runs a batch x 2.6 s x 2 batches, 26 s) plus
+#   two compilations of the decode step (COMPILE_S: batch 16, then 64 recompiles), its compiled runs (~10 s)
+#   and the check (8 s): 57 - 26 + 70 + 50 + 10 + 8 = 169, written 175.
+# * iteration: the measured case times less what gpu_jobs.iterations_only leaves out: the export (case_s less
+#   the stage's wall time less ~15 s of process start: 138 - 49 - 15 = 74 for z2-lora, 131 - 45 - 15 = 71 for
+#   z2-full; ITERATION_EXPORT_S = 60 taken, leaving margin) and the two evaluations (one rollout each at the
+#   preset's batch 4: 2 x 3.3 s, written 7): z2-lora 138 - 67 = 71, z2-full 150 - 67 = 83, ZeRO 3 199 - 67 = 132.
+# * a larger generation batch (micro batch kept at the preset's 4): 4 iterations of generation + experience +
+#   training, scaled from z2-lora's measured means (3.24 s generation at batch 4 with 256 decode steps, 0.07 s
+#   experience and 0.31 s training per 4 samples) with the decode step from the generation table (about the
+#   same ms at batch 16, +17 % at 64): an iteration 3.6 s at gb 4, 4.9 s at gb 16 (3.4 + 0.28 + 1.25), 10.1 s
+#   at gb 64 (4.0 + 1.1 + 5.0); gb16 71 + 4 x 1.3 = 76, written 78; gb64 71 + 4 x 6.5 = 97, written 98.
+# * the compiled engine in the iteration: the case's hf figure plus one compilation per batch shape (70 s, the
+#   evaluation's shapes left out) less its decode time saved (5 x 256 steps at ~10 ms against ~3 ms:
+#   DeepSpeed PR #8271 measured OPT-1.3B graph-captured at 2.8 ms a step): gb16 78 + 70 - 10 = 138, gb64
+#   98 + 70 - 12 = 156, written 158.
 ESTIMATES_S: dict[str, dict[str, Any]] = {
     "generation": {
         # one process for both batches (16, then 64): HF eager ~20 ms a decode step, 3 x 256 steps a batch
@@ -54,10 +76,11 @@ ESTIMATES_S: dict[str, dict[str, Any]] = {
         # full length and again for the 1-token prefill's cache size, from an empty cache
         "hf-static-compile": (200, 200),
         # one process for both batches: the four models of the ppo stage built by DeepSpeed, then kubealign's
-        # rollout; ZeRO-3 gathers the partitioned weights for generation
-        "kubealign-engine-z2": 57,
-        "kubealign-he-z2": 57,
-        "kubealign-he-z3": 86,
+        # rollout; ZeRO-3 gathers the partitioned weights for generation; then the check against HF eager
+        "kubealign-engine-z2": 65,
+        "kubealign-he-z2": 65,
+        "kubealign-compiled-z2": 175,
+        "kubealign-he-z3": 100,
         # one process per batch size (DeepSpeed's inference workspace is sized at the first forward); the
         # smaller batch's process also trains 3 steps and checks greedy tokens (the legacy correctness)
         "legacy-he-injected-z2": (75, 55),
@@ -70,15 +93,40 @@ ESTIMATES_S: dict[str, dict[str, Any]] = {
         "kubealign-he-z2-lora": 102,
         "kubealign-he-z3": 128,
     },
-    "iteration": {"z2-lora": 138, "z2-full": 150, "z3-lora": 199, "z3-full": 199},
+    "iteration": {
+        "z2-lora": 71,
+        "z2-full": 83,
+        "z3-lora": 132,
+        "z3-full": 132,
+        "z2-lora-gb16": 78,
+        "z2-lora-gb64": 98,
+        "z2-lora-compiled-gb16": 138,
+        "z2-lora-compiled-gb64": 158,
+    },
 }
+# The scaling's inputs above, kept as names (docs/gpu.md cites them): one torch.compile of OPT-1.3B's decode step
+# with CUDA graphs from an empty cache, 16 CPU cores (not measured: transformers' static-cache compile of 1-2B
+# models takes about a minute), and what the export of the trained models took in a measured iteration case.
+COMPILE_S = 70.0
+ITERATION_EXPORT_S = 60.0
 # The fixed part of a call on a fresh machine: run.sh installing the carried wheels and checking that they
 # and the prebuilt ops import; gpu_rollout.py's own start (imports, the environment, the bandwidth copy);
 # each model dir (random weights saved as safetensors) and the prompt split, built once per machine.
 # Measured on the H200 (2026-11-27): run.sh 23-24 s on a fresh machine, 10-13 s warm; gpu_rollout.py's start
 # 3-4 s to its first line, then its setup 16 s with both OPT dirs to build, 10 s with none (the Llama dir and
 # the prompt split: not measured apart).
-SETUP_S = {"run.sh": 25, "process": 14, "opt-1.3b": 5, "opt-350m": 2, "llama-1.3b": 5, "prompts": 5}
+# One prompt split per generation batch (gpu_jobs.write_prompts: its eval split the batch's size, so that the
+# stage's evaluation batch is the training one): "prompts" for the preset's 4, "prompts-gb16", "prompts-gb64".
+SETUP_S = {
+    "run.sh": 25,
+    "process": 14,
+    "opt-1.3b": 5,
+    "opt-350m": 2,
+    "llama-1.3b": 5,
+    "prompts": 5,
+    "prompts-gb16": 5,
+    "prompts-gb64": 5,
+}
 # run.sh on a warm machine: the wheels are installed (its .installed marker), only the import checks run
 RUN_SH_WARM_S = 13.0
 # `run.sh tests` (pytest -m gpu: tests/stages/test_gpu_ppo.py after the module's split / sft / reward fixture):
@@ -99,7 +147,30 @@ CORRECTNESS = (
     ("kubealign-he-z2-lora", "he-plain", 2, True),
     ("kubealign-engine-z2", "engine", 2, False),
 )
-ITERATION = (("z2-lora", 2, True), ("z2-full", 2, False), ("z3-lora", 3, True), ("z3-full", 3, False))
+# name, actor ZeRO stage, LoRA actor, generation batch on a GPU, ppo.rollout.engine
+ITERATION = (
+    ("z2-lora", 2, True, 4, "hf"),
+    ("z2-full", 2, False, 4, "hf"),
+    ("z3-lora", 3, True, 4, "hf"),
+    ("z3-full", 3, False, 4, "hf"),
+    ("z2-lora-gb16", 2, True, 16, "hf"),
+    ("z2-lora-gb64", 2, True, 64, "hf"),
+    ("z2-lora-compiled-gb16", 2, True, 16, "compiled"),
+    ("z2-lora-compiled-gb64", 2, True, 64, "compiled"),
+)
+# A generation batch of a GPU run and the one a dry run takes for it (at tiny shapes on a CPU): the same cases.
+DRY_GENERATION_BATCH = {4: 2, 16: 4, 64: 8}
+
+
+def prompts_name(generation_batch: int) -> str:
+    """The prompt split a case at this (GPU) generation batch reads: SETUP_S's keys, built once per machine."""
+    return "prompts" if generation_batch == 4 else f"prompts-gb{generation_batch}"
+
+
+def prompts_batch(name: str, dry: bool) -> int:
+    """The generation batch of a prompt split named by prompts_name, on a GPU or in a dry run."""
+    batch = 4 if name == "prompts" else int(name.removeprefix("prompts-gb"))
+    return DRY_GENERATION_BATCH[batch] if dry else batch
 
 
 @dataclass
@@ -167,6 +238,7 @@ def generation_cases(args: argparse.Namespace, cuda: bool) -> list[Case]:
                 spec = {
                     "job": "rollout",
                     "path": "engine" if "engine" in path else "he-plain",
+                    "engine": "compiled" if "compiled" in path else "hf",
                     "zero": int(path[-1]),
                     "batch": max(s["batches"]),
                     "batches": s["batches"],
@@ -252,7 +324,7 @@ def correctness_cases(args: argparse.Namespace) -> list[Case]:
 
 def iteration_cases(args: argparse.Namespace) -> list[Case]:
     it = settings(args.dry)["iteration"]
-    batch = it["batch"] or 4  # the preset's generation_batch_size (4) unless dry
+    micro = it["batch"] or 4  # the preset's micro_batch_size (4) unless dry
     common = [
         "tracking.enabled=false",
         f"ppo.num_iterations={it['iterations']}",
@@ -260,28 +332,33 @@ def iteration_cases(args: argparse.Namespace) -> list[Case]:
         "ppo.save_every_iterations=0",
         f"ppo.max_prompt_len={it['prompt_len']}",
         f"ppo.max_new_tokens={it['new_tokens']}",
-        f"ppo.generation_batch_size={batch}",
-        f"ppo.micro_batch_size={batch}",
+        f"ppo.micro_batch_size={micro}",
     ]
     if args.dry:  # no fp16 on a CPU; a LoRA rank that fits width 64
         common += ["ppo.dtype=fp32", "ppo.actor_lora.r=8", "ppo.actor_lora.alpha=8"]
     cases = []
-    for name, zero, lora in ITERATION:
-        overrides = [*common, f"ppo.actor_zero_stage={zero}", f"ppo.critic_zero_stage={zero}"]
+    for name, zero, lora, gpu_batch, engine in ITERATION:
+        batch = DRY_GENERATION_BATCH[gpu_batch] if args.dry else gpu_batch
+        overrides = [
+            *common,
+            f"ppo.generation_batch_size={batch}",
+            f"ppo.rollout.engine={engine}",  # pinned: auto picks the compiled engine on a GPU
+            f"ppo.actor_zero_stage={zero}",
+            f"ppo.critic_zero_stage={zero}",
+        ]
         overrides += [] if lora else ["ppo.actor_lora.r=0", "ppo.actor_lora.only_lora=false"]
         fields = {"variant": name, "preset": "configs/opt-1.3b-1gpu.yaml", "overrides": overrides}
+        prompts = prompts_name(gpu_batch)
         spec = {
             "job": "iteration",
             "overrides": overrides,
-            "prompts": "prompts",
+            "prompts": prompts,
             "actor": "opt-1.3b",
             "critic": "opt-350m",
             "path": args.iteration_path,
         }
         cases.append(
-            Case(
-                "iteration", name, estimate("iteration", name), fields, spec, models=("opt-1.3b", "opt-350m", "prompts")
-            )
+            Case("iteration", name, estimate("iteration", name), fields, spec, models=("opt-1.3b", "opt-350m", prompts))
         )
     return cases
 

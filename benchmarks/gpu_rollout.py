@@ -57,7 +57,7 @@ from gpu_core import (  # noqa: E402
     slug,
 )
 from gpu_jobs import build_dir, child, log_event, run_job, subprocess_job, write_prompts  # noqa: E402
-from gpu_plan import Case, plan, setup_s, timeout_s  # noqa: E402
+from gpu_plan import Case, plan, prompts_batch, setup_s, timeout_s  # noqa: E402
 
 
 def command_line(argv: list[str], out: Path) -> str:
@@ -132,10 +132,10 @@ def setup(cases: list[Case], work: Path, dry: bool) -> dict[str, str]:
     for name in ("opt-1.3b", "llama-1.3b", "opt-350m"):
         if name in needed:
             dirs[name] = str(build_dir(name, "score" if name == "opt-350m" else "causal", work, dry))
-    if "prompts" in needed:
-        it = settings(dry)["iteration"]
-        batch = it["batch"] or 4  # the preset's generation_batch_size (4) unless dry
-        dirs["prompts"] = str(write_prompts(work, train=batch * it["iterations"] * 2, evaluation=batch))
+    for name in sorted(n for n in needed if n.startswith("prompts")):
+        # enough for every iteration twice over; the eval split one batch (the stage keeps at most 32 prompts)
+        batch, iterations = prompts_batch(name, dry), settings(dry)["iteration"]["iterations"]
+        dirs[name] = str(write_prompts(work, train=batch * iterations * 2, evaluation=batch, name=name))
     return dirs
 
 
@@ -215,7 +215,7 @@ def lines(case: Case, result: dict[str, Any], rec: Record, dry: bool) -> list[di
     measured = result.pop("cases", None) or []
     status = result.get("status")
     if case.measurement == "iteration" and status == "ok":
-        result["dschat_epoch"] = dschat_epoch(result["per_iteration_mean"]["samples_per_s"], not dry)
+        result["dschat_epoch"] = dschat_epoch(result["samples_per_s"], not dry)  # samples over time
     if case.measurement != "generation":
         return [result]
     shape = (DRY_SHAPES if dry else SHAPES)[case.fields["model"]]

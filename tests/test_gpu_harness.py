@@ -84,6 +84,31 @@ def test_compare_finds_the_first_mismatching_step_and_its_margin():
     assert same["greedy_equal"] and same["first_mismatch"] is None and not same["near_tie"]
 
 
+def test_logprob_gap_counts_only_response_actions_by_hand():
+    recorded = torch.tensor([[0.0, -1.0, -2.0, -0.5], [0.0, 0.0, -3.0, -9.0]])
+    trainer = torch.tensor([[7.0, -1.5, -2.0, -0.25], [5.0, 0.0, -2.0, 0.0]])
+    response = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 0]])  # row 1's last action is past its EOS: not counted
+    gap = gpu_core.logprob_gap(recorded, trainer, response)
+    # |diffs| over the response: 0.5, 0, 0.25 (row 0), 1.0 (row 1); the prompt's 7 and 5 and the 9 left out
+    assert gap == {"logprob_diff_mean": pytest.approx(1.75 / 4), "logprob_diff_max": 1.0, "logprob_tokens": 4}
+    assert gpu_core.logprob_gap(None, trainer, response)["logprob_diff_mean"] is None  # the engine recorded none
+
+
+def test_iteration_figures_are_samples_over_time_by_hand():
+    # 2 s + 1 s + 1 s at 4 samples/s (16 samples), then 1 + 0.5 + 0.5 s at 8 samples/s (16 samples)
+    history = [
+        {"generation_time_s": 2.0, "experience_time_s": 1.0, "training_time_s": 1.0, "samples_per_s": 4.0},
+        {"generation_time_s": 1.0, "experience_time_s": 0.5, "training_time_s": 0.5, "samples_per_s": 8.0},
+    ]
+    for h in history:
+        h["response_length"] = 8.0
+    found = gpu_core.iteration_figures(history)
+    assert found["samples_per_s"] == pytest.approx(32 / 6)  # not the mean of the rates (6)
+    assert found["generation_share"] == pytest.approx(3 / 6)
+    assert found["per_iteration_mean"]["training_time_s"] == pytest.approx(0.75)
+    assert found["time_share"] == pytest.approx({"generation": 0.5, "experience": 0.25, "training": 0.25})
+
+
 def test_data_sheet_bandwidth_matches_a_variant_before_its_family():
     assert gpu_core.spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12
     assert gpu_core.spec_bandwidth("NVIDIA H100 NVL") == 3.9e12
@@ -179,15 +204,27 @@ def test_dry_generation_times_each_path_or_says_why_not(dry):
     record = dry["generation"]
     assert record["roofline"]["spec_Bps"] is None and record["roofline"]["used_Bps"] > 0  # CPU: a measured copy
     opt = by_path(record, "opt-1.3b")
-    for path, rollout_path in (("hf-eager", None), ("kubealign-engine-z2", "engine"), ("kubealign-he-z2", "he-plain")):
+    paths = (
+        ("hf-eager", None, None),
+        ("kubealign-engine-z2", "engine", "hf"),
+        ("kubealign-he-z2", "he-plain", "hf"),
+        ("kubealign-compiled-z2", "he-plain", "compiled"),
+    )
+    for path, rollout_path, engine in paths:
         assert [c["batch"] for c in opt[path]] == [2, 3]  # one process, the smaller batch first
         for case in opt[path]:
             assert case["status"] == "ok" and case.get("rollout_path") == rollout_path, case
+            assert case.get("rollout_engine") == engine, case
             # (full - prefill) / 7 decode steps; its sign is noise at 8 tiny tokens on a shared CPU
             step_ms = (case["full_s"] - case["prefill_s"]) / 7 * 1e3
             assert case["generated_tokens"] == 8 and case["ms_per_decode_step"] == pytest.approx(step_ms)
             assert case["full_s"] > 0 and case["prefill_s"] > 0 and case["ms_per_decode_step"] != 0
             assert case["roofline_fraction"] == pytest.approx(case["min_step_ms"] / case["ms_per_decode_step"])
+    for path, _, _ in paths[1:]:  # each rollout engine against HF eager at the smaller batch, fp32: exact
+        found = opt[path][0]["against_hf_eager"]
+        assert found["batch"] == 2 and found["logprob_tokens"] == 2 * 8 and found["logprob_diff_max"] < 1e-4
+        assert found["greedy_equal"] and found["compared_tokens"] == 2 * 8
+    assert opt["kubealign-compiled-z2"][0]["compiled_graphs"] > 0  # the compiled engine did compile
     # a case per batch, named by the GPU's batch size
     assert [(c["case"], c["status"]) for c in opt["hf-static-compile"]] == [
         ("hf-static-compile-b16", "skipped: needs CUDA"),
@@ -223,14 +260,31 @@ def test_dry_correctness_passes_each_training_path(dry):
 
 def test_dry_iteration_runs_the_ppo_stage_at_each_variant(dry):
     record = dry["iteration"]
-    assert [c["variant"] for c in record["cases"]] == ["z2-lora", "z2-full", "z3-lora", "z3-full"]
+    assert [c["variant"] for c in record["cases"]] == [
+        "z2-lora",
+        "z2-lora-gb16",
+        "z2-full",
+        "z2-lora-gb64",
+        "z3-lora",
+        "z3-full",
+        "z2-lora-compiled-gb16",
+        "z2-lora-compiled-gb64",
+    ]
     assert [c["estimate_s"] for c in record["cases"]] == sorted(c["estimate_s"] for c in record["cases"])
     for case in record["cases"]:
         assert case["status"] == "ok" and case["rollout_path"] == "he-plain", case
+        # the GPU's generation batch 4 / 16 / 64 is the dry run's 2 / 4 / 8, the micro batch the preset's (dry: 2)
+        gpu_batch = int(case["variant"].rsplit("-gb", 1)[1]) if "-gb" in case["variant"] else 4
+        assert case["generation_batch_size"] == gpu_plan.DRY_GENERATION_BATCH[gpu_batch]
+        assert case["micro_batch_size"] == 2
+        assert f"ppo.generation_batch_size={case['generation_batch_size']}" in case["overrides"]
+        assert case["rollout_engine"] == ("compiled" if "compiled" in case["variant"] else "hf")
         assert case["iterations"] == 2 and case["iterations_averaged"] == 1
+        assert case["evaluation_and_export"].startswith("left out")
         assert sum(case["time_share"].values()) == pytest.approx(1.0)
-        mean = case["per_iteration_mean"]
-        assert case["dschat_epoch"]["hours"] == pytest.approx(131_900 / mean["samples_per_s"] / 3600)
+        assert case["generation_share"] == pytest.approx(case["time_share"]["generation"])
+        assert case["samples_per_s"] == pytest.approx(case["per_iteration_mean"]["samples_per_s"])  # one averaged
+        assert case["dschat_epoch"]["hours"] == pytest.approx(131_900 / case["samples_per_s"] / 3600)
         assert not case["dschat_epoch"]["comparable"] and case["peak_rss_bytes"] > 0
 
 
@@ -384,8 +438,57 @@ def test_each_documented_call_fits_its_budget_cheapest_first():
 
 
 def test_a_warm_call_pays_for_the_model_dirs_it_still_needs_and_not_for_run_sh_s_installs():
-    cases = gpu_plan.plan(gpu_rollout.parse(["iteration", "--only", "z2-*"]), cuda=True)
+    cases = gpu_plan.plan(gpu_rollout.parse(["iteration", "--only", "z2-lora,z2-full"]), cuda=True)
     assert gpu_plan.models_built(cases) == {"opt-1.3b", "opt-350m", "prompts"}
-    assert gpu_plan.call_estimate(cases) == 25 + 14 + 5 + 2 + 5 + 138 + 150  # a machine just started
+    assert gpu_plan.call_estimate(cases) == 25 + 14 + 5 + 2 + 5 + 71 + 83  # a machine just started
     # after a call that built the actor and critic dirs: run.sh's import checks only, and the prompt split
-    assert gpu_plan.call_estimate(cases, built=frozenset({"opt-1.3b", "opt-350m"})) == 13 + 14 + 5 + 138 + 150
+    assert gpu_plan.call_estimate(cases, built=frozenset({"opt-1.3b", "opt-350m"})) == 13 + 14 + 5 + 71 + 83
+    # a larger generation batch reads a prompt split of its own, built once
+    wider = gpu_plan.plan(gpu_rollout.parse(["iteration", "--only", "z2-lora-gb16,z2-lora-compiled-gb16"]), cuda=True)
+    assert gpu_plan.models_built(wider) == {"opt-1.3b", "opt-350m", "prompts-gb16"}
+    assert gpu_plan.call_estimate(wider, built=gpu_plan.models_built(cases)) == 13 + 14 + 5 + 78 + 138
+
+
+def session_calls() -> list[tuple[str, str, str, str, str]]:
+    """docs/gpu.md's plan of the next GPU session (issue 74): call, DEADLINE_S, command, timeout_s, estimate."""
+    text = (REPO / "docs" / "gpu.md").read_text()
+    pattern = r"^\| (\d+) \| `DEADLINE_S=(\d+) bash benchmarks/gpu/run\.sh ([^`]+)` \| (\d+) \| (\d+) s \|"
+    return re.findall(pattern, text, re.M)
+
+
+def test_the_next_session_s_calls_fit_its_device_time():
+    """Issue 74's session, as docs/gpu.md plans it: call 1 on a machine just started, each later one right after
+    on the warm machine (run.sh's installs done, the model dirs and prompt splits built). Each call's estimate
+    (recomputed from gpu_plan.ESTIMATES_S) is stated as the docs state it and fits its DEADLINE_S, and its
+    timeout_s is 30 s above that, inside the device's 600 s. Even with every call running to its deadline, the
+    machine's start, the calls and the waits between them fit the session's 900 s. It measures what the issue
+    asks: the iteration at generation batch 4, 16 and 64 on the hf engine, the compiled engine's decode against
+    the hf engine's, and the iteration with the compiled engine."""
+    calls = session_calls()
+    assert [int(n) for n, *_ in calls] == list(range(1, len(calls) + 1)) and len(calls) == 3
+    built, deadlines, ran = frozenset(), 0, []
+    for number, deadline, command, timeout, stated in calls:
+        cases = gpu_plan.plan(gpu_rollout.parse(shlex.split(command)), cuda=True)
+        assert cases and all(c.spec is not None for c in cases), command
+        assert [c.estimate_s for c in cases] == sorted(c.estimate_s for c in cases), command
+        total = gpu_plan.call_estimate(cases, built=built)
+        built |= gpu_plan.models_built(cases)
+        assert int(stated) == round(total), f"call {number}: docs say {stated} s, the plan {total:.0f} s"
+        assert total <= int(deadline) and int(timeout) == int(deadline) + 30 <= 600, f"call {number}"
+        deadlines += int(deadline)
+        ran += cases
+    budget = gpu_plan.MACHINE_START_S + deadlines + len(calls) * gpu_plan.CALL_GAP_S
+    assert budget <= gpu_plan.SESSION_BUDGET_S, f"{budget:.0f} s"
+    found = {
+        (option(c, "ppo.rollout.engine"), int(option(c, "ppo.generation_batch_size")))
+        for c in ran
+        if c.measurement == "iteration"
+    }
+    assert {("hf", 4), ("hf", 16), ("hf", 64)} <= found and any(engine == "compiled" for engine, _ in found)
+    generation = {(c.name, c.spec["engine"], tuple(c.spec["batches"])) for c in ran if c.measurement == "generation"}
+    assert {("kubealign-he-z2", "hf", (16, 64)), ("kubealign-compiled-z2", "compiled", (16, 64))} <= generation
+
+
+def option(case: gpu_plan.Case, key: str) -> str:
+    """The value a case's --set overrides give KEY."""
+    return next(o.split("=", 1)[1] for o in case.spec["overrides"] if o.startswith(f"{key}="))
