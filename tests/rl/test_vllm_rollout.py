@@ -35,6 +35,9 @@ LESSONS = [
 ]
 
 
+STARTED: dict[str, dict[str, bool]] = {}  # what each engine's start-up left of the trainer's process state
+
+
 @dataclass
 class Settings:
     vllm_memory: float = 0.3
@@ -49,9 +52,14 @@ def setup(request):
 
     path = tiny.ensure(request.param)
     tokenizer = AutoTokenizer.from_pretrained(path)
+    rng, set_num_threads = torch.get_rng_state(), torch.set_num_threads
     started = time.perf_counter()
     engine = VLLMRollout(str(path), tokenizer, "float32", seed=0, settings=Settings())
     seconds = time.perf_counter() - started
+    STARTED[request.param] = {
+        "rng kept": torch.equal(rng, torch.get_rng_state()),
+        "set_num_threads kept": torch.set_num_threads is set_num_threads,
+    }
     print(f"\nvLLM engine start-up ({request.param}): {seconds:.1f} s")
     yield engine, tokenizer, path
     del engine
@@ -181,6 +189,25 @@ def test_lora_adapter_is_merged_into_the_engines_weights(setup):
     assert responses(engine.generate(request, greedy())) != responses(batch)  # the adapter mattered
 
 
+def test_zero3_parameters_are_gathered_for_the_copy(setup, trained):
+    import copy
+
+    from kubealign.config.schema import SFTConfig
+    from kubealign.training import distributed
+    from kubealign.training import engine as engines
+
+    engine, tokenizer, path = setup
+    distributed.init()  # joins the process group the first engine made, as a trainer's would be joined
+    cfg = SFTConfig(zero_stage=3, micro_batch_size=2, learning_rate=1e-3, lr_scheduler="constant")
+    actor = engines.create(copy.deepcopy(trained), cfg, engines.ds_config(cfg, 1, cuda=False), total_steps=1)
+    assert all(p.numel() == 0 for p in actor.module.parameters())  # partitioned: nothing to copy ungathered
+    engine.load_weights(hf_model(path))  # the checkpoint's weights first
+    engine.load_weights(actor.module)
+    request = prompts(tokenizer)
+    assert torch.equal(engine.generate(request, greedy()).input_ids, hf_greedy(trained, tokenizer, request, 24))
+    assert all(p.numel() == 0 for p in actor.module.parameters())  # partitioned again after the copy
+
+
 # --- log-probs ----------------------------------------------------------------------------------------------
 
 
@@ -265,6 +292,21 @@ def test_sampling_repeats_under_the_same_seed(setup):
     assert responses(later) != responses(first)
     rows = responses(first)
     assert any(rows[i] != rows[i + 1] for i in range(0, len(rows), 2))  # a prompt's samples differ
+
+
+# --- the trainer's process --------------------------------------------------------------------------------
+
+
+def test_start_up_leaves_the_trainers_rng_and_threads_and_sleep_is_a_no_op_on_cpu(setup):
+    engine, tokenizer, path = setup
+    assert all(STARTED[next(a for a in STARTED if a in str(path))].values())
+    engine.load_weights(hf_model(path))
+    request = prompts(tokenizer)
+    awake = engine.generate(request, greedy(8))
+    engine.sleep()  # vLLM has no sleep mode on CPU: nothing happens
+    assert not engine.sleep_mode and not engine.asleep
+    engine.wake()
+    assert torch.equal(engine.generate(request, greedy(8)).input_ids, awake.input_ids)
 
 
 def test_vllm_names_drop_peft_wrappers():
