@@ -1,4 +1,4 @@
-"""A vLLM engine colocated in the trainer's process as the actor's rollout engine (issue 76), with the shape
+"""A vLLM engine colocated in the trainer's process as the actor's rollout engine, with the shape
 of DeepSpeed's rollout API (deepspeed.runtime.rollout): generate(RolloutRequest, SamplingConfig) returns a
 RolloutBatch laid out exactly as HybridEngineRollout's, and the log-prob vLLM sampled each response token with
 is kept in `last_logprobs` for the rollout-trainer mismatch correction (kubealign.rl.correction).
