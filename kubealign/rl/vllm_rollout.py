@@ -66,6 +66,23 @@ def _joins_process_group() -> bool:
 
 
 @contextlib.contextmanager
+def _default_group_kept() -> Iterator[None]:
+    """torch.distributed.destroy_process_group destroys the groups it is given and ignores calls for the
+    default group (vLLM's teardown asks for both) for the duration."""
+    destroy = torch.distributed.destroy_process_group
+
+    def subgroups_only(group: Any = None) -> None:
+        if group is not None:
+            destroy(group)
+
+    torch.distributed.destroy_process_group = subgroups_only
+    try:
+        yield
+    finally:
+        torch.distributed.destroy_process_group = destroy
+
+
+@contextlib.contextmanager
 def _trainer_state_kept() -> Iterator[None]:
     """vLLM's worker seeds torch's global RNG with its own seed and, on CPU, replaces torch.set_num_threads
     with a no-op (it binds its OpenMP threads once): both are the trainer's, so both are put back."""
@@ -230,6 +247,16 @@ class VLLMRollout:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down (its worker, KV cache and vLLM's own process groups) and keep torch.distributed's
+        default group, which vLLM's teardown would destroy too: it is the trainer's (DeepSpeed caches groups
+        made from it), torn down by the trainer's own shutdown. Left to interpreter exit, vLLM's teardown
+        would run after the trainer's and fail on groups already gone. The ranks meet at a barrier first."""
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            torch.distributed.barrier()
+        with _default_group_kept():
+            self.llm.llm_engine.engine_core.shutdown()
 
 
 def _repack_tied(model: torch.nn.Module) -> int:

@@ -62,7 +62,7 @@ def setup(request):
     }
     print(f"\nvLLM engine start-up ({request.param}): {seconds:.1f} s")
     yield engine, tokenizer, path
-    del engine
+    engine.close()  # the next architecture's engine starts in a process without vLLM's groups
 
 
 @pytest.fixture(scope="module")
