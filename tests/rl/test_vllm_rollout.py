@@ -208,6 +208,22 @@ def test_zero3_parameters_are_gathered_for_the_copy(setup, trained):
     assert all(p.numel() == 0 for p in actor.module.parameters())  # partitioned again after the copy
 
 
+def test_two_ranks_each_with_an_engine_in_the_trainers_process_group():
+    """torchrun with 2 ranks (tests/rl/vllm_ranks.py): ZeRO-3 gathered across ranks, each rank's own engine."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    torchrun = Path(sys.executable).parent / "torchrun"
+    command = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "tests.rl.vllm_ranks"]
+    done = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank} of 2: partitioned True, greedy equal True" in done.stdout, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 # --- log-probs ----------------------------------------------------------------------------------------------
 
 
