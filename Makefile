@@ -198,7 +198,7 @@ lock-tools:
 	mv $(TOOLS_LOCK).new $(TOOLS_LOCK) && rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(TRL_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(TOOLS) $(TRL_VENV) $(VLLM_VENV) runs build *.egg-info
 
 # Mutation testing of the PPO math and masking code ([tool.mutmut] in pyproject.toml). mutmut runs the
 # tests in its own process against a mutated copy of the package, so it must import everything the
