@@ -102,7 +102,7 @@ $(VLLM_VENV)/.installed: pyproject.toml $(LOCK_VLLM)
 	$(VLLM_VENV)/bin/pip install --disable-pip-version-check -q --no-deps -e .
 	touch $@
 test-vllm-rollout: $(VLLM_VENV)/.installed
-	$(VLLM_VENV)/bin/pytest -m vllm_rollout tests/rl/test_vllm_rollout.py
+	$(VLLM_VENV)/bin/pytest -m vllm_rollout tests/rl/test_vllm_rollout.py tests/stages/test_ppo_vllm.py
 
 # Human feedback against a real Label Studio (tests/feedback/test_labelstudio.py): its venv (requirements/
 # labelstudio.txt: Label Studio, and Playwright to drive its labelling page in Debian's chromium) is built on first

@@ -110,3 +110,11 @@ def awake(models: Any) -> Iterator[None]:
         yield
     finally:
         engine.sleep()
+
+
+def close(models: Any) -> None:
+    """Shut down an engine that holds resources of its own (vLLM: its worker, KV cache and process groups)
+    before the trainer's own teardown; nothing for the generate-loop engines."""
+    shut = getattr(models.rollout, "close", None)
+    if shut is not None:
+        shut()

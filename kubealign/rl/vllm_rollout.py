@@ -94,6 +94,10 @@ def _trainer_state_kept() -> Iterator[None]:
         torch.set_num_threads = set_num_threads
 
 
+# kubealign's precisions (ppo.dtype) in vLLM's words; vLLM's own names pass unchanged
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
 class VLLMRollout:
     """The actor's rollout engine: vLLM in this process. load_weights after every update, before generate."""
 
@@ -113,7 +117,7 @@ class VLLMRollout:
         with _trainer_state_kept():
             self.llm = LLM(
                 model=str(model_dir),
-                dtype=dtype,
+                dtype=VLLM_DTYPES.get(dtype, dtype),
                 seed=seed,
                 gpu_memory_utilization=settings.vllm_memory,
                 enable_sleep_mode=self.sleep_mode,

@@ -15,7 +15,7 @@ time split.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -273,10 +273,12 @@ def run(
     started = time.perf_counter()
     r = config.rewards
     runner = FunctionRunner.for_config(specs, r) if specs else None
-    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext():
+    opened = ExitStack()
+    with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker, runner or nullcontext(), opened:
         models, check = ppo_models.build_models(
             cfg, str(actor), critic and str(critic), reward and str(reward), world, config.rewards.model_weight, runner
         )
+        opened.callback(engines.close, models)  # a vLLM engine shuts down before the trainer's process group
         tracker.log_params(
             {"ppo.rollout_path": check.path, "ppo.rollout_engine": models.engine, "ppo.group_size": cfg.group_size}
         )

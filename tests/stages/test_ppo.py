@@ -122,7 +122,14 @@ def test_ppo_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path
     assert a["metrics"]["reward_after"] == b["metrics"]["reward_after"]
 
 
-TIMINGS = ("generation_time_s", "experience_time_s", "training_time_s", "tokens_per_s", "samples_per_s", "generation_share")
+TIMINGS = (
+    "generation_time_s",
+    "experience_time_s",
+    "training_time_s",
+    "tokens_per_s",
+    "samples_per_s",
+    "generation_share",
+)
 
 
 def without_timings(history: list[dict]) -> list[dict]:
