@@ -119,6 +119,18 @@ def unsupervised_data(cfg: PPOConfig, prompts: Path, tokenizer: Any):
     return unsupervised.UnsupervisedData(examples, cfg.micro_batch_size, tokenizer.pad_token_id, rank=rank, world=world)
 
 
+def say_rollout(models: rollout.PPOModels, cfg: PPOConfig, notes: list[str], main: bool) -> None:
+    """On screen (rank 0): the rollout engine picked and why (build_models's last note), and on a GPU what the
+    generation batch takes of the memory the resident engines left (added to the notes too)."""
+    said = [notes[-1]]
+    if torch.cuda.is_available():
+        hf = getattr(models.actor.module, "get_base_model", lambda: models.actor.module)()
+        said.append(memory.note(hf.config, cfg, torch.cuda.mem_get_info()[0]))
+        notes.append(said[-1])
+    if main:
+        print("\n".join(f"ppo: {line}" for line in said), flush=True)
+
+
 def diverged(exc: NonFiniteLoss, cfg: PPOConfig, step: int, checkpoints: Path) -> UserError:
     """The one line of a non-finite loss or experience at iteration STEP."""
     lrs = f"actor learning rate {cfg.actor_learning_rate:g}, critic {cfg.critic_learning_rate:g}; too high?"
@@ -282,13 +294,7 @@ def run(
         tracker.log_params(
             {"ppo.rollout_path": check.path, "ppo.rollout_engine": models.engine, "ppo.group_size": cfg.group_size}
         )
-        said = [check.notes[-1]]  # build_models's last note: the rollout engine it picked, and why
-        if torch.cuda.is_available():  # what the generation batch takes, now that the engines are resident
-            hf = getattr(models.actor.module, "get_base_model", lambda: models.actor.module)()
-            said.append(memory.note(hf.config, cfg, torch.cuda.mem_get_info()[0]))
-            check.notes.append(said[-1])
-        if rank == 0:
-            print("\n".join(f"ppo: {line}" for line in said), flush=True)
+        say_rollout(models, cfg, check.notes, rank == 0)
         tracker.log_inputs([ref] if (ref := phase_ref(prompts, "phase3_prompts", "training")) else [])
         if config.tools.enabled:
             models.tools = tool_session(config, models, runner)
