@@ -27,6 +27,8 @@ from typing import Any, Protocol
 
 import torch
 
+from kubealign.rl.rollout import merged_lora  # the LoRA merge the generate-loop engines use
+
 # PEFT's names for what is not a weight of the base model: adapters (merged before loading) and the frozen
 # copies modules_to_save keeps.
 _ADAPTER_MARKS = ("lora_", "original_module")
@@ -229,7 +231,7 @@ class VLLMRollout:
         its weights have arrived. A layer that shares its weight with another (a tied LM head) loads nothing
         itself, so it is repacked here (_repack_tied)."""
         self.wake()
-        with _merged(module):
+        with merged_lora(module):
             # In-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0): the generator is handed over, not pickled.
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": _weights(module)})
         self.llm.apply_model(_repack_tied)
@@ -310,22 +312,3 @@ def _weights(module: Any) -> Iterator[tuple[str, torch.Tensor]]:
                 # vLLM buffers a layer's tensors until the layer is complete: a ZeRO-3 parameter's gathered
                 # storage is released when this block ends, so that one goes as a copy.
                 yield name, (param.data.clone() if hasattr(param, "ds_id") else param.data)
-
-
-@contextlib.contextmanager
-def _merged(module: Any) -> Iterator[None]:
-    """PEFT LoRA adapters merged into the base weights for the duration (a plain model: nothing to do).
-    The same as rollout.merged_lora, which is not imported: rollout.py dispatches to this module."""
-    if not hasattr(module, "merge_adapter"):
-        yield
-        return
-    import deepspeed
-
-    params = list(module.parameters())
-    with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-        module.merge_adapter()
-    try:
-        yield
-    finally:
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
-            module.unmerge_adapter()
