@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -138,7 +137,8 @@ def build_models(
     if picked.engine == "vllm":
         from kubealign.rl.vllm_rollout import VLLMRollout
 
-        rollout = VLLMRollout(actor_dir, tokenizer, cfg.dtype, cfg.seed + int(os.environ.get("RANK", "0")), cfg.rollout)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        rollout = VLLMRollout(loading.resolve(actor_dir), tokenizer, cfg.dtype, cfg.seed + rank, cfg.rollout)
     elif check.path == "engine":
         rollout = ModuleRollout(actor_engine, tokenizer, synced_gpus=synced)
     else:
