@@ -91,7 +91,7 @@ def cycle(edges: dict[str, set[str]]) -> list[str] | None:
 LIBRARY = (
     ("kubealign", "errors", "ranks", "pod", "shape"),
     ("config", "images", "outputs"),
-    ("data", "tracking", "usercode", "cluster", "containers"),
+    ("data", "tracking", "usercode", "cluster", "containers", "provenance"),
     ("models", "promotion"),
     ("rewards", "training", "serving", "registry"),
     ("rl", "selection"),

@@ -73,6 +73,7 @@ def add_parser(sub: Any) -> None:
     upload.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
     upload.set_defaults(func=upload_command)
     _add_rerun(sub)
+    _add_reproduce(sub)
 
 
 def _add_rerun(sub: Any) -> None:
@@ -98,6 +99,51 @@ def _add_rerun(sub: Any) -> None:
     rerun.add_argument("--downstream", action="store_true", help="also rerun every stage that depends on it")
     rerun.add_argument("--output", type=Path, metavar="DIR", help="default: RUN_DIR-rerun-STAGE-<timestamp>")
     rerun.set_defaults(func=rerun_command)
+
+
+def _add_reproduce(sub: Any) -> None:
+    reproduce = sub.add_parser(
+        "reproduce",
+        help="make a registered version again from its provenance manifest and compare the weights",
+        description="Rerun the whole DAG of NAME version VERSION from the recipe its provenance manifest records "
+        "(the same resolved config; refused in one line when a data source's content changed), through kfp.local "
+        "into DIR with DIR's own MLflow store (nothing is registered in the registry the version came from), then "
+        "compare the weight files made against the manifest's digests. Exit 0: identical; 1: they differ (the "
+        "largest parameter difference and the evaluation figures side by side are printed and written to "
+        "DIR/reproduce.json).",
+    )
+    reproduce.add_argument("name", metavar="NAME", help="the registered model, e.g. kubealign-actor")
+    reproduce.add_argument("version", metavar="VERSION", help="its version number")
+    reproduce.add_argument(
+        "--tracking-uri", metavar="URI", help="the registry holding it (default: $MLFLOW_TRACKING_URI)"
+    )
+    reproduce.add_argument("--output", type=Path, metavar="DIR", help="default: runs/reproduce/NAME-VERSION")
+    reproduce.set_defaults(func=reproduce_command)
+
+
+def reproduce_command(args: argparse.Namespace) -> None:
+    import os
+
+    from kubealign.pipelines import local
+    from kubealign.pipelines.reproduce import lines, reproduce
+    from kubealign.tracking.runs import check_uri
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise UserError("reproduce: give --tracking-uri (or set MLFLOW_TRACKING_URI) to the registry holding NAME")
+    check_uri(uri, "--tracking-uri")
+    output = args.output or Path("runs/reproduce") / f"{args.name}-{args.version}"
+    try:
+        report = reproduce(args.name, args.version, uri, output)
+    except local.PipelineFailed as exc:
+        raise UserError(str(exc)) from None
+    except local.RunInterrupted as exc:
+        sys.stderr.write(f"{exc}\n")
+        raise SystemExit(130) from None
+    print()
+    print("\n".join(lines(report)))
+    if not report["identical"]:
+        raise SystemExit(1)
 
 
 def _add_pipeline_config(parser: argparse.ArgumentParser) -> None:

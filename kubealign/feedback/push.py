@@ -74,9 +74,7 @@ def registered_dirs(cfg: Any, tracking_uri: str, name: str, aliases: list[str]) 
                 f"--first {aliases[0]} and --second {aliases[1]} are both {name} version {found[0].version}: "
                 "nothing to compare"
             )
-        dirs = [local.download(served, tracking_uri) for served in found]
-    for model_dir in dirs:
-        local.check_dir(model_dir)
+        dirs = local.verified_copies(found, tracking_uri)  # checked against their manifests, as serve does
     return list(zip(found, dirs, strict=True))
 
 

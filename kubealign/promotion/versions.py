@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kubealign import __version__
+from kubealign.provenance.manifest import MANIFEST_FILE, dumps
 
 KEY_TAG = "kubealign.promotion_key"
 
@@ -28,8 +29,9 @@ def find_version(client: Any, name: str, key: str) -> Any:
     return min(found, key=lambda v: int(v.version), default=None)
 
 
-def upload_model(client: Any, run_id: str, model_dir: Path) -> str:
-    """Log the actor as a pyfunc model into the run's artifacts; its source URI for a model version.
+def upload_model(client: Any, run_id: str, model_dir: Path, manifest: dict[str, Any]) -> str:
+    """Log the actor as a pyfunc model into the run's artifacts, with its provenance manifest beside MLmodel
+    (kubealign.provenance.manifest); its source URI for a model version.
     Only MlflowClient calls: the fluent API would leave a process-wide tracking/registry URI behind."""
     import tempfile
 
@@ -49,6 +51,7 @@ def upload_model(client: Any, run_id: str, model_dir: Path) -> str:
             input_example=INPUT_EXAMPLE,
             pip_requirements=[f"kubealign=={__version__}"],
         )
+        (Path(tmp) / "model" / MANIFEST_FILE).write_text(dumps(manifest), encoding="utf-8")
         client.log_artifacts(run_id, str(Path(tmp) / "model"), "model")
     return f"{client.get_run(run_id).info.artifact_uri}/model"
 
@@ -62,3 +65,25 @@ def register_version(client: Any, name: str, source: str, run_id: str, key: str,
         client.delete_model_version(name, created.version)
         return oldest
     return created
+
+
+def manifest_check(version: Any, source: str, tracking_uri: str) -> tuple[bool, str]:
+    """The gate's provenance check of a version: its manifest is among its artifacts and is the one its tag
+    names (kubealign.provenance.manifest). A version registered without one cannot be verified where it is
+    served, nor remade: it is refused."""
+    from kubealign.provenance import manifest
+
+    tag = (version.tags or {}).get(manifest.TAG + "model_sha256")
+    found = manifest.read(source, tracking_uri)
+    where = f"version {version.version}"
+    if found is None:
+        return (
+            False,
+            f"provenance: {where} has no {manifest.MANIFEST_FILE} among its artifacts (registered without one)",
+        )
+    if tag != found.get("model_sha256"):
+        return (
+            False,
+            f"provenance: {where}'s {manifest.MANIFEST_FILE} does not match its tag {manifest.TAG}model_sha256",
+        )
+    return True, f"provenance: {manifest.MANIFEST_FILE} recorded, model sha256 {str(tag)[:12]}…"

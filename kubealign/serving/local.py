@@ -52,7 +52,7 @@ def check_dir(path: Path) -> None:
         raise UserError(f"serve: {path}: the tokenizer does not load ({first_line(exc)})") from None
 
 
-def download(served: Served, tracking_uri: str) -> Path:
+def download(served: Served, tracking_uri: str, fresh: bool = False) -> Path:
     """The version's HF directory in the cache (downloaded once: a complete copy has a marker file). The copy is
     keyed by the files' artifact URI as well as the name and version: another registry (a test's, a team's) has
     its own version 1 of the same name, and one copy must never stand for the other."""
@@ -64,7 +64,7 @@ def download(served: Served, tracking_uri: str) -> Path:
 
     key = hashlib.sha256(f"{served.run_id}\n{served.model_dir_uri}".encode()).hexdigest()[:16]
     target = cache_root() / "served" / served.name / f"{served.version}-{key}"
-    if (target / ".complete").exists():
+    if (target / ".complete").exists() and not fresh:
         return target / "model"
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     tmp.mkdir(parents=True)
@@ -187,10 +187,28 @@ def resolved(cfg: ServeConfig, tracking_uri: str, name: str, aliases: list[str])
             raise UserError(
                 f"--canary {aliases[1]}: it is version {found[0].version}, as {aliases[0]} is: nothing to split"
             )
-        dirs = [download(served, tracking_uri) for served in found]
-    for model_dir in dirs:
-        check_dir(model_dir)
+        dirs = verified_copies(found, tracking_uri)
     return list(zip(found, dirs, strict=True))
+
+
+def verified_copies(found: list[Served], tracking_uri: str) -> list[Path]:
+    """Each version's HF directory in the cache, its files checked against the version's provenance manifest
+    and whole (check_dir). The cached copy is hashed again at every use (the cache is a directory anyone can
+    write); one that differs is downloaded again once, and that copy must match. Registry errors are the
+    caller's to turn into one line (registry_errors)."""
+    from kubealign.provenance.digests import file_digests, mismatches
+    from kubealign.serving import location
+
+    dirs = []
+    for served in found:
+        recorded = location.recorded_files(served, tracking_uri)
+        model_dir = download(served, tracking_uri)
+        if mismatches(file_digests(model_dir), recorded["files"]):
+            model_dir = download(served, tracking_uri, fresh=True)
+        location.check_files(served, model_dir, recorded)
+        check_dir(model_dir)
+        dirs.append(model_dir)
+    return dirs
 
 
 def serve(cfg: ServeConfig, tracking_uri: str, name: str, port: int, canary: Canary | None = None) -> None:

@@ -37,6 +37,7 @@ class Served:
     alias: str
     run_id: str
     model_dir_uri: str
+    source: str = ""  # the version's source: its MLmodel and provenance.json are there
 
 
 def storage_uri(uri: str, artifacts_destination: str | None) -> str:
@@ -78,12 +79,17 @@ def resolve(client: Any, name: str, alias: str, tracking_uri: str) -> Served:
         if getattr(exc, "error_code", None) in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
             raise UserError(f"serve: registered model {name!r} has no alias {alias!r}") from None
         raise
+    return served_version(version, name, alias, tracking_uri)
+
+
+def served_version(version: Any, name: str, alias: str, tracking_uri: str) -> Served:
+    """A model version (MlflowClient's) as Served: its HF directory's URI, from its MLmodel."""
     source = version.source
     mlmodel = _mlmodel(source, tracking_uri)
     path = mlmodel.get("flavors", {}).get("python_function", {}).get("artifacts", {}).get("model_dir", {}).get("path")
     if not path:
         raise UserError(f"serve: {name} version {version.version} ({source}) is not a kubealign actor (no model_dir)")
-    return Served(name, str(version.version), alias, version.run_id or "", f"{source.rstrip('/')}/{path}")
+    return Served(name, str(version.version), alias, version.run_id or "", f"{source.rstrip('/')}/{path}", source)
 
 
 def _mlmodel(source: str, tracking_uri: str) -> dict:
@@ -115,3 +121,40 @@ def check_listing(served: Served, tracking_uri: str) -> list[str]:
             f"directory: {', '.join(missing)}"
         )
     return names
+
+
+def recorded_files(served: Served, tracking_uri: str) -> dict[str, Any]:
+    """The version's provenance manifest (kubealign.provenance.manifest); one line when it has none: files that
+    nothing records cannot be checked, and kubealign serves nothing unchecked."""
+    from kubealign.provenance import manifest
+
+    found = manifest.read(served.source, tracking_uri)
+    if found is None:
+        raise UserError(
+            f"serve: {served.name} version {served.version} has no {manifest.MANIFEST_FILE} (registered without a "
+            "provenance manifest): its files cannot be checked; promote it again to register it with one"
+        )
+    return found
+
+
+def check_files(served: Served, directory: Any, recorded: dict[str, Any]) -> None:
+    """The copy of the version's HF directory at `directory` against the manifest's digests: one line naming
+    the first file that differs."""
+    from kubealign.provenance.digests import verify
+
+    verify(directory, recorded["files"], f"serve: {served.name} version {served.version}")
+
+
+def check_remote(served: Served, tracking_uri: str, recorded: dict[str, Any]) -> None:
+    """check_files on a temporary download of the directory (the serve task: KServe's storage initializer
+    downloads the files again and checks no digest; this pod refuses to deploy files that differ)."""
+    import tempfile
+    from pathlib import Path
+
+    import mlflow.artifacts
+
+    with tempfile.TemporaryDirectory(prefix="kubealign-verify-") as tmp:
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=served.model_dir_uri, dst_path=tmp, tracking_uri=tracking_uri
+        )
+        check_files(served, Path(local), recorded)

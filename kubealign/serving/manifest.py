@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 import re
 from typing import Any
 
@@ -131,6 +132,16 @@ def with_pipeline_run(manifest: dict[str, Any], run_id: str | None) -> dict[str,
     return manifest
 
 
+def with_digest(body: dict[str, Any], model_sha256: str, files: dict[str, str]) -> dict[str, Any]:
+    """The manifest annotated with the version's digests (kubealign.provenance): model-sha256 over all files and
+    files-sha256, {file: sha256} as JSON, for a storage initializer or runtime that checks what it downloaded.
+    KServe itself checks none: its storage initializer copies s3://, gs://, pvc:// as they are."""
+    annotations = body["metadata"]["annotations"]
+    annotations[f"{PREFIX}/model-sha256"] = model_sha256
+    annotations[f"{PREFIX}/files-sha256"] = json.dumps(files, sort_keys=True, separators=(",", ":"))
+    return body
+
+
 def with_canary(body: dict[str, Any], canary: dict[str, Any], percent: int) -> dict[str, Any]:
     """`body` (the stable alias's InferenceService) with `canary`'s predictor (another alias's, as
     inference_service makes it) taking `percent` of the traffic. KServe v0.20's `spec.canary`, a list of
@@ -147,6 +158,8 @@ def with_canary(body: dict[str, Any], canary: dict[str, Any], percent: int) -> d
     ours = body["metadata"]["annotations"]
     for key in ("alias", "model-version", "model-uri", "storage-uri"):
         ours[f"{PREFIX}/canary-{key}"] = theirs[f"{PREFIX}/{key}"]
+    if f"{PREFIX}/model-sha256" in theirs:
+        ours[f"{PREFIX}/canary-model-sha256"] = theirs[f"{PREFIX}/model-sha256"]
     ours[f"{PREFIX}/canary-traffic-percent"] = str(percent)
     body["metadata"]["labels"][f"{PREFIX}/canary-alias"] = theirs[f"{PREFIX}/alias"]
     return body

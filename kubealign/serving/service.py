@@ -41,9 +41,12 @@ def manifest_for(
         client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
         served = location.resolve(client, registered_model, cfg.alias, tracking_uri)
         names = location.check_listing(served, tracking_uri)
+        recorded = location.recorded_files(served, tracking_uri)
+        location.check_remote(served, tracking_uri, recorded)
         template = chat_template(served, names, tracking_uri) if runtime(cfg.runtime).openai_server else None
     storage = location.storage_uri(served.model_dir_uri, cfg.artifacts_destination)
     body = manifest.inference_service(served, storage, cfg, namespace, accelerator, template)
+    body = manifest.with_digest(body, recorded["model_sha256"], recorded["files"])
     if canary is None:
         return body
     theirs = manifest_for(

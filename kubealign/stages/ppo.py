@@ -28,6 +28,7 @@ from kubealign.data.phases import Rows
 from kubealign.data.tokenize import cut_left, encode_prompt, pad_batch
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
+from kubealign.provenance.manifest import environment
 from kubealign.rewards.totals import function_means, function_totals
 from kubealign.rl import engines, experience, experience_checks, kl, losses, memory, multiturn, rollout, unsupervised
 from kubealign.rl.iteration import iteration
@@ -325,6 +326,7 @@ def run(
             "rollout_engine": models.engine,
             "rollout_notes": check.notes,
             "kl_target": cfg.kl_target,
+            "environment": environment(),  # the device and libraries it trained with: the version's manifest
             "history": history,
             "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
         }

@@ -43,7 +43,9 @@ from kubealign.promotion.aliases import (
 )
 from kubealign.promotion.gate import GATED_METRICS, OPTIONAL_METRICS, gate
 from kubealign.promotion.lease import lease
-from kubealign.promotion.versions import find_version, promotion_key, register_version, upload_model
+from kubealign.promotion.versions import find_version, manifest_check, promotion_key, register_version, upload_model
+from kubealign.provenance import manifest
+from kubealign.provenance.digests import file_digests
 from kubealign.selection.ranking import standing_name
 from kubealign.tracking.runs import PARENT_RUN_ENV, http_settings, resolve_uri, stage_run
 
@@ -103,6 +105,8 @@ def run(
     if standing is not None:
         tags.update({"kubealign.rank": str(standing["rank"]), "kubealign.leader": standing["leader"] or ""})
         tags.update({"kubealign.candidate": standing["candidate"], "kubealign.settings": standing["settings"]})
+    recipe = provenance(config, model_dir, result, metrics, {"pipeline_run_id": tags["kubealign.pipeline_run_id"]})
+    tags.update(manifest.tags(recipe))
     key = promotion_key(evaluation, model_dir)
     error: BaseException | None = None
     run_name = STAGE if standing is None else f"{STAGE}-{standing['candidate']}"
@@ -111,7 +115,7 @@ def run(
             try:
                 with registry_errors(tracker.tracking_uri):
                     leads = standing is None or standing["leader"] == standing["candidate"]
-                    summary, details = promote_in_registry(tracker, cfg, metrics, model_dir, key, tags, leads)
+                    summary, details = promote_in_registry(tracker, cfg, metrics, (model_dir, recipe), key, tags, leads)
                     if standing is not None:
                         summary["rank"] = float(standing["rank"])
                         details["comparison"] = standing
@@ -133,13 +137,14 @@ def promote_in_registry(
     tracker: Any,
     cfg: PromoteConfig,
     metrics: dict[str, float],
-    model_dir: Path,
+    candidate: tuple[Path, dict[str, Any]],
     key: str,
     tags: dict[str, str],
     leads: bool = True,
 ) -> tuple[dict[str, float], dict[str, Any]]:
-    """Register (once) and gate the candidate, move the aliases; (summary metrics, result.json fields).
-    leads False (a route the comparison did not rank first): registered and gated, but no alias moves."""
+    """Register (once) and gate the candidate (its HF directory and provenance manifest), move the aliases;
+    (summary metrics, result.json fields). leads False (a route the comparison did not rank first): registered
+    and gated, but no alias moves."""
     from mlflow.tracking import MlflowClient
 
     client, uri, name = MlflowClient(tracker.tracking_uri), tracker.tracking_uri, cfg.registered_model
@@ -149,12 +154,13 @@ def promote_in_registry(
         if error_code(exc) != "RESOURCE_ALREADY_EXISTS":
             raise
     # The upload (slow, into this run's own artifacts) happens outside the lease; registering is inside.
-    source = None if find_version(client, name, key) else upload_model(client, tracker.run_id, model_dir)
+    model_dir, recipe = candidate
+    source = None if find_version(client, name, key) else upload_model(client, tracker.run_id, model_dir, recipe)
     with lease(client, uri, name):
         aliases = recover(client, uri, name)
         version = find_version(client, name, key)
         if version is None:
-            source = source or upload_model(client, tracker.run_id, model_dir)
+            source = source or upload_model(client, tracker.run_id, model_dir, recipe)
             version = register_version(client, name, source, tracker.run_id, key, tags)
         elif "kubealign.rank" in tags:  # a rerun of the comparison may have ranked a known version anew
             for tag in ("kubealign.rank", "kubealign.leader"):
@@ -166,6 +172,8 @@ def promote_in_registry(
             wanted = [*GATED_METRICS, *([cfg.metric] if cfg.metric != "win_rate" else [])]
             champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in wanted}
         passed, checks = gate(metrics, cfg, champion_metrics)
+        proven, line = manifest_check(version, version.source, uri)  # a version that cannot be verified or remade
+        passed, checks = passed and proven, [*checks, ("pass: " if proven else "FAIL: ") + line]
         plan = promotion_plan(cfg.mode, leads, passed, ours, champion)
         move_aliases(client, uri, name, aliases, plan)
         after, _ = read_state(client, name)
@@ -179,6 +187,7 @@ def promote_in_registry(
         "refusal": guards.refusal(checks, metrics),  # "" when it passed
         "mode": cfg.mode,
         "model_uri": f"models:/{name}/{ours}",
+        "model_sha256": recipe["model_sha256"],
     }
     return summary, details
 
@@ -227,13 +236,35 @@ def candidate_algorithm(model_dir: Path) -> str:
     return str(produced.get("stage") or "unknown")
 
 
-def data_hash(evaluation_result: dict[str, Any]) -> str:
-    """The data-split cache key of the prompts the evaluation used, when its manifest is at hand."""
+def provenance(
+    config: KubealignConfig, model_dir: Path, evaluation: dict[str, Any], metrics: dict[str, float], runs: dict
+) -> dict[str, Any]:
+    """The version's manifest (kubealign.provenance.manifest): the candidate's files and how they were made,
+    from the training stage's result.json, the data-split manifest of the evaluated prompts, the config."""
+    from kubealign.config import config_to_json
+
+    try:
+        trained = json.loads((model_dir / "result.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        trained = {}
+    data = data_manifest(evaluation)
+    resolved = json.loads(config_to_json(config))
+    files = file_digests(model_dir)
+    return manifest.build(resolved, files, manifest.training_record(trained), data, metrics, runs)
+
+
+def data_manifest(evaluation_result: dict[str, Any]) -> dict[str, Any] | None:
+    """The data-split manifest of the prompts the evaluation used, when it is at hand."""
     prompts = evaluation_result.get("models", {}).get("prompts")
     try:
-        return json.loads((Path(prompts) / "manifest.json").read_text(encoding="utf-8"))["cache_key"]
-    except (TypeError, OSError, KeyError, json.JSONDecodeError):
-        return ""
+        return json.loads((Path(prompts) / "manifest.json").read_text(encoding="utf-8"))
+    except (TypeError, OSError, json.JSONDecodeError):
+        return None
+
+
+def data_hash(evaluation_result: dict[str, Any]) -> str:
+    """The data-split cache key of the prompts the evaluation used, when its manifest is at hand."""
+    return str((data_manifest(evaluation_result) or {}).get("cache_key") or "")
 
 
 def rollback(config: KubealignConfig) -> dict[str, Any]:

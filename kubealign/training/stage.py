@@ -20,6 +20,7 @@ from kubealign.config import KubealignConfig
 from kubealign.config.schema import TrainConfig
 from kubealign.models import loading
 from kubealign.outputs import check_output_path
+from kubealign.provenance.manifest import environment
 from kubealign.tracking.runs import stage_run
 from kubealign.training import checkpoints, distributed, loop
 
@@ -94,6 +95,7 @@ def run(
             "base_model": cfg.model,
             **after,
             **built.result,
+            "environment": environment(),  # the device and libraries it trained with: the version's manifest
             "history": task.history,
             "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
         }

@@ -7,8 +7,10 @@ stand-in API on 127.0.0.1 that checks what it stores against KServe v0.20.0's CR
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,6 +109,53 @@ def test_the_manifest_serves_the_registered_bytes(registry: MlflowServer, tmp_pa
     assert meta["labels"]["networking.kserve.io/visibility"] == "cluster-local"
     assert meta["labels"]["kubealign.io/alias"] == "champion" and meta["labels"]["kubealign.io/model-version"] == "1"
     assert meta["annotations"]["kubealign.io/model-uri"] == f"models:/{NAME}/1"
+    # the version's digests travel with it, for a storage initializer or runtime that checks what it downloads
+    recorded = json.loads((on_disk.parent.parent / "provenance.json").read_text(encoding="utf-8"))
+    assert meta["annotations"]["kubealign.io/model-sha256"] == recorded["model_sha256"]
+    files = json.loads(meta["annotations"]["kubealign.io/files-sha256"])
+    assert files == recorded["files"] and files["model.safetensors"] == sha256(on_disk / "model.safetensors")
+
+
+@contextlib.contextmanager
+def flipped_byte(registry: MlflowServer) -> Iterator[Path]:
+    """One byte of the registered weights flipped where the registry stores them (its artifacts destination),
+    put back afterwards: the other tests of this module share the registry."""
+    weights = next((registry.root / "artifacts").rglob("model/artifacts/*/model.safetensors"))
+    data = weights.read_bytes()
+    weights.write_bytes(data[:-9] + bytes([data[-9] ^ 0x10]) + data[-8:])
+    try:
+        yield weights
+    finally:
+        weights.write_bytes(data)
+
+
+def test_a_flipped_byte_in_the_registry_is_refused_before_anything_is_served(
+    registry: MlflowServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest of `kubealign serve --manifest` (what the serve task applies) and the copy `kubealign serve` and
+    `feedback push` load: both refuse in one line naming the file, and nothing is written."""
+    from kubealign.serving.local import resolved
+
+    monkeypatch.setenv("KUBEALIGN_CACHE_DIR", str(tmp_path / "cache"))
+    args = ["serve", "--tracking-uri", registry.url, "--set", f"promote.registered_model={NAME}"]
+    args += ["--set", f"serve.artifacts_destination={DESTINATION}", "--namespace", "team-a"]
+    with flipped_byte(registry):
+        done, _ = kubealign(registry.url, *args, "--manifest", tmp_path / "isvc.yaml")
+        assert done.returncode == 2
+        line = one_line_error(done)
+        assert line.startswith(f"kubealign: error: serve: {NAME} version 1: model.safetensors has sha256 "), line
+        assert line.endswith("the files are not the registered ones; refusing to load them")
+        assert not (tmp_path / "isvc.yaml").exists()
+        with pytest.raises(UserError, match=f"^serve: {NAME} version 1: model.safetensors has sha256"):
+            resolved(ServeConfig(), registry.url, NAME, ["champion"])
+    # put back: the cached copy, which holds the flipped byte, is downloaded again and now matches
+    [(_, copy)] = resolved(ServeConfig(), registry.url, NAME, ["champion"])
+    assert sha256(copy / "model.safetensors") == sha256(
+        next(registry.root.rglob("model/artifacts/*/model.safetensors"))
+    )
+    (copy / "config.json").write_text("{}")  # someone writes into the cache: served files are fetched again
+    [(_, again)] = resolved(ServeConfig(), registry.url, NAME, ["champion"])
+    assert again == copy and json.loads((copy / "config.json").read_text())
 
 
 def test_vllm_on_cpu_in_public(registry: MlflowServer, tmp_path: Path) -> None:
@@ -405,6 +454,27 @@ def test_the_serve_task_applies_what_promote_moved(registry: MlflowServer, kube:
     assert created["spec"]["predictor"]["model"]["storageUri"].startswith(f"{DESTINATION}/")
     assert yaml.safe_load((out / "inferenceservice.yaml").read_text(encoding="utf-8")) == created
     assert "Ready at" in done.stdout
+
+
+def test_the_serve_task_refuses_a_flipped_byte_and_applies_nothing(
+    registry: MlflowServer, kube: StandInKube, tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    from kubealign.config import config_to_json, load_config
+    from tests.support.stores import process_env
+
+    config = load_config(None, [f"promote.registered_model={NAME}", f"serve.artifacts_destination={DESTINATION}"])
+    env = {"MLFLOW_TRACKING_URI": registry.url, "KUBECONFIG": str(kubeconfig(tmp_path / "kc", kube.url))}
+    env["KUBEALIGN_POD_NAMESPACE"] = "team-a"
+    out = tmp_path / "serving"
+    argv = [sys.executable, "-c", SERVE_TASK, config_to_json(config), str(registry.root / "p0"), str(out)]
+    with flipped_byte(registry):
+        done = subprocess.run(argv, env=process_env(env), capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert f"serve: {NAME} version 1: model.safetensors has sha256 " in done.stderr, done.stderr[-2000:]
+    assert kube.calls("POST") == [] and kube.calls("PUT") == [] and not out.exists()
 
 
 def test_nothing_is_applied_when_promote_did_not_move_the_alias(kube: StandInKube, tmp_path: Path) -> None:

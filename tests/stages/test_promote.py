@@ -348,3 +348,38 @@ def test_versions_registered_before_the_move_still_find_their_class() -> None:
 
     assert old_path.ActorModel is registry.ActorModel and old_path.INPUT_EXAMPLE is registry.INPUT_EXAMPLE
     assert "from kubealign.promotion.registry import ActorModel" in registry.MODEL_CODE  # new versions: new path
+
+
+def test_every_version_carries_its_manifest_and_one_without_is_refused(cli, tmp_path: Path):
+    """promote registers provenance.json among the version's artifacts (the digest of every file it uploaded,
+    the recipe) with its key fields as tags; a version registered without one (by an older release: the same
+    promotion key, no manifest) passes no gate: registered, no alias moves, one line says why."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.versions import KEY_TAG, promotion_key
+    from kubealign.provenance.digests import file_digests
+    from kubealign.provenance.manifest import read
+
+    evals, root = tmp_path / "evals", tmp_path / "runs"
+    evals.mkdir()
+    first = evaluation(evals, "good", win=0.7, gain=0.3, reward=1.0)
+    done = promote(cli, first, root / "p1")
+    assert done.code == 0 and "pass: provenance: provenance.json recorded, model sha256 " in done.out
+    client = MlflowClient(f"sqlite:///{root / 'mlflow.db'}")
+    version = client.get_model_version("kubealign-actor", "1")
+    recorded = read(version.source, f"sqlite:///{root / 'mlflow.db'}")
+    model = Path(loading.resolve("tiny-opt"))
+    assert recorded["files"] == file_digests(model) and "model.safetensors" in recorded["files"]
+    assert version.tags["kubealign.provenance.model_sha256"] == recorded["model_sha256"]
+    assert (
+        recorded["evaluation"]["win_rate"] == 0.7
+        and recorded["config"]["promote"]["registered_model"] == "kubealign-actor"
+    )
+    assert json.loads((root / "p1" / "result.json").read_text())["model_sha256"] == recorded["model_sha256"]
+
+    older = evaluation(evals, "older", win=0.8, gain=0.4, reward=1.2)
+    client.create_model_version("kubealign-actor", source=str(model), tags={KEY_TAG: promotion_key(older, model)})
+    refused = promote(cli, older, root / "p2")
+    assert refused.code == 0 and aliases(root / "p2") == {"challenger": 2, "champion": 1, "previous-champion": None}
+    line = "gate refused: provenance: version 2 has no provenance.json among its artifacts (registered without one)"
+    assert json.loads((root / "p2" / "result.json").read_text())["refusal"] == line
