@@ -22,7 +22,7 @@ TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-unit test-system test-containers test-serve test-vllm-rollout test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
+.PHONY: demo test test-unit test-reproduce test-system test-containers test-serve test-vllm-rollout test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,14 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio and not reproduce"
+
+# The reproduce tier (marker reproduce, tests/provenance/test_reproduce.py): the shortened DAG registers a version,
+# `kubealign reproduce` remakes it bit for bit, a changed recipe is reported with its largest parameter difference,
+# a changed data source is refused. Three DAG runs: about 6-10 minutes on 2 cores. Not part of `make test` (its
+# 25-minute budget); CI runs it after `make test` (.ci/run).
+test-reproduce: $(STAMP)
+	$(BIN)/pytest -m reproduce tests/provenance/test_reproduce.py
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed

@@ -124,6 +124,7 @@ def _add_reproduce(sub: Any) -> None:
 def reproduce_command(args: argparse.Namespace) -> None:
     import os
 
+    from kubealign.cli.summary import summarize
     from kubealign.pipelines import local
     from kubealign.pipelines.reproduce import lines, reproduce
     from kubealign.tracking.runs import check_uri
@@ -140,6 +141,8 @@ def reproduce_command(args: argparse.Namespace) -> None:
     except local.RunInterrupted as exc:
         sys.stderr.write(f"{exc}\n")
         raise SystemExit(130) from None
+    print()
+    print("\n".join(summarize(output)))
     print()
     print("\n".join(lines(report)))
     if not report["identical"]:

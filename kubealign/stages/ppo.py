@@ -326,7 +326,6 @@ def run(
             "rollout_engine": models.engine,
             "rollout_notes": check.notes,
             "kl_target": cfg.kl_target,
-            "environment": environment(),  # the device and libraries it trained with: the version's manifest
             "history": history,
             "tracked_metrics": list(tracker.history),  # every metric, whether MLflow got it or not
         }
@@ -389,5 +388,6 @@ def write_outputs(
                 base = module.get_base_model().config if hasattr(module, "get_base_model") else module.config
                 ema_model = export.build_cpu_model(AutoModelForCausalLM, base, cfg.actor_lora, "CAUSAL_LM", ema.state)
                 export.write_model(ema_model, cfg.actor_lora, models.tokenizer, tmp / "ema")
-            write_result(tmp, **result, rank_param_sha256=hashes)
+            # environment: the device and libraries it trained with, for the version's manifest (kubealign.provenance)
+            write_result(tmp, **result, rank_param_sha256=hashes, environment=environment())
     distributed.barrier()

@@ -17,6 +17,8 @@ import pytest
 import yaml
 
 from kubealign.errors import UserError
+from kubealign.provenance.digests import combined_sha256, file_digests
+from kubealign.provenance.manifest import MANIFEST_FILE
 from kubealign.serving import deploy, location
 from kubealign.stages import act as act_task
 from kubealign.stages.judge_task import VERDICT_FILE
@@ -47,6 +49,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (source / "MLmodel").write_text(yaml.safe_dump(mlmodel), encoding="utf-8")
     for file in ("config.json", "model.safetensors", "tokenizer.json"):
         (source / "model_dir" / file).write_text("{}", encoding="utf-8")
+    files = file_digests(source / "model_dir")  # the provenance manifest promote writes: act checks the files
+    recorded = {"files": files, "model_sha256": combined_sha256(files)}
+    (source / MANIFEST_FILE).write_text(json.dumps(recorded), encoding="utf-8")
     monkeypatch.setattr(location, "storage_uri", lambda uri, _: f"pvc://claim/{Path(uri).name}")
     monkeypatch.setattr(deploy, "wait_ready", functools.partial(deploy.wait_ready, poll_s=0))
     monkeypatch.delenv("KUBEALIGN_POD_NAMESPACE", raising=False)
