@@ -61,7 +61,13 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")
     why = f"\n{r['refusal']}" if r.get("refusal") else ""  # the one line naming every failed check
-    return f"{r.get('registered_model')} version {r.get('version')}; {verdict + '; ' if verdict else ''}{aliases}{why}"
+    name, version = r.get("registered_model"), r.get("version")
+    audit = (  # how to audit it (docs/pipeline.md): its manifest, and the command that remakes it
+        f"\nmodel sha256 {r['model_sha256'][:12]}…, recipe in its provenance.json: kubealign reproduce {name} {version}"
+        if r.get("model_sha256")
+        else ""
+    )
+    return f"{name} version {version}; {verdict + '; ' if verdict else ''}{aliases}{why}{audit}"
 
 
 def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:

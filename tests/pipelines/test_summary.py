@@ -82,6 +82,11 @@ def test_summary_shows_the_guards_figures_and_a_refusal_on_a_line_of_its_own(cli
     )
     assert lines[3].endswith("m version 2; gate refused; champion=1")
     assert lines[4] == " " * 21 + refusal and len(lines) == 5
+    audited = {**promoted, "refusal": refusal, "model_sha256": "0123456789abcdef" * 4}
+    (run / "promote" / "result.json").write_text(json.dumps(audited))
+    lines = cli("summary", run).out.splitlines()
+    audit = "model sha256 0123456789ab…, recipe in its provenance.json: kubealign reproduce m 2"
+    assert lines[4] == " " * 21 + refusal and lines[5] == " " * 21 + audit and len(lines) == 6
 
 
 def test_summary_sets_the_heldout_reward_model_beside_the_training_one(cli, tmp_path: Path):
