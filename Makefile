@@ -70,9 +70,9 @@ test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio and not reproduce"
 
-# The reproduce tier (marker reproduce, tests/provenance/test_reproduce.py): the shortened DAG registers a version,
+# The reproduce tier (marker reproduce, tests/provenance/test_reproduce.py): the demo's DAG registers its champion,
 # `kubealign reproduce` remakes it bit for bit, a changed recipe is reported with its largest parameter difference,
-# a changed data source is refused. Three DAG runs: about 6-10 minutes on 2 cores. Not part of `make test` (its
+# a changed data source is refused. Three runs of the demo's DAG: about 5 minutes on 2 idle cores. Not part of `make test` (its
 # 25-minute budget); CI runs it after `make test` (.ci/run).
 test-reproduce: $(STAMP)
 	$(BIN)/pytest -m reproduce tests/provenance/test_reproduce.py
