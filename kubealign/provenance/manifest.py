@@ -64,9 +64,10 @@ def _version(name: str) -> str | None:
         return None
 
 
-def code_identity() -> dict[str, Any]:
-    """kubealign's version, commit, source digest, lock digest and installed distributions' digest."""
-    package = Path(__file__).resolve().parents[1]
+def code_identity(package: Path | None = None) -> dict[str, Any]:
+    """kubealign's version, commit, source digest, lock digest and installed distributions' digest. package: the
+    kubealign package directory (default: this one's), whose parent is the checkout when there is one."""
+    package = package or Path(__file__).resolve().parents[1]
     repo = package.parent
     commit, dirty = os.environ.get(REVISION_ENV) or None, None
     if commit is None and (repo / ".git").exists():

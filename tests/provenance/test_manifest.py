@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from kubealign.config import load_config
 from kubealign.errors import UserError
@@ -79,22 +82,43 @@ def test_the_manifest_and_its_tags() -> None:
     assert json.loads(manifest.dumps(built)) == built
 
 
-def test_this_process_environment_and_code() -> None:
+def test_this_process_environment() -> None:
     env = manifest.environment()
-    assert env["versions"]["torch"] == torch.__version__
+    assert env["versions"]["torch"] == torch.__version__ and env["versions"]["transformers"] == transformers.__version__
     assert env["device"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
-    code = manifest.code_identity()
-    repo = Path(__file__).resolve().parents[2]
-    assert (
-        code["lock_sha256"]
-        == __import__("hashlib").sha256((repo / "requirements/lock-cpu.txt").read_bytes()).hexdigest()
-    )
-    assert len(code["commit"]) == 40 or code["commit"] == "unknown"
+    assert env["torch_threads"] == torch.get_num_threads()
 
 
-def test_the_image_revision_names_the_commit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(manifest.REVISION_ENV, "f" * 40)
-    assert manifest.code_identity()["commit"] == "f" * 40
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_the_code_of_a_checkout_its_commit_lock_and_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(manifest.REVISION_ENV, raising=False)
+    repo, package = tmp_path / "repo", tmp_path / "repo" / "kubealign"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_bytes(b"A = 1\n")
+    (package / "sub" / "b.py").write_bytes(b"B = 2\n")
+    (repo / "requirements").mkdir()
+    (repo / "requirements" / "lock-cpu.txt").write_bytes(b"torch==2.13.0\n")
+    git(repo.parent, "init", "-q", str(repo))
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "add", "-A")
+    git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    code = manifest.code_identity(package)
+    assert code["commit"] == git(repo, "rev-parse", "HEAD") and code["dirty"] is False
+    assert code["lock_sha256"] == hashlib.sha256(b"torch==2.13.0\n").hexdigest()
+    assert code["package_sha256"] == hashlib.sha256(b"a.py\0A = 1\n\0sub/b.py\0B = 2\n\0").hexdigest()
+    (package / "a.py").write_bytes(b"A = 3\n")  # a tracked file edited after the commit
+    edited = manifest.code_identity(package)
+    assert edited["dirty"] is True and edited["package_sha256"] != code["package_sha256"]
+    monkeypatch.setenv(manifest.REVISION_ENV, "f" * 40)  # an image: its build's revision, no checkout asked
+    assert manifest.code_identity(package)["commit"] == "f" * 40
+    (repo / "requirements" / "lock-cpu.txt").unlink()
+    import shutil
+
+    shutil.rmtree(repo / ".git")
+    alone = manifest.code_identity(package)
+    assert (alone["lock_sha256"], alone["dirty"]) == (None, None)
 
 
 def test_a_changed_data_source_is_refused_in_one_line(tmp_path: Path) -> None:
