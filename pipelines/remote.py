@@ -56,7 +56,7 @@ def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
     try:
         client = MlflowClient(tracking_uri=uri)
         experiment_id = resolve_experiment(client, config.tracking.experiment, None)
-        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow"}
+        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow", **config.feedback.round_tags}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     except Exception as exc:
         raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}") from None

@@ -205,7 +205,7 @@ def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str]
 
 def judge_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.serving import carry_out
+    from kubealign.serving import carry_out, split
     from kubealign.stages import judge
 
     quiet_libraries(args.verbose)
@@ -218,7 +218,8 @@ def judge_command(args: argparse.Namespace) -> None:
         from kubealign.feedback import lookup
 
         human = lookup.latest(uri, config.tracking.experiment, config.promote.registered_model, version)
-    result = judge.run(config, *inputs, version, tuple(checked), human)
+    stable = split.read_route(args.front)["stable"]["version"] if args.front else "?"  # feedback.served's
+    result = judge.run(config, *inputs, version, tuple(checked), human, champion_version=str(stable))
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:
         return

@@ -77,7 +77,7 @@ def run(
 
         human = lookup.latest(uri, config.tracking.experiment, registered, version)
     inputs = (stable, other, output, names, version, tuple(checked), human)
-    result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
+    result = judge.run(config, prompts, tokenizer_dir, reward, *inputs, champion_version=str(serving["version"]))
     verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}
     verdict.update(registered_model=registered, inference_service=f"{namespace}/{name}", verdict=result["verdict"])
     write_json(output / VERDICT_FILE, verdict)  # last: a judge that stopped before it has no verdict to act on
