@@ -93,5 +93,6 @@ def lines(found: dict[str, Agreement]) -> list[str]:
     for name, a in found.items():
         level = f", {a.level} level" if a.level else ""
         rate = f"{a.rate:.2f}" if a.leaned else "n/a"
-        out.append(f"  {name} agrees with people: {rate} ({a.agreed} of {a.leaned}; 95 % {a.low:.2f}-{a.high:.2f}{level})")
+        interval = f"95 % {a.low:.2f}-{a.high:.2f}"
+        out.append(f"  {name} agrees with people: {rate} ({a.agreed} of {a.leaned}; {interval}{level})")
     return out

@@ -261,8 +261,8 @@ def run(
             write_json(tmp / "answers.json", table)
             (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
             plot(tmp / "judge.png", answers, rows)
-            more = {"versions": versions, "judge_run": tracker.run_id, "registered_model": one}
-            result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, checks=lines, verdict=verdict, **more)
+            more = {"versions": versions, "judge_run": tracker.run_id, "registered_model": one, "checks": lines}
+            result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, verdict=verdict, **more)
         tracker.log_metrics(metrics)
         for name in outputs.values():
             tracker.log_artifact(output / name, STAGE)
