@@ -171,3 +171,19 @@ def test_tasks_without_judges_or_weights_add_no_figure():
     metrics: dict[str, float] = {}
     served_figures(plain, "challenger", metrics, [])
     assert metrics == {}
+
+
+def test_the_run_summary_shows_the_pull_and_the_judges_agreement(tmp_path):
+    from kubealign.cli.summary import summarize
+
+    (tmp_path / "feedback").mkdir()
+    metrics = {"rows": 9, "decided": 10, "human_win_rate": 0.7, "human_win_rate_low": 0.4, "human_win_rate_high": 0.9}
+    metrics.update(agreement.figures({"heldout": agreement.Agreement(3, 4, 1, 0.3, 0.95)}))
+    metrics["human_win_rate_weighted"] = 0.55
+    result = {"stage": "feedback", "metrics": {**metrics, "wall_time_s": 1.5}}
+    (tmp_path / "feedback" / "result.json").write_text(json.dumps(result))
+    lines = summarize(tmp_path)
+    assert lines[1].split(None, 3)[3] == (
+        "9 rows from 10 decided tasks; human win-rate 0.70 (95 % 0.40-0.90), weighted 0.55"
+    )
+    assert lines[2].strip() == "judges' agreement with people: heldout 0.75 (0.30-0.95, 4 tasks)"
