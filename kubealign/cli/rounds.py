@@ -42,6 +42,11 @@ def add_parser(sub: Any) -> None:
     when.add_argument("--namespace", help="profile namespace on multi-user Kubeflow")
     when.add_argument("--token", help="bearer token (default: $KFP_TOKEN, else kfp's own auth)")
     when.set_defaults(func=schedule_command)
+    rounds.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> None:
+    {"next": next_command, "push": push_command, "schedule": schedule_command}[args.round_command](args)
 
 
 def next_command(args: argparse.Namespace) -> None:
