@@ -54,3 +54,23 @@ def agreement(client: Any, experiment_id: str, model: str) -> dict[str, float]:
     if not runs:
         return {}
     return {k: v for k, v in runs[0].data.metrics.items() if k.startswith("agreement_")}
+
+
+def people(uri: str | None, config: Any, version: str) -> tuple[Any, dict[str, float]]:
+    """What people said that the online judge reads: their verdict on the canary's `version` (latest(); None when
+    canary.min_human_win_rate is unset) and the judges' agreement with them (agreement(); {} when
+    promote.guards.min_judge_agreement is unset); (None, {}) without a registry."""
+    if not uri:
+        return None, {}
+    model, experiment = config.promote.registered_model, config.tracking.experiment
+    human = None if config.canary.min_human_win_rate is None else latest(uri, experiment, model, version)
+    if config.promote.guards.min_judge_agreement is None:
+        return human, {}
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.aliases import registry_errors
+
+    with registry_errors(uri):
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        return human, {} if found is None else agreement(client, found.experiment_id, model)

@@ -208,6 +208,7 @@ def run(
     served_versions: tuple[str, ...] = (),
     human: Any = None,
     champion_version: str = "?",
+    agreement: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
     serve` names it), or each one's ({"champion": ..., "canary": ...}); tokenizer_dir: the policy's tokenizer
@@ -215,7 +216,8 @@ def run(
     caller before this asks anything (the registry is the caller's to read); human: people's verdict on the
     canary's version (serving.verdict.HumanFeedback, read by the caller when canary.min_human_win_rate is set);
     champion_version: the version the champion's server serves ("?": not known), in result.json beside the canary's
-    (kubealign feedback push --from-judge names both on its tasks)."""
+    (kubealign feedback push --from-judge names both on its tasks); agreement: the judges' agreement with people
+    (feedback.lookup.agreement), which promote.guards.min_judge_agreement reads in the gate."""
     cfg, r = config.canary, config.rewards
     check_output_path(output, STAGE)
     if r.uses_model and reward is None:
@@ -245,6 +247,7 @@ def run(
         # the guards' answer figures (promote.guards), the champion in the baseline's place as for the rest
         metrics.update(degeneration(rows["champion"], eos, "baseline"))
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
+        metrics.update(agreement or {})  # the judges checked against people: the gate's min_judge_agreement
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
     promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg, human)

@@ -81,3 +81,16 @@ def test_each_check_is_filed_under_its_judge():
     assert guards.judge_of("llm judge: win-rate in both orders: needs >= 0.5") == "llm_judge"
     assert guards.judge_of("degeneration: distinct-2 ratio: needs >= 0.5") is None
     assert guards.judge_of("kl_to_baseline: needs <= 2.0") is None
+
+
+def test_the_online_judge_applies_the_same_setting():
+    """The online judge's decision goes through the same gate: the agreement figures it was given
+    (feedback.lookup.people) make a held-out model people disagree with not count there either."""
+    from kubealign.config.canary import CanaryConfig
+    from kubealign.serving.verdict import decide
+
+    online = {**METRICS, "heldout_win_rate": 0.3, "win_rate_lower_bound": 0.6}
+    quiet, canary = {"error_rate": 0.0, "latency_p95_s": 0.1}, CanaryConfig(min_answers=4)
+    assert decide(online, 4, quiet, CFG, canary)[0] is False  # not measured: the held-out model's failure counts
+    ok, lines = decide({**online, "agreement_heldout": 0.4}, 4, quiet, CFG, canary)
+    assert ok and lines[-2].startswith("not trusted: held-out reward model: win-rate: needs >= 0.5, got 0.300")
