@@ -7,6 +7,7 @@ run on a cluster (kfp.Client), one round per tick."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,13 +65,13 @@ def next_command(args: argparse.Namespace) -> None:
 def push_command(args: argparse.Namespace) -> None:
     from kubealign.cli.feedback import push_served
     from kubealign.feedback import rounds
-    from kubealign.feedback.client import connect
+    from kubealign.feedback.client import URL_ENV, connect
     from kubealign.outputs import read_json
     from kubealign.pipelines.local import INDEX_FILE
 
     index = read_json(args.run, INDEX_FILE, "expected the --output of `kubealign run` (a round)")
     config = rounds.last_round(index, args.run)
-    client = connect(args.url, config.feedback)
+    client = connect(args.url or os.environ.get(URL_ENV) or config.feedback.url, config.feedback)  # as the task
     judged = rounds.served_dir(index, args.run)
     push_served(client, config.feedback.project, judged, config, config.promote.registered_model)
 

@@ -37,7 +37,8 @@ def test_round_next_learns_from_the_pushed_choices_and_says_which_round_it_is(tm
         assert main(["run", *(a for s in settings for a in ("--set", s)), "--output", str(first)]) == 0
         zero = json.loads((first / "run.json").read_text())
         assert json.loads(Path(zero["stages"]["feedback"]["dir"], "result.json").read_text())["metrics"]["rows"] == 0
-        assert main(["feedback", "push", "--from-judge", str(served(tmp_path, 30)), "--project", "prefs"]) == 0
+        push = ["feedback", "push", "--from-judge", str(served(tmp_path, 30)), "--project", "prefs", "--url", ls.url]
+        assert main(push) == 0
         done = annotate(ls.store.projects[1]["tasks"], lambda text: len(text.split()), noise=0.1, skip=0.1, seed=1)
         assert main(["round", "next", "--from", str(first), "--output", str(second)]) == 0
     capsys.readouterr()
