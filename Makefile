@@ -118,7 +118,9 @@ test-labelstudio: $(STAMP) $(LS_VENV)/.installed
 
 # The rounds tier (marker rounds, issue 79): the feedback loop's bookkeeping with real parts: MLflow stores, a
 # Label Studio stand-in on 127.0.0.1 and a scripted annotator between push and pull, the judges' agreement found
-# by promote's gate. About RUNTIME on 2 cores. Not part of `make test` (whose budget it would cross); CI runs it after.
+# by promote's gate; two rounds through kfp.local (`kubealign run`, then `kubealign round next`). 392 s of pytest on 2
+# cores shared with two other jobs (load ~6, 2026-12-06), most of it the two rounds. Not part of `make test` (whose
+# budget it would cross); CI runs it after.
 test-rounds: $(STAMP)
 	$(BIN)/pytest -q -m rounds tests/feedback
 
