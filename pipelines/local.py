@@ -91,7 +91,7 @@ def parent_run(config: KubealignConfig, output: Path) -> tuple[Any, str, str, st
         client = MlflowClient(tracking_uri=uri)
         experiment_id = resolve_experiment(client, config.tracking.experiment, artifact_location)
         run_name = f"pipeline-{time.strftime('%Y%m%d-%H%M%S')}"
-        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kfp.local"}
+        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kfp.local", **config.feedback.round_tags}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
         client.log_text(run_id, config_to_json(config), "config/resolved.json")
     except Exception as exc:

@@ -56,7 +56,7 @@ def remote_parent_run(config: KubealignConfig, run_name: str) -> dict[str, str]:
     try:
         client = MlflowClient(tracking_uri=uri)
         experiment_id = resolve_experiment(client, config.tracking.experiment, None)
-        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow"}
+        tags = {"kubealign.stage": "pipeline", "kubealign.runner": "kubeflow", **config.feedback.round_tags}
         run_id = client.create_run(experiment_id, run_name=run_name, tags=tags).info.run_id
     except Exception as exc:
         raise UserError(f"MLflow tracking at {uri}: {first_line(exc)}") from None
@@ -117,3 +117,43 @@ def upload(config: KubealignConfig, host: str, pipeline_name: str, token: str | 
         except Exception as exc:
             raise UserError(f"KFP API at {host}: {first_line(exc)}") from None
     return {"pipeline_id": pipeline_id, "version": version}
+
+
+def schedule(
+    config: KubealignConfig,
+    host: str,
+    cron: str,
+    name: str,
+    experiment: str | None = None,
+    namespace: str | None = None,
+    token: str | None = None,
+) -> dict[str, Any]:
+    """Compile for `config` and create a KFP recurring run of it (kfp.Client.create_recurring_run): a round of the
+    feedback loop on each tick of `cron` (KFP's six-field cron: seconds first). One round at a time
+    (max_concurrency 1: a round pulls what the previous one pushed) and no catching up on missed ticks (each
+    round pulls whatever people have chosen by then). Caching stays as compiled: the feedback task is never cached,
+    so every round reads the newest choices and what follows it reruns when they changed."""
+    import kfp
+
+    with tempfile.TemporaryDirectory(prefix="kubealign-schedule-") as tmp:
+        package = compile_pipeline(config, Path(tmp) / "pipeline.yaml")
+        try:
+            client = kfp.Client(host=host, namespace=namespace, existing_token=token or os.environ.get("KFP_TOKEN"))
+            found = client.create_experiment(experiment or config.tracking.experiment, namespace=namespace)
+            made = client.create_recurring_run(
+                found.experiment_id,
+                name,
+                description=f"kubealign feedback rounds of {config.promote.registered_model} (cron {cron})",
+                cron_expression=cron,
+                max_concurrency=1,
+                no_catchup=True,
+                pipeline_package_path=str(package),
+            )
+        except Exception as exc:
+            raise UserError(f"KFP API at {host}: {first_line(exc)}") from None
+    recurring = made.recurring_run_id
+    return {
+        "recurring_run_id": recurring,
+        "experiment_id": found.experiment_id,
+        "url": f"{host.rstrip('/')}/#/recurringrun/details/{recurring}",
+    }

@@ -27,10 +27,16 @@ def add_parser(sub: Any) -> None:
     push.add_argument("--project", required=True, metavar="TITLE", help="the Label Studio project (created if missing)")
     push.add_argument(
         "--prompts",
-        required=True,
         type=Path,
         metavar="DIR|FILE",
         help="a data-split output (its held-out phase-3 prompts) or a .jsonl file of {prompt} rows",
+    )
+    push.add_argument(
+        "--from-judge",
+        type=Path,
+        metavar="DIR",
+        help="instead of --prompts: the pairs the champion and the canary served to a judge (its output), nothing "
+        "regenerated; up to feedback.budget of them, where the judges disagree most, the rest at random",
     )
     push.add_argument("-n", "--count", type=int, default=8, metavar="N", help="prompts to push (default 8)")
     push.add_argument("--first", default="champion", metavar="ALIAS", help="one side (default champion)")
@@ -77,7 +83,13 @@ def push_command(args: argparse.Namespace) -> None:
 
     if args.count < 1:
         raise UserError(f"--count {args.count}: push at least one prompt")
+    if (args.prompts is None) == (args.from_judge is None):
+        raise UserError("give --prompts DIR|FILE (answers sampled here) or --from-judge DIR (what was served)")
     config = load_config(args.config, [])
+    if args.from_judge is not None:
+        client = connect(args, config)
+        push_served(client, args.project, args.from_judge, config, args.model or config.promote.registered_model)
+        return
     check_uri(args.tracking_uri, "--tracking-uri")
     uri = args.tracking_uri or resolve_uri(config)
     if not uri:
@@ -116,3 +128,20 @@ def pull_command(args: argparse.Namespace) -> None:
     written = pull(client, args.project, args.challenger, args.output, registry=resolve_uri(config))
     print("\n".join(written.lines))
     track(config, written, args.output, args.project, client.url, args.challenger)
+
+
+def push_served(client: Any, project: str, judge_dir: Path, config: Any, model: str) -> Any:
+    """The judge's served pairs chosen for this round (kubealign.feedback.served) pushed into `project`."""
+    from kubealign.feedback import push, served
+
+    f = config.feedback
+    got = served.served_tasks(judge_dir, model, f.budget, f.random_share, config.evaluate.seed, f.round)
+    done = push.push_tasks(client, project, got.tasks)
+    strata = [c.stratum for c in got.chosen]
+    made = "created" if done.created else "found"
+    print(f"feedback: project {project!r} ({made}, id {done.project}) at {client.url}")
+    print(f"  round {f.round}: {len(got.tasks)} of {got.served} served pairs chosen (budget {f.budget}): ", end="")
+    print(f"{strata.count('disagreement')} where the judges disagree most, {strata.count('random')} at random")
+    print(f"  {done.added} tasks added, {done.present} were there already")
+    print(f"  sides: champion:{got.versions[0]} and challenger:{got.versions[1]} (judge run {got.judge_run})")
+    return done

@@ -205,7 +205,7 @@ def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str]
 
 def judge_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.serving import carry_out
+    from kubealign.serving import carry_out, split
     from kubealign.stages import judge
 
     quiet_libraries(args.verbose)
@@ -213,12 +213,14 @@ def judge_command(args: argparse.Namespace) -> None:
     champion, canary, version, uri = _judged_urls(args, config)
     checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)
     inputs = (args.prompts, args.tokenizer, args.reward, champion, canary, args.output, args.served_name)
-    human = None
-    if config.canary.min_human_win_rate is not None:  # people's verdict on this version (kubealign feedback pull)
-        from kubealign.feedback import lookup
+    from kubealign.feedback import lookup
+    from kubealign.tracking.runs import resolve_uri
 
-        human = lookup.latest(uri, config.tracking.experiment, config.promote.registered_model, version)
-    result = judge.run(config, *inputs, version, tuple(checked), human)
+    # people's verdict (canary.min_human_win_rate) and the judges' agreement with them (min_judge_agreement)
+    human, agreement = lookup.people(uri or resolve_uri(config), config, version)
+    stable = split.read_route(args.front)["stable"]["version"] if args.front else "?"  # feedback.served's
+    more = {"champion_version": str(stable), "agreement": agreement}
+    result = judge.run(config, *inputs, version, tuple(checked), human, **more)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:
         return

@@ -14,11 +14,11 @@ import os
 import sys
 
 from kubealign import __version__
-from kubealign.cli import feedback, images, judging, pipeline, registry, serving, tools, training
+from kubealign.cli import feedback, images, judging, pipeline, registry, rounds, serving, tools, training
 from kubealign.errors import Stopped, UserError
 
 # In the order `kubealign --help` lists their commands.
-FAMILIES = (training, judging, pipeline, images, tools, registry, serving, feedback)
+FAMILIES = (training, judging, pipeline, images, tools, registry, serving, feedback, rounds)
 
 
 def build_parser() -> argparse.ArgumentParser:

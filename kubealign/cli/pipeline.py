@@ -162,7 +162,7 @@ def run_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
     from kubealign.pipelines import local
 
-    config = load_config(args.config, args.overrides)
+    config = getattr(args, "config_object", None) or load_config(args.config, args.overrides)  # round next's
     try:
         index = local.run(config, args.output, caching=args.cache, verbose=args.verbose, runner=args.runner)
     except local.PipelineFailed as exc:

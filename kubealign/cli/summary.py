@@ -4,6 +4,7 @@ directory) or a directory with one subdirectory per stage (the stage commands ru
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,8 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         if not r.get("applied"):
             return r.get("why", "nothing applied")
         return f"{r.get('inference_service')} {r.get('action')}: version {r.get('version')}, Ready at {r.get('url')}"
+    if stage == "feedback":
+        return feedback_lines(m)
     if stage == "judge":  # the verdict line, or why there was nothing to judge
         return r.get("why") or r.get("verdict", "")
     if stage == "act":  # what carrying the verdict out did, or why nothing was done
@@ -68,6 +71,26 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         else ""
     )
     return f"{name} version {version}; {verdict + '; ' if verdict else ''}{aliases}{why}{audit}"
+
+
+def feedback_lines(m: dict[str, Any]) -> str:
+    """The pull: rows, people's win-rate of the challenger (its interval; weighted where the tasks carry weights)
+    and, for pairs pushed from what was served, each judge's agreement with people (kubealign.feedback.agreement)."""
+    from kubealign.feedback.agreement import JUDGES
+
+    rate, low, high = (m.get(k, math.nan) for k in ("human_win_rate", "human_win_rate_low", "human_win_rate_high"))
+    text = f"{int(m.get('rows', 0))} rows from {int(m.get('decided', 0))} decided tasks"
+    if m.get("decided"):
+        text += f"; human win-rate {rate:.2f} (95 % {low:.2f}-{high:.2f})"
+    if "human_win_rate_weighted" in m:
+        text += f", weighted {m['human_win_rate_weighted']:.2f}"
+    judges = [
+        f"{name} {m[f'agreement_{name}']:.2f} ({m[f'agreement_{name}_low']:.2f}-{m[f'agreement_{name}_high']:.2f}, "
+        f"{int(m[f'agreement_{name}_n'])} tasks)"
+        for name in JUDGES
+        if f"agreement_{name}" in m
+    ]
+    return text + ("\njudges' agreement with people: " + "; ".join(judges) if judges else "")
 
 
 def evaluate_lines(m: dict[str, Any], label: str = "PPO") -> list[str]:

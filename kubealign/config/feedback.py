@@ -55,6 +55,42 @@ class FeedbackConfig(Section):
         "one is refused as it arrives, before it is parsed.",
     )
 
+    budget: int = Field(
+        64,
+        ge=1,
+        description="Tasks a round pushes from what the canary served (`kubealign feedback push --from-judge`, "
+        "`kubealign round next`): at most this many of the judge's answered pairs.",
+    )
+    random_share: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="The share of `budget` drawn at random from the served pairs left once the pairs where the "
+        "automatic judges disagree most (or are least sure) are taken; each random task is weighted by the pairs "
+        "it stands for, so the weighted human win-rate stays unbiased (docs/feedback.md 'Rounds'). 0 = disagreement "
+        "only (the win-rate is then of those pairs), 1 = all at random.",
+    )
+    round: int = Field(
+        0,
+        ge=0,
+        description="This run's round of the feedback loop (0: the first, before any people's choice), tagged "
+        "on its MLflow runs as kubealign.round; `kubealign round next` sets it to the last round's plus one.",
+    )
+    previous_run: str | None = Field(
+        None,
+        min_length=1,
+        description="The MLflow run id of the previous round's pipeline run, tagged on this run's MLflow runs as "
+        "kubealign.previous_run (`kubealign round next` sets it). None = no previous round.",
+    )
+
+    @property
+    def round_tags(self) -> dict[str, str]:
+        """The MLflow tags that say which round a run is and which run came before it."""
+        tags = {"kubealign.round": str(self.round)}
+        if self.previous_run is not None:
+            tags["kubealign.previous_run"] = self.previous_run
+        return tags
+
     @property
     def max_bytes(self) -> int:
         return int(self.max_export_mb * (1 << 20))

@@ -90,6 +90,17 @@ class GuardsConfig(Section):
         "points of accuracy). Applies only when the evaluation ran suites. None = not checked.",
     )
 
+    min_judge_agreement: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="Judges checked against people: a judge (the training reward model, the held-out one, the LLM "
+        "judge) whose agreement with people's choices on the served pairs (agreement_<judge> of the latest "
+        "`feedback` run of this registered model: kubealign.feedback.agreement) is below this share is not "
+        "trusted: its checks are reported as 'not trusted', not counted; with every judge that checked not "
+        "trusted the gate refuses. A judge people have not been asked about stays trusted. None = not applied.",
+    )
+
     @model_validator(mode="after")
     def _check_lengths(self) -> GuardsConfig:
         low, high = self.min_length_ratio, self.max_length_ratio

@@ -9,6 +9,9 @@ from typing import Any
 
 VERSION_TAG = "kubealign.feedback.challenger_version"
 MODEL_TAG = "kubealign.feedback.registered_model"
+# on a feedback run whose judges were checked against people, the registered model all its tasks named (the
+# registry vouched for it): what promote.guards.min_judge_agreement looks up (agreement())
+AGREEMENT_TAG = "kubealign.feedback.agreement_model"
 
 
 def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
@@ -37,3 +40,37 @@ def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
     decided = int(metrics.get("decided", 0))
     rate = metrics.get("human_win_rate", float("nan"))
     return HumanFeedback(rate, decided if rate == rate else 0, f"feedback run {runs[0].info.run_id}")
+
+
+def agreement(client: Any, experiment_id: str, model: str) -> dict[str, float]:
+    """The judges' agreement with people (agreement_<judge>, _n: feedback.agreement.figures) of the newest finished
+    feedback run of `model` in the experiment that measured any; {} if none. client: an MlflowClient."""
+    runs = client.search_runs(
+        [experiment_id],
+        filter_string=f"tags.`{AGREEMENT_TAG}` = '{model}' and attributes.status = 'FINISHED'",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
+    )
+    if not runs:
+        return {}
+    return {k: v for k, v in runs[0].data.metrics.items() if k.startswith("agreement_")}
+
+
+def people(uri: str | None, config: Any, version: str) -> tuple[Any, dict[str, float]]:
+    """What people said that the online judge reads: their verdict on the canary's `version` (latest(); None when
+    canary.min_human_win_rate is unset) and the judges' agreement with them (agreement(); {} when
+    promote.guards.min_judge_agreement is unset); (None, {}) without a registry."""
+    if not uri:
+        return None, {}
+    model, experiment = config.promote.registered_model, config.tracking.experiment
+    human = None if config.canary.min_human_win_rate is None else latest(uri, experiment, model, version)
+    if config.promote.guards.min_judge_agreement is None:
+        return human, {}
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.promotion.aliases import registry_errors
+
+    with registry_errors(uri):
+        client = MlflowClient(tracking_uri=uri)
+        found = client.get_experiment_by_name(experiment)
+        return human, {} if found is None else agreement(client, found.experiment_id, model)

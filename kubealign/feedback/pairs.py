@@ -56,22 +56,40 @@ def prompt_key(prompt: str) -> str:
 
 
 def pairwise_tasks(
-    prompts: list[str], first: list[str], second: list[str], sides: tuple[Side, Side], seed: int, registered_model: str
+    prompts: list[str],
+    first: list[str],
+    second: list[str],
+    sides: tuple[Side, Side],
+    seed: int,
+    registered_model: str,
+    judges: list[dict[str, float]] | None = None,
+    extra: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """One task per prompt: `first[i]` (sides[0]'s answer) and `second[i]` (sides[1]'s) as answer1 / answer2 in
     an order drawn per task; meta.kubealign says which side is which and of which registered model (the pull
-    checks both against the registry)."""
+    checks both against the registry). judges: per task, each automatic judge's probability that sides[1]'s answer
+    is the better one, written into the meta as the probability that answer1 is (feedback.agreement reads it);
+    extra: per task, more meta (feedback.served: the stratum, weight, round, judge run)."""
     rng = random.Random(f"kubealign-feedback-{seed}")
     tasks = []
-    for prompt, a, b in zip(prompts, first, second, strict=True):
+    for i, (prompt, a, b) in enumerate(zip(prompts, first, second, strict=True)):
         swap = rng.random() < 0.5
         (one, one_side), (two, two_side) = ((b, sides[1]), (a, sides[0])) if swap else ((a, sides[0]), (b, sides[1]))
         meta = {"answer1": one_side.label, "answer2": two_side.label, "prompt_sha256": prompt_key(prompt)}
         meta["registered_model"] = registered_model
+        if judges is not None:  # P(answer1 better): sides[1]'s probability when it is on the left
+            meta["judges"] = {name: p if swap else 1.0 - p for name, p in judges[i].items()}
+        meta.update(extra[i] if extra is not None else {})
         tasks.append({"data": {"prompt": prompt, "answer1": one, "answer2": two}, "meta": {"kubealign": meta}})
     return tasks
 
 
+def task_key(meta: dict[str, Any]) -> str | None:
+    """What a project holds once: a served comparison (meta `comparison`: the prompt and both versions, so the same
+    prompt served by the next round's versions is a new task), else the prompt."""
+    return meta.get("comparison") or meta.get("prompt_sha256")
+
+
 def new_tasks(tasks: list[dict[str, Any]], present: set[str]) -> list[dict[str, Any]]:
-    """The tasks whose prompt is not in the project yet (present: their prompt_sha256s)."""
-    return [t for t in tasks if t["meta"]["kubealign"]["prompt_sha256"] not in present]
+    """The tasks whose key (task_key: a served comparison, else the prompt's sha256) is not in the project yet."""
+    return [t for t in tasks if task_key(t["meta"]["kubealign"]) not in present]

@@ -66,7 +66,29 @@ def pull(
     )
     if out.agreement is not None:
         metrics["agreement"] = out.agreement
+    served_figures(export, challenger, metrics, lines)
     return Written(out, text, metrics, lines, registry)
+
+
+def served_figures(export: Any, challenger: str, metrics: dict[str, float], lines: list[str]) -> None:
+    """Of tasks pushed from what was served (feedback.served): each judge's agreement with people, and the
+    challenger's weighted win-rate over all and per round, added to `metrics` and `lines` (nothing for other tasks)."""
+    from kubealign.feedback import agreement
+
+    decided = agreement.decisions(export)
+    found = agreement.agreements(decided)
+    metrics.update(agreement.figures(found))
+    lines += agreement.lines(found)
+    rounds = sorted({m["round"] for m, _ in decided if isinstance(m.get("round"), int)})
+    for number in [None, *rounds] if rounds else []:
+        these = [(m, c) for m, c in decided if number is None or m.get("round") == number]
+        rate = agreement.weighted_win_rate(these, challenger)
+        if rate is None:
+            continue
+        name = "human_win_rate_weighted" + ("" if number is None else f"_round_{number}")
+        metrics[name] = rate
+        said = "all rounds" if number is None else f"round {number}"
+        lines.append(f"  weighted human win-rate of {challenger} ({said}, {len(these)} decided): {rate:.2f}")
 
 
 def check_registry(claims: dict[tuple[str | None, str], str], uri: str, where: str) -> None:
@@ -119,7 +141,7 @@ def track(config: Any, written: Written, output: Path, title: str, url: str, cha
     """The `feedback` run: the file as its dataset input, the counts and win-rate as metrics; where the registry
     vouched for the tasks' claims (pull's `registry`), tagged with the registered model and the challenger's version
     (what the online judge's canary.min_human_win_rate looks up: feedback.lookup)."""
-    from kubealign.feedback.lookup import MODEL_TAG, VERSION_TAG
+    from kubealign.feedback.lookup import AGREEMENT_TAG, MODEL_TAG, VERSION_TAG
     from kubealign.tracking.lineage import DatasetRef
     from kubealign.tracking.runs import stage_run
 
@@ -134,6 +156,9 @@ def track(config: Any, written: Written, output: Path, title: str, url: str, cha
         tags = {"kubealign.feedback.versions": ",".join(versions), "kubealign.feedback.file": str(output)}
         measured = sorted({v.split(":", 1)[1] for v in versions if v.split(":", 1)[0] == challenger})
         models = {model for model, _ in out.claims}
+        judged = any(k.startswith("agreement_") for k in written.metrics) and written.registry and len(models) == 1
+        if judged:  # the judges' agreement with people, of this registered model (promote.guards.min_judge_agreement)
+            tags[AGREEMENT_TAG] = next(iter(models))
         if written.registry and len(measured) == 1 and len(models) == 1:  # the version the win-rate is of
             tags[VERSION_TAG], tags[MODEL_TAG] = measured[0], models.pop()
         tracker.set_tags(tags)

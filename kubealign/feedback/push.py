@@ -28,7 +28,7 @@ def push_tasks(client: Any, title: str, tasks: list[dict[str, Any]]) -> Pushed:
     created = project is None
     if created:
         project = client.create_project(title, pairs.LABEL_CONFIG)
-    present = {t.get("meta", {}).get("kubealign", {}).get("prompt_sha256") for t in client.tasks(project)}
+    present = {pairs.task_key(t.get("meta", {}).get("kubealign", {})) for t in client.tasks(project)}
     fresh = pairs.new_tasks(tasks, present)
     added = client.import_tasks(project, fresh) if fresh else 0
     return Pushed(project, created, added, len(tasks) - len(fresh))

@@ -36,10 +36,11 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
         needed = f"> {theirs:.3f} (the champion's)"
         checks.append((ours > theirs, guards.needs("candidate_reward_mean", needed, f"{ours:.3f}")))
-    lines = [("pass: " if ok else "FAIL: ") + text for ok, text in checks]
-    guarded = guards.checks(metrics, cfg.guards, cfg.min_win_rate)
-    passed = all(ok for ok, _ in checks) and all(g.ok is not False for g in guarded)
-    return passed, [*lines, *(g.line for g in guarded)]
+    found = [guards.Check(ok, text) for ok, text in checks] + guards.checks(metrics, cfg.guards, cfg.min_win_rate)
+    # a judge that disagrees with people (promote.guards.min_judge_agreement): its checks said, not counted
+    found = guards.distrust(found, guards.untrusted(metrics, cfg.guards))
+    passed = all(c.ok is not False for c in found if c.counted)
+    return passed, [c.line for c in found]
 
 
 def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple[bool, str]]:

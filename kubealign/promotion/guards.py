@@ -16,14 +16,23 @@ from kubealign.config.guards import GuardsConfig
 
 
 class Check(NamedTuple):
-    """One guard's outcome: ok None = not checked (its figures absent: said, never counted as a failure)."""
+    """One guard's outcome: ok None = not checked (its figures absent: said, never counted as a failure); trusted
+    False = its judge disagrees with people (min_judge_agreement): reported, not counted."""
 
     ok: bool | None
     text: str
+    trusted: bool = True
 
     @property
     def line(self) -> str:
+        if not self.trusted:
+            return "not trusted: " + self.text
         return {True: "pass: ", False: "FAIL: ", None: "unchecked: "}[self.ok] + self.text
+
+    @property
+    def counted(self) -> bool:
+        """Whether the gate counts it: a failed check of a trusted judge fails the gate."""
+        return self.trusted and self.ok is not None
 
 
 def needs(what: str, needed: str, got: str, said: str = "") -> str:
@@ -220,3 +229,52 @@ def refusal(lines: list[str], metrics: dict[str, float]) -> str:
     if guarded and gain is not None and gain > 0:
         text += f"; the training reward model's gain {gain:+.3f} is not trusted (reward hacking suspected)"
     return text
+
+
+# Whose check a line is (its text's start), for min_judge_agreement: the training reward model's win-rate and gain,
+# the held-out reward model's and the LLM judge's guards. Judges as feedback.agreement names them.
+JUDGE_OF = {
+    "win_rate:": "reward",
+    "win_rate_lower_bound:": "reward",
+    "reward_gain:": "reward",
+    "candidate_reward_mean:": "reward",
+    "held-out reward model:": "heldout",
+    "llm judge:": "llm_judge",
+}
+
+
+def judge_of(text: str) -> str | None:
+    """The judge whose check `text` is (JUDGE_OF), None for the checks no judge makes (KL, degeneration, ...)."""
+    return next((judge for start, judge in JUDGE_OF.items() if text.startswith(start)), None)
+
+
+def untrusted(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, str]:
+    """{judge: why} of the judges whose agreement with people (metrics' agreement_<judge>, from the latest
+    feedback run) is below min_judge_agreement; {} when it is off or nobody was asked."""
+    bar = cfg.min_judge_agreement
+    out = {}
+    for judge in dict.fromkeys(JUDGE_OF.values()) if bar is not None else ():
+        rate = metrics.get(f"agreement_{judge}")
+        if rate is None or rate != rate or rate >= bar:  # not measured (NaN: it leaned on no decided task)
+            continue
+        n = metrics.get(f"agreement_{judge}_n")
+        said = f" over {int(n)} tasks" if n is not None else ""
+        out[judge] = f"agrees with people on {rate:.2f}{said}, below promote.guards.min_judge_agreement {bar}"
+    return out
+
+
+def distrust(found: list[Check], away: dict[str, str]) -> list[Check]:
+    """`found` with each check of an untrusted judge (`away`: untrusted()) reported, not counted; and, when every
+    check some judge made is of an untrusted one, a failed check saying the gate has no trusted judge."""
+    out, judged, kept = [], 0, 0
+    for check in found:
+        judge = judge_of(check.text)
+        judged += judge is not None
+        if judge in away:
+            out.append(Check(check.ok, f"{check.text} [{judge} {away[judge]}]", trusted=False))
+        else:
+            kept += judge is not None
+            out.append(check)
+    if away and judged and not kept:
+        out.append(Check(False, needs("trusted judges", ">= 1 (promote.guards.min_judge_agreement)", "0")))
+    return out

@@ -138,6 +138,35 @@ def llm_judge_verdicts(
     return figures, {i: ONLINE_VERDICTS.get(row["llm_judge"]) for i, row in zip(pairs, table, strict=True)}
 
 
+def answers_table(
+    config: KubealignConfig,
+    prompts: list[str],
+    answers: dict[str, list[rules.Answer]],
+    verdicts: dict[int, str | None],
+    pairs: list[int],
+    rows: dict[str, list[dict[str, Any]]] | None,
+) -> list[dict[str, Any]]:
+    """answers.json: per prompt both answers, the LLM judge's verdict (when one is set) and, for the prompts both
+    answered, each reward model's scores as [champion's, canary's] ("reward": the scorer's, "heldout": the held-out
+    reward model's), what feedback.served weighs the pairs people are asked about by."""
+    scores: dict[int, dict[str, list[float]]] = {}
+    for k, i in enumerate(pairs if rows else []):
+        champion, canary = rows["champion"][k], rows["canary"][k]
+        found = {"reward": [float(champion["score"]), float(canary["score"])]}
+        if "heldout_score" in champion and "heldout_score" in canary:
+            found["heldout"] = [float(champion["heldout_score"]), float(canary["heldout_score"])]
+        scores[i] = found
+    return [
+        {
+            "prompt": prompt,
+            **{who: vars(got[i]) for who, got in answers.items()},
+            **({"llm_judge": verdicts.get(i)} if config.evaluate.llm_judge.url is not None else {}),
+            **({"scores": scores[i]} if i in scores else {}),
+        }
+        for i, prompt in enumerate(prompts)
+    ]
+
+
 def plot(path: Path, answers: dict[str, list[rules.Answer]], rows: dict[str, list[dict[str, Any]]] | None) -> None:
     """judge.png: each model's answered requests' latency as a cumulative share (errors marked on the right),
     and, per prompt both answered, the canary's score against the champion's (above the diagonal: the canary
@@ -178,12 +207,17 @@ def run(
     canary_version: str = "?",
     served_versions: tuple[str, ...] = (),
     human: Any = None,
+    champion_version: str = "?",
+    agreement: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """served_name: the model name both servers answer to (default promote.registered_model, as `kubealign
     serve` names it), or each one's ({"champion": ..., "canary": ...}); tokenizer_dir: the policy's tokenizer
     (both versions share it); served_versions: the check lines of kubealign.serving.identity, made by the
     caller before this asks anything (the registry is the caller's to read); human: people's verdict on the
-    canary's version (serving.verdict.HumanFeedback, read by the caller when canary.min_human_win_rate is set)."""
+    canary's version (serving.verdict.HumanFeedback, read by the caller when canary.min_human_win_rate is set);
+    champion_version: the version the champion's server serves ("?": not known), in result.json beside the canary's
+    (kubealign feedback push --from-judge names both on its tasks); agreement: the judges' agreement with people
+    (feedback.lookup.agreement), which promote.guards.min_judge_agreement reads in the gate."""
     cfg, r = config.canary, config.rewards
     check_output_path(output, STAGE)
     if r.uses_model and reward is None:
@@ -213,6 +247,7 @@ def run(
         # the guards' answer figures (promote.guards), the champion in the baseline's place as for the rest
         metrics.update(degeneration(rows["champion"], eos, "baseline"))
         metrics.update(degeneration(rows["canary"], eos, "candidate"))
+        metrics.update(agreement or {})  # the judges checked against people: the gate's min_judge_agreement
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
     promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg, human)
@@ -221,21 +256,16 @@ def run(
     for who, figures in served.items():
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})
     metrics["promoted"], metrics["wall_time_s"] = float(promoted), time.perf_counter() - started
-    table = [
-        {
-            "prompt": prompt,
-            **{who: vars(got[i]) for who, got in answers.items()},
-            **({"llm_judge": verdicts.get(i)} if config.evaluate.llm_judge.url is not None else {}),
-        }
-        for i, prompt in enumerate(data.prompts)
-    ]
+    table = answers_table(config, data.prompts, answers, verdicts, pairs, rows)
     outputs = {"answers": "answers.json", "report": "judge.md", "plot": "judge.png"}
+    versions = {"champion": champion_version, "canary": canary_version}  # what feedback.served names on its tasks
     with stage_run(STAGE, config, output.resolve().parent, required=False) as tracker:
         with atomic_dir(output) as tmp:
             write_json(tmp / "answers.json", table)
             (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
             plot(tmp / "judge.png", answers, rows)
-            result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, checks=lines, verdict=verdict)
+            more = {"versions": versions, "judge_run": tracker.run_id, "registered_model": one, "checks": lines}
+            result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, verdict=verdict, **more)
         tracker.log_metrics(metrics)
         for name in outputs.values():
             tracker.log_artifact(output / name, STAGE)

@@ -71,13 +71,14 @@ def run(
     else:
         checked = identity.unchecked("no registry (MLFLOW_TRACKING_URI, tracking.uri) to read")
         print(f"judge: {checked[0]}", flush=True)
-    human = None
-    if config.canary.min_human_win_rate is not None and uri:  # people's verdict (kubealign feedback pull)
-        from kubealign.feedback import lookup
+    from kubealign.feedback import lookup
 
-        human = lookup.latest(uri, config.tracking.experiment, registered, version)
+    # people's verdict (canary.min_human_win_rate) and the judges' agreement with them (min_judge_agreement)
+    human, agreement = lookup.people(uri, config, version)
     inputs = (stable, other, output, names, version, tuple(checked), human)
-    result = judge.run(config, prompts, tokenizer_dir, reward, *inputs)
+    result = judge.run(
+        config, prompts, tokenizer_dir, reward, *inputs, champion_version=str(serving["version"]), agreement=agreement
+    )
     verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}
     verdict.update(registered_model=registered, inference_service=f"{namespace}/{name}", verdict=result["verdict"])
     write_json(output / VERDICT_FILE, verdict)  # last: a judge that stopped before it has no verdict to act on

@@ -171,6 +171,11 @@ def promote_in_registry(
             theirs = client.get_model_version(name, champion).tags
             wanted = [*GATED_METRICS, *([cfg.metric] if cfg.metric != "win_rate" else [])]
             champion_metrics = {m: float(theirs.get(f"kubealign.metric.{m}", "nan")) for m in wanted}
+        if cfg.guards.min_judge_agreement is not None:  # the judges checked against people (latest feedback pull)
+            from kubealign.feedback.lookup import agreement
+
+            found = agreement(client, client.get_run(tracker.run_id).info.experiment_id, name)
+            metrics = {**metrics, **found}
         passed, checks = gate(metrics, cfg, champion_metrics)
         proven, line = manifest_check(version, version.source, uri)  # a version that cannot be verified or remade
         passed, checks = passed and proven, [*checks, ("pass: " if proven else "FAIL: ") + line]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,11 @@ from kubealign.outputs import read_result
 def to_kfp(result: dict[str, Any], metrics: Any, artifact: Any) -> None:
     """Hand a stage result to KFP: numeric metrics into the Metrics artifact (the UI's metrics table)
     and onto the output artifact's metadata, with the stage name."""
-    numeric = {k: float(v) for k, v in result.get("metrics", {}).items() if isinstance(v, int | float)}
+    # only finite numbers: KFP's metadata is protobuf JSON, which has no NaN (a pull with nothing decided has no
+    # win-rate: NaN in result.json, absent here)
+    numeric = {
+        k: float(v) for k, v in result.get("metrics", {}).items() if isinstance(v, int | float) and math.isfinite(v)
+    }
     for key, value in numeric.items():
         metrics.log_metric(key, value)
     artifact.metadata.update({"stage": result.get("stage", ""), **numeric})

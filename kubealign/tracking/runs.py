@@ -250,7 +250,7 @@ def _start(stage: str, config: KubealignConfig, uri: str | None, output_root: Pa
             tags = {"mlflow.parentRunId": parent} if parent else {}
             run_id = client.create_run(experiment_id, run_name=stage, tags=tags).info.run_id
         tracker = MlflowTracker(client, run_id, uri)
-        tracker.set_tags({"kubealign.stage": stage})
+        tracker.set_tags({"kubealign.stage": stage, **config.feedback.round_tags})  # the round: docs/feedback.md
         tracker.log_params(flatten(config))
         tracker.log_text(config_to_yaml(config), "config/resolved.yaml")
     except Exception as exc:  # a bad URI, an unreachable server, a permission problem

@@ -48,6 +48,11 @@ def test_to_kfp_logs_numbers_and_writes_the_metrics_file(tmp_path: Path) -> None
     assert metrics.logged == {"loss": 1.5, "steps": 3.0}
     assert model.metadata == {"stage": "sft", "loss": 1.5, "steps": 3.0}
     assert json.loads((tmp_path / "metrics").read_text(encoding="utf-8")) == {"loss": 1.5, "steps": 3.0}
+    # a pull with nothing decided yet has no win-rate (NaN): protobuf JSON has no NaN, so KFP gets it not at all
+    nan = {"stage": "feedback", "metrics": {"decided": 0, "human_win_rate": float("nan"), "gain": float("inf")}}
+    metrics, rows = FakeArtifact(tmp_path / "m2"), FakeArtifact(tmp_path / "rows")
+    artifacts.to_kfp(nan, metrics, rows)
+    assert metrics.logged == {"decided": 0.0} and rows.metadata == {"stage": "feedback", "decided": 0.0}
 
 
 def test_held_aliases() -> None:

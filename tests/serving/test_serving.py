@@ -795,6 +795,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
         courteous.stop()
         curt.stop()
     assert not result["promoted"] and result["metrics"]["win_rate"] == 0.0 and result["metrics"]["prompts"] == 6
+    assert result["versions"] == {"champion": "1", "canary": "2"}  # what feedback push --from-judge names
     verdict = json.loads((tmp_path / "j1" / judge_task.VERDICT_FILE).read_text())
     assert verdict == {
         "judged": True,

@@ -437,6 +437,13 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         answers = json.loads((tmp_path / "good" / "answers.json").read_text())
         assert len(answers) == 6 and answers[0]["canary"]["text"] == " Certainly! Here it is."
         assert "llm_judge" not in answers[0] and not any("llm judge" in c for c in result["checks"])  # none set
+        # each pair's scores as [champion's, canary's] (feedback push --from-judge weighs the pairs by them), and
+        # the versions served (without --act or a front none is known: '?', which that push refuses)
+        assert [a["scores"] for a in answers] == [{"reward": [0.0, 1.0]}] * 6
+        assert (
+            result["versions"] == {"champion": "?", "canary": "?"} and result["registered_model"] == "kubealign-actor"
+        )
+        result_good_run = result["judge_run"]
         assert not any(k.startswith("llm_judge") for k in m)
         assert "| win_rate | 1 |" in (tmp_path / "good" / "judge.md").read_text()
         assert f"- {unchecked}" in (tmp_path / "good" / "judge.md").read_text() and result["checks"][0] == unchecked
@@ -446,6 +453,7 @@ def test_the_judge_promotes_a_canary_that_answers_better_and_says_why_not_otherw
         client = MlflowClient(store)
         [run] = client.search_runs([e.experiment_id for e in client.search_experiments()])
         assert run.data.metrics["win_rate"] == 1.0 and run.data.metrics["canary/error_rate"] == 0.0
+        assert result_good_run == run.info.run_id  # the judge's MLflow run, named on the tasks pushed from it
         assert {a.path for a in client.list_artifacts(run.info.run_id, "judge")} >= {
             "judge/judge.png",
             "judge/judge.md",

@@ -1,0 +1,85 @@
+"""Which served pairs people are asked about (issue 79): each judge's probability, the pair's priority, the two
+strata of a round's budget and the weights that keep the human win-rate unbiased. Pure; figures by hand."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from kubealign.feedback import choice
+
+pytestmark = pytest.mark.unit
+
+
+def test_each_judge_says_how_likely_the_canary_is_better():
+    got = choice.canary_probabilities({"reward": (1.0, 3.0), "heldout": (2.0, 2.0)}, "champion")
+    # Bradley-Terry: sigmoid(canary - champion); equal scores: 0.5; the LLM judge's verdict: 0 for the champion
+    assert got == {"reward": pytest.approx(1 / (1 + math.exp(-2))), "heldout": 0.5, "llm_judge": 0.0}
+    assert choice.canary_probabilities({"reward": (3.0, 1.0)}, None) == {"reward": pytest.approx(0.11920292)}
+    assert choice.canary_probabilities({}, "tie") == {"llm_judge": 0.5}
+    assert choice.canary_probabilities({}, "canary") == {"llm_judge": 1.0}
+    assert choice.sigmoid(-800.0) == 0.0 and choice.sigmoid(800.0) == 1.0  # no overflow either way
+
+
+def test_priority_is_highest_where_the_judges_split_or_are_unsure():
+    assert choice.priority({"reward": 0.9, "llm_judge": 0.1}) == pytest.approx(1.0)  # they split: mean 0.5
+    assert choice.priority({"reward": 0.5}) == 1.0  # unsure
+    assert choice.priority({"reward": 0.9}) == pytest.approx(4 * 0.9 * 0.1)  # 0.36
+    assert choice.priority({"reward": 0.9, "heldout": 0.7}) == pytest.approx(4 * 0.8 * 0.2)  # 0.64
+    assert choice.priority({"reward": 1.0, "llm_judge": 1.0}) == 0.0  # agree and sure: nothing to learn
+    assert choice.priority({}) == 1.0  # nobody voted: ask
+
+
+def test_the_budget_takes_the_highest_priorities_then_a_random_sample_of_the_rest():
+    priorities = [0.1, 0.9, 0.5, 0.9, 0.0, 0.3]
+    chosen = choice.choose(priorities, budget=4, random_share=0.5, seed=3)
+    # 4 - round(4 * 0.5) = 2 certain: the two 0.9s (the earlier first); 2 drawn from the 4 left, each standing for 2
+    assert chosen[:2] == [choice.Chosen(1, "disagreement", 1.0), choice.Chosen(3, "disagreement", 1.0)]
+    drawn = chosen[2:]
+    assert [c.stratum for c in drawn] == ["random", "random"] and [c.weight for c in drawn] == [2.0, 2.0]
+    assert {c.index for c in drawn} < {0, 2, 4, 5} and drawn == sorted(drawn)
+    assert sum(c.weight for c in chosen) == len(priorities)  # the weights stand for every served pair
+    assert choice.choose(priorities, 4, 0.5, 3) == chosen  # seeded
+    draws = {tuple(c.index for c in choice.choose(priorities, 4, 0.5, seed)[2:]) for seed in range(40)}
+    assert len(draws) > 3  # the seed moves the random part
+
+
+def test_the_budget_at_its_edges():
+    p = [0.2, 0.8, 0.4]
+    assert choice.choose(p, 10, 0.25, 0) == [  # more budget than pairs: all of them, each standing for itself
+        choice.Chosen(1, "disagreement", 1.0),
+        choice.Chosen(2, "disagreement", 1.0),  # 3 - round(0.75) = 2 certain
+        choice.Chosen(0, "random", 1.0),
+    ]
+    assert [c.index for c in choice.choose(p, 2, 0.0, 0)] == [1, 2]  # no random share: priorities only
+    everything_random = choice.choose(p, 2, 1.0, 0)
+    assert [c.stratum for c in everything_random] == ["random"] * 2 and everything_random[0].weight == 1.5
+    assert choice.choose(p, 0, 0.5, 0) == [] and choice.choose([], 5, 0.5, 0) == []
+    with pytest.raises(ValueError, match="random_share 1.5"):
+        choice.choose(p, 2, 1.5, 0)
+
+
+def test_the_weighted_win_rate_is_unbiased_where_the_chosen_share_is_not():
+    """People agree with nobody in particular: the challenger wins exactly the pairs where the judges were sure
+    (low priority) and loses the disputed ones. Asking where judges disagree then sees mostly losses; the weights
+    put the population's rate back, on average over the random draws (its expectation is exact: the weights sum
+    to the number of pairs whatever is drawn)."""
+    rng = random.Random(0)
+    priorities = [rng.random() for _ in range(60)]
+    wins = [p < 0.5 for p in priorities]
+    truth = sum(wins) / len(wins)
+    weighted, plain = [], []
+    for seed in range(3000):
+        chosen = choice.choose(priorities, 12, 0.5, seed)
+        weighted.append(choice.weighted_rate([(wins[c.index], c.weight) for c in chosen]))
+        plain.append(sum(wins[c.index] for c in chosen) / len(chosen))
+    assert sum(weighted) / len(weighted) == pytest.approx(truth, abs=0.01)
+    assert sum(plain) / len(plain) < truth - 0.1  # unweighted: biased towards the disputed pairs' losses
+
+
+def test_weighted_rate_by_hand():
+    assert choice.weighted_rate([(True, 1.0), (False, 1.0), (True, 2.0)]) == 0.75
+    assert choice.weighted_rate([(False, 3.0), (True, 1.0)]) == 0.25
+    assert math.isnan(choice.weighted_rate([]))

@@ -1,0 +1,96 @@
+"""Judges checked against people in the gate (issue 79): promote.guards.min_judge_agreement turns the checks of a
+judge that disagrees with people (agreement_<judge> of the latest feedback pull) into "not trusted" lines, reported
+and not counted; with every judge that checked untrusted the gate refuses. Pure; by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kubealign.config.guards import GuardsConfig
+from kubealign.config.schema import PromoteConfig
+from kubealign.promotion import guards
+from kubealign.promotion.gate import gate
+
+pytestmark = pytest.mark.unit
+
+# only the held-out reward model among the guards, at promote.min_win_rate
+HELD = GuardsConfig(**{**dict.fromkeys(GuardsConfig.model_fields), "min_heldout_win_rate": "min_win_rate"})
+CFG = PromoteConfig(
+    min_win_rate=0.5, min_reward_gain=0.1, max_kl=2.0, guards=HELD.model_copy(update={"min_judge_agreement": 0.6})
+)
+# the training reward model says the candidate won; the held-out one says it lost
+METRICS = {
+    "win_rate": 0.8,
+    "reward_gain": 0.3,
+    "kl_to_baseline": 1.0,
+    "candidate_reward_mean": 1.0,
+    "heldout_win_rate": 0.3,
+}
+
+
+def test_a_judge_below_the_bar_is_reported_not_counted():
+    people = {"agreement_heldout": 0.55, "agreement_heldout_n": 20.0, "agreement_reward": 0.9}
+    passed, lines = gate({**METRICS, **people}, CFG, None)
+    assert passed is True  # the held-out model's failure is not counted: people disagree with it
+    assert lines[-1] == (
+        "not trusted: held-out reward model: win-rate: needs >= 0.5, got 0.300 "
+        "[heldout agrees with people on 0.55 over 20 tasks, below promote.guards.min_judge_agreement 0.6]"
+    )
+    assert lines[0] == "pass: win_rate: needs >= 0.5, got 0.800"  # the trusted one counts as before
+    # at the bar it is trusted, and its failure counts again
+    at_bar = gate({**METRICS, **people, "agreement_heldout": 0.6}, CFG, None)
+    assert at_bar[0] is False and at_bar[1][-1].startswith("FAIL: held-out reward model: win-rate")
+
+
+def test_the_training_reward_models_checks_are_its_own():
+    people = {"agreement_reward": 0.4, "agreement_heldout": 0.8}
+    bad = {**METRICS, "win_rate": 0.2, "reward_gain": 0.0, "heldout_win_rate": 0.7}
+    passed, lines = gate({**bad, **people}, CFG, None)
+    assert passed is True
+    assert [line.split(":")[0] for line in lines] == ["not trusted", "not trusted", "pass", "pass"]
+    assert lines[1].startswith("not trusted: reward_gain: needs >= 0.1, got 0.000 [reward agrees with people on 0.40")
+    assert lines[2].startswith("pass: kl_to_baseline")  # KL is no judge's: always counted
+    kl = gate({**bad, **people, "kl_to_baseline": 3.0}, CFG, None)
+    assert kl[0] is False
+
+
+def test_with_no_trusted_judge_the_gate_refuses():
+    people = {"agreement_reward": 0.4, "agreement_heldout": 0.5}
+    passed, lines = gate({**METRICS, **people}, CFG, None)
+    assert passed is False
+    assert lines[-1] == "FAIL: trusted judges: needs >= 1 (promote.guards.min_judge_agreement), got 0"
+
+
+def test_off_or_unmeasured_it_changes_nothing():
+    off = CFG.model_copy(update={"guards": HELD})
+    people = {"agreement_reward": 0.1, "agreement_heldout": 0.1}
+    assert gate({**METRICS, **people}, off, None) == gate(METRICS, off, None)
+    assert gate(METRICS, off, None)[0] is False  # the held-out failure counts
+    # never asked (no figure) or asked about no leaning task (NaN): trusted
+    assert gate(METRICS, CFG, None) == gate(METRICS, off, None)
+    assert gate({**METRICS, "agreement_heldout": float("nan")}, CFG, None)[0] is False
+    assert guards.untrusted({"agreement_llm_judge": 0.2}, CFG.guards) == {
+        "llm_judge": "agrees with people on 0.20, below promote.guards.min_judge_agreement 0.6"
+    }
+
+
+def test_each_check_is_filed_under_its_judge():
+    assert guards.judge_of("win_rate: needs >= 0.5, got 0.8") == "reward"
+    assert guards.judge_of("win_rate_lower_bound: needs >= 0.5, got 0.6") == "reward"
+    assert guards.judge_of("candidate_reward_mean: needs > 1.000 (the champion's), got 1.2") == "reward"
+    assert guards.judge_of("llm judge: win-rate in both orders: needs >= 0.5") == "llm_judge"
+    assert guards.judge_of("degeneration: distinct-2 ratio: needs >= 0.5") is None
+    assert guards.judge_of("kl_to_baseline: needs <= 2.0") is None
+
+
+def test_the_online_judge_applies_the_same_setting():
+    """The online judge's decision goes through the same gate: the agreement figures it was given
+    (feedback.lookup.people) make a held-out model people disagree with not count there either."""
+    from kubealign.config.canary import CanaryConfig
+    from kubealign.serving.verdict import decide
+
+    online = {**METRICS, "heldout_win_rate": 0.3, "win_rate_lower_bound": 0.6}
+    quiet, canary = {"error_rate": 0.0, "latency_p95_s": 0.1}, CanaryConfig(min_answers=4)
+    assert decide(online, 4, quiet, CFG, canary)[0] is False  # not measured: the held-out model's failure counts
+    ok, lines = decide({**online, "agreement_heldout": 0.4}, 4, quiet, CFG, canary)
+    assert ok and lines[-2].startswith("not trusted: held-out reward model: win-rate: needs >= 0.5, got 0.300")
