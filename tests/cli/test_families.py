@@ -56,7 +56,9 @@ def test_every_family_adds_its_own_commands_and_the_assembly_none(monkeypatch):
     top = next(a for a in parser.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     modules = {sys.modules[child._defaults["func"].__module__] for child in top.choices.values()}
     assert modules == set(parser.FAMILIES)
-    assert "feedback" in top.choices and "reproduce" in top.choices and "round" in top.choices and len(top.choices) == 23
+    assert (
+        "feedback" in top.choices and "reproduce" in top.choices and "round" in top.choices and len(top.choices) == 23
+    )
 
 
 def test_the_check_finds_a_parser_split_from_its_handler(monkeypatch):
