@@ -72,9 +72,11 @@ def test_one_flipped_byte_is_one_line_naming_the_file(tmp_path: Path) -> None:
     weights.write_bytes(bytes(data))
     with pytest.raises(UserError) as caught:
         digests.verify(directory, recorded, "serve: m version 1")
-    line = str(caught.value)
-    assert line.startswith("serve: m version 1: critic/model.safetensors has sha256 ")
-    assert "\n" not in line and "(and" not in line
+    now = hashlib.sha256(bytes(data)).hexdigest()[:12]
+    assert str(caught.value) == (
+        f"serve: m version 1: critic/model.safetensors has sha256 {now}…, the manifest records {sha(b'weights-1')[:12]}…: "
+        "the files are not the registered ones; refusing to load them"
+    )
     (directory / "config.json").unlink()
     with pytest.raises(UserError, match=r"config.json is missing \(and 1 more\)"):
         digests.verify(directory, recorded, "serve: m version 1")
@@ -127,3 +129,26 @@ def test_figures_side_by_side_only_where_both_have_them() -> None:
         {"win_rate": 0.75, "kl": 1.0}, {"win_rate": 0.8, "other": 2.0}, ("win_rate", "kl")
     )
     assert lines == ["win_rate: registered 0.7500, remade 0.8000 (+0.0500)"]
+
+
+def test_equal_weights_differ_by_nothing_and_the_first_of_equal_differences_is_named(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    save_file({"a_only": torch.ones(1), "empty": torch.zeros(0), "x": torch.full((2,), 0.5)}, str(a / "m.safetensors"))
+    save_file({"empty": torch.zeros(0), "x": torch.full((2,), 0.5)}, str(b / "m.safetensors"))
+    assert compare.largest_difference(a, b) == {
+        "max_abs_diff": 0.0,
+        "tensor": "m.safetensors:empty",
+        "shapes_differ": ["m.safetensors:a_only"],
+    }
+    save_file({"empty": torch.zeros(0), "x": torch.tensor([0.75, 0.5]), "y": torch.zeros(1)}, str(b / "m.safetensors"))
+    save_file(
+        {"a_only": torch.ones(1), "empty": torch.zeros(0), "x": torch.full((2,), 0.5), "y": torch.full((1,), -0.25)},
+        str(a / "m.safetensors"),
+    )
+    # x and y both differ by 0.25 at most: the first in name order is named
+    assert compare.largest_difference(a, b) == {
+        "max_abs_diff": 0.25,
+        "tensor": "m.safetensors:x",
+        "shapes_differ": ["m.safetensors:a_only"],
+    }

@@ -22,7 +22,16 @@ PPO_RESULT = {
     "metrics": {"world_size": 2},
     "rollout_engine": "compiled",
     "rollout_path": "he-plain",
-    "environment": {"device": "NVIDIA H100", "versions": {"torch": "2.13.0", "vllm": None}},
+    "environment": {
+        "device": "NVIDIA H100",
+        "versions": {
+            "torch": "2.13.0",
+            "transformers": "5.23.0",
+            "deepspeed": "0.19.8",
+            "vllm": None,
+            "peft": "0.21.2",
+        },
+    },
     "history": [
         {"rollout_logprob_diff_max": 0.01, "rollout_logprob_diff_mean": 0.002},
         {"rollout_logprob_diff_max": 0.07, "rollout_logprob_diff_mean": 0.001},
@@ -64,11 +73,29 @@ def test_the_manifest_and_its_tags() -> None:
     }
     code = {"kubealign": "0.1.0", "commit": "abc", "dirty": False, "lock_sha256": "l" * 64}
     config = {"data": {"seed": 5}}
-    built = manifest.build(config, files, manifest.training_record(PPO_RESULT), data, {"win_rate": 0.8}, {}, code)
-    assert built["model_sha256"] == digests.combined_sha256(files)
-    assert built["seeds"] == {"data.seed": 5}
-    assert built["data"]["phases"] == {"phase1_sft": {"sha256": "p" * 64, "files_sha256": "f" * 64}}
-    assert built["data"]["sources"] == data["sources"]
+    training = manifest.training_record(PPO_RESULT)
+    runs = {"pipeline_run_id": "r1"}
+    built = manifest.build(config, files, training, data, {"win_rate": 0.8}, runs, code)
+    assert built == {
+        "schema": 1,
+        "model_sha256": digests.combined_sha256(files),
+        "files": files,
+        "config": config,
+        "seeds": {"data.seed": 5},
+        "code": code,
+        "data": {
+            "cache_key": "k" * 64,
+            "config_sha256": "c" * 64,
+            "sources": data["sources"],
+            "phases": {"phase1_sft": {"sha256": "p" * 64, "files_sha256": "f" * 64}},
+        },
+        "training": training,
+        "evaluation": {"win_rate": 0.8},
+        "runs": runs,
+    }
+    bare = manifest.build(config, files, training, {"cache_key": "k"}, {}, runs, code)["data"]
+    assert bare == {"cache_key": "k", "config_sha256": None, "sources": [], "phases": {}}
+    assert manifest.build(config, files, training, None, {}, runs, code)["data"] is None
     assert manifest.tags(built) == {
         "kubealign.provenance.model_sha256": built["model_sha256"],
         "kubealign.provenance.commit": "abc",
@@ -78,7 +105,11 @@ def test_the_manifest_and_its_tags() -> None:
         "kubealign.provenance.rollout_engine": "compiled",
         "kubealign.provenance.max_logprob_diff": "0.07",
         "kubealign.provenance.torch": "2.13.0",
-    }  # vllm None and the absent libraries: no tag
+        "kubealign.provenance.transformers": "5.23.0",
+        "kubealign.provenance.deepspeed": "0.19.8",
+    }  # vllm None: no tag; peft is in the manifest, not a tag
+    with_vllm = {**built, "training": {**training, "environment": {"versions": {"vllm": "0.32.0"}}}}
+    assert manifest.tags(with_vllm)["kubealign.provenance.vllm"] == "0.32.0"
     assert json.loads(manifest.dumps(built)) == built
 
 
@@ -87,6 +118,21 @@ def test_this_process_environment() -> None:
     assert env["versions"]["torch"] == torch.__version__ and env["versions"]["transformers"] == transformers.__version__
     assert env["device"] == ("cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name(0))
     assert env["torch_threads"] == torch.get_num_threads()
+    import platform
+
+    import datasets
+    import deepspeed
+    import mlflow
+    import peft
+
+    assert (env["python"], env["platform"], env["cuda"]) == (
+        platform.python_version(),
+        platform.platform(),
+        torch.version.cuda,
+    )
+    libraries = {"deepspeed": deepspeed, "peft": peft, "datasets": datasets, "mlflow": mlflow}
+    assert {name: env["versions"][name] for name in libraries} == {n: m.__version__ for n, m in libraries.items()}
+    assert set(env["versions"]) == {"torch", "transformers", "deepspeed", "peft", "datasets", "mlflow", "vllm"}
 
 
 def git(repo: Path, *args: str) -> str:
