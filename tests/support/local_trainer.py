@@ -99,7 +99,7 @@ class LocalTrainer:
         for node in range(self.body["spec"]["trainer"]["numNodes"]):
             workdir = self.root / f"node{node}"  # the node's own disk, kept across restarts (same node)
             env = node_env(self.body, node, port, workdir)
-            log = workdir / f"try{attempt}.log"
+            log = workdir / f"{self.body['metadata']['name']}-try{attempt}.log"
             with open(log, "w") as out:
                 command = self.body["spec"]["trainer"]["command"]
                 self.nodes.append(subprocess.Popen(command, cwd=workdir, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -159,4 +159,6 @@ class LocalTrainer:
         self.state = self.state or "Deleted"
 
     def output(self, node: int = 0) -> str:
-        return "\n".join(log.read_text(errors="replace") for log in sorted((self.root / f"node{node}").glob("*.log")))
+        """Everything node NODE's launcher and ranks printed for this TrainJob, every try."""
+        tries = sorted((self.root / f"node{node}").glob(f"{self.body['metadata']['name']}-try*.log"))
+        return "\n".join(log.read_text(errors="replace") for log in tries)
