@@ -22,7 +22,7 @@ TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-unit test-system test-containers test-serve test-vllm-rollout test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
+.PHONY: demo test test-unit test-multinode test-system test-containers test-serve test-vllm-rollout test-labelstudio test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,15 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio and not multinode"
+
+# The multinode tier (marker multinode): several torchrun launchers on this machine, gloo on CPU, each test
+# bounded in time. ZeRO-3 ranks that finish generating apart (single- and multi-turn rollouts,
+# tests/rl/test_zero3_finish_apart.py), and the ppo task's TrainJob run as two nodes by a local stand-in of
+# Kubeflow Trainer: the same weights as one node with two ranks, a node SIGKILLed mid-run restarted and resumed
+# to the same weights (tests/stages/test_multinode.py). About 9 minutes on 2 cores; CI runs it after `make test`.
+test-multinode: $(STAMP)
+	$(BIN)/pytest -q -m multinode tests/rl/test_zero3_finish_apart.py tests/stages/test_multinode.py
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed

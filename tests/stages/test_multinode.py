@@ -115,7 +115,7 @@ def kill_node1_after_a_checkpoint(pvc: Path):
     def poll(trainer: LocalTrainer) -> None:
         if trainer.attempts or not trainer.nodes or trainer.nodes[1].poll() is not None:
             return
-        latest = list((pvc / "trainjobs").glob("*/checkpoints/latest"))
+        latest = list((pvc / "trainjobs").rglob("latest"))  # wherever the nodes keep their checkpoints
         if latest and latest[0].read_text().strip() == "iter2":
             trainer.kill_node(1)
 
