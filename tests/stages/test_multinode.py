@@ -7,6 +7,8 @@ Trainer: it checks the manifest against the v2.3 CRD schema and runs each node a
 manifest's command and env with PET_NNODES / PET_NODE_RANK / PET_MASTER_ADDR=127.0.0.1 / a free PET_MASTER_PORT,
 each node in a directory of its own (its TMPDIR, HOME, caches). Nothing of the command is written again here.
 
+sft runs the same way from a TrainJob manifest of kubealign's (the KFP DAG hands only ppo to the Trainer today).
+
 What it proves: torchrun's multi-node rendezvous from the PET_* variables, one rank per node at ZeRO-3, the
 PVC as the only shared disk (rank 0 alone writes the output and the checkpoints there), the same weights as one
 node with two ranks under the same seed, and a node lost mid-run: the survivor stops by itself within a bound,
@@ -134,3 +136,27 @@ def test_a_node_killed_mid_run_restarts_and_resumes_to_the_same_weights(trained,
     assert "ppo: resuming after iteration " in second, second[-2000:]  # not a fresh start
     assert resumed["rank_param_sha256"] == one_node["rank_param_sha256"]  # as if never interrupted
     assert len(resumed["history"]) == 4
+
+
+SFT = ["sft", "--set", NO_TRACKING, "--set", "sft.zero_stage=3", "--set", "sft.num_train_epochs=0.15"]
+
+
+def test_sft_as_two_trainjob_nodes_equals_one_node_with_two_ranks(trained, nodes, tmp_path: Path):  # noqa: F811
+    """sft run by the same stand-in: a TrainJob manifest of kubealign's (trainjob.manifest, the nodes' torchrun
+    command from launch.torchrun_command) against `torchrun --standalone --nproc_per_node 2`."""
+    from kubealign.cluster import trainjob
+
+    args = [*SFT, "--data", str(trained["split"])]
+    k8s = two_nodes(tmp_path).kubernetes
+    command = launch.torchrun_command(0, [*args, "--output", str(tmp_path / "pvc" / "two")], nnodes_from_env=True)
+    trainer = LocalTrainer(nodes)
+    body = trainjob.manifest("kubealign-sft-rehearsal", k8s, k8s.train_image, command)
+    trainer.create_namespaced_custom_object(trainjob.GROUP, trainjob.VERSION, k8s.namespace, trainjob.PLURAL, body)
+    assert (
+        trainjob.wait(trainer, body["metadata"]["name"], k8s.namespace, timeout_s=300, poll_s=0) == "all nodes exited 0"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_ENV} | {"TQDM_DISABLE": "1"}
+    one = launchers.run(launch.torchrun_command(2, [*args, "--output", str(tmp_path / "one")]), timeout=300, env=env)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two, one = (json.loads((tmp_path / d / "result.json").read_text()) for d in ("pvc/two", "one"))
+    assert two["metrics"]["world_size"] == 2 and two["rank_param_sha256"] == one["rank_param_sha256"]
