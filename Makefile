@@ -74,7 +74,8 @@ test: $(STAMP) $(TOOLS_STAMP)
 # bounded in time. ZeRO-3 ranks that finish generating apart (single- and multi-turn rollouts,
 # tests/rl/test_zero3_finish_apart.py), and the ppo task's TrainJob run as two nodes by a local stand-in of
 # Kubeflow Trainer: the same weights as one node with two ranks, a node SIGKILLed mid-run restarted and resumed
-# to the same weights (tests/stages/test_multinode.py). About 9 minutes on 2 cores; CI runs it after `make test`.
+# to the same weights, and sft as two nodes (tests/stages/test_multinode.py). 4 to 8 minutes on 2 cores (5 tests:
+# 238 s at a quiet moment, 455 s for 4 of them beside two other jobs); CI runs it after `make test`.
 test-multinode: $(STAMP)
 	$(BIN)/pytest -q -m multinode tests/rl/test_zero3_finish_apart.py tests/stages/test_multinode.py
 

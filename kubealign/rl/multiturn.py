@@ -128,7 +128,9 @@ def rollout(
     """Trajectories of up to tools.max_turns turns for the left-padded prompts ([B, Tp], each repeated
     cfg.group_size times; the batch's prompt columns are the longest prompt's, with the schemas block when
     tools.show_schemas). rows: the prompts' data rows (rewards.scorer.Rows, one per prompt), what an
-    environment's reset reads. sample: what generates a turn (default rl.rollout.generate; a stand-in in tests)."""
+    environment's reset reads. sample: what generates a turn (default rl.rollout.generate; a stand-in in tests).
+    With the actor at ZeRO-3 on several ranks (models.synced_gpus) every rank takes as many turns as the rank
+    that needs the most (_any_rank_going, _idle_turn): each turn's generate is a collective."""
     tools, tokenizer = session.tools, session.tokenizer
     k = cfg.group_size
     eos = tokenizer.eos_token_id
