@@ -44,11 +44,12 @@ PPO = [
 BOUND_S = 60.0  # how long the surviving node may take to notice its peer is gone and exit
 
 
-def two_nodes(tmp_path: Path):
+def two_nodes(tmp_path: Path, *extra: str):
     return load_config(
         None,
         [
             *PPO,
+            *extra,
             "kubernetes.ppo_nodes=2",
             "kubernetes.ppo_gpus=1",  # numProcPerNode 1: one rank per node (CPU here)
             "kubernetes.pvc=shared",
@@ -82,17 +83,18 @@ def one_node(trained, tmp_path_factory) -> dict:  # noqa: F811
     return json.loads((out / "result.json").read_text())
 
 
-def rehearse(trained, tmp_path: Path, trainer: LocalTrainer) -> dict:  # noqa: F811
+def rehearse(trained, tmp_path: Path, trainer: LocalTrainer, *extra: str) -> dict:  # noqa: F811
     out = tmp_path / "two-nodes"
     paths = [str(trained[k]) for k in ("split", "sft", "rm")]
-    result = launch.ppo_trainjob(two_nodes(tmp_path), *paths, str(out), [], api=(trainer, None))
+    result = launch.ppo_trainjob(two_nodes(tmp_path, *extra), *paths, str(out), [], api=(trainer, None))
     assert json.loads((out / "result.json").read_text()) == result
     return result
 
 
 def test_two_nodes_train_as_one_node_with_two_ranks(trained, one_node, nodes: Path, tmp_path: Path):  # noqa: F811
     trainer = LocalTrainer(nodes)
-    two = rehearse(trained, tmp_path, trainer)
+    store = f"sqlite:///{tmp_path / 'pvc' / 'mlflow.db'}"  # MLflow's store on the PVC: any rank could reach it
+    two = rehearse(trained, tmp_path, trainer, "tracking.enabled=true", f"tracking.uri={store}")
     assert trainer.attempts == [[0, 0]]
     assert "--checkpoints" in trainer.body["spec"]["trainer"]["command"]
     assert two["metrics"]["world_size"] == 2
@@ -100,13 +102,23 @@ def test_two_nodes_train_as_one_node_with_two_ranks(trained, one_node, nodes: Pa
     assert len(hashes) == 2 and hashes[0] == hashes[1]  # ZeRO-3 across the nodes, gathered whole at the end
     assert one_node["rank_param_sha256"] == hashes  # same seed: the same weights as one node with two ranks
     assert [h["reward_mean"] for h in two["history"]] == [h["reward_mean"] for h in one_node["history"]]
-    # who writes what: on a node's own disk, only its launcher's log and its caches (DeepSpeed's comm op,
-    # compiled there): no output, no checkpoint, no MLflow file; on the PVC the staging (the output, the
-    # checkpoints) was removed after the copy back
-    for node in (0, 1):
-        written = [p.relative_to(nodes / f"node{node}") for p in (nodes / f"node{node}").rglob("*") if p.is_file()]
-        assert all(p.suffix == ".log" for p in written if p.parts[0] != "cache"), written
+    # who writes what: on a node's own disk, its launcher's log and its caches (DeepSpeed's comm op, compiled
+    # there); node 0 also MLflow's artifacts (a database URI without a server puts them under ./mlruns: on a
+    # cluster the chart's server takes them); node 1 nothing else. The output and checkpoints: on the PVC only
+    # (the staging, output and checkpoints included, removed after the copy back)
+    for node, allowed in ((0, {"cache", "mlruns"}), (1, {"cache"})):
+        root = nodes / f"node{node}"
+        written = [p.relative_to(root) for p in root.rglob("*") if p.is_file()]
+        assert all(p.suffix == ".log" for p in written if p.parts[0] not in allowed), written
+        assert not any(p.name == "result.json" for p in written if p.parts[0] != "mlruns"), written
     assert not any((tmp_path / "pvc" / "trainjobs").iterdir())
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    runs = client.search_runs(experiments)
+    assert len(runs) == 1 and runs[0].info.status == "FINISHED", runs  # one run: rank 0's, not one a rank
+    assert [m.step for m in client.get_metric_history(runs[0].info.run_id, "reward_mean")] == [1, 2, 3, 4]
     said = "ppo: ppo.rollout.engine"  # the stage's own lines: rank 0 alone speaks
     assert said in trainer.output(0) and said not in trainer.output(1)
 
