@@ -22,7 +22,7 @@ TEST_WORKERS ?= auto
 # DeepSpeed builds as a pure-Python wheel; its CUDA/CPU ops are JIT-compiled where they are needed.
 export DS_BUILD_OPS := 0
 
-.PHONY: demo test test-unit test-reproduce test-system test-containers test-serve test-vllm-rollout test-labelstudio test-rounds test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
+.PHONY: demo test test-unit test-reproduce test-multinode test-system test-containers test-serve test-vllm-rollout test-labelstudio test-rounds test-latest bench-trl images image-train image-serve lint format lock lock-tools lock-serve lock-vllm clean
 
 $(RUNTIME_STAMP): pyproject.toml $(LOCK)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,7 +68,7 @@ test-unit: $(STAMP)
 test: $(STAMP) $(TOOLS_STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio and not reproduce and not rounds"
+	$(BIN)/pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile -m "not gpu and not slow and not train_image and not vllm and not vllm_rollout and not serve_image and not container and not system and not labelstudio and not reproduce and not rounds and not multinode"
 
 # The reproduce tier (marker reproduce, tests/provenance/test_reproduce.py): the demo's DAG registers its champion,
 # `kubealign reproduce` remakes it bit for bit, a changed recipe is reported with its largest parameter difference,
@@ -76,6 +76,15 @@ test: $(STAMP) $(TOOLS_STAMP)
 # 25-minute budget); CI runs it after `make test` (.ci/run).
 test-reproduce: $(STAMP)
 	$(BIN)/pytest -m reproduce tests/provenance/test_reproduce.py
+
+# The multinode tier (marker multinode): several torchrun launchers on this machine, gloo on CPU, each test
+# bounded in time. ZeRO-3 ranks that finish generating apart (single- and multi-turn rollouts,
+# tests/rl/test_zero3_finish_apart.py), and the ppo task's TrainJob run as two nodes by a local stand-in of
+# Kubeflow Trainer: the same weights as one node with two ranks, a node SIGKILLed mid-run restarted and resumed
+# to the same weights, and sft as two nodes (tests/stages/test_multinode.py). 4 to 8 minutes on 2 cores (5 tests:
+# 238 s at a quiet moment, 455 s for 4 of them beside two other jobs); CI runs it after `make test`.
+test-multinode: $(STAMP)
+	$(BIN)/pytest -q -m multinode tests/rl/test_zero3_finish_apart.py tests/stages/test_multinode.py
 
 # The system tier (marker system): the chart's production MLflow on a real PostgreSQL (Debian's postgresql:
 # initdb/pg_ctl; the tests skip, saying so, without it) and an S3 emulator, and a real DeepSpeed op build killed

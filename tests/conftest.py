@@ -128,6 +128,7 @@ TIERS = frozenset(
         "serve_image",
         "faults",
         "system",
+        "multinode",
     }
 )
 

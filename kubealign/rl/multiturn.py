@@ -128,7 +128,9 @@ def rollout(
     """Trajectories of up to tools.max_turns turns for the left-padded prompts ([B, Tp], each repeated
     cfg.group_size times; the batch's prompt columns are the longest prompt's, with the schemas block when
     tools.show_schemas). rows: the prompts' data rows (rewards.scorer.Rows, one per prompt), what an
-    environment's reset reads. sample: what generates a turn (default rl.rollout.generate; a stand-in in tests)."""
+    environment's reset reads. sample: what generates a turn (default rl.rollout.generate; a stand-in in tests).
+    With the actor at ZeRO-3 on several ranks (models.synced_gpus) every rank takes as many turns as the rank
+    that needs the most (_any_rank_going, _idle_turn): each turn's generate is a collective."""
     tools, tokenizer = session.tools, session.tokenizer
     k = cfg.group_size
     eos = tokenizer.eos_token_id
@@ -141,14 +143,37 @@ def rollout(
         _reset(session, trajectories, rows, k)
     for _ in range(tools.max_turns):
         going = [t for t in trajectories if not t.done]
-        if not going:
+        if not _any_rank_going(models, going):
             break
+        if not going:  # this rank is done, another is not: its generate's collectives need this rank too
+            _idle_turn(models, cfg, trajectories[0], prompt_ids.device, sample)
+            continue
         _turn(models, cfg, session, going, eos, prompt_ids.device, sample)
         if environment:
             _step(session, trajectories, going, rows, k)
         else:
             _answer_calls(session, going)
     return assemble(trajectories, max(len(t.prompt) for t in trajectories), tokenizer.pad_token_id, environment)
+
+
+def _any_rank_going(models: Any, going: list[Trajectory]) -> bool:
+    """Whether a trajectory is still going here or, when the ranks generate in lockstep (models.synced_gpus: the
+    actor at ZeRO-3 on several ranks, each decode forward an all-gather of its weights), on any rank. Every rank
+    then takes the same number of turns, each one generate call, and no rank waits in a gather the others left."""
+    here = float(bool(going))
+    if not getattr(models, "synced_gpus", False):
+        return bool(here)
+    return distributed.all_reduce_max([here])[0] > 0
+
+
+def _idle_turn(models: Any, cfg: PPOConfig, first: Trajectory, device: torch.device, sample: Any = None) -> None:
+    """A turn for a rank whose trajectories are all done while another rank's are not: one token for a row of its
+    first prompt, thrown away. generate's synced_gpus keeps this rank running forwards (without sampling) until
+    every rank's turn has ended, so the gathers inside them line up (DeepSpeed #8321)."""
+    from kubealign.rl.rollout import generate
+
+    ids, mask = left_padded([first.prompt], models.tokenizer.pad_token_id)
+    (sample or generate)(models, ids.to(device), mask.to(device), cfg, max_new_tokens=1, samples=1)
 
 
 def _turn(

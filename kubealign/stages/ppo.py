@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kubealign.cluster import progress
 from kubealign.config import KubealignConfig
 from kubealign.config.schema import PPOConfig
 from kubealign.data import batching, phases
@@ -97,12 +98,8 @@ def evaluate(
 
 
 def tool_session(config: KubealignConfig, models: rollout.PPOModels, runner: Any) -> multiturn.ToolSession:
-    """The multi-turn rollouts' tools (or environment), run by the reward-function worker (rewards' limits)."""
-    if models.synced_gpus:  # ranks would run different numbers of turns, each a collective generate
-        raise UserError(
-            "tools with the actor at ZeRO-3 on several ranks are not supported yet: each rank would run its own "
-            "number of turns; set ppo.actor_zero_stage below 3 or run on one rank"
-        )
+    """The multi-turn rollouts' tools (or environment), run by the reward-function worker (rewards' limits). With
+    the actor at ZeRO-3 on several ranks the ranks take their turns in lockstep (multiturn._any_rank_going)."""
     return multiturn.ToolSession(config.tools, runner, models.tokenizer)
 
 
@@ -174,6 +171,19 @@ def save_or_stop(
         raise preemption.stopped(STAGE, signum, f"iteration {step}", str(checkpoints / f"iter{step}"))
 
 
+def show(bar: Any, reporter: progress.Reporter, metrics: dict[str, float], step: int, total: int) -> None:
+    """Iteration STEP of TOTAL on screen (rank 0's bar) and, in a TrainJob, on its status (progress.Reporter: the
+    percentage, the time left, the main metrics; throttled, the last iteration always)."""
+    bar.update()
+    bar.set_postfix(
+        reward=f"{metrics['reward_mean']:.3f}",
+        kl=f"{metrics['kl']:.3f}",
+        samples_s=f"{metrics['samples_per_s']:.2f}",
+        generating=f"{metrics['generation_share']:.0%}",
+    )
+    reporter.report(step, total, {"iteration": step, **metrics}, final=step == total)
+
+
 def train(
     models: rollout.PPOModels,
     cfg: PPOConfig,
@@ -203,6 +213,8 @@ def train(
         ppo_state.load_checkpoint(models, checkpoints, controller, ema, cfg.algorithm) if resume else {"iteration": 0}
     )
     start = state["iteration"]
+    if start and rank == 0:  # a restarted pod's log says where it went on from (a TrainJob's node after a loss)
+        print(f"{STAGE}: resuming after iteration {start} from {checkpoints}", flush=True)
     before = state.get("before") or evaluate(models, eval_prompts, cfg, eval_rows)
     history = state.get("history", [])
     tracker.log_metrics({f"eval_{k}": v for k, v in before.items()}, step=0)
@@ -212,6 +224,7 @@ def train(
         if unsup is not None:
             unsup.served = state["unsup_served"]
     bar = tqdm(total=cfg.num_iterations, initial=start, desc=STAGE, unit="iter", **({"disable": True} if rank else {}))
+    reporter = progress.Reporter(rank == 0, first=start)  # the TrainJob's status.trainerStatus (in a TrainJob)
     with preemption.StopRequest() as stop:
         try:
             for step in range(start + 1, cfg.num_iterations + 1):
@@ -226,13 +239,7 @@ def train(
                     ema.update(models.actor.module)
                 history.append({"iteration": step, **metrics})
                 tracker.log_metrics(metrics, step=step)
-                bar.update()
-                bar.set_postfix(
-                    reward=f"{metrics['reward_mean']:.3f}",
-                    kl=f"{metrics['kl']:.3f}",
-                    samples_s=f"{metrics['samples_per_s']:.2f}",
-                    generating=f"{metrics['generation_share']:.0%}",
-                )
+                show(bar, reporter, metrics, step, cfg.num_iterations)
                 log_samples(models, cfg, exp, tracker, step)
                 served = unsup.served if unsup is not None else 0
                 extra = {

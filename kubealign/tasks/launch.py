@@ -107,13 +107,16 @@ def ppo_trainjob(
     specs: list,
     location: Path | None = None,
     resume: bool = False,
+    api: tuple[Any, Any] | None = None,
 ) -> dict:
     """Stage the inputs on the shared PVC, run PPO as a TrainJob, copy the actor back; the staging directory
     is removed on every exit this process lives through (a SIGKILLed try's is replaced by the retry's).
 
     The TrainJob's name comes from the run and task (checkpoint_location's keys) when the pod has them, so a
-    retry finds and replaces its predecessor's TrainJob, and the new one resumes from LOCATION. The MLflow
-    settings in kubealign.pod.FORWARDED_ENV travel into the nodes' pods."""
+    retry finds and replaces its predecessor's TrainJob, and the new one resumes from LOCATION (the nodes get
+    --resume whatever RESUME says: a JobSet restart reruns their command, see below). The MLflow
+    settings in kubealign.pod.FORWARDED_ENV travel into the nodes' pods. api: (CustomObjectsApi, CoreV1Api),
+    default the cluster's (trainjob.connect); tests/support/local_trainer.py runs the nodes on this machine."""
     from kubealign.cluster import trainjob
     from kubealign.images import train_image
     from kubealign.training import preemption
@@ -122,7 +125,7 @@ def ppo_trainjob(
     key = f"{os.environ[RUN_ID_ENV]}/{os.environ[TASK_ENV]}" if location is not None else f"{output}{os.getpid()}"
     name = f"kubealign-ppo-{hashlib.sha256(key.encode()).hexdigest()[:10]}"
     shared = Path(k8s.pvc_mount) / "trainjobs" / name
-    custom, core = trainjob.connect()
+    custom, core = api or trainjob.connect()
     with preemption.raising("ppo"):
         try:
             trainjob.replace_leftover(custom, name, k8s.namespace, timeout_s=k8s.grace_period_s + 60)
@@ -133,7 +136,11 @@ def ppo_trainjob(
             cli_args = ["ppo", "--config", str(shared / "config.yaml"), "--output", str(shared / "output")]
             for label in ("prompts", "actor", "critic"):
                 cli_args += [f"--{label}", str(shared / label)]
-            cli_args += functions_file(specs, shared) + checkpoint_args(location, resume)
+            # Always --resume, from checkpoints on the PVC: a node lost mid-run restarts the TrainJob's nodes
+            # (JobSet) with this same command, which must go on from what they saved, not refuse the directory.
+            # The location is this task's alone (emptied with the staging when there is no run/task to name it),
+            # so --resume over an empty one is a fresh start.
+            cli_args += functions_file(specs, shared) + checkpoint_args(location or shared / "checkpoints", True)
             env = {key: os.environ[key] for key in FORWARDED_ENV if key in os.environ}
             image = k8s.train_image or train_image()
             owners = trainjob.owner_references(dict(os.environ), k8s.namespace)

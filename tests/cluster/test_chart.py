@@ -169,6 +169,10 @@ def test_training_runtime_has_shm_as_memory() -> None:
     assert pod["terminationGracePeriodSeconds"] == 240  # SIGTERM -> the last checkpoint -> exit
     assert pod["automountServiceAccountToken"] is False  # the nodes never call the API
     assert runtime["metadata"]["name"] == "kubealign-deepspeed"  # = kubernetes.trainjob_runtime's default
+    # a lost node restarts every node (JobSet), which resume from the PVC (issue 81); 0 turns it off
+    assert runtime["spec"]["template"]["spec"]["failurePolicy"] == {"maxRestarts": 2}
+    off = next(d for d in render({"trainingRuntime": {"maxRestarts": 0}}) if d["kind"] == "ClusterTrainingRuntime")
+    assert "failurePolicy" not in off["spec"]["template"]["spec"]
 
 
 def test_helm_lint_is_clean() -> None:
