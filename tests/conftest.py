@@ -129,6 +129,9 @@ TIERS = frozenset(
         "faults",
         "system",
         "multinode",
+        "reproduce",
+        "rounds",
+        "labelstudio",
     }
 )
 
