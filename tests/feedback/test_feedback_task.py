@@ -150,6 +150,7 @@ SHORT = [
 ]
 
 
+@pytest.mark.rounds  # the feedback task pulled through the whole DAG: the rounds tier (make test-rounds), outside make test
 def test_kubealign_run_pulls_first_and_a_rerun_reuses_the_pull(replay_pull, tmp_path, monkeypatch, capsys):  # noqa: F811
     """`kubealign run` with feedback.project: the feedback task first, its output in run.json and the summary; a
     rerun of data-split reads the run's pulled file and asks Label Studio nothing (the recording holds one pull).

@@ -104,6 +104,7 @@ def test_config_json_round_trip_and_errors() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.multinode  # several ranks launched by torchrun: the multinode tier (make test-multinode), outside make test
 def test_a_multi_gpu_pod_runs_the_stage_under_torchrun(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """What a task does on a pod with 2 GPUs, on 2 CPU ranks: the stage under torchrun with the task's
     config, the result read back. The caller's own rendezvous settings (a busy port) must not leak in."""

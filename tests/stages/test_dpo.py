@@ -377,6 +377,7 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(trained, tmp_path: Pa
 
 
 @pytest.mark.integration
+@pytest.mark.multinode  # several ranks launched by torchrun: the multinode tier (make test-multinode), outside make test
 @pytest.mark.parametrize("reference", ["frozen-copy", "adapters-disabled"])
 def test_two_ranks_at_zero3(trained, tmp_path: Path, reference: str):
     """Partitioned parameters, a reference table each rank fills half of, both kinds of reference."""

@@ -233,6 +233,7 @@ def test_bad_ppo_inputs(cli, trained, tmp_path: Path):
         assert not out.exists()
 
 
+@pytest.mark.multinode  # several ranks launched by torchrun: the multinode tier (make test-multinode), outside make test
 def test_two_ranks_with_torchrun_at_zero3(trained, tmp_path: Path):
     from tests.stages.test_training import launcher
 

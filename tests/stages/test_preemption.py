@@ -146,6 +146,7 @@ def test_sigterm_stops_ppo_at_the_iteration_and_resumes_exactly(trained, tmp_pat
 
 
 @pytest.mark.integration
+@pytest.mark.multinode  # several ranks launched by torchrun: the multinode tier (make test-multinode), outside make test
 def test_two_ranks_stop_together_when_one_gets_the_signal(trained, tmp_path: Path):  # noqa: F811
     """Only rank 0 is sent SIGTERM: both ranks learn of it at the same iteration boundary (one all_reduce),
     both save their shards of iteration 3 and stop, neither waits in a collective; the resumed two-rank run

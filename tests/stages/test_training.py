@@ -192,6 +192,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.multinode  # several ranks launched by torchrun: the multinode tier (make test-multinode), outside make test
 @pytest.mark.parametrize(("launch", "stage"), [("torchrun", "sft"), ("torchrun", "reward"), ("deepspeed", "sft")])
 def test_two_ranks_at_zero3_save_one_model(split_dir: Path, tmp_path: Path, launch: str, stage: str):
     out = tmp_path / stage
