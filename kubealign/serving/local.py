@@ -203,9 +203,9 @@ def verified_copies(found: list[Served], tracking_uri: str) -> list[Path]:
     for served in found:
         recorded = location.recorded_files(served, tracking_uri)
         model_dir = download(served, tracking_uri)
-        if mismatches(file_digests(model_dir), recorded["files"]):
+        if mismatches(file_digests(model_dir), recorded["files"]):  # hashed once when the cached copy is right
             model_dir = download(served, tracking_uri, fresh=True)
-        location.check_files(served, model_dir, recorded)
+            location.check_files(served, model_dir, recorded)
         check_dir(model_dir)
         dirs.append(model_dir)
     return dirs
