@@ -12,14 +12,16 @@ from kubealign.images import CPU_IMAGE, TRAIN_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def feedback(config_json: str, dataset: Output[Dataset], metrics: Output[Metrics]):
+def feedback(config_json: str, dataset: Output[Dataset], metrics: Output[Metrics], rounds: Output[HTML]):
     """feedback: people's completed pairwise choices in the Label Studio project feedback.project, pulled as
-    preference rows for data-split (with a `feedback` MLflow run: the counts, the human win-rate)."""
+    preference rows for data-split (with a `feedback` MLflow run: the counts, the human win-rate); rounds: the
+    picture across rounds (people's win-rate of each round's challenger, each judge's agreement with people)."""
     from kubealign import tasks
     from kubealign.tasks import artifacts
 
     result = tasks.feedback(config_json, dataset.path)
     artifacts.to_kfp(result, metrics, dataset)
+    artifacts.rounds_report(dataset.path, rounds.path)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

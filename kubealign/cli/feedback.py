@@ -141,7 +141,8 @@ def push_served(client: Any, project: str, judge_dir: Path, config: Any, model: 
     made = "created" if done.created else "found"
     print(f"feedback: project {project!r} ({made}, id {done.project}) at {client.url}")
     print(f"  round {f.round}: {len(got.tasks)} of {got.served} served pairs chosen (budget {f.budget}): ", end="")
-    print(f"{strata.count('disagreement')} where the judges disagree most, {strata.count('random')} at random")
+    print(f"{strata.count('disagreement')} where the judges disagree most, {strata.count('random')} at random", end="")
+    print(f"; {got.identical} answered alike, not asked" if got.identical else "")
     print(f"  {done.added} tasks added, {done.present} were there already")
     print(f"  sides: champion:{got.versions[0]} and challenger:{got.versions[1]} (judge run {got.judge_run})")
     return done

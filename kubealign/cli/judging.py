@@ -171,6 +171,19 @@ def _judged_urls(args: argparse.Namespace, config: Any) -> tuple[str, str, str, 
     return route["stable"]["url"], route["canary"]["url"], version, uri
 
 
+def _champion_version(args: argparse.Namespace, config: Any, canary: str, uri: str | None) -> str:
+    """The version the champion's server was judged as (result.json's versions, which feedback push --from-judge
+    names on each task): the local split's stable one; with --act the registry's (the one its server was checked
+    against); else "?" (no registry read: such a push is refused)."""
+    from kubealign.serving import identity, split
+
+    if args.front:
+        return str(split.read_route(args.front)["stable"]["version"])
+    if uri is None:
+        return "?"
+    return str(identity.expected_versions(uri, config.promote.registered_model, canary)["champion"])
+
+
 def _judged_in_cluster(args: argparse.Namespace, config: Any) -> tuple[str, str | None]:
     """(the judged version, the registry's URI with --act): `challenger`'s, or, with --namespace where it is
     cleared already (the rerun of a verdict carried out halfway), the InferenceService's canary's."""
@@ -205,7 +218,7 @@ def _served_versions(args: argparse.Namespace, config: Any, urls: dict[str, str]
 
 def judge_command(args: argparse.Namespace) -> None:
     from kubealign.config import load_config
-    from kubealign.serving import carry_out, split
+    from kubealign.serving import carry_out
     from kubealign.stages import judge
 
     quiet_libraries(args.verbose)
@@ -218,8 +231,7 @@ def judge_command(args: argparse.Namespace) -> None:
 
     # people's verdict (canary.min_human_win_rate) and the judges' agreement with them (min_judge_agreement)
     human, agreement = lookup.people(uri or resolve_uri(config), config, version)
-    stable = split.read_route(args.front)["stable"]["version"] if args.front else "?"  # feedback.served's
-    more = {"champion_version": str(stable), "agreement": agreement}
+    more = {"champion_version": _champion_version(args, config, version, uri), "agreement": agreement}
     result = judge.run(config, *inputs, version, tuple(checked), human, **more)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:

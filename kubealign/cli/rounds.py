@@ -32,6 +32,13 @@ def add_parser(sub: Any) -> None:
     push = actions.add_parser("push", help="the pairs a round's canary served -> its Label Studio project")
     push.add_argument("--from", dest="run", required=True, type=Path, metavar="RUN_DIR", help="the round's output")
     push.add_argument("--url", metavar="URL", help="Label Studio (default: $LABEL_STUDIO_URL, else feedback.url)")
+    push.add_argument(
+        "--judge",
+        type=Path,
+        metavar="DIR",
+        help="a `kubealign judge --output` (the round's canary served and judged outside the DAG, as on a laptop); "
+        "default: the round's judge task",
+    )
     push.set_defaults(func=push_command)
     when = actions.add_parser("schedule", help="the pipeline as a KFP recurring run: a round per cron tick")
     when.add_argument("config", nargs="?", metavar="CONFIG", help="YAML file or preset (default: tiny-cpu)")
@@ -72,7 +79,7 @@ def push_command(args: argparse.Namespace) -> None:
     index = read_json(args.run, INDEX_FILE, "expected the --output of `kubealign run` (a round)")
     config = rounds.last_round(index, args.run)
     client = connect(args.url or os.environ.get(URL_ENV) or config.feedback.url, config.feedback)  # as the task
-    judged = rounds.served_dir(index, args.run)
+    judged = args.judge or rounds.served_dir(index, args.run)
     push_served(client, config.feedback.project, judged, config, config.promote.registered_model)
 
 

@@ -86,6 +86,16 @@ class PromoteConfig(Section):
         description="Gate: the 95 % bootstrap lower bound of the win-rate (evaluate's win_rate_lower_bound) must "
         "reach this; None = not checked. A point estimate on a few dozen prompts is noise; the bound is not.",
     )
+    tie_credit: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="What a tie counts for in the gate's win-rates (the reward model's, min_win_rate, and the "
+        "held-out one's, min_heldout_win_rate): 0 a loss, 0.5 half a win, as AlpacaEval and Chatbot Arena count "
+        "ties. Two models that often answer alike (greedy decoding, close checkpoints: the online judge) tie on "
+        "many prompts, and a bar on strict wins then measures how often they differ. The lower bound stays of "
+        "strict wins.",
+    )
     min_reward_gain: float = Field(0.0, description="Gate: mean reward gain over baseline, reward units.")
     max_kl: float | None = Field(None, gt=0, description="Gate: max KL to baseline, nats; None = no cap.")
     require_beat_champion: bool = Field(True, description="Also beat the current @champion's metrics.")

@@ -72,7 +72,8 @@ def pull(
 
 def served_figures(export: Any, challenger: str, metrics: dict[str, float], lines: list[str]) -> None:
     """Of tasks pushed from what was served (feedback.served): each judge's agreement with people, and the
-    challenger's weighted win-rate over all and per round, added to `metrics` and `lines` (nothing for other tasks)."""
+    challenger's weighted win-rate over all and per round, added to `metrics` and `lines` (nothing for other tasks);
+    each judge's agreement on each round's pairs alone as round_N/agreement_<judge> (_low, _high, _n)."""
     from kubealign.feedback import agreement
 
     decided = agreement.decisions(export)
@@ -82,6 +83,9 @@ def served_figures(export: Any, challenger: str, metrics: dict[str, float], line
     rounds = sorted({m["round"] for m, _ in decided if isinstance(m.get("round"), int)})
     for number in [None, *rounds] if rounds else []:
         these = [(m, c) for m, c in decided if number is None or m.get("round") == number]
+        if number is not None:  # each judge on that round's pairs alone: the picture across rounds (feedback_report)
+            per = agreement.figures(agreement.agreements(these))
+            metrics.update({f"round_{number}/{k}": v for k, v in per.items()})
         rate = agreement.weighted_win_rate(these, challenger)
         if rate is None:
             continue
@@ -137,10 +141,12 @@ def write_atomically(path: Path, text: str) -> None:
             os.unlink(partial)
 
 
-def track(config: Any, written: Written, output: Path, title: str, url: str, challenger: str) -> None:
+def track(
+    config: Any, written: Written, output: Path, title: str, url: str, challenger: str, files: list[Path] = ()
+) -> None:
     """The `feedback` run: the file as its dataset input, the counts and win-rate as metrics; where the registry
     vouched for the tasks' claims (pull's `registry`), tagged with the registered model and the challenger's version
-    (what the online judge's canary.min_human_win_rate looks up: feedback.lookup)."""
+    (what the online judge's canary.min_human_win_rate looks up: feedback.lookup); `files` logged as its artifacts."""
     from kubealign.feedback.lookup import AGREEMENT_TAG, MODEL_TAG, VERSION_TAG
     from kubealign.tracking.lineage import DatasetRef
     from kubealign.tracking.runs import stage_run
@@ -162,3 +168,5 @@ def track(config: Any, written: Written, output: Path, title: str, url: str, cha
         if written.registry and len(measured) == 1 and len(models) == 1:  # the version the win-rate is of
             tags[VERSION_TAG], tags[MODEL_TAG] = measured[0], models.pop()
         tracker.set_tags(tags)
+        for path in files:  # the feedback stage's picture across rounds
+            tracker.log_artifact(path, "feedback")

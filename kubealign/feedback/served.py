@@ -1,9 +1,10 @@
 """Pairs from what was served: the online judge's answers (its output's answers.json: the champion's and the
 canary's answers to the same prompts, each judge's scores and the LLM judge's verdict) as pairwise Label Studio
-tasks, nothing regenerated. Up to `feedback.budget` pairs a round, chosen by feedback.choice (where the judges
-disagree or are least sure, the rest at random: `feedback.random_share`); each task's meta names the versions
-(champion:V, challenger:V: the canary is the registry's challenger), the prompt's sha256, the judge's MLflow run
-and output, the round, the stratum and weight of its choice and each judge's probability that answer1 is better.
+tasks, nothing regenerated; a pair of identical answers is never pushed (a tie, known without asking). Up to
+`feedback.budget` pairs a round, chosen by feedback.choice (where the judges disagree or are least sure, the rest
+at random: `feedback.random_share`); each task's meta names the versions (champion:V, challenger:V: the canary is
+the registry's challenger), the prompt's sha256, the judge's MLflow run and output, the round, the stratum and
+weight of its choice and each judge's probability that answer1 is better.
 
 The judge's files are read as input: answers.json a list of {prompt, champion, canary} objects, result.json the
 judge stage's with both versions (stages/judge.py writes them); anything else is one line naming the file and field.
@@ -24,10 +25,11 @@ JUDGED = ("reward", "heldout")  # the reward models whose scores answers.json ho
 
 class Served(NamedTuple):
     tasks: list[dict[str, Any]]
-    served: int  # pairs both models answered
+    served: int  # pairs both models answered with different answers: the pairs people can be asked about
     chosen: list[choice.Chosen]
     versions: tuple[str, str]  # champion's, canary's
     judge_run: str | None
+    identical: int = 0  # pairs both answered alike: a tie known without asking, never pushed
 
 
 def read_judged(judge_dir: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -88,7 +90,10 @@ def served_tasks(
 ) -> Served:
     """The tasks of one round's push (module docstring), in the order feedback.choice chose them."""
     rows, result = read_judged(judge_dir)
-    answered = [r for r in rows if r["champion"]["text"] is not None and r["canary"]["text"] is not None]
+    both = [r for r in rows if r["champion"]["text"] is not None and r["canary"]["text"] is not None]
+    # the same answer twice is no choice: every judge scores it level (priority 1, "least sure"), and asking would
+    # spend people's time on pairs whose outcome, a tie, is known
+    answered = [r for r in both if r["champion"]["text"] != r["canary"]["text"]]
     judged = [probabilities(r) for r in answered]
     chosen = choice.choose([choice.priority(p) for p in judged], budget, random_share, seed)
     versions = (result["versions"]["champion"], result["versions"]["canary"])
@@ -120,4 +125,4 @@ def served_tasks(
         judges=[judged[c.index] for c in chosen],
         extra=extra,
     )
-    return Served(tasks, len(answered), chosen, versions, run)
+    return Served(tasks, len(answered), chosen, versions, run, len(both) - len(answered))

@@ -36,7 +36,9 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
         ours, theirs = metrics["candidate_reward_mean"], champion["candidate_reward_mean"]
         needed = f"> {theirs:.3f} (the champion's)"
         checks.append((ours > theirs, guards.needs("candidate_reward_mean", needed, f"{ours:.3f}")))
-    found = [guards.Check(ok, text) for ok, text in checks] + guards.checks(metrics, cfg.guards, cfg.min_win_rate)
+    found = [guards.Check(ok, text) for ok, text in checks] + guards.checks(
+        metrics, cfg.guards, cfg.min_win_rate, cfg.tie_credit
+    )
     # a judge that disagrees with people (promote.guards.min_judge_agreement): its checks said, not counted
     found = guards.distrust(found, guards.untrusted(metrics, cfg.guards))
     passed = all(c.ok is not False for c in found if c.counted)
@@ -44,8 +46,8 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
 
 
 def win_rate_checks(metrics: dict[str, float], cfg: PromoteConfig) -> list[tuple[bool, str]]:
-    rate = metrics["win_rate"]
-    checks = [(rate >= cfg.min_win_rate, guards.needs("win_rate", f">= {cfg.min_win_rate}", f"{rate:.3f}"))]
+    rate, said = guards.credited(metrics, "win_rate", "tie_rate", cfg.tie_credit)
+    checks = [(rate >= cfg.min_win_rate, guards.needs("win_rate", f">= {cfg.min_win_rate}", f"{rate:.3f}", said))]
     if cfg.min_win_rate_lower_bound is not None:
         bound = metrics.get("win_rate_lower_bound")
         if bound is None:

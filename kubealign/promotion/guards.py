@@ -41,6 +41,15 @@ def needs(what: str, needed: str, got: str, said: str = "") -> str:
     return f"{what}: needs {needed}, got {got}" + (f" ({said})" if said else "")
 
 
+def credited(metrics: dict[str, float], rate: str, ties: str, credit: float) -> tuple[float, str]:
+    """(the win-rate `rate` with each tie counted `credit` of a win (promote.tie_credit), how it was counted);
+    the strict win-rate and "" when credit is 0 or the metrics have no tie rate."""
+    tied = metrics.get(ties)
+    if not credit or tied is None:
+        return metrics[rate], ""
+    return metrics[rate] + credit * tied, f"wins {metrics[rate]:.3f} + {credit} x ties {tied:.3f}"
+
+
 def _sides(base: float, cand: float) -> str:
     return f"baseline {base:.3f}, candidate {cand:.3f}"
 
@@ -108,9 +117,10 @@ def _pair(metrics: dict[str, float], name: str) -> tuple[float, float] | None:
     return None if base is None or cand is None else (float(base), float(cand))
 
 
-def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
+def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float, tie_credit: float = 0.0) -> list[Check]:
     """Every configured guard, in a fixed order: capability first (it says the most), the held-out reward
-    model, then degeneration. min_win_rate: promote.min_win_rate (min_heldout_win_rate "min_win_rate")."""
+    model, then degeneration. min_win_rate: promote.min_win_rate (min_heldout_win_rate "min_win_rate");
+    tie_credit: promote.tie_credit (the held-out model's ties)."""
     out: list[Check] = []
     if cfg.max_logprob_drop is not None:
         pair = _pair(metrics, "heldout_logprob")
@@ -122,24 +132,28 @@ def checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) ->
             ok = drop <= cfg.max_logprob_drop
             what = "capability: held-out log-likelihood per token drop"
             out.append(Check(ok, needs(what, f"<= {cfg.max_logprob_drop}", f"{drop:.3f}", _sides(base, cand))))
-    out += heldout_checks(metrics, cfg, min_win_rate)
+    out += heldout_checks(metrics, cfg, min_win_rate, tie_credit)
     out += llm_judge_checks(metrics, cfg, min_win_rate)
     out += suite_checks(metrics, cfg)
     out += degeneration_checks(metrics, cfg)
     return out
 
 
-def heldout_checks(metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float) -> list[Check]:
-    """min_heldout_win_rate: the independent scorer's win-rate, with how often it agreed with the training one."""
+def heldout_checks(
+    metrics: dict[str, float], cfg: GuardsConfig, min_win_rate: float, tie_credit: float = 0.0
+) -> list[Check]:
+    """min_heldout_win_rate: the independent scorer's win-rate (its ties counted tie_credit of a win), with how often
+    it agreed with the training one."""
     floor = min_win_rate if cfg.min_heldout_win_rate == "min_win_rate" else cfg.min_heldout_win_rate
     if floor is None or not heldout_applies(metrics):
         return []
-    rate = metrics.get("heldout_win_rate")
-    if rate is None:
+    if metrics.get("heldout_win_rate") is None:
         return [Check(None, "held-out reward model: none scored the answers")]
+    rate, counted = credited(metrics, "heldout_win_rate", "heldout_tie_rate", tie_credit)
     ok = rate >= floor
     agree = metrics.get("reward_agreement")
     said = "" if agree is None else f"agrees with the training reward model on {agree:.0%} of the prompts"
+    said = "; ".join(s for s in (counted, said) if s)
     return [Check(ok, needs("held-out reward model: win-rate", f">= {floor}", f"{rate:.3f}", said))]
 
 

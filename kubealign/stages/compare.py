@@ -73,7 +73,7 @@ def run(
     max_kl = config.pipeline.max_kl
     refused = {}  # the candidates a promotion guard refuses never lead: the gate would refuse them anyway
     for name, figures in metrics.items():
-        found = guards.checks(figures, config.promote.guards, config.promote.min_win_rate)
+        found = guards.checks(figures, config.promote.guards, config.promote.min_win_rate, config.promote.tie_credit)
         failed_guard = next((c.text for c in found if c.ok is False), None)
         if failed_guard is not None:
             refused[name] = failed_guard

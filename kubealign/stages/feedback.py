@@ -2,9 +2,11 @@
 Studio project `feedback.project` pulled into OUTPUT/human.jsonl, the rows data-split then reads as one more
 source (weighted by feedback.weight), with a `feedback` MLflow run (kubealign.feedback.pull: the file as its
 dataset input, the counts and the human win-rate of `feedback.challenger`). An empty file where nobody has
-decided a task yet: data-split then leaves it out. Label Studio: $LABEL_STUDIO_URL, which the pipeline pins on the
-task from feedback.url when it is compiled (a run's config_json cannot send the token elsewhere), else
-feedback.url; the token in $LABEL_STUDIO_API_KEY (the Secret feedback.token_secret on the cluster)."""
+decided a task yet: data-split then leaves it out. Where tasks pushed from what was served were decided, the
+picture across rounds beside it (kubealign.stages.feedback_report: rounds.png, rounds.md). Label Studio:
+$LABEL_STUDIO_URL, which the pipeline pins on the task from feedback.url when it is compiled (a run's config_json
+cannot send the token elsewhere), else feedback.url; the token in $LABEL_STUDIO_API_KEY (the Secret
+feedback.token_secret on the cluster)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import Any
 from kubealign.config import KubealignConfig
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
+from kubealign.stages import feedback_report
 
 STAGE = "feedback"
 ROWS_FILE = "human.jsonl"
@@ -36,9 +39,15 @@ def run(config: KubealignConfig, output: Path) -> dict[str, Any]:
     with atomic_dir(output) as tmp:
         written = pull(client, settings.project, settings.challenger, tmp / ROWS_FILE, output / ROWS_FILE, registry)
         metrics = {**written.metrics, "wall_time_s": round(time.perf_counter() - started, 3)}
-        result = write_result(tmp, STAGE, metrics, {"rows": ROWS_FILE}, project=settings.project, url=client.url)
+        table = feedback_report.across_rounds(written.metrics)
+        drawn = [p.name for p in feedback_report.write(table, tmp)] if table else []
+        files = {"rows": ROWS_FILE, **({"picture": drawn[0], "table": drawn[1]} if drawn else {})}
+        result = write_result(tmp, STAGE, metrics, files, project=settings.project, url=client.url)
     print("\n".join(written.lines))
-    track(config, written, output / ROWS_FILE, settings.project, client.url, settings.challenger)
+    if drawn:
+        print(f"  across rounds: {output / 'rounds.png'}")
+    pictures = [output / name for name in drawn]
+    track(config, written, output / ROWS_FILE, settings.project, client.url, settings.challenger, pictures)
     return {**result, "output": str(output)}
 
 

@@ -8,6 +8,7 @@ what every KFP artifact has (`path`, `metadata`, `log_metric`) or write plain fi
 from __future__ import annotations
 
 import base64
+import html
 import json
 import math
 import shutil
@@ -89,6 +90,21 @@ def judge_report(judgement_dir: str, markdown_path: str) -> None:
     text = source.read_text(encoding="utf-8") if source.is_file() else f"# {read_result(Path(judgement_dir))['why']}\n"
     Path(markdown_path).parent.mkdir(parents=True, exist_ok=True)
     Path(markdown_path).write_text(text, encoding="utf-8")
+
+
+def rounds_report(feedback_dir: str, html_path: str) -> None:
+    """The feedback task's picture across rounds as one self-contained page for the KFP UI (the table, the PNG
+    inlined as a data: URI); a line saying why there is none before people decided a served pair."""
+    directory = Path(feedback_dir)
+    png, table = directory / "rounds.png", directory / "rounds.md"
+    if png.is_file():
+        image = base64.b64encode(png.read_bytes()).decode()
+        shown = html.escape(table.read_text(encoding="utf-8"))
+        body = f"<pre>{shown}</pre><img alt='rounds' src='data:image/png;base64,{image}'>"
+    else:
+        body = "<p>No pair served by a round's canary has been decided by people yet: no round to show.</p>"
+    Path(html_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(html_path).write_text(f"<html><body><h1>People across rounds</h1>{body}</body></html>\n", encoding="utf-8")
 
 
 def held_aliases(promote_result: dict[str, Any]) -> str:

@@ -3,7 +3,7 @@
 The stand-in answers, on 127.0.0.1, the five calls kubealign's client makes (kubealign.feedback.client: find and
 create a project, list and import its tasks, export it), in the shapes the recorded exchange of Label Studio 1.23.2
 shows (tests/feedback/recorded), keeping projects in memory; it checks the token. The annotator is a person with a
-hidden preference the models never see: a score of an answer's text (`prefer`); it picks the answer it prefers,
+hidden preference the models never see: a score of an answer to a prompt (`prefer(prompt, text)`); it picks the answer it prefers,
 flips that choice with probability `noise`, and skips (a cancelled annotation) with probability `skip`.
 """
 
@@ -95,7 +95,7 @@ class LabelStudioStandIn:
 
 def annotate(
     tasks: list[dict[str, Any]],
-    prefer: Callable[[str], float],
+    prefer: Callable[[str, str], float],
     noise: float,
     skip: float,
     seed: int,
@@ -111,7 +111,8 @@ def annotate(
             task["annotations"].append({"completed_by": who, "was_cancelled": True, "result": []})
             counts["skipped"] += 1
             continue
-        left = prefer(task["data"]["answer1"]) >= prefer(task["data"]["answer2"])
+        data = task["data"]
+        left = prefer(data["prompt"], data["answer1"]) >= prefer(data["prompt"], data["answer2"])
         if rng.random() < noise:
             left = not left
             counts["flipped"] += 1

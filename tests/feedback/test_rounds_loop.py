@@ -74,7 +74,7 @@ def test_served_pairs_to_people_and_the_judges_checked_against_them(cli, tmp_pat
             "feedback", "push", "--from-judge", judged, "--project", "prefs", "--url", ls.url, "--config", config
         )
         assert "0 tasks added, 24 were there already" in again.out
-        done = annotate(tasks, lambda text: len(text.split()), noise=0.1, skip=0.1, seed=0)
+        done = annotate(tasks, lambda prompt, text: len(text.split()), noise=0.1, skip=0.1, seed=0)
         out = tmp_path / "human.jsonl"
         pulled = cli("feedback", "pull", "--project", "prefs", "--output", out, "--url", ls.url, "--config", config)
     assert pulled.code == 0, pulled.err

@@ -39,7 +39,9 @@ def test_round_next_learns_from_the_pushed_choices_and_says_which_round_it_is(tm
         assert json.loads(Path(zero["stages"]["feedback"]["dir"], "result.json").read_text())["metrics"]["rows"] == 0
         push = ["feedback", "push", "--from-judge", str(served(tmp_path, 30)), "--project", "prefs", "--url", ls.url]
         assert main(push) == 0
-        done = annotate(ls.store.projects[1]["tasks"], lambda text: len(text.split()), noise=0.1, skip=0.1, seed=1)
+        done = annotate(
+            ls.store.projects[1]["tasks"], lambda prompt, text: len(text.split()), noise=0.1, skip=0.1, seed=1
+        )
         assert main(["round", "next", "--from", str(first), "--output", str(second)]) == 0
     capsys.readouterr()
     one = json.loads((second / "run.json").read_text())
@@ -69,3 +71,9 @@ def test_round_next_learns_from_the_pushed_choices_and_says_which_round_it_is(tm
     [feedback] = [r for r in runs if r.data.tags["kubealign.stage"] == "feedback"]
     assert [d.dataset.digest for d in feedback.inputs.dataset_inputs] == [digest[:36]]  # MLflow keeps 36
     assert feedback.data.metrics["agreement_reward_n"] > 0  # the judges checked against these choices, in round 1
+    # the picture across rounds: round 0's served pairs, in the task's output and its MLflow run
+    table = (pulled.parent / "rounds.md").read_text()
+    assert table.splitlines()[4].startswith("| 0 | ") and (pulled.parent / "rounds.png").stat().st_size > 1000
+    assert {"feedback/rounds.png", "feedback/rounds.md"} <= {
+        a.path for a in client.list_artifacts(feedback.info.run_id, "feedback")
+    }

@@ -72,6 +72,15 @@ def test_served_pairs_become_tasks_without_regenerating(tmp_path):
     assert p4["priority"] == pytest.approx(1.0) and set(p4["judges"]) == {"reward", "heldout"}
 
 
+def test_identical_answers_are_never_pushed_though_every_judge_is_level_on_them(tmp_path):
+    same = {"prompt": "p5", "champion": answer("s"), "canary": answer("s"), "scores": {"reward": [1.0, 1.0]}}
+    rows = [same, *ROWS, {**same, "prompt": "p6"}]
+    got = served.served_tasks(judge_dir(tmp_path, rows), "actor", budget=2, random_share=0.0, seed=5, round_number=0)
+    # p5 and p6 would come first (priority 1, the earliest); the level pair with different answers, p1, does
+    assert [t["data"]["prompt"] for t in got.tasks] == ["p1", "p4"]
+    assert (got.served, got.identical) == (4, 2)
+
+
 def test_the_next_rounds_versions_make_new_comparisons_of_the_same_prompts(tmp_path):
     first = served.served_tasks(judge_dir(tmp_path / "a"), "actor", 4, 0.0, 5, 0).tasks
     again = served.served_tasks(judge_dir(tmp_path / "b"), "actor", 4, 0.0, 5, 0).tasks

@@ -95,3 +95,22 @@ def test_function_totals_add_to_earlier_ones_and_means_name_the_metric():
     assert both == {"f": (8.0, 3), "g": (0.0, 0)} and first == {"f": (1.0, 1), "g": (0.0, 0)}  # a new dict
     assert function_means(both) == {"fn/f": 8.0 / 3}  # g applied to nothing: no metric
     assert function_means(both, "/candidate") == {"fn/f/candidate": 8.0 / 3}
+
+
+def test_a_tie_counts_what_promote_tie_credit_says_in_both_reward_models_win_rates():
+    """Greedy answers of close models tie often: wins 0.30, ties 0.50, losses 0.20 is better than its champion,
+    and only counting a tie as half a win (0.55) says so; the held-out model's 0.25 + 0.5 x 0.40 = 0.45 does not."""
+    held = GuardsConfig(**{**dict.fromkeys(GuardsConfig.model_fields), "min_heldout_win_rate": "min_win_rate"})
+    metrics = {"win_rate": 0.3, "tie_rate": 0.5, "reward_gain": 0.1, "kl_to_baseline": 0.2}
+    metrics.update(candidate_reward_mean=1.0, heldout_win_rate=0.25, heldout_tie_rate=0.4)
+    strict = PromoteConfig(min_win_rate=0.5, guards=held)
+    passed, lines = gate(metrics, strict, None)
+    assert not passed and lines[0] == "FAIL: win_rate: needs >= 0.5, got 0.300"
+    assert lines[-1] == "FAIL: held-out reward model: win-rate: needs >= 0.5, got 0.250"
+    half = strict.model_copy(update={"tie_credit": 0.5})
+    passed, lines = gate(metrics, half, None)
+    assert lines[0] == "pass: win_rate: needs >= 0.5, got 0.550 (wins 0.300 + 0.5 x ties 0.500)"
+    assert lines[-1] == "FAIL: held-out reward model: win-rate: needs >= 0.5, got 0.450 (wins 0.250 + 0.5 x ties 0.400)"
+    assert not passed
+    passed, lines = gate({**metrics, "heldout_tie_rate": 0.5}, half, None)  # 0.25 + 0.25: at the bar
+    assert passed and lines[-1].startswith("pass: held-out reward model: win-rate: needs >= 0.5, got 0.500")

@@ -1,0 +1,352 @@
+"""Continuous alignment rehearsed on a laptop (issue 79): rounds of serve -> people -> retrain on the tiny preset,
+with a scripted person, over seeds, and two ways of choosing the pairs people see, side by side.
+
+One rehearsal (a seed, an arm) has its own MLflow store and Label Studio stand-in (tests/feedback/standin.py):
+
+* round 0: `kubealign run` (kfp.local) with feedback.project set; its version becomes the champion;
+* round r = 1..R: `kubealign round next` (it pulls people's choices so far: data-split mixes them in, the reward
+  model learns from them, the pull logs each judge's agreement with people); the new version is the challenger.
+  Both versions are served here (tests/support/completions.py: transformers behind the routes `kubealign serve`
+  answers); `kubealign judge --champion --canary --act` judges the canary online, the judges that disagree with
+  people untrusted (promote.guards.min_judge_agreement), and promotes it or rolls it back; `kubealign round push
+  --judge` sends the served pairs to people (feedback.budget, the arm's feedback.random_share); the scripted
+  person annotates them (tests/feedback/standin.annotate: 10 % noise, 10 % skips).
+* every round's training seeds differ (seed * 100 + r; data.seed is the rehearsal's seed): two rounds trained on the
+  same rows with the same seeds are bit-equal.
+
+The person's hidden preference (`prefer`): an answer to the question asked (on topic, by the synthetic grammar,
+kubealign.data.synthetic.grade) first, then a well-formed one, then a courteous opener. The synthetic preference
+pairs the models train on contrast openers only (both sides state an on-topic fact): answering the question
+asked is taught by people's rows alone.
+
+Recorded per round: the verdict, the judge's online figures, the agreement each judge had with people when it
+judged, and the truth the person would give over every served pair (noise free): the canary's share of pairs
+the person prefers (ties half); the verdict is right when it promoted a canary whose share is above 0.5 or kept
+the champion otherwise. At the end: people's win-rate (with the person's noise, Wilson 95 %) of the final
+champion against round 0's on the held-out prompts, and a picture across rounds.
+
+  python benchmarks/feedback_rounds.py   # seeds 0 1 2, 3 rounds, both arms -> results/feedback-rounds-tiny-cpu.*
+  python benchmarks/feedback_rounds.py --seeds 0 --rounds 1 --arms disagree --label try
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from train_throughput import machine  # noqa: E402
+
+TOKEN = "rehearsal-token"
+ARMS = {"disagree": 0.25, "random": 1.0}  # feedback.random_share: a quarter at random, or all of them
+SEEDED = ("sft.seed", "reward.seed", "ppo.seed", "evaluate.seed")  # data.seed stays: one split, one held-out set
+# the tiny preset cut to about 1.5 minutes a round on 2 cores (81 % of SFT's answers well formed), its held-out
+# split large enough to serve 48 prompts
+SETTINGS = [
+    "data.synthetic_pairs=600",
+    "data.synthetic_sft_rows=600",
+    "data.eval_fraction=0.2",
+    "sft.num_train_epochs=10",
+    "reward.num_train_epochs=2",
+    "ppo.num_iterations=8",
+    "evaluate.max_prompts=16",
+    # the offline gate (candidate against its own SFT model) only registers a challenger each round; what is
+    # promoted is the online judge's call (JUDGE_SETTINGS)
+    "promote.min_win_rate=0",
+    "promote.min_reward_gain=-100",
+    "promote.min_win_rate_lower_bound=null",
+    "promote.mode=canary",
+    "promote.guards.min_judge_agreement=0.6",
+    "canary.prompts=48",
+    "canary.max_new_tokens=24",
+    "canary.min_answers=40",
+]
+# online: the canary must win at least half the prompts, a tie counting half (greedy answers of two close versions
+# are often the same), for the training reward model and the held-out one alike, and not lose mean reward
+JUDGE_SETTINGS = ["promote.min_win_rate=0.5", "promote.tie_credit=0.5", "promote.min_reward_gain=0"]
+
+
+def prefer(prompt: str, text: str) -> float:
+    """The person's hidden preference (module docstring)."""
+    from kubealign.data import synthetic
+
+    g = synthetic.grade(prompt, text)
+    return 4 * g.on_topic + 2 * g.well_formed + (g.style == "courteous")
+
+
+def cli(*args: Any) -> None:
+    from kubealign.cli import main
+
+    code = main([str(a) for a in args])
+    if code != 0:
+        raise SystemExit(f"kubealign {' '.join(map(str, args))}: exit {code}")
+
+
+def stage_dir(run: Path, stage: str) -> Path:
+    return Path(json.loads((run / "run.json").read_text())["stages"][stage]["dir"])
+
+
+def truth(answers: list[dict[str, Any]]) -> dict[str, float]:
+    """The person's noise-free verdict over every served pair: the canary's share (ties half) and the ties."""
+    wins = ties = 0
+    for row in answers:
+        champion, canary = (prefer(row["prompt"], row[w]["text"] or "") for w in ("champion", "canary"))
+        wins += canary > champion
+        ties += canary == champion
+    return {"canary_share": (wins + ties / 2) / len(answers), "ties": ties / len(answers), "pairs": len(answers)}
+
+
+def served_pair(uri: str, config: Any, work: Path) -> tuple[Any, Any]:
+    """The registry's champion and challenger, each served here (their registered files, checked)."""
+    from kubealign.feedback import push
+    from tests.support.completions import Served
+
+    name = config.promote.registered_model
+    sides = push.registered_dirs(config.serve, uri, name, ["champion", "challenger"])
+    return tuple(Served(d, name, side.version) for side, d in sides)
+
+
+def judge_round(run: Path, uri: str, config_file: Path, config: Any) -> Path:
+    """The round's canary judged online against the champion and the verdict carried out in the registry."""
+    out = run / "judge"
+    champion, canary = served_pair(uri, config, run)
+    with champion, canary:
+        sets = [a for s in JUDGE_SETTINGS for a in ("--set", s)]
+        split, sft, reward = (stage_dir(run, s) for s in ("data-split", "sft", "reward"))
+        cli("judge", "--config", config_file, "--champion", champion.url, "--canary", canary.url, "--prompts", split,
+            "--tokenizer", sft, "--reward", reward, "--output", out, "--act", *sets)  # fmt: skip
+    return out
+
+
+def registered_dir(uri: str, name: str, version: str) -> Path:
+    """A registered version's HF directory, downloaded and checked against its manifest (as serve gets it)."""
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.serving import local, location
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    found = location.served_version(client.get_model_version(name, version), name, f"v{version}", uri)
+    return local.verified_copies([found], uri)[0]
+
+
+def people_win_rate(uri: str, config: Any, first: str, final: str, split: Path, seed: int) -> dict[str, Any]:
+    """The person (with 10 % noise) choosing between round 0's champion and the final one, both served, on the
+    held-out prompts the judge asks; pairs the person finds equally good are not decided."""
+    from kubealign.feedback.annotations import wilson
+    from kubealign.feedback.push import held_out_prompts
+    from tests.support.completions import Served
+
+    if first == final:
+        return {"win_rate": 0.5, "low": None, "high": None, "decided": 0, "same_version": True}
+    name, n = config.promote.registered_model, config.canary.prompts
+    prompts = held_out_prompts(split, n)
+    said = {}
+    for version in (first, final):
+        served = Served(registered_dir(uri, name, version), name, version)
+        said[version] = [served.complete(p, config.canary.max_new_tokens)["text"] for p in prompts]
+    rng, wins, decided = random.Random(f"people-{seed}"), 0, 0
+    for prompt, old, new in zip(prompts, said[first], said[final], strict=True):
+        a, b = prefer(prompt, new), prefer(prompt, old)
+        if a == b:
+            continue
+        wins += (a > b) != (rng.random() < 0.1)
+        decided += 1
+    low, high = wilson(wins, decided) if decided else (None, None)
+    return {"win_rate": wins / decided if decided else 0.5, "low": low, "high": high, "decided": decided,
+            "prompts": len(prompts)}  # fmt: skip
+
+
+def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[str, Any]:
+    from mlflow.tracking import MlflowClient
+
+    from kubealign.config import config_from_json
+    from kubealign.feedback.client import LabelStudio
+    from kubealign.feedback.pairs import LABEL_CONFIG
+    from kubealign.promotion.aliases import read_state
+    from tests.feedback.standin import LabelStudioStandIn, annotate
+
+    uri = f"sqlite:///{work}/mlflow.db"
+    os.environ.update(MLFLOW_TRACKING_URI=uri, LABEL_STUDIO_API_KEY=TOKEN, TQDM_DISABLE="1")
+    record: dict[str, Any] = {"seed": seed, "arm": arm, "rounds": []}
+    with LabelStudioStandIn(TOKEN) as ls:
+        LabelStudio(ls.url, TOKEN).create_project("prefs", LABEL_CONFIG)
+        fixed = [*SETTINGS, "feedback.project=prefs", f"feedback.url={ls.url}", f"feedback.budget={budget}",
+                 f"feedback.random_share={ARMS[arm]}"]  # fmt: skip
+        seeded = lambda r: [f"{k}={seed * 100 + r}" for k in SEEDED]  # noqa: E731
+        started = time.perf_counter()
+        first = [*fixed, f"data.seed={seed}", *seeded(0)]
+        cli("run", *(a for s in first for a in ("--set", s)), "--output", work / "round-0")
+        for r in range(1, rounds + 1):
+            run = work / f"round-{r}"
+            sets = [a for s in seeded(r) for a in ("--set", s)]
+            cli("round", "next", "--from", work / f"round-{r - 1}", "--output", run, *sets)
+            index = json.loads((run / "run.json").read_text())
+            config = config_from_json(index["config_json"])
+            config_file = run / "round-config.json"
+            config_file.write_text(index["config_json"])
+            judged = judge_round(run, uri, config_file, config)
+            result = json.loads((judged / "result.json").read_text())  # kubealign judge's
+            cli("round", "push", "--from", run, "--judge", judged, "--url", ls.url)
+            done = annotate(ls.store.projects[1]["tasks"], prefer, noise=0.1, skip=0.1, seed=seed * 100 + r)
+            pulled = json.loads((stage_dir(run, "feedback") / "result.json").read_text())["metrics"]
+            answers = json.loads((judged / "answers.json").read_text())
+            record["rounds"].append(
+                {
+                    "round": r,
+                    "versions": result["versions"],
+                    "promoted": result["promoted"],
+                    "online": {k: v for k, v in result["metrics"].items() if "/" not in k},
+                    "checks": result["checks"],
+                    "agreement_when_judged": {k: v for k, v in pulled.items() if k.startswith("agreement_")},
+                    "people_rows_trained_on": pulled.get("rows", 0),
+                    "truth": truth(answers),
+                    "annotated": done,
+                }
+            )
+            row = record["rounds"][-1]
+            row["right"] = row["promoted"] == (row["truth"]["canary_share"] > 0.5)
+            said = "promoted" if row["promoted"] else "rolled back"
+            share, right = row["truth"]["canary_share"], "right" if row["right"] else "WRONG"
+            took = time.perf_counter() - started
+            print(f"  seed {seed} {arm} round {r}: canary {said} (person's share {share:.2f}, {right}); {took:.0f} s")
+        record["per_round"] = per_round(ls.store.projects[1]["tasks"])
+        final_pull = work / "final.jsonl"
+        cli("feedback", "pull", "--project", "prefs", "--output", final_pull, "--url", ls.url, "--config", config_file)
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(config.tracking.experiment).experiment_id
+    from kubealign.feedback.lookup import agreement
+
+    record["agreement_final"] = agreement(client, experiment, config.promote.registered_model)
+    champion = read_state(client, config.promote.registered_model)[0]["champion"]
+    first = str(record["rounds"][0]["versions"]["champion"])
+    record["final_champion"] = str(champion)
+    split = stage_dir(work / f"round-{rounds}", "data-split")
+    record["final_vs_round0"] = people_win_rate(uri, config, first, str(champion), split, seed)
+    record["wall_s"] = time.perf_counter() - started
+    return record
+
+
+def per_round(tasks: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Of each round's pushed tasks people decided: each judge's agreement with them (Wilson 95 %) and the
+    challenger's weighted win-rate (feedback.agreement, as a pull computes them over all rounds)."""
+    from kubealign.feedback import agreement
+
+    decided = agreement.decisions(tasks)
+    out = {}
+    for number in sorted({m["round"] for m, _ in decided}):
+        these = [(m, c) for m, c in decided if m["round"] == number]
+        found = agreement.agreements(these)
+        judges = {j: {"rate": a.rate, "low": a.low, "high": a.high, "leaned": a.leaned} for j, a in found.items()}
+        rate = agreement.weighted_win_rate(these, "challenger")
+        out[number] = {"decided": len(these), "people_win_rate_weighted": rate, "agreement": judges}
+    return out
+
+
+def summary(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """Per arm, over seeds: the final champion's pooled win-rate against round 0's (people, Wilson 95 %), the
+    verdicts the person would call right, and the mean of each round's figures."""
+    from kubealign.feedback.annotations import wilson
+
+    out = {}
+    for arm in arms:
+        mine = [r for r in runs if r["arm"] == arm]
+        finals = [r["final_vs_round0"] for r in mine]
+        wins = sum(round(f["win_rate"] * f["decided"]) for f in finals)
+        decided = sum(f["decided"] for f in finals)
+        low, high = wilson(wins, decided) if decided else (None, None)
+        verdicts = [row for r in mine for row in r["rounds"]]
+        out[arm] = {
+            "final_vs_round0_pooled": {
+                "win_rate": wins / decided if decided else None,
+                "low": low,
+                "high": high,
+                "decided": decided,
+            },
+            "final_vs_round0_per_seed": [f["win_rate"] for f in finals],
+            "verdicts_right": f"{sum(v['right'] for v in verdicts)} of {len(verdicts)}",
+            "promoted": f"{sum(v['promoted'] for v in verdicts)} of {len(verdicts)}",
+        }
+    return out
+
+
+def series(runs: list[dict[str, Any]], get: Any) -> tuple[list[int], list[float]]:
+    """(rounds, the mean over runs of get(that round's per_round figures)), rounds where some run has one."""
+    xs, ys = [], []
+    for n in sorted({int(n) for r in runs for n in r["per_round"]}):
+        got = [get(r["per_round"][n]) for r in runs if n in r["per_round"]]
+        got = [v for v in got if v is not None and v == v]  # NaN: a judge that leaned on no decided task
+        if got:
+            xs.append(n)
+            ys.append(sum(got) / len(got))
+    return xs, ys
+
+
+def picture(runs: list[dict[str, Any]], arms: list[str], path: Path) -> None:
+    """Across rounds, per arm (mean over seeds; bars: each seed): people's weighted win-rate of the round's canary,
+    and each judge's agreement with people on that round's pairs."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for arm, style in zip(arms, ("-o", "--s"), strict=False):
+        mine = [r for r in runs if r["arm"] == arm]
+        xs, ys = series(mine, lambda d: d["people_win_rate_weighted"])
+        left.plot(xs, ys, style, label=arm)
+        for judge in ("reward", "heldout"):
+            xs, ys = series(mine, lambda d, j=judge: (d["agreement"].get(j) or {}).get("rate"))
+            right.plot(xs, ys, style, label=f"{judge} ({arm})")
+    left.axhline(0.5, color="grey", lw=0.8)
+    left.set(title="people's win-rate of each round's canary", xlabel="round", ylabel="weighted win-rate", ylim=(0, 1))
+    right.set(title="each judge's agreement with people", xlabel="round", ylabel="agreement", ylim=(0, 1))
+    left.legend(title="pairs chosen")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["disagree", "random"])
+    parser.add_argument("--budget", type=int, default=24, help="feedback.budget: tasks pushed a round")
+    parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
+    args = parser.parse_args()
+    runs = []
+    for seed in args.seeds:
+        for arm in args.arms:
+            with tempfile.TemporaryDirectory(prefix="rounds-") as tmp:
+                runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget))
+            f = runs[-1]["final_vs_round0"]
+            said = f"people's win-rate {f['win_rate']:.2f} of {f['decided']} decided"
+            print(f"seed {seed} {arm}: final champion v{runs[-1]['final_champion']} against round 0's: {said}")
+    record = {
+        "preset": "tiny-cpu",
+        "settings": SETTINGS,
+        "judge_settings": JUDGE_SETTINGS,
+        "budget": args.budget,
+        "arms": {a: {"feedback.random_share": ARMS[a]} for a in args.arms},
+        "summary": summary(runs, args.arms),
+        "runs": runs,
+        "machine": machine(),
+        "command": "python benchmarks/feedback_rounds.py " + " ".join(sys.argv[1:]),
+    }
+    out = HERE / "results" / f"{args.label}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    picture(runs, args.arms, out.with_suffix(".png"))
+    print(json.dumps(record["summary"], indent=2))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
