@@ -64,6 +64,9 @@ SETTINGS = [
     "promote.min_reward_gain=-100",
     "promote.min_win_rate_lower_bound=null",
     "promote.mode=canary",
+    # offline, each round's candidate is scored by its own round's reward model: the champion's offline reward is
+    # another model's figure; the online judge compares the two versions on the same prompts and scorer
+    "promote.require_beat_champion=false",
     "promote.guards.min_judge_agreement=0.6",
     "canary.prompts=48",
     "canary.max_new_tokens=24",
@@ -164,14 +167,52 @@ def people_win_rate(uri: str, config: Any, first: str, final: str, split: Path, 
             "prompts": len(prompts)}  # fmt: skip
 
 
+def one_round(run: Path, uri: str, ls: Any, seed: int, r: int) -> dict[str, Any]:
+    """After `round next` made `run`: its canary judged and acted on, its served pairs pushed and annotated; what
+    the round did. A round whose offline gate registered no challenger has nothing served: said, and skipped."""
+    from kubealign.config import config_from_json
+    from tests.feedback.standin import annotate
+
+    index = json.loads((run / "run.json").read_text())
+    config = config_from_json(index["config_json"])
+    config_file = run / "round-config.json"
+    config_file.write_text(index["config_json"])
+    pulled = json.loads((stage_dir(run, "feedback") / "result.json").read_text())["metrics"]
+    row: dict[str, Any] = {
+        "round": r,
+        "agreement_when_judged": {k: v for k, v in pulled.items() if k.startswith("agreement_")},
+        "people_rows_trained_on": pulled.get("rows", 0),
+    }
+    promoted = json.loads((stage_dir(run, "promote") / "result.json").read_text())
+    if promoted["aliases"].get("challenger") != promoted["version"]:
+        return {**row, "canary": None, "gate": promoted["gate"]}
+    judged = judge_round(run, uri, config_file, config)
+    result = json.loads((judged / "result.json").read_text())  # kubealign judge's
+    cli("round", "push", "--from", run, "--judge", judged, "--url", ls.url)
+    done = annotate(ls.store.projects[1]["tasks"], prefer, noise=0.1, skip=0.1, seed=seed * 100 + r)
+    answers = json.loads((judged / "answers.json").read_text())
+    row.update(
+        canary=result["versions"]["canary"],
+        versions=result["versions"],
+        promoted=result["promoted"],
+        online={k: v for k, v in result["metrics"].items() if "/" not in k},
+        checks=result["checks"],
+        truth=truth(answers),
+        annotated=done,
+    )
+    row["right"] = row["promoted"] == (row["truth"]["canary_share"] > 0.5)
+    return row
+
+
 def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
     from kubealign.config import config_from_json
     from kubealign.feedback.client import LabelStudio
+    from kubealign.feedback.lookup import agreement
     from kubealign.feedback.pairs import LABEL_CONFIG
     from kubealign.promotion.aliases import read_state
-    from tests.feedback.standin import LabelStudioStandIn, annotate
+    from tests.feedback.standin import LabelStudioStandIn
 
     uri = f"sqlite:///{work}/mlflow.db"
     os.environ.update(MLFLOW_TRACKING_URI=uri, LABEL_STUDIO_API_KEY=TOKEN, TQDM_DISABLE="1")
@@ -184,52 +225,35 @@ def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[
         started = time.perf_counter()
         first = [*fixed, f"data.seed={seed}", *seeded(0)]
         cli("run", *(a for s in first for a in ("--set", s)), "--output", work / "round-0")
+        record["round0_champion"] = str(
+            json.loads((stage_dir(work / "round-0", "promote") / "result.json").read_text())["version"]
+        )
         for r in range(1, rounds + 1):
             run = work / f"round-{r}"
             sets = [a for s in seeded(r) for a in ("--set", s)]
             cli("round", "next", "--from", work / f"round-{r - 1}", "--output", run, *sets)
-            index = json.loads((run / "run.json").read_text())
-            config = config_from_json(index["config_json"])
-            config_file = run / "round-config.json"
-            config_file.write_text(index["config_json"])
-            judged = judge_round(run, uri, config_file, config)
-            result = json.loads((judged / "result.json").read_text())  # kubealign judge's
-            cli("round", "push", "--from", run, "--judge", judged, "--url", ls.url)
-            done = annotate(ls.store.projects[1]["tasks"], prefer, noise=0.1, skip=0.1, seed=seed * 100 + r)
-            pulled = json.loads((stage_dir(run, "feedback") / "result.json").read_text())["metrics"]
-            answers = json.loads((judged / "answers.json").read_text())
-            record["rounds"].append(
-                {
-                    "round": r,
-                    "versions": result["versions"],
-                    "promoted": result["promoted"],
-                    "online": {k: v for k, v in result["metrics"].items() if "/" not in k},
-                    "checks": result["checks"],
-                    "agreement_when_judged": {k: v for k, v in pulled.items() if k.startswith("agreement_")},
-                    "people_rows_trained_on": pulled.get("rows", 0),
-                    "truth": truth(answers),
-                    "annotated": done,
-                }
-            )
-            row = record["rounds"][-1]
-            row["right"] = row["promoted"] == (row["truth"]["canary_share"] > 0.5)
+            row = one_round(run, uri, ls, seed, r)
+            record["rounds"].append(row)
+            took = time.perf_counter() - started
+            if row["canary"] is None:
+                print(f"  seed {seed} {arm} round {r}: no challenger (the offline gate refused); {took:.0f} s")
+                continue
             said = "promoted" if row["promoted"] else "rolled back"
             share, right = row["truth"]["canary_share"], "right" if row["right"] else "WRONG"
-            took = time.perf_counter() - started
             print(f"  seed {seed} {arm} round {r}: canary {said} (person's share {share:.2f}, {right}); {took:.0f} s")
         record["per_round"] = per_round(ls.store.projects[1]["tasks"])
-        final_pull = work / "final.jsonl"
-        cli("feedback", "pull", "--project", "prefs", "--output", final_pull, "--url", ls.url, "--config", config_file)
+        config_file = work / f"round-{rounds}" / "round-config.json"
+        config = config_from_json(config_file.read_text())
+        if any(row["canary"] for row in record["rounds"]):
+            pull = ["--output", work / "final.jsonl", "--url", ls.url, "--config", config_file]
+            cli("feedback", "pull", "--project", "prefs", *pull)
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name(config.tracking.experiment).experiment_id
-    from kubealign.feedback.lookup import agreement
-
     record["agreement_final"] = agreement(client, experiment, config.promote.registered_model)
-    champion = read_state(client, config.promote.registered_model)[0]["champion"]
-    first = str(record["rounds"][0]["versions"]["champion"])
-    record["final_champion"] = str(champion)
+    champion = str(read_state(client, config.promote.registered_model)[0]["champion"])
+    record["final_champion"] = champion
     split = stage_dir(work / f"round-{rounds}", "data-split")
-    record["final_vs_round0"] = people_win_rate(uri, config, first, str(champion), split, seed)
+    record["final_vs_round0"] = people_win_rate(uri, config, record["round0_champion"], champion, split, seed)
     record["wall_s"] = time.perf_counter() - started
     return record
 
@@ -262,7 +286,7 @@ def summary(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
         wins = sum(round(f["win_rate"] * f["decided"]) for f in finals)
         decided = sum(f["decided"] for f in finals)
         low, high = wilson(wins, decided) if decided else (None, None)
-        verdicts = [row for r in mine for row in r["rounds"]]
+        verdicts = [row for r in mine for row in r["rounds"] if row["canary"] is not None]
         out[arm] = {
             "final_vs_round0_pooled": {
                 "win_rate": wins / decided if decided else None,
@@ -273,6 +297,7 @@ def summary(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
             "final_vs_round0_per_seed": [f["win_rate"] for f in finals],
             "verdicts_right": f"{sum(v['right'] for v in verdicts)} of {len(verdicts)}",
             "promoted": f"{sum(v['promoted'] for v in verdicts)} of {len(verdicts)}",
+            "rounds_without_a_challenger": sum(row["canary"] is None for r in mine for row in r["rounds"]),
         }
     return out
 
