@@ -67,14 +67,20 @@ SETTINGS = [
     # offline, each round's candidate is scored by its own round's reward model: the champion's offline reward is
     # another model's figure; the online judge compares the two versions on the same prompts and scorer
     "promote.require_beat_champion=false",
-    "promote.guards.min_judge_agreement=0.6",
     "canary.prompts=48",
     "canary.max_new_tokens=24",
     "canary.min_answers=40",
 ]
 # online: the canary must win at least half the prompts, a tie counting half (greedy answers of two close versions
-# are often the same), for the training reward model and the held-out one alike, and not lose mean reward
-JUDGE_SETTINGS = ["promote.min_win_rate=0.5", "promote.tie_credit=0.5", "promote.min_reward_gain=0"]
+# are often the same), for the training reward model and the held-out one alike, and not lose mean reward; a judge
+# agreeing with people on less than 0.6 of their choices so far is not trusted. Online only: offline, an untrusted
+# judge would keep every later challenger from being served, and no new choice would ever check the judges again
+JUDGE_SETTINGS = [
+    "promote.min_win_rate=0.5",
+    "promote.tie_credit=0.5",
+    "promote.min_reward_gain=0",
+    "promote.guards.min_judge_agreement=0.6",
+]
 
 
 def prefer(prompt: str, text: str) -> float:

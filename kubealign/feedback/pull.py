@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -142,7 +143,7 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def track(
-    config: Any, written: Written, output: Path, title: str, url: str, challenger: str, files: list[Path] = ()
+    config: Any, written: Written, output: Path, title: str, url: str, challenger: str, files: Sequence[Path] = ()
 ) -> None:
     """The `feedback` run: the file as its dataset input, the counts and win-rate as metrics; where the registry
     vouched for the tasks' claims (pull's `registry`), tagged with the registered model and the challenger's version

@@ -45,7 +45,7 @@ def markdown(table: dict[int, dict[str, Any]]) -> str:
         cells = [f"{row['win_rate']:.2f}" if row["win_rate"] is not None else "n/a"]
         for judge in judges:
             a = row["judges"].get(judge)
-            shown = a and a.get("n") and not math.isnan(a["rate"])
+            shown = a and not math.isnan(a["rate"])  # NaN: the judge leaned on none of the round's decided pairs
             cells.append(f"{a['rate']:.2f} ({a['low']:.2f}-{a['high']:.2f}, n={a['n']:.0f})" if shown else "n/a")
         out.append(f"| {number} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

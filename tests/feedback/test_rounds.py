@@ -86,3 +86,25 @@ def test_every_stage_run_of_a_round_is_tagged_with_it(tmp_path):
         "prev-run",
         "judge",
     )
+
+
+def test_round_push_takes_a_judge_output_made_outside_the_dag(cli, tmp_path, monkeypatch):
+    """A round served and judged by hand (as on a laptop: no judge task in its run.json): --judge names the output;
+    its pairs go to the round's project with the round's number and budget."""
+    from tests.feedback.standin import LabelStudioStandIn
+    from tests.feedback.test_served import judge_dir
+
+    monkeypatch.setenv("LABEL_STUDIO_API_KEY", "t")
+    sets = ["feedback.project=prefs", "feedback.round=2", "feedback.budget=3"]
+    _, run = run_json(tmp_path / "r2", sets, stages={"promote": {"dir": "x"}})
+    judged = judge_dir(tmp_path / "by-hand")
+    with LabelStudioStandIn("t") as ls:
+        refused = cli("round", "push", "--from", run, "--url", ls.url)
+        assert refused.code == 2 and "no judge task: nothing was served to push" in refused.err
+        done = cli("round", "push", "--from", run, "--url", ls.url, "--judge", judged)
+        assert done.code == 0, done.err
+        [project] = ls.store.projects.values()
+    assert project["title"] == "prefs" and len(project["tasks"]) == 3  # the budget of the 4 served pairs
+    assert {t["meta"]["kubealign"]["round"] for t in project["tasks"]} == {2}
+    assert {t["meta"]["kubealign"]["judge_output"] for t in project["tasks"]} == {str(judged.resolve())}
+    assert "round 2: 3 of 4 served pairs chosen (budget 3)" in done.out
