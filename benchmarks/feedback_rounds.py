@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -353,7 +354,8 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=24, help="feedback.budget: tasks pushed a round")
     parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
     args = parser.parse_args()
-    runs = []
+    runs: list[dict[str, Any]] = []
+    out = HERE / "results" / f"{args.label}.json"
     for seed in args.seeds:
         for arm in args.arms:
             with tempfile.TemporaryDirectory(prefix="rounds-") as tmp:
@@ -361,7 +363,14 @@ def main() -> None:
             f = runs[-1]["final_vs_round0"]
             said = f"people's win-rate {f['win_rate']:.2f} of {f['decided']} decided"
             print(f"seed {seed} {arm}: final champion v{runs[-1]['final_champion']} against round 0's: {said}")
-    record = {
+            record(args, runs, out)  # after each rehearsal: a run cut short keeps what it measured
+    picture(runs, args.arms, out.with_suffix(".png"))
+    print(json.dumps(summary(runs, args.arms), indent=2))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+def record(args: argparse.Namespace, runs: list[dict[str, Any]], out: Path) -> None:
+    done = {
         "preset": "tiny-cpu",
         "settings": SETTINGS,
         "judge_settings": JUDGE_SETTINGS,
@@ -371,12 +380,9 @@ def main() -> None:
         "runs": runs,
         "machine": machine(),
         "command": "python benchmarks/feedback_rounds.py " + " ".join(sys.argv[1:]),
+        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip(),
     }
-    out = HERE / "results" / f"{args.label}.json"
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    picture(runs, args.arms, out.with_suffix(".png"))
-    print(json.dumps(record["summary"], indent=2))
-    print(f"written to {out} and {out.with_suffix('.png')}")
+    out.write_text(json.dumps(done, indent=2) + "\n")
 
 
 if __name__ == "__main__":
