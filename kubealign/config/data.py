@@ -43,6 +43,14 @@ class DataSource(Section):
     )
     split: str = Field("train", description="Split to read from hub / save_to_disk datasets.")
     name: str | None = Field(None, description="Dataset configuration name for hub datasets.")
+    phase: Literal["split", "reward"] = Field(
+        "split",
+        description="Where this source's prompts go. split: cut by split_ratios with every other source. reward: "
+        "each prompt it has a pair for trains the reward model (phase 2's train split), taken out of the other "
+        "phases and every eval split, whatever the cut gave it. People's choices (the feedback task's source) go "
+        "so: they were asked about held-out prompts the online judge served, which the cut would otherwise keep "
+        "in phase 3, where a prompt's pairs are dropped.",
+    )
 
 
 class DataConfig(Section):

@@ -13,7 +13,10 @@ two phases (the reward model and PPO would see the same prompts). Here the unit 
    prompts join phase 3 after the cut; one whose prompt also has responses follows them, and is dropped
    (prompt_only_outside_phase3) when they land in phase 1 or 2.
 4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
-5. With `heldout_fraction` > 0, that share of phase 2's train prompts (seeded; at least one, never all)
+5. Prompts in `to_reward` (those a `phase: reward` source has a pair for: people's choices) are cut as all others,
+   then moved into phase 2 whatever phase the cut gave them, and into its train split (never eval or heldout):
+   the other prompts keep their phases, and each phase's eval split is drawn from what it then holds.
+6. With `heldout_fraction` > 0, that share of phase 2's train prompts (seeded; at least one, never all)
    forms phase 2's "heldout" split instead: the pairs the held-out reward model trains on (an
    independent scorer, docs/guards.md). Disjoint from what the reward model the policy is optimized against sees, so an
    exploit of that model's blind spots is not an exploit of this one's. Reweighted like train.
@@ -28,7 +31,7 @@ from typing import Any, NamedTuple
 
 PHASES = ("phase1_sft", "phase2_reward", "phase3_prompts")
 SPLITS = ("train", "eval")
-HELDOUT = "heldout"  # phase 2's third split (rule 5), present only when reserved
+HELDOUT = "heldout"  # phase 2's third split (rule 6), present only when reserved
 Row = dict[str, Any]  # keys: prompt, chosen (None: prompt-only), rejected (str | None), columns, source, origin
 
 
@@ -102,6 +105,7 @@ def split_rows(
     seed: int,
     weights: Mapping[str, float] | None = None,
     heldout_fraction: float = 0.0,
+    to_reward: frozenset[str] = frozenset(),
 ) -> SplitPlan:
     """Assign every row to a phase and split (see the module docstring for the rules)."""
     groups: dict[str, list[Row]] = {}
@@ -115,17 +119,20 @@ def split_rows(
     ]
     only = [p for p, g in groups.items() if all(r["chosen"] is None for r in g)]
     phase_prompts = assign_prompts(preference, sft_only, ratios, seed, only)
+    moved = [p for p in preference if p in to_reward]  # rule 5, in first-seen order
+    phase_prompts = [[p for p in prompts if p not in to_reward] for prompts in phase_prompts]
+    phase_prompts[1] += moved
 
     phases: dict[str, dict[str, list[Row]]] = {}
     counts: dict[str, dict[str, int]] = {}
     dropped: list[tuple[str, Row]] = []
     for k, (phase, prompts) in enumerate(zip(PHASES, phase_prompts, strict=True)):
         rng = random.Random(f"{seed}-{phase}")
-        held = holdout(prompts, eval_fraction, rng)
+        held = holdout([p for p in prompts if p not in to_reward], eval_fraction, rng)
         out: dict[str, list[Row]] = {"train": [], "eval": []}
         reserved: set[str] = set()
         if k == 1 and heldout_fraction > 0:  # its own seed: the eval split stays what it was without it
-            trained = [p for p in prompts if p not in held]
+            trained = [p for p in prompts if p not in held and p not in to_reward]
             reserved = holdout(trained, heldout_fraction, random.Random(f"{seed}-{phase}-{HELDOUT}"))
             out[HELDOUT] = []
         for prompt in prompts:

@@ -211,7 +211,10 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
         skipped = f", skipped malformed {report.invalid['count']}" if report.invalid["count"] else ""
         raise UserError(f"data.sources: no usable rows ({read} read; dropped: {reasons or 'none'}{skipped})")
     weights = {s.label: c.weight for c, s in zip(data.sources, sources, strict=True)}
-    plan = split_rows(rows, data.split_ratios, data.eval_fraction, data.seed, weights, data.heldout_reward_fraction)
+    rewarded = {s.label for c, s in zip(data.sources, sources, strict=True) if c.phase == "reward"}
+    to_reward = frozenset(r["prompt"] for r in rows if r["source"] in rewarded and r["rejected"] is not None)
+    ratios, fraction, seed = data.split_ratios, data.eval_fraction, data.seed
+    plan = split_rows(rows, ratios, fraction, seed, weights, data.heldout_reward_fraction, to_reward)
     for reason, row in plan.dropped:
         report.drop(reason, row["origin"])
     total = sum(data.split_ratios)

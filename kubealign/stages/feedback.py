@@ -65,5 +65,8 @@ def with_rows(config: KubealignConfig, output: Path) -> KubealignConfig:
     people = rows_file(output)
     if people is None:
         return config
-    sources = [*config.data.sources, DataSource(path=str(people), weight=config.feedback.weight)]
+    # phase reward: people were asked about prompts the online judge served, held out of training; their choices
+    # train the reward model, and those prompts leave the held-out splits (kubealign.data.split, rule 5)
+    people_source = DataSource(path=str(people), weight=config.feedback.weight, phase="reward")
+    sources = [*config.data.sources, people_source]
     return config.model_copy(update={"data": config.data.model_copy(update={"sources": sources})})

@@ -190,3 +190,40 @@ def test_a_heldout_share_of_phase_2_is_reserved_disjoint_and_the_rest_is_unchang
     # a weighted source is reweighted in heldout as in train (2.0: every pair twice)
     double = split_rows(rows_for(40), (0, 1, 0), 0.0, seed=3, weights={"s": 2.0}, heldout_fraction=0.25)
     assert len(double.phases["phase2_reward"]["heldout"]) == 2 * 10
+
+
+def test_prompts_people_chose_on_train_the_reward_model_wherever_the_cut_put_them():
+    """Rule 5: people's pairs (source "people") on 6 prompts the cut put in phase 3 (2 of them in its eval split, the
+    online judge's prompts) and phase 1 move, with their synthetic pairs, into phase 2's train split; no other prompt
+    changes phase; each eval split is drawn from what its phase then holds."""
+    rows = rows_for(200)
+    before = split_rows(rows, (2, 4, 4), 0.1, seed=3)
+    phase_of = {r["prompt"]: ph for ph in PHASES for s in ("train", "eval") for r in before.phases[ph][s]}
+    held3 = [r["prompt"] for r in before.phases["phase3_prompts"]["eval"]][:2]
+    trained3 = [r["prompt"] for r in before.phases["phase3_prompts"]["train"]][:3]
+    sft = [r["prompt"] for r in before.phases["phase1_sft"]["train"]][:1]
+    chosen = [*held3, *trained3, *sft]
+    people = [
+        {"prompt": p, "chosen": f"yes{p}", "rejected": f"no{p}", "source": "people", "origin": f"h:{i}"}
+        for i, p in enumerate(chosen)
+    ]
+    plan = split_rows([*rows, *people], (2, 4, 4), 0.1, seed=3, heldout_fraction=0.25, to_reward=frozenset(chosen))
+    reward = plan.phases["phase2_reward"]
+    train = [r for r in reward["train"] if r["prompt"] in chosen]
+    assert sorted((r["prompt"], r["source"]) for r in train) == sorted(
+        [(p, "s") for p in chosen] + [(p, "people") for p in chosen]
+    )
+    not_trained = [*reward["eval"], *reward["heldout"], *plan.phases["phase3_prompts"]["eval"]]
+    assert not {r["prompt"] for r in not_trained} & set(chosen)
+    after = {r["prompt"]: ph for ph in PHASES for s in plan.phases[ph] for r in plan.phases[ph][s]}
+    assert {p: ph for p, ph in after.items() if p not in chosen} == {
+        p: ph for p, ph in phase_of.items() if p not in chosen
+    }
+    # counts: phase 3 lost 5 prompts, phase 1 one, phase 2 gained 6 train prompts (its eval drawn as before: 8)
+    assert plan.prompts["phase3_prompts"]["train"] + plan.prompts["phase3_prompts"]["eval"] == 80 - 5
+    assert plan.prompts["phase2_reward"]["eval"] == before.prompts["phase2_reward"]["eval"] == 8
+    assert plan.prompts["phase1_sft"]["train"] + plan.prompts["phase1_sft"]["eval"] == 40 - 1
+    # without the set, people's pairs on phase 3 prompts are dropped there (one row per prompt: the first pair)
+    plain = split_rows([*rows, *people], (2, 4, 4), 0.1, seed=3)
+    assert not [r for ph in PHASES for s in ("train", "eval") for r in plain.phases[ph][s] if r["source"] == "people"
+                and phase_of[r["prompt"]] == "phase3_prompts"]  # fmt: skip

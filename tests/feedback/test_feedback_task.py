@@ -70,7 +70,9 @@ def all_prompts(split: Path) -> list[str]:
     return found
 
 
-def test_data_split_reads_the_pulled_rows_by_weight_and_leaves_an_empty_pull_out(tmp_path: Path) -> None:
+def test_data_split_trains_the_reward_model_on_the_pulled_rows_by_weight_and_leaves_an_empty_pull_out(
+    tmp_path: Path,
+) -> None:
     rows = [{"prompt": f"people {i}?", "chosen": f"a fine answer {i}", "rejected": f"no {i}"} for i in range(40)]
     pulled = people_dir(tmp_path / "pulled", rows)
     counted = {}
@@ -81,12 +83,11 @@ def test_data_split_reads_the_pulled_rows_by_weight_and_leaves_an_empty_pull_out
         sources = json.loads((split / "manifest.json").read_text())["sources"]
         assert [(Path(s["path"]).name, s["rows_read"]) for s in sources] == [("synthetic", 210), ("human.jsonl", 40)]
         prompts = all_prompts(split)
-        counted[weight] = sum(p.startswith("people ") for p in prompts)
-        assert {p for p in prompts if p.startswith("people ")} == {
-            r["prompt"] for r in rows
-        }  # every one, once at least
-    eval_rows = 40 - (counted[3] - 40) // 2  # each train row twice more at weight 3; eval rows never repeated
-    assert counted[3] > counted[1] == 40 and 0 < 40 - eval_rows < 40
+        trained = phases.load(split, "phase2_reward")["train"]["prompt"]
+        counted[weight] = sum(p.startswith("people ") for p in trained)
+        # people's choices train the reward model, every one (weight times): none in another phase or an eval split
+        assert sum(p.startswith("people ") for p in prompts) == counted[weight]
+    assert (counted[1], counted[3]) == (40, 120)
     empty = people_dir(tmp_path / "nobody", [])
     config = config_to_json(load_config(None, [*SMALL, "tracking.enabled=false"]))
     tasks.data_split(config, [], str(tmp_path / "split-none"), str(empty))

@@ -64,6 +64,12 @@ def test_round_next_learns_from_the_pushed_choices_and_says_which_round_it_is(tm
         digest,
         len(rows),
     )
+    # and they train round 1's reward model: every decided choice is a pair of phase 2's train split
+    from kubealign.data import phases
+
+    trained = phases.load(Path(one["stages"]["data-split"]["dir"]), "phase2_reward")["train"]
+    people = {(json.loads(r)["prompt"], json.loads(r)["chosen"]) for r in rows}
+    assert people <= set(zip(trained["prompt"], trained["chosen"], strict=True))
     # lineage: the version round 1 registered -> its pipeline run -> that run's feedback run -> the file's digest
     promoted = json.loads(Path(one["stages"]["promote"]["dir"], "result.json").read_text())
     version = client.get_model_version(promoted["registered_model"], str(promoted["version"]))
