@@ -312,8 +312,9 @@ def summary(runs: list[dict[str, Any]], arms: list[str]) -> dict[str, Any]:
 def series(runs: list[dict[str, Any]], get: Any) -> tuple[list[int], list[float]]:
     """(rounds, the mean over runs of get(that round's per_round figures)), rounds where some run has one."""
     xs, ys = [], []
-    for n in sorted({int(n) for r in runs for n in r["per_round"]}):
-        got = [get(r["per_round"][n]) for r in runs if n in r["per_round"]]
+    tables = [{int(k): v for k, v in r["per_round"].items()} for r in runs]  # JSON keeps the rounds as text
+    for n in sorted({n for table in tables for n in table}):
+        got = [get(table[n]) for table in tables if n in table]
         got = [v for v in got if v is not None and v == v]  # NaN: a judge that leaned on no decided task
         if got:
             xs.append(n)
@@ -322,12 +323,13 @@ def series(runs: list[dict[str, Any]], get: Any) -> tuple[list[int], list[float]
 
 
 def picture(runs: list[dict[str, Any]], arms: list[str], path: Path) -> None:
-    """Across rounds, per arm (mean over seeds; bars: each seed): people's weighted win-rate of the round's canary,
-    and each judge's agreement with people on that round's pairs."""
+    """Across rounds, per arm (mean over seeds): people's weighted win-rate of the round's canary, and each judge's
+    agreement with people on that round's pairs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for arm, style in zip(arms, ("-o", "--s"), strict=False):
@@ -340,6 +342,8 @@ def picture(runs: list[dict[str, Any]], arms: list[str], path: Path) -> None:
     left.axhline(0.5, color="grey", lw=0.8)
     left.set(title="people's win-rate of each round's canary", xlabel="round", ylabel="weighted win-rate", ylim=(0, 1))
     right.set(title="each judge's agreement with people", xlabel="round", ylabel="agreement", ylim=(0, 1))
+    for axis in (left, right):
+        axis.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     left.legend(title="pairs chosen")
     right.legend(fontsize=8)
     fig.tight_layout()
@@ -353,7 +357,12 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["disagree", "random"])
     parser.add_argument("--budget", type=int, default=24, help="feedback.budget: tasks pushed a round")
     parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
+    parser.add_argument("--picture", type=Path, metavar="JSON", help="only draw the picture of a recorded run")
     args = parser.parse_args()
+    if args.picture:
+        done = json.loads(args.picture.read_text())
+        picture(done["runs"], list(done["arms"]), args.picture.with_suffix(".png"))
+        return
     runs: list[dict[str, Any]] = []
     out = HERE / "results" / f"{args.label}.json"
     for seed in args.seeds:
