@@ -65,8 +65,8 @@ def test_served_pairs_to_people_and_the_judges_checked_against_them(cli, tmp_pat
         )
         assert pushed.code == 0, pushed.err
         assert (
-            "round 1: 24 of 40 served pairs chosen (budget 24): 18 where the judges disagree most, 6 at random"
-            in pushed.out
+            "round 1: 24 of 31 served pairs chosen (budget 24): 18 where the judges disagree most, 6 at random; "
+            "9 answered alike, not asked\n" in pushed.out  # i % 5 + 1 == i % 3 + 2 for 9 of the 40 prompts
         )
         tasks = ls.store.projects[1]["tasks"]
         assert len(tasks) == 24 and {t["meta"]["kubealign"]["judge_run"] for t in tasks} == {"judge-run-1"}
