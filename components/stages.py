@@ -12,16 +12,20 @@ from kubealign.images import CPU_IMAGE, TRAIN_IMAGE
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def feedback(config_json: str, dataset: Output[Dataset], metrics: Output[Metrics], rounds: Output[HTML]):
+def feedback(config_json: str, dataset: Output[Dataset], metrics: Output[Metrics], rounds: Output[HTML]) -> str:
     """feedback: people's completed pairwise choices in the Label Studio project feedback.project, pulled as
     preference rows for data-split (with a `feedback` MLflow run: the counts, the human win-rate); rounds: the
-    picture across rounds (people's win-rate of each round's challenger, each judge's agreement with people)."""
+    picture across rounds (people's win-rate of each round's challenger, each judge's agreement with people).
+
+    Returns the run's config: config_json with feedback.round counted from the project (kubealign.feedback.rounds),
+    what every later task of the run reads."""
     from kubealign import tasks
     from kubealign.tasks import artifacts
 
     result = tasks.feedback(config_json, dataset.path)
     artifacts.to_kfp(result, metrics, dataset)
     artifacts.rounds_report(dataset.path, rounds.path)
+    return result["config_json"]
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -236,6 +240,17 @@ def act(config_json: str, judgement: Input[Artifact], acted: Output[Artifact], m
     result = tasks.act(config_json, [], judgement.path, acted.path)
     artifacts.to_kfp(result, metrics, acted)
     return result.get("summary") or ""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def push(config_json: str, judgement: Input[Artifact], pushed: Output[Artifact], metrics: Output[Metrics]):
+    """push: the pairs the canary served (judgement's answers.json) to people, as pairwise tasks in the Label
+    Studio project feedback.project (feedback.budget of them, the most disputed first); the next round pulls them."""
+    from kubealign import tasks
+    from kubealign.tasks import artifacts
+
+    result = tasks.push(config_json, judgement.path, pushed.path)
+    artifacts.to_kfp(result, metrics, pushed)
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)

@@ -1,5 +1,7 @@
 """The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote [-> serve [-> judge [-> act]]],
-with a feedback task before data-split where feedback.project is set (people's choices pulled from Label Studio).
+with a feedback task before data-split where feedback.project is set (people's choices pulled from Label Studio),
+and then a push task after judge and act: what the canary served, to people. The feedback task's output is the run's
+config with its round counted from the project (kubealign.feedback.rounds): every later task reads that one.
 
 The pipeline parameter `algorithm` (default: the route of the config's one candidate) picks the route with KFP
 conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
@@ -146,13 +148,15 @@ class Tasks:
         training: bool,
         scoring: bool = False,
         tracking_only: bool = False,
+        identity: bool = True,
     ) -> dsl.PipelineTask:
         """scoring: the task reads the reward functions (ppo's, evaluate, judge), so it runs user code and gets
         the tracking identity (kubealign.cluster.secrets); tracking_only: it gets that identity too (it only
-        logs runs: feedback)."""
+        logs runs: feedback); identity False: no MLflow or object-store Secret at all (push)."""
         task.set_display_name(name)
         image = self.train_image if training or gpus else self.cpu_image
-        placement.resources(task, self.k8s, gpus, image, training, user_code=scoring or tracking_only)
+        user_code = scoring or tracking_only
+        placement.resources(task, self.k8s, gpus, image, training, user_code=user_code, identity=identity)
         for key, value in sorted({**self.env, **(self.scoring_env if scoring else {})}.items()):
             task.set_env_variable(key, value)
         return task
@@ -165,15 +169,32 @@ class Tasks:
             pulled = stages.feedback(config_json=p["config_json"])
             # it logs a feedback run: the tracking identity, no object store (nothing it does moves an alias)
             self.place(pulled, "feedback (Label Studio)", 0, training=False, tracking_only=True)
-            kubernetes.use_secret_as_env(pulled, self.config.feedback.token_secret, {TOKEN_ENV: TOKEN_ENV})
-            # where the token goes is pinned here, not read from config_json, which any run may edit: a run
-            # cannot send the token to another address (the stage prefers this variable to feedback.url)
-            pulled.set_env_variable(URL_ENV, self.config.feedback.url)
+            self.label_studio(pulled)
             # the project changes outside KFP's view: a cached pull would miss every choice made since
             pulled.set_caching_options(False)
             people = {"feedback": pulled.outputs["dataset"]}
+            # every later task reads the run's config as the pull counted its round (a scheduled run's own round)
+            p["config_json"] = pulled.outputs["Output"]
         split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"], **people)
         return self.place(split, "data split", 0, training=False).outputs["dataset"]
+
+    def label_studio(self, task: dsl.PipelineTask) -> None:
+        """The token from feedback.token_secret; where it goes pinned here, not read from config_json, which any run
+        may edit: a run cannot send the token to another address (the stages prefer this variable to feedback.url)."""
+        kubernetes.use_secret_as_env(task, self.config.feedback.token_secret, {TOKEN_ENV: TOKEN_ENV})
+        task.set_env_variable(URL_ENV, self.config.feedback.url)
+
+    def push(self, judge: dsl.PipelineTask, after: dsl.PipelineTask | None, config_json: Any) -> dsl.PipelineTask:
+        """After judge (and act): the pairs the canary served, to people (feedback.project); no user code runs here,
+        no tracking identity."""
+        task = stages.push(config_json=config_json, judgement=judge.outputs["judgement"])
+        if after is not None:
+            task.after(after)
+        self.place(task, "push (served pairs to people)", 0, training=False, identity=False)
+        self.label_studio(task)
+        # Label Studio is outside KFP's view: a cached push would send nothing
+        task.set_caching_options(False)
+        return task
 
     def upstream(self, p: dict[str, Any]) -> tuple[Any, Any, Any]:
         """The shared tasks: (dataset, SFT model, scorer: kubealign.shape.scorer's task's model)."""
@@ -308,6 +329,7 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             ppo = builder.rl(stages.ppo, p, algorithm, dataset, sft, scorer, label, **rl_settings)
         candidate = dsl.OneOf(dpo.outputs["model"], ppo.outputs["model"])
         evaluation = builder.evaluate(stages.evaluate, p, dataset, sft, candidate, scorer)
+        config_json = p["config_json"]  # the feedback task's, with feedback.project (Tasks.data)
         promote = stages.promote(
             config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
@@ -316,8 +338,9 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             serve = builder.serve(promote, config_json)
             if builder.config.promote.mode == "canary":
                 judge = builder.judge(serve, p, dataset, sft, scorer)
-                if builder.config.canary.act:
-                    builder.act(judge, config_json)
+                act = builder.act(judge, config_json) if builder.config.canary.act else None
+                if builder.config.feedback.project:
+                    builder.push(judge, act, config_json)
         done = {
             "data_split": dataset,
             "sft": sft,

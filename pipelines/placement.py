@@ -12,10 +12,17 @@ from kubealign.config.schema import KubernetesConfig
 
 
 def resources(
-    task: dsl.PipelineTask, k8s: KubernetesConfig, gpus: int, image: str, training: bool, user_code: bool = False
+    task: dsl.PipelineTask,
+    k8s: KubernetesConfig,
+    gpus: int,
+    image: str,
+    training: bool,
+    user_code: bool = False,
+    identity: bool = True,
 ) -> None:
     """Image, requests, accelerators, shm, node placement, secrets and PVC of one task. user_code: the task runs
-    the reward functions, and gets the tracking identity and no object store (kubealign.cluster.secrets)."""
+    the reward functions, and gets the tracking identity and no object store (kubealign.cluster.secrets); identity
+    False: neither MLflow nor the object store (a task that needs neither)."""
     task.set_container_image(image)
     task.set_cpu_request(k8s.cpu_request)
     if training:
@@ -28,7 +35,7 @@ def resources(
             kubernetes.add_node_selector(task, key, value)
         for tol in k8s.tolerations:
             kubernetes.add_toleration(task, key=tol.key, operator=tol.operator, value=tol.value, effect=tol.effect)
-    for secret, keys in pod_secrets(k8s, user_code):
+    for secret, keys in pod_secrets(k8s, user_code) if identity else []:
         kubernetes.use_secret_as_env(task, secret, {key: key for key in keys}, optional=True)
     if k8s.pvc:
         kubernetes.mount_pvc(task, k8s.pvc, k8s.pvc_mount)

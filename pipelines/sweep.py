@@ -61,6 +61,7 @@ def several_candidates(builder: Any, d: dict[str, Any]) -> Callable[..., Any]:
     ):
         p = dict(locals())
         dataset, sft, scorer = builder.upstream(p)
+        config_json = p["config_json"]  # the feedback task's, with feedback.project (dag.Tasks.data)
         models, evaluations, ends = {}, {}, []
         for number, candidate in enumerate(candidates):
             task = train(builder, candidate, p, dataset, sft, scorer)

@@ -131,18 +131,9 @@ def pull_command(args: argparse.Namespace) -> None:
 
 
 def push_served(client: Any, project: str, judge_dir: Path, config: Any, model: str) -> Any:
-    """The judge's served pairs chosen for this round (kubealign.feedback.served) pushed into `project`."""
-    from kubealign.feedback import push, served
+    """The judge's served pairs chosen for this round pushed into `project`, what was done printed."""
+    from kubealign.feedback.served import push_round
 
-    f = config.feedback
-    got = served.served_tasks(judge_dir, model, f.budget, f.random_share, config.evaluate.seed, f.round)
-    done = push.push_tasks(client, project, got.tasks)
-    strata = [c.stratum for c in got.chosen]
-    made = "created" if done.created else "found"
-    print(f"feedback: project {project!r} ({made}, id {done.project}) at {client.url}")
-    print(f"  round {f.round}: {len(got.tasks)} of {got.served} served pairs chosen (budget {f.budget}): ", end="")
-    print(f"{strata.count('disagreement')} where the judges disagree most, {strata.count('random')} at random", end="")
-    print(f"; {got.identical} answered alike, not asked" if got.identical else "")
-    print(f"  {done.added} tasks added, {done.present} were there already")
-    print(f"  sides: champion:{got.versions[0]} and challenger:{got.versions[1]} (judge run {got.judge_run})")
+    done, _, lines = push_round(client, project, judge_dir, config, model)
+    print("\n".join(lines))
     return done

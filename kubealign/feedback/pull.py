@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from kubealign.errors import UserError
 from kubealign.feedback.annotations import Pulled, pulled, wilson
+from kubealign.feedback.rounds import last_pushed
 
 
 class Written(NamedTuple):
@@ -29,6 +30,7 @@ class Written(NamedTuple):
     metrics: dict[str, float]
     lines: list[str]  # the summary, as printed
     registry: str | None = None  # where the tasks' models and versions were checked; None: not checked
+    pushed: Any = None  # feedback.rounds.LastRound: the last round whose served pairs are in the project, or None
 
 
 def pull(
@@ -68,7 +70,7 @@ def pull(
     if out.agreement is not None:
         metrics["agreement"] = out.agreement
     served_figures(export, challenger, metrics, lines)
-    return Written(out, text, metrics, lines, registry)
+    return Written(out, text, metrics, lines, registry, last_pushed(export))
 
 
 def served_figures(export: Any, challenger: str, metrics: dict[str, float], lines: list[str]) -> None:

@@ -3,12 +3,17 @@ the canary -> judge -> act), and the next round starts from the last one's outpu
 `kubealign run` output's run.json: the next round's config (the last one's, feedback.round plus one,
 feedback.previous_run its MLflow pipeline run: tags on every MLflow run of the new round, so that the lineage walks
 back round by round), and the judge output whose served pairs the last round pushes to people.
+
+On a schedule (a KFP recurring run) every run starts from the same compiled config: there the feedback task counts
+the round from the project itself (`counted`): one after the last round whose served pairs were pushed to people,
+never below the configured one, and previous_run the judge run that served those pairs. The rest of the run reads
+that config (the task's output), so its MLflow runs and the pairs it pushes carry the counted round.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kubealign.config import KubealignConfig, config_from_json, config_to_json
 from kubealign.errors import UserError
@@ -38,6 +43,32 @@ def next_config(index: dict[str, Any], run: Path, overrides: list[str]) -> Kubea
     feedback = config.feedback.model_copy(update={"round": config.feedback.round + 1, "previous_run": str(parent)})
     # through JSON again: the overrides apply and the whole config is validated, as a run's config_json is
     return config_from_json(config_to_json(config.model_copy(update={"feedback": feedback})), overrides)
+
+
+class LastRound(NamedTuple):
+    round: int  # the highest meta.kubealign.round among the project's tasks
+    judge_run: str | None  # the judge run that served that round's pairs (None: not recorded)
+
+
+def last_pushed(tasks: list[dict[str, Any]]) -> LastRound | None:
+    """The last round whose served pairs are in the project (decided or not); None when none was pushed from what
+    was served. Tasks as feedback.export.checked passed them."""
+    metas = [task["meta"]["kubealign"] for task in tasks]
+    found = [m for m in metas if isinstance(m.get("round"), int) and not isinstance(m["round"], bool)]
+    if not found:
+        return None
+    last = max(meta["round"] for meta in found)
+    runs = sorted({str(m["judge_run"]) for m in found if m["round"] == last and m.get("judge_run")})
+    return LastRound(last, runs[0] if len(runs) == 1 else None)
+
+
+def counted(config: KubealignConfig, pushed: LastRound | None) -> KubealignConfig:
+    """`config` with feedback.round one after the last pushed round where that is above the configured round, and
+    feedback.previous_run that round's judge run (module docstring); unchanged otherwise."""
+    if pushed is None or pushed.round + 1 <= config.feedback.round:
+        return config
+    feedback = config.feedback.model_copy(update={"round": pushed.round + 1, "previous_run": pushed.judge_run})
+    return config.model_copy(update={"feedback": feedback})
 
 
 def served_dir(index: dict[str, Any], run: Path) -> Path:

@@ -126,3 +126,26 @@ def served_tasks(
         extra=extra,
     )
     return Served(tasks, len(answered), chosen, versions, run, len(both) - len(answered))
+
+
+def push_round(client: Any, project: str, judge_dir: Path, config: Any, model: str) -> tuple[Any, Served, list[str]]:
+    """The judge's served pairs chosen for this round (served_tasks, with config.feedback's budget, random share and
+    round) pushed into `project`: (feedback.push.Pushed, what was chosen, the lines that say so)."""
+    from kubealign.feedback import push
+
+    f = config.feedback
+    got = served_tasks(judge_dir, model, f.budget, f.random_share, config.evaluate.seed, f.round)
+    done = push.push_tasks(client, project, got.tasks)
+    strata = [c.stratum for c in got.chosen]
+    chose = (
+        f"  round {f.round}: {len(got.tasks)} of {got.served} served pairs chosen (budget {f.budget}): "
+        f"{strata.count('disagreement')} where the judges disagree most, {strata.count('random')} at random"
+        + (f"; {got.identical} answered alike, not asked" if got.identical else "")
+    )
+    lines = [
+        f"feedback: project {project!r} ({'created' if done.created else 'found'}, id {done.project}) at {client.url}",
+        chose,
+        f"  {done.added} tasks added, {done.present} were there already",
+        f"  sides: champion:{got.versions[0]} and challenger:{got.versions[1]} (judge run {got.judge_run})",
+    ]
+    return done, got, lines

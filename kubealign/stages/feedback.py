@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kubealign.config import KubealignConfig
+from kubealign.config import KubealignConfig, config_to_json
 from kubealign.errors import UserError
 from kubealign.outputs import atomic_dir, check_output_path, write_result
 from kubealign.stages import feedback_report
@@ -27,6 +27,7 @@ ROWS_FILE = "human.jsonl"
 def run(config: KubealignConfig, output: Path) -> dict[str, Any]:
     from kubealign.feedback.client import URL_ENV, connect
     from kubealign.feedback.pull import pull, track
+    from kubealign.feedback.rounds import counted
     from kubealign.tracking.runs import resolve_uri
 
     settings = config.feedback
@@ -38,17 +39,21 @@ def run(config: KubealignConfig, output: Path) -> dict[str, Any]:
     registry = resolve_uri(config)  # where the tasks' models and versions are checked (none: not checked)
     with atomic_dir(output) as tmp:
         written = pull(client, settings.project, settings.challenger, tmp / ROWS_FILE, output / ROWS_FILE, registry)
+        config = counted(config, written.pushed)  # on a schedule, the round is the project's (feedback.rounds)
         metrics = {**written.metrics, "wall_time_s": round(time.perf_counter() - started, 3)}
         table = feedback_report.across_rounds(written.metrics)
         drawn = [p.name for p in feedback_report.write(table, tmp)] if table else []
         files = {"rows": ROWS_FILE, **({"picture": drawn[0], "table": drawn[1]} if drawn else {})}
-        result = write_result(tmp, STAGE, metrics, files, project=settings.project, url=client.url)
+        this = {"round": config.feedback.round, "previous_run": config.feedback.previous_run}
+        result = write_result(tmp, STAGE, metrics, files, project=settings.project, url=client.url, **this)
     print("\n".join(written.lines))
+    if config.feedback.round != settings.round:
+        print(f"  round {config.feedback.round}: counted from the project (round {written.pushed.round} was pushed)")
     if drawn:
         print(f"  across rounds: {output / 'rounds.png'}")
     pictures = [output / name for name in drawn]
     track(config, written, output / ROWS_FILE, settings.project, client.url, settings.challenger, pictures)
-    return {**result, "output": str(output)}
+    return {**result, "output": str(output), "config_json": config_to_json(config)}
 
 
 def rows_file(output: Path) -> Path | None:

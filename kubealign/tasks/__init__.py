@@ -208,6 +208,13 @@ def act(config_json: str, overrides: list[str], judgement: str, output: str) -> 
     return stage.run(load(config_json, overrides), Path(judgement), Path(output))
 
 
+def push(config_json: str, judgement: str, output: str) -> dict[str, Any]:
+    """judgement: the judge task's output; the pairs its canary served, to people (feedback.project)."""
+    from kubealign.stages import push as stage
+
+    return stage.run(load(config_json), Path(judgement), Path(output))
+
+
 def compare(
     config_json: str,
     overrides: list[str],
