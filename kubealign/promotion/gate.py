@@ -14,10 +14,14 @@ GATED_METRICS = ("win_rate", "reward_gain", "kl_to_baseline", "candidate_reward_
 OPTIONAL_METRICS = ("win_rate_lower_bound",)  # gated only when its threshold is set
 
 
-def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None) -> tuple[bool, list[str]]:
+def gate(
+    metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, float] | None, people: bool = False
+) -> tuple[bool, list[str]]:
     """(passed, one line per check) for an evaluation's metrics against the thresholds and the champion, and
     promote.guards' checks against the baseline (kubealign.promotion.guards: a guard whose figures the metrics
     lack is an "unchecked: " line; the promote stage requires them, the online judge has not all of them).
+    people: people's own verdict is checked beside the gate (the online judge's canary.min_human_win_rate), so a
+    gate whose every judge people distrust (promote.guards.min_judge_agreement) leans on it (guards.distrust).
     promote.metric win_rate: the win-rate checks and the champion's candidate_reward_mean; another metric
     (e.g. fn/<NAME>/candidate) replaces them: min_metric, the baseline's value, the champion's value."""
     checks = [] if cfg.metric != "win_rate" else win_rate_checks(metrics, cfg)
@@ -40,7 +44,7 @@ def gate(metrics: dict[str, float], cfg: PromoteConfig, champion: dict[str, floa
         metrics, cfg.guards, cfg.min_win_rate, cfg.tie_credit
     )
     # a judge that disagrees with people (promote.guards.min_judge_agreement): its checks said, not counted
-    found = guards.distrust(found, guards.untrusted(metrics, cfg.guards))
+    found = guards.distrust(found, guards.untrusted(metrics, cfg.guards), people)
     passed = all(c.ok is not False for c in found if c.counted)
     return passed, [c.line for c in found]
 

@@ -277,9 +277,11 @@ def untrusted(metrics: dict[str, float], cfg: GuardsConfig) -> dict[str, str]:
     return out
 
 
-def distrust(found: list[Check], away: dict[str, str]) -> list[Check]:
+def distrust(found: list[Check], away: dict[str, str], people: bool = False) -> list[Check]:
     """`found` with each check of an untrusted judge (`away`: untrusted()) reported, not counted; and, when every
-    check some judge made is of an untrusted one, a failed check saying the gate has no trusted judge."""
+    check some judge made is of an untrusted one, a failed check saying the gate has no trusted judge, unless
+    `people` judged too (the online judge's people's win-rate check, canary.min_human_win_rate: people are what the
+    judges are measured against), which a passed line then says the gate leans on alone."""
     out, judged, kept = [], 0, 0
     for check in found:
         judge = judge_of(check.text)
@@ -290,5 +292,6 @@ def distrust(found: list[Check], away: dict[str, str]) -> list[Check]:
             kept += judge is not None
             out.append(check)
     if away and judged and not kept:
-        out.append(Check(False, needs("trusted judges", ">= 1 (promote.guards.min_judge_agreement)", "0")))
+        said = "0; the gate leans on people's win-rate alone" if people else "0"
+        out.append(Check(people, needs("trusted judges", ">= 1 (promote.guards.min_judge_agreement)", said)))
     return out

@@ -116,7 +116,11 @@ def decide(
     if online is None or pairs < cfg.min_answers:
         return False, [*lines, "FAIL: the gate: not applied on too few answers"]
     # The champion is the baseline online: beating it is the win-rate itself, not a second check.
-    passed, gated = gate(online, promote.model_copy(update={"max_kl": None, "require_beat_champion": False}), None)
+    online_cfg = promote.model_copy(update={"max_kl": None, "require_beat_champion": False})
+    # people's check above is a judge the others are measured against: with every automatic judge distrusted, the
+    # gate leans on it alone
+    people = cfg.min_human_win_rate is not None and human is not None and human.decided > 0
+    passed, gated = gate(online, online_cfg, None, people)
     if promote.max_kl is not None:
         gated.append(f"unchecked: promote.max_kl {promote.max_kl} (KL to the champion is not measured online)")
     return all(ok for ok, _ in checks) and passed, [*lines, *gated]

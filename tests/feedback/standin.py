@@ -100,19 +100,24 @@ def annotate(
     skip: float,
     seed: int,
     who: int = 1,
+    skip_level: bool = False,
 ) -> dict[str, int]:
-    """The scripted person's annotation of every task nobody annotated yet, in place; the counts of what it did."""
+    """The scripted person's annotation of every task nobody annotated yet, in place; the counts of what it did.
+    skip_level: a pair it finds equally good (prefer level) is skipped, not given to the left answer (counted as
+    "level": a person with no preference between two answers skips rather than toss a coin)."""
     rng = random.Random(f"annotator-{seed}-{who}")
-    counts = {"chose": 0, "flipped": 0, "skipped": 0}
+    counts = {"chose": 0, "flipped": 0, "skipped": 0, "level": 0}
     for task in tasks:
         if task["annotations"]:
             continue
-        if rng.random() < skip:
-            task["annotations"].append({"completed_by": who, "was_cancelled": True, "result": []})
-            counts["skipped"] += 1
-            continue
         data = task["data"]
-        left = prefer(data["prompt"], data["answer1"]) >= prefer(data["prompt"], data["answer2"])
+        first, second = prefer(data["prompt"], data["answer1"]), prefer(data["prompt"], data["answer2"])
+        level = skip_level and first == second
+        if rng.random() < skip or level:
+            task["annotations"].append({"completed_by": who, "was_cancelled": True, "result": []})
+            counts["level" if level else "skipped"] += 1
+            continue
+        left = first >= second
         if rng.random() < noise:
             left = not left
             counts["flipped"] += 1

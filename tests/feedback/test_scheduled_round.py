@@ -167,3 +167,22 @@ def test_a_scheduled_run_counts_its_round_from_the_project(tmp_path, monkeypatch
         assert (tags[stage]["kubealign.round"], tags[stage]["kubealign.previous_run"]) == ("2", "run-j1"), stage
     (pulled,) = [r for r in runs if r.data.tags["kubealign.stage"] == "feedback"]
     assert pulled.data.metrics["decided"] == 2
+
+
+@pytest.mark.unit
+def test_the_scripted_person_skips_a_pair_it_finds_equally_good_when_asked():
+    """The rehearsal's person (benchmarks/feedback_rounds.py): level answers are skipped, not given to the left one;
+    by default (the rounds tier) the left answer takes a level pair, as before."""
+
+    def tasks():
+        pair = {"prompt": "p", "answer1": "aa", "answer2": "bb"}  # level by length
+        return [{"data": pair, "annotations": []}, {"data": {**pair, "answer2": "bbb"}, "annotations": []}]
+
+    asked = tasks()
+    counts = annotate(asked, lambda p, t: len(t), noise=0.0, skip=0.0, seed=0, skip_level=True)
+    assert counts == {"chose": 1, "flipped": 0, "skipped": 0, "level": 1}
+    assert asked[0]["annotations"][0]["was_cancelled"] and asked[0]["annotations"][0]["result"] == []
+    assert asked[1]["annotations"][0]["result"][0]["value"] == {"selected": "right"}
+    plain = tasks()
+    assert annotate(plain, lambda p, t: len(t), noise=0.0, skip=0.0, seed=0)["chose"] == 2
+    assert plain[0]["annotations"][0]["result"][0]["value"] == {"selected": "left"}

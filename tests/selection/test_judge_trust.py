@@ -94,3 +94,34 @@ def test_the_online_judge_applies_the_same_setting():
     assert decide(online, 4, quiet, CFG, canary)[0] is False  # not measured: the held-out model's failure counts
     ok, lines = decide({**online, "agreement_heldout": 0.4}, 4, quiet, CFG, canary)
     assert ok and lines[-2].startswith("not trusted: held-out reward model: win-rate: needs >= 0.5, got 0.300")
+
+
+def test_with_every_judge_distrusted_the_online_gate_leans_on_people():
+    """People's own check (canary.min_human_win_rate) is what the judges are measured against: with every automatic
+    judge untrusted it decides alone; without it, or with nothing decided, the gate refuses as before."""
+    from kubealign.config.canary import CanaryConfig
+    from kubealign.serving.verdict import HumanFeedback, decide
+
+    # both judges say the candidate lost, and both disagree with people
+    online = {**METRICS, "win_rate": 0.2, "heldout_win_rate": 0.3, "win_rate_lower_bound": 0.1}
+    online.update(agreement_reward=0.4, agreement_heldout=0.45)
+    quiet, asked = {"error_rate": 0.0, "latency_p95_s": 0.1}, CanaryConfig(min_answers=4, min_human_win_rate=0.6)
+    liked = HumanFeedback(0.7, 10, "feedback run f1")
+    ok, lines = decide(online, 4, quiet, CFG, asked, liked)
+    assert ok is True
+    assert lines[-1] == "unchecked: promote.max_kl 2.0 (KL to the champion is not measured online)"
+    assert lines[-2] == (
+        "pass: trusted judges: needs >= 1 (promote.guards.min_judge_agreement), got 0; the gate leans on people's "
+        "win-rate alone"
+    )
+    assert lines[0:2] == ["pass: prompts answered by both: needs >= canary.min_answers 4, got 4",
+                          "pass: people's win-rate over 10 tasks: needs >= canary.min_human_win_rate 0.6, got 0.700 (feedback run f1)"]  # fmt: skip
+    # people who did not like it: their own check refuses
+    disliked = decide(online, 4, quiet, CFG, asked, HumanFeedback(0.5, 10, "feedback run f1"))
+    assert disliked[0] is False and disliked[1][-2].startswith("pass: trusted judges")
+    assert disliked[1][1].startswith("FAIL: people's win-rate over 10 tasks")
+    # nobody decided yet, or people not asked: no trusted judge, refused
+    for human, canary in ((HumanFeedback(0.0, 0, "-"), asked), (liked, CanaryConfig(min_answers=4))):
+        refused = decide(online, 4, quiet, CFG, canary, human)
+        assert refused[0] is False
+        assert refused[1][-2] == "FAIL: trusted judges: needs >= 1 (promote.guards.min_judge_agreement), got 0"
