@@ -78,6 +78,22 @@ def weighted_win_rate(decided: list[tuple[dict[str, Any], str]], challenger: str
     return weighted_rate(outcomes) if outcomes else None
 
 
+def by_version(decided: list[tuple[dict[str, Any], str]], challenger: str) -> dict[str, tuple[float, int]]:
+    """{version: (people's win-rate of the challenger's version, decided tasks)} over the decided tasks whose
+    `challenger` side is that version, each weighted by meta.kubealign.weight where it carries one (feedback.choice:
+    unbiased over what was served), else 1: the figure a version's own verdict reads, when the project holds
+    several rounds (several challenger versions)."""
+    outcomes: dict[str, list[tuple[bool, float]]] = {}
+    for meta, chose in decided:
+        sides = [meta[s] for s in ("answer1", "answer2") if meta[s].split(":")[0] == challenger]
+        if len(sides) != 1:
+            continue
+        weight = meta.get("weight")
+        weight = float(weight) if isinstance(weight, int | float) and weight > 0 else 1.0
+        outcomes.setdefault(sides[0].split(":")[1], []).append((meta[chose] == sides[0], weight))
+    return {v: (weighted_rate(won), len(won)) for v, won in sorted(outcomes.items(), key=lambda kv: int(kv[0]))}
+
+
 def figures(found: dict[str, Agreement]) -> dict[str, float]:
     """The MLflow metrics of the agreements: agreement_<judge> (NaN when it leaned on no task), _low, _high, _n."""
     out: dict[str, float] = {}

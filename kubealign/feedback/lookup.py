@@ -1,7 +1,8 @@
 """The online judge's people's check (canary.min_human_win_rate): the latest `kubealign feedback
-pull` of a registered model's version, read from MLflow: the feedback runs tag the registered model and the version
-whose win-rate they measured, once the registry has vouched for both (feedback.pull), so that feedback about
-another model's version of the same number never passes the judge of this one."""
+pull` with people's choices on a registered model's version, read from MLflow: the feedback runs tag the registered
+model once the registry has vouched for the versions its tasks name (feedback.pull), and log each challenger
+version's win-rate, so that feedback about another model's version of the same number never passes the judge of this
+one, and a project holding several rounds gives each round's version its own verdict."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ AGREEMENT_TAG = "kubealign.feedback.agreement_model"
 
 
 def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
-    """serving.verdict.HumanFeedback of the newest feedback run for `model`'s `version` in `experiment`; None if
-    none."""
+    """serving.verdict.HumanFeedback of the newest feedback run with people's choices on `model`'s `version` in
+    `experiment` (its human_win_rate_version_<version>, decided_version_<version>: a pull of a project that holds
+    several rounds has one of each per challenger version); None if none."""
+    if not version.isdigit():  # a registry version is a number; anything else names no metric
+        return None
     from mlflow.tracking import MlflowClient
 
     from kubealign.promotion.aliases import registry_errors
@@ -29,7 +33,7 @@ def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
             return None
         runs = client.search_runs(
             [found.experiment_id],
-            filter_string=f"tags.`{MODEL_TAG}` = '{model}' and tags.`{VERSION_TAG}` = '{version}' "
+            filter_string=f"tags.`{MODEL_TAG}` = '{model}' and metrics.`decided_version_{version}` > 0 "
             "and attributes.status = 'FINISHED'",
             order_by=["attributes.start_time DESC"],
             max_results=1,
@@ -37,8 +41,8 @@ def latest(tracking_uri: str, experiment: str, model: str, version: str) -> Any:
     if not runs:
         return None
     metrics = runs[0].data.metrics
-    decided = int(metrics.get("decided", 0))
-    rate = metrics.get("human_win_rate", float("nan"))
+    decided = int(metrics[f"decided_version_{version}"])
+    rate = metrics.get(f"human_win_rate_version_{version}", float("nan"))
     return HumanFeedback(rate, decided if rate == rate else 0, f"feedback run {runs[0].info.run_id}")
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from kubealign.errors import UserError
+from kubealign.feedback.agreement import by_version, decisions
 from kubealign.feedback.annotations import Pulled, pulled, wilson
 from kubealign.feedback.rounds import last_pushed
 
@@ -70,6 +71,8 @@ def pull(
     if out.agreement is not None:
         metrics["agreement"] = out.agreement
     served_figures(export, challenger, metrics, lines)
+    for version, (rate_of, n) in by_version(decisions(export), challenger).items():
+        metrics[f"human_win_rate_version_{version}"], metrics[f"decided_version_{version}"] = rate_of, n
     return Written(out, text, metrics, lines, registry, last_pushed(export))
 
 
@@ -168,8 +171,10 @@ def track(
         judged = any(k.startswith("agreement_") for k in written.metrics) and written.registry and len(models) == 1
         if judged:  # the judges' agreement with people, of this registered model (promote.guards.min_judge_agreement)
             tags[AGREEMENT_TAG] = next(iter(models))
-        if written.registry and len(measured) == 1 and len(models) == 1:  # the version the win-rate is of
-            tags[VERSION_TAG], tags[MODEL_TAG] = measured[0], models.pop()
+        if written.registry and len(models) == 1:  # whose versions its per-version win-rates are (feedback.lookup)
+            tags[MODEL_TAG] = next(iter(models))
+            if len(measured) == 1:  # the version human_win_rate is of
+                tags[VERSION_TAG] = measured[0]
         tracker.set_tags(tags)
         for path in files:  # the feedback stage's picture across rounds
             tracker.log_artifact(path, "feedback")
