@@ -4,26 +4,31 @@ with a scripted person, over seeds, and two ways of choosing the pairs people se
 One rehearsal (a seed, an arm) has its own MLflow store and Label Studio stand-in (tests/feedback/standin.py):
 
 * round 0: `kubealign run` (kfp.local) with feedback.project set; its version becomes the champion;
-* round r = 1..R: `kubealign round next` (it pulls people's choices so far: data-split mixes them in, the reward
-  model learns from them, the pull logs each judge's agreement with people); the new version is the challenger.
-  Both versions are served here (tests/support/completions.py: transformers behind the routes `kubealign serve`
-  answers); `kubealign judge --champion --canary --act` judges the canary online, the judges that disagree with
-  people untrusted (promote.guards.min_judge_agreement), and promotes it or rolls it back; `kubealign round push
-  --judge` sends the served pairs to people (feedback.budget, the arm's feedback.random_share); the scripted
-  person annotates them (tests/feedback/standin.annotate: 10 % noise, 10 % skips).
+* round r = 1..R: `kubealign round next` (it pulls people's choices so far: data-split puts them in phase 2's train
+  split, the DPO route and the reward model learn from them); the new version is the challenger. Both versions are
+  served here (tests/support/completions.py: transformers behind the routes `kubealign serve` answers); `kubealign
+  judge --champion --canary` asks both the held-out prompts (nothing moved); `kubealign round push --judge` sends the
+  served pairs to people (feedback.budget, the arm's feedback.random_share); the scripted person annotates them
+  (tests/feedback/standin.annotate: 10 % noise, 10 % skips, a pair it finds equally good skipped); `kubealign
+  feedback pull` measures each judge against people and people's verdict on the canary's version; then `kubealign
+  judge --act` judges the canary again with people's check (canary.min_human_win_rate), the judges people disagree
+  with untrusted (promote.guards.min_judge_agreement), and promotes it or rolls it back.
 * every round's training seeds differ (seed * 100 + r; data.seed is the rehearsal's seed): two rounds trained on the
   same rows with the same seeds are bit-equal.
 
-The person's hidden preference (`prefer`): an answer to the question asked (on topic, by the synthetic grammar,
-kubealign.data.synthetic.grade) first, then a well-formed one, then a courteous opener. The synthetic preference
-pairs the models train on contrast openers only (both sides state an on-topic fact): answering the question
-asked is taught by people's rows alone.
+The person's hidden preference (`--person`, PEOPLE), by the synthetic grammar (kubealign.data.synthetic.grade):
+* opener (the default): a well-formed answer first, then one opening with FAVOURITE, then an answer to the question
+  asked, then any courteous opener. The synthetic pairs rate the five courteous openers alike: which one this person
+  likes is taught by people's rows alone.
+* topic (the first runs' person): an answer to the question asked first, then a well-formed one, then a courteous
+  opener. The synthetic pairs contrast openers only (both sides on topic); the tiny reward model did not learn the
+  topic from clean pairs either (docs/feedback.md "The rehearsal").
 
-Recorded per round: the verdict, the judge's online figures, the agreement each judge had with people when it
-judged, and the truth the person would give over every served pair (noise free): the canary's share of pairs
-the person prefers (ties half); the verdict is right when it promoted a canary whose share is above 0.5 or kept
-the champion otherwise. At the end: people's win-rate (with the person's noise, Wilson 95 %) of the final
-champion against round 0's on the held-out prompts, and a picture across rounds.
+Recorded per round: the verdict and its checks, the judge's online figures, each judge's agreement with people
+when it judged, and the truth the person would give over every served pair (noise free): the canary's share of
+pairs the person prefers (ties half); the verdict is right when it promoted a canary whose share is above 0.5 or kept
+the champion otherwise. At the end: people's win-rate (with the person's noise, Wilson 95 %) of the final champion
+against round 0's on the held-out prompts, and a picture across rounds.
 
   python benchmarks/feedback_rounds.py   # seeds 0 1 2, 3 rounds, both arms -> results/feedback-rounds-tiny-cpu.*
   python benchmarks/feedback_rounds.py --seeds 0 --rounds 1 --arms disagree --label try
@@ -54,11 +59,18 @@ SEEDED = ("sft.seed", "reward.seed", "ppo.seed", "evaluate.seed")  # data.seed s
 SETTINGS = [
     "data.synthetic_pairs=600",
     "data.synthetic_sft_rows=600",
-    "data.eval_fraction=0.2",
+    # phase 3's eval split is what the judge serves; the prompts people answered leave it each round (phase: reward)
+    "data.eval_fraction=0.25",
     "sft.num_train_epochs=10",
     "reward.num_train_epochs=2",
+    # the DPO route: it learns from people's pairs of served answers directly (with the SFT loss on the chosen one,
+    # the preset's rpo_alpha); through the reward model and PPO the person's choices moved nothing at this size
+    # (docs/feedback.md "The rehearsal")
+    "pipeline.candidates=[{route: dpo}]",
     "ppo.num_iterations=8",
     "evaluate.max_prompts=16",
+    # people's rows three times over in phase 2's train split, beside the synthetic pairs
+    "feedback.weight=3",
     # the offline gate (candidate against its own SFT model) only registers a challenger each round; what is
     # promoted is the online judge's call (JUDGE_SETTINGS)
     "promote.min_win_rate=0",
@@ -70,26 +82,44 @@ SETTINGS = [
     "promote.require_beat_champion=false",
     "canary.prompts=48",
     "canary.max_new_tokens=24",
-    "canary.min_answers=40",
+    "canary.min_answers=32",
 ]
 # online: the canary must win at least half the prompts, a tie counting half (greedy answers of two close versions
 # are often the same), for the training reward model and the held-out one alike, and not lose mean reward; a judge
-# agreeing with people on less than 0.6 of their choices so far is not trusted. Online only: offline, an untrusted
-# judge would keep every later challenger from being served, and no new choice would ever check the judges again
+# agreeing with people on less than 0.6 of their choices is not trusted; and people, asked about the canary's served
+# pairs before the verdict, must prefer it on at least half of those they decided (weighted as pushed). Online only:
+# offline, an untrusted judge would keep every later challenger from being served
 JUDGE_SETTINGS = [
     "promote.min_win_rate=0.5",
     "promote.tie_credit=0.5",
     "promote.min_reward_gain=0",
     "promote.guards.min_judge_agreement=0.6",
+    "canary.min_human_win_rate=0.5",
 ]
 
 
-def prefer(prompt: str, text: str) -> float:
-    """The person's hidden preference (module docstring)."""
+FAVOURITE = "Thanks for asking!"
+
+
+def prefer_topic(prompt: str, text: str) -> float:
+    """Person "topic": an answer to the question asked first, then a well-formed one, then a courteous opener."""
     from kubealign.data import synthetic
 
     g = synthetic.grade(prompt, text)
     return 4 * g.on_topic + 2 * g.well_formed + (g.style == "courteous")
+
+
+def prefer_opener(prompt: str, text: str) -> float:
+    """Person "opener": a well-formed answer first, then one opening with FAVOURITE (the synthetic pairs rate the
+    five courteous openers alike), then an answer to the question asked, then any courteous opener."""
+    from kubealign.data import synthetic
+
+    g = synthetic.grade(prompt, text)
+    favourite = g.well_formed and text.strip().startswith(FAVOURITE + " ")
+    return 8 * g.well_formed + 4 * favourite + 2 * g.on_topic + (g.style == "courteous")
+
+
+PEOPLE = {"topic": prefer_topic, "opener": prefer_opener}
 
 
 def cli(*args: Any) -> None:
@@ -104,7 +134,7 @@ def stage_dir(run: Path, stage: str) -> Path:
     return Path(json.loads((run / "run.json").read_text())["stages"][stage]["dir"])
 
 
-def truth(answers: list[dict[str, Any]]) -> dict[str, float]:
+def truth(answers: list[dict[str, Any]], prefer: Any) -> dict[str, float]:
     """The person's noise-free verdict over every served pair: the canary's share (ties half) and the ties."""
     wins = ties = 0
     for row in answers:
@@ -114,26 +144,37 @@ def truth(answers: list[dict[str, Any]]) -> dict[str, float]:
     return {"canary_share": (wins + ties / 2) / len(answers), "ties": ties / len(answers), "pairs": len(answers)}
 
 
-def served_pair(uri: str, config: Any, work: Path) -> tuple[Any, Any]:
-    """The registry's champion and challenger, each served here (their registered files, checked)."""
+def served_pair(uri: str, config: Any, work: Path) -> tuple[tuple[Any, Any], tuple[str, str]]:
+    """The registry's champion and challenger, each served here (their registered files, checked); their versions."""
     from kubealign.feedback import push
     from tests.support.completions import Served
 
     name = config.promote.registered_model
     sides = push.registered_dirs(config.serve, uri, name, ["champion", "challenger"])
-    return tuple(Served(d, name, side.version) for side, d in sides)
+    return tuple(Served(d, name, side.version) for side, d in sides), tuple(side.version for side, _ in sides)
 
 
-def judge_round(run: Path, uri: str, config_file: Path, config: Any) -> Path:
-    """The round's canary judged online against the champion and the verdict carried out in the registry."""
-    out = run / "judge"
-    champion, canary = served_pair(uri, config, run)
+def judge_round(run: Path, uri: str, config_file: Path, config: Any, people: Any) -> tuple[Path, Path]:
+    """The round's canary served beside the champion: judged online (nothing moved), its served pairs pushed to people
+    and annotated (`people`: a callable doing that), people's choices pulled (each judge's agreement, people's verdict
+    on the canary's version), then judged again with people's check and the verdict carried out in the registry.
+    (the judge's output of what was served, the acting judge's output)."""
+    (champion, canary), versions = served_pair(uri, config, run)
     with champion, canary:
         sets = [a for s in JUDGE_SETTINGS for a in ("--set", s)]
         split, sft, reward = (stage_dir(run, s) for s in ("data-split", "sft", "reward"))
-        cli("judge", "--config", config_file, "--champion", champion.url, "--canary", canary.url, "--prompts", split,
-            "--tokenizer", sft, "--reward", reward, "--output", out, "--act", *sets)  # fmt: skip
-    return out
+        asked = ["--config", config_file, "--champion", champion.url, "--canary", canary.url, "--prompts", split,
+                 "--tokenizer", sft, "--reward", reward, *sets]  # fmt: skip
+        served = run / "served"
+        cli("judge", *asked, "--output", served)
+        # without --act the judge reads no registry and names no version: the versions served here, for the push
+        said = json.loads((served / "result.json").read_text())
+        said["versions"] = dict(zip(("champion", "canary"), versions, strict=True))
+        (served / "result.json").write_text(json.dumps(said))
+        people(served)
+        cli("feedback", "pull", "--project", "prefs", "--output", run / "people.jsonl", "--config", config_file)
+        cli("judge", *asked, "--output", run / "judge", "--act")
+    return served, run / "judge"
 
 
 def registered_dir(uri: str, name: str, version: str) -> Path:
@@ -147,7 +188,9 @@ def registered_dir(uri: str, name: str, version: str) -> Path:
     return local.verified_copies([found], uri)[0]
 
 
-def people_win_rate(uri: str, config: Any, first: str, final: str, split: Path, seed: int) -> dict[str, Any]:
+def people_win_rate(
+    uri: str, config: Any, first: str, final: str, split: Path, seed: int, prefer: Any
+) -> dict[str, Any]:
     """The person (with 10 % noise) choosing between round 0's champion and the final one, both served, on the
     held-out prompts the judge asks; pairs the person finds equally good are not decided."""
     from kubealign.feedback.annotations import wilson
@@ -174,7 +217,7 @@ def people_win_rate(uri: str, config: Any, first: str, final: str, split: Path, 
             "prompts": len(prompts)}  # fmt: skip
 
 
-def one_round(run: Path, uri: str, ls: Any, seed: int, r: int) -> dict[str, Any]:
+def one_round(run: Path, uri: str, ls: Any, seed: int, r: int, prefer: Any) -> dict[str, Any]:
     """After `round next` made `run`: its canary judged and acted on, its served pairs pushed and annotated; what
     the round did. A round whose offline gate registered no challenger has nothing served: said, and skipped."""
     from kubealign.config import config_from_json
@@ -187,31 +230,40 @@ def one_round(run: Path, uri: str, ls: Any, seed: int, r: int) -> dict[str, Any]
     pulled = json.loads((stage_dir(run, "feedback") / "result.json").read_text())["metrics"]
     row: dict[str, Any] = {
         "round": r,
-        "agreement_when_judged": {k: v for k, v in pulled.items() if k.startswith("agreement_")},
+        "agreement_at_start": {k: v for k, v in pulled.items() if k.startswith("agreement_")},
         "people_rows_trained_on": pulled.get("rows", 0),
     }
     promoted = json.loads((stage_dir(run, "promote") / "result.json").read_text())
     if promoted["aliases"].get("challenger") != promoted["version"]:
         return {**row, "canary": None, "gate": promoted["gate"]}
-    judged = judge_round(run, uri, config_file, config)
+    done: dict[str, int] = {}
+
+    def people(served: Path) -> None:
+        cli("round", "push", "--from", run, "--judge", served, "--url", ls.url)
+        tasks = ls.store.projects[1]["tasks"]
+        done.update(annotate(tasks, prefer, noise=0.1, skip=0.1, seed=seed * 100 + r, skip_level=True))
+
+    os.environ["LABEL_STUDIO_URL"] = ls.url  # where `feedback pull` finds it
+    served, judged = judge_round(run, uri, config_file, config, people)
     result = json.loads((judged / "result.json").read_text())  # kubealign judge's
-    cli("round", "push", "--from", run, "--judge", judged, "--url", ls.url)
-    done = annotate(ls.store.projects[1]["tasks"], prefer, noise=0.1, skip=0.1, seed=seed * 100 + r)
-    answers = json.loads((judged / "answers.json").read_text())
+    answers = json.loads((served / "answers.json").read_text())
+    row["agreement_when_judged"] = {k: v for k, v in result["metrics"].items() if k.startswith("agreement_")}
     row.update(
         canary=result["versions"]["canary"],
         versions=result["versions"],
         promoted=result["promoted"],
         online={k: v for k, v in result["metrics"].items() if "/" not in k},
         checks=result["checks"],
-        truth=truth(answers),
+        truth=truth(answers, prefer),
         annotated=done,
     )
     row["right"] = row["promoted"] == (row["truth"]["canary_share"] > 0.5)
     return row
 
 
-def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[str, Any]:
+def rehearse(
+    work: Path, seed: int, arm: str, rounds: int, budget: int, person: str, extra: list[str]
+) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
     from kubealign.config import config_from_json
@@ -226,7 +278,7 @@ def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[
     record: dict[str, Any] = {"seed": seed, "arm": arm, "rounds": []}
     with LabelStudioStandIn(TOKEN) as ls:
         LabelStudio(ls.url, TOKEN).create_project("prefs", LABEL_CONFIG)
-        fixed = [*SETTINGS, "feedback.project=prefs", f"feedback.url={ls.url}", f"feedback.budget={budget}",
+        fixed = [*SETTINGS, *extra, "feedback.project=prefs", f"feedback.url={ls.url}", f"feedback.budget={budget}",
                  f"feedback.random_share={ARMS[arm]}"]  # fmt: skip
         seeded = lambda r: [f"{k}={seed * 100 + r}" for k in SEEDED]  # noqa: E731
         started = time.perf_counter()
@@ -239,7 +291,7 @@ def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[
             run = work / f"round-{r}"
             sets = [a for s in seeded(r) for a in ("--set", s)]
             cli("round", "next", "--from", work / f"round-{r - 1}", "--output", run, *sets)
-            row = one_round(run, uri, ls, seed, r)
+            row = one_round(run, uri, ls, seed, r, PEOPLE[person])
             record["rounds"].append(row)
             took = time.perf_counter() - started
             if row["canary"] is None:
@@ -260,7 +312,8 @@ def rehearse(work: Path, seed: int, arm: str, rounds: int, budget: int) -> dict[
     champion = str(read_state(client, config.promote.registered_model)[0]["champion"])
     record["final_champion"] = champion
     split = stage_dir(work / f"round-{rounds}", "data-split")
-    record["final_vs_round0"] = people_win_rate(uri, config, record["round0_champion"], champion, split, seed)
+    round0 = record["round0_champion"]
+    record["final_vs_round0"] = people_win_rate(uri, config, round0, champion, split, seed, PEOPLE[person])
     record["wall_s"] = time.perf_counter() - started
     return record
 
@@ -356,6 +409,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["disagree", "random"])
     parser.add_argument("--budget", type=int, default=24, help="feedback.budget: tasks pushed a round")
+    parser.add_argument("--person", choices=sorted(PEOPLE), default="opener", help="the hidden preference")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
     parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
     parser.add_argument("--picture", type=Path, metavar="JSON", help="only draw the picture of a recorded run")
     args = parser.parse_args()
@@ -368,7 +423,7 @@ def main() -> None:
     for seed in args.seeds:
         for arm in args.arms:
             with tempfile.TemporaryDirectory(prefix="rounds-") as tmp:
-                runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget))
+                runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget, args.person, args.set))
             f = runs[-1]["final_vs_round0"]
             said = f"people's win-rate {f['win_rate']:.2f} of {f['decided']} decided"
             print(f"seed {seed} {arm}: final champion v{runs[-1]['final_champion']} against round 0's: {said}")
@@ -381,7 +436,8 @@ def main() -> None:
 def record(args: argparse.Namespace, runs: list[dict[str, Any]], out: Path) -> None:
     done = {
         "preset": "tiny-cpu",
-        "settings": SETTINGS,
+        "settings": [*SETTINGS, *args.set],
+        "person": args.person,
         "judge_settings": JUDGE_SETTINGS,
         "budget": args.budget,
         "arms": {a: {"feedback.random_share": ARMS[a]} for a in args.arms},
