@@ -131,28 +131,33 @@ def one(work: Path, label: str, kind: str | None, n: int, route: str, seed: int)
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", nargs="+", choices=[r[0] for r in RUNS], help="only these (default: all)")
     parser.add_argument("--label", default="feedback-learnability-tiny-cpu")
     args = parser.parse_args()
     out = HERE / "results" / f"{args.label}.json"
-    found = []
-    started = time.perf_counter()
+    found: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="learnability-") as tmp:
         os.environ.update(MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db", TQDM_DISABLE="1")
         for label, kind, n, route in RUNS:
-            found.append(one(Path(tmp), label, kind, n, route, args.seed))
+            if args.runs and label not in args.runs:
+                continue
+            started = time.perf_counter()
+            found.append({**one(Path(tmp), label, kind, n, route, args.seed), "wall_s": time.perf_counter() - started})
             f = found[-1]
             accuracies = f"topic {f['reward_accuracy_topic']:.2f}, opener {f['reward_accuracy_opener']:.2f}"
             print(f"{label}: reward model {accuracies}; policy {json.dumps(f['policy'])}", flush=True)
+            record(args, found, out)  # after each run: a run cut short keeps what it measured
+
+
+def record(args: argparse.Namespace, found: list[dict[str, Any]], out: Path) -> None:
     done = {
         "runs": found,
         "settings": SETTINGS,
-        "wall_s": time.perf_counter() - started,
         "machine": machine(),
         "command": "python benchmarks/feedback_learnability.py " + " ".join(sys.argv[1:]),
         "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip(),
     }
     out.write_text(json.dumps(done, indent=2) + "\n")
-    print(f"written to {out}")
 
 
 if __name__ == "__main__":

@@ -412,16 +412,20 @@ def main() -> None:
     parser.add_argument("--person", choices=sorted(PEOPLE), default="opener", help="the hidden preference")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting")
     parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
+    parser.add_argument("--resume", action="store_true", help="keep the rehearsals the label's JSON already holds")
     parser.add_argument("--picture", type=Path, metavar="JSON", help="only draw the picture of a recorded run")
     args = parser.parse_args()
     if args.picture:
         done = json.loads(args.picture.read_text())
         picture(done["runs"], list(done["arms"]), args.picture.with_suffix(".png"))
         return
-    runs: list[dict[str, Any]] = []
     out = HERE / "results" / f"{args.label}.json"
+    # --resume: the rehearsals a run cut short recorded are kept, and not run again
+    runs: list[dict[str, Any]] = json.loads(out.read_text())["runs"] if args.resume and out.exists() else []
     for seed in args.seeds:
         for arm in args.arms:
+            if any((r["seed"], r["arm"]) == (seed, arm) for r in runs):
+                continue
             with tempfile.TemporaryDirectory(prefix="rounds-") as tmp:
                 runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget, args.person, args.set))
             f = runs[-1]["final_vs_round0"]
