@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,8 +28,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from feedback_rounds import FAVOURITE, SETTINGS, cli, stage_dir  # noqa: E402
-from train_throughput import machine  # noqa: E402
+from feedback_rounds import FAVOURITE, SETTINGS, cli, provenance, stage_dir  # noqa: E402
 
 # (label, kind of people's rows, how many, route): the preset alone, then each kind through each route
 RUNS = [
@@ -153,9 +151,7 @@ def record(args: argparse.Namespace, found: list[dict[str, Any]], out: Path) -> 
     done = {
         "runs": found,
         "settings": SETTINGS,
-        "machine": machine(),
-        "command": "python benchmarks/feedback_learnability.py " + " ".join(sys.argv[1:]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip(),
+        **provenance("feedback_learnability.py"),
     }
     out.write_text(json.dumps(done, indent=2) + "\n")
 

@@ -447,11 +447,15 @@ def record(args: argparse.Namespace, runs: list[dict[str, Any]], out: Path) -> N
         "arms": {a: {"feedback.random_share": ARMS[a]} for a in args.arms},
         "summary": summary(runs, args.arms),
         "runs": runs,
-        "machine": machine(),
-        "command": "python benchmarks/feedback_rounds.py " + " ".join(sys.argv[1:]),
-        "commit": subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip(),
+        **provenance("feedback_rounds.py"),
     }
     out.write_text(json.dumps(done, indent=2) + "\n")
+
+
+def provenance(script: str) -> dict[str, Any]:
+    """Where a recorded result came from: the machine, the command line, the commit."""
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True).stdout.strip()
+    return {"machine": machine(), "command": f"python benchmarks/{script} " + " ".join(sys.argv[1:]), "commit": commit}
 
 
 if __name__ == "__main__":
