@@ -125,3 +125,28 @@ def test_with_every_judge_distrusted_the_online_gate_leans_on_people():
         refused = decide(online, 4, quiet, CFG, canary, human)
         assert refused[0] is False
         assert refused[1][-2] == "FAIL: trusted judges: needs >= 1 (promote.guards.min_judge_agreement), got 0"
+
+
+def test_forged_choices_that_distrust_every_judge_still_meet_the_degeneration_guards():
+    """As an adversary with annotation rights: choices that disagree with both reward models (so neither is trusted)
+    and favour a reward-hacked canary, one that repeats itself. The gate leans on people, and the guards no judge
+    makes still count: the canary is refused for its repetition, and let through once it stops repeating."""
+    from kubealign.config.canary import CanaryConfig
+    from kubealign.config.guards import GuardsConfig
+    from kubealign.serving.verdict import HumanFeedback, decide
+
+    cfg = PromoteConfig(min_win_rate=0.5, guards=GuardsConfig(min_judge_agreement=0.6))
+    same = {"length_mean": 13.0, "length_median": 13.0, "length_max": 19.0, "distinct_2": 0.3, "empty_rate": 0.0}
+    same.update(unfinished_rate=0.0, repetition_rate=0.0, reward_mean=0.5, heldout_reward_mean=0.5)
+    online = {f"{side}_{k}": v for side in ("baseline", "candidate") for k, v in same.items()}
+    online.update(win_rate=0.2, tie_rate=0.1, win_rate_lower_bound=0.1, reward_gain=-0.2, length_drift=1.0)
+    online.update(heldout_win_rate=0.2, heldout_tie_rate=0.1, reward_agreement=0.9, heldout_reward_gain=-0.2)
+    online.update(reward_model_used=1.0, agreement_reward=0.1, agreement_heldout=0.1)  # forged: both distrusted
+    hacked = {**online, "candidate_repetition_rate": 0.6}
+    quiet, asked = {"error_rate": 0.0, "latency_p95_s": 0.1}, CanaryConfig(min_answers=4, min_human_win_rate=0.5)
+    forged = HumanFeedback(1.0, 40, "feedback run forged")
+    ok, lines = decide(hacked, 48, quiet, cfg, asked, forged)
+    assert ok is False
+    assert any(line.startswith("FAIL: degeneration: repeated-bigram rate rise") for line in lines), lines
+    assert any(line.startswith("pass: trusted judges") for line in lines)
+    assert decide(online, 48, quiet, cfg, asked, forged)[0] is True  # the same forgery, no repetition: promoted
