@@ -18,9 +18,11 @@ import pytest
 
 pytestmark = [pytest.mark.kfp, pytest.mark.integration]
 
+# enough training steps (about 100 a stage) that the signal, sent once the first step shows, arrives before the
+# training loop ends on a fast machine: one epoch (8 steps, half a second) was over before it came
 TINY = [
-    "sft.num_train_epochs=1",
-    "reward.num_train_epochs=1",
+    "sft.num_train_epochs=12",
+    "reward.num_train_epochs=12",
     "ppo.num_iterations=1",
     "evaluate.max_prompts=4",
     "promote.min_win_rate=0",
@@ -77,7 +79,7 @@ def interrupt_training(tmp_path: Path, env: dict[str, str], send: Callable[[int]
         log = tmp_path / "a" / "logs" / f"{training}.log"
         deadline = time.monotonic() + 90
         while not trains(log, training) and time.monotonic() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.1)
         tasks = psutil.Process(run.pid).children(recursive=True)
         assert tasks, "no task process to stop"
         send(run.pid)
