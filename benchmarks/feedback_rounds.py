@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -217,9 +218,10 @@ def people_win_rate(
             "prompts": len(prompts)}  # fmt: skip
 
 
-def one_round(run: Path, uri: str, ls: Any, seed: int, r: int, prefer: Any) -> dict[str, Any]:
+def one_round(run: Path, uri: str, ls: Any, seed: int, r: int, prefer: Any, keep: Path | None = None) -> dict[str, Any]:
     """After `round next` made `run`: its canary judged and acted on, its served pairs pushed and annotated; what
-    the round did. A round whose offline gate registered no challenger has nothing served: said, and skipped."""
+    the round did. A round whose offline gate registered no challenger has nothing served: said, and skipped.
+    keep: a folder the judge's output of what was served is copied into (round-<r>/): benchmarks/feedback_choice.py."""
     from kubealign.config import config_from_json
     from tests.feedback.standin import annotate
 
@@ -245,6 +247,8 @@ def one_round(run: Path, uri: str, ls: Any, seed: int, r: int, prefer: Any) -> d
 
     os.environ["LABEL_STUDIO_URL"] = ls.url  # where `feedback pull` finds it
     served, judged = judge_round(run, uri, config_file, config, people)
+    if keep is not None:
+        shutil.copytree(served, keep / f"round-{r}")
     result = json.loads((judged / "result.json").read_text())  # kubealign judge's
     answers = json.loads((served / "answers.json").read_text())
     row["agreement_when_judged"] = {k: v for k, v in result["metrics"].items() if k.startswith("agreement_")}
@@ -262,7 +266,7 @@ def one_round(run: Path, uri: str, ls: Any, seed: int, r: int, prefer: Any) -> d
 
 
 def rehearse(
-    work: Path, seed: int, arm: str, rounds: int, budget: int, person: str, extra: list[str]
+    work: Path, seed: int, arm: str, rounds: int, budget: int, person: str, extra: list[str], keep: Path | None = None
 ) -> dict[str, Any]:
     from mlflow.tracking import MlflowClient
 
@@ -291,7 +295,7 @@ def rehearse(
             run = work / f"round-{r}"
             sets = [a for s in seeded(r) for a in ("--set", s)]
             cli("round", "next", "--from", work / f"round-{r - 1}", "--output", run, *sets)
-            row = one_round(run, uri, ls, seed, r, PEOPLE[person])
+            row = one_round(run, uri, ls, seed, r, PEOPLE[person], keep and keep / f"seed-{seed}-{arm}")
             record["rounds"].append(row)
             took = time.perf_counter() - started
             if row["canary"] is None:
@@ -414,6 +418,9 @@ def main() -> None:
     parser.add_argument("--label", default="feedback-rounds-tiny-cpu")
     parser.add_argument("--resume", action="store_true", help="keep the rehearsals the label's JSON already holds")
     parser.add_argument("--picture", type=Path, metavar="JSON", help="only draw the picture of a recorded run")
+    parser.add_argument(
+        "--keep", type=Path, metavar="DIR", help="copy each round's served pairs (the judge's output) here"
+    )
     args = parser.parse_args()
     if args.picture:
         done = json.loads(args.picture.read_text())
@@ -427,7 +434,7 @@ def main() -> None:
             if any((r["seed"], r["arm"]) == (seed, arm) for r in runs):
                 continue
             with tempfile.TemporaryDirectory(prefix="rounds-") as tmp:
-                runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget, args.person, args.set))
+                runs.append(rehearse(Path(tmp), seed, arm, args.rounds, args.budget, args.person, args.set, args.keep))
             f = runs[-1]["final_vs_round0"]
             said = f"people's win-rate {f['win_rate']:.2f} of {f['decided']} decided"
             print(f"seed {seed} {arm}: final champion v{runs[-1]['final_champion']} against round 0's: {said}")
