@@ -1,0 +1,246 @@
+"""Which labels buy the better online gate: the served pairs where the automatic judges disagree first, or the same
+number drawn at random (issue 79's second goal), measured on the pairs the rehearsal's canaries really served.
+
+The rehearsal (benchmarks/feedback_rounds.py --keep DIR) keeps each round's judge output: the champion's and the
+canary's answers to the same held-out prompts, each reward model's scores and the online figures. On each of those
+served pools this replays a round's people many times over, through the code a round runs:
+
+* the push's choice of `budget` pairs (kubealign.feedback.served.served_tasks), the draw's seed as evaluate.seed,
+  in three arms: "disagree" (feedback.random_share 0.25, the rest where the judges' probabilities are furthest
+  apart: kubealign.feedback.choice.priority), "random" (1.0) and "unsure" (0.25, the rest by the first rule: the
+  judges' mean probability nearest 0.5);
+* the scripted person of the rehearsal annotating them (tests/feedback/standin.annotate: its hidden preference, 10 %
+  noise, 10 % skips, a pair it finds equally good skipped), the draw's seed;
+* the pull's figures (kubealign.feedback.agreement: each judge's agreement with people, people's weighted win-rate);
+* the online gate on the pool's own figures with those (kubealign.serving.verdict.decide, the rehearsal's
+  JUDGE_SETTINGS: promote.guards.min_judge_agreement 0.6, canary.min_human_win_rate 0.5).
+
+Every arm uses the same seeds. A verdict is **right** when it promotes a canary the person prefers over the whole
+pool (noise free: its share of the pairs, ties half, above 0.5) or keeps the champion otherwise. A judge's trust is
+**right** when the gate trusts it exactly when its agreement with the noise-free person over the whole pool (the
+pairs it leaned on and the person did not find level) reaches the bar. Recorded per arm and budget: the share of
+right verdicts (per pool, and their mean: each pool alike), the share of right trust calls per judge, people's
+weighted win-rate's mean absolute error against the pool's truth; and each arm against the random one, paired by
+pool.
+
+  python benchmarks/feedback_rounds.py --seeds 0 1 2 --arms disagree --label feedback-rounds-pools --keep /tmp/pools
+  python benchmarks/feedback_choice.py --pools /tmp/pools   # -> results/feedback-choice-tiny-cpu.{json,png}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]
+from feedback_rounds import JUDGE_SETTINGS, PEOPLE, SETTINGS, provenance  # noqa: E402
+
+BAR = 0.6  # promote.guards.min_judge_agreement in JUDGE_SETTINGS
+MODEL = "kubealign-actor"
+# feedback.random_share of each arm, and the priority its certain pairs are taken by: the product's (the judges'
+# spread), or the first rule's, kept here to compare (4 p (1 - p) of the judges' mean probability: "unsure")
+ARMS = {"disagree": (0.25, None), "random": (1.0, None), "unsure": (0.25, "mean")}
+
+
+def unsure(probabilities: dict[str, float]) -> float:
+    """The first rule's priority: 4 p (1 - p) of the judges' mean probability p (1.0 with no judge)."""
+    if not probabilities:
+        return 1.0
+    p = sum(probabilities.values()) / len(probabilities)
+    return 4.0 * p * (1.0 - p)
+
+
+@contextlib.contextmanager
+def rule(name: str | None) -> Iterator[None]:
+    """The push's priority for the arm: the product's (None) or the first rule's ("mean")."""
+    from kubealign.feedback import choice
+
+    kept = choice.priority
+    choice.priority = unsure if name == "mean" else kept
+    try:
+        yield
+    finally:
+        choice.priority = kept
+
+
+class Pool(NamedTuple):
+    where: Path
+    rows: list[dict[str, Any]]  # answers.json: the served pairs
+    online: dict[str, float]  # the judge's online figures, no agreement among them
+    share: float  # the person's noise-free preference for the canary over the pool (ties half)
+    agreement: dict[str, float]  # each judge's noise-free agreement with the person over the pool
+
+
+def pools(found: Path, prefer: Any) -> list[Pool]:
+    """Every judge output under `found` (a folder with answers.json and result.json), with its truths."""
+    from kubealign.feedback import served
+
+    out = []
+    for answers in sorted(found.rglob("answers.json")):
+        rows, result = served.read_judged(answers.parent)
+        online = {k: v for k, v in result["metrics"].items() if "/" not in k and not k.startswith("agreement_")}
+        wins = ties = 0
+        agreed: dict[str, list[int]] = {}
+        for row in rows:
+            champion, canary = (prefer(row["prompt"], row[w]["text"] or "") for w in ("champion", "canary"))
+            wins, ties = wins + (canary > champion), ties + (canary == champion)
+            if canary == champion or row["champion"]["text"] == row["canary"]["text"]:
+                continue
+            for judge, p in served.probabilities(row).items():
+                if p != 0.5:
+                    count = agreed.setdefault(judge, [0, 0])
+                    count[0] += (p > 0.5) == (canary > champion)
+                    count[1] += 1
+        truths = {judge: a / n for judge, (a, n) in agreed.items()}
+        out.append(Pool(answers.parent, rows, online, (wins + ties / 2) / len(rows), truths))
+    return out
+
+
+def one_draw(pool: Pool, config: Any, share: float, budget: int, seed: int, prefer: Any) -> dict[str, Any]:
+    """One round's people on `pool`: the push's choice, the scripted person, the pull's figures, the gate."""
+    from kubealign.feedback import agreement, served
+    from kubealign.serving.verdict import HumanFeedback, decide
+    from tests.feedback.standin import annotate
+
+    tasks = served.served_tasks(pool.where, MODEL, budget, share, seed, 1).tasks
+    for number, task in enumerate(tasks, 1):
+        task.update(id=number, annotations=[])
+    annotate(tasks, prefer, noise=0.1, skip=0.1, seed=seed, skip_level=True)
+    decided = agreement.decisions(tasks)
+    figures = agreement.figures(agreement.agreements(decided))
+    rate = agreement.weighted_win_rate(decided, "challenger")
+    human = HumanFeedback(rate, len(decided), "replayed") if decided and rate == rate else None
+    canary = {"error_rate": pool.online.get("error_rate", 0.0), "latency_p95_s": 0.0}
+    pairs = int(pool.online["prompts"])
+    promoted, lines = decide({**pool.online, **figures}, pairs, canary, config.promote, config.canary, human)
+    trusted = {
+        j: not any(line.startswith("not trusted") and f"[{j} " in line for line in lines) for j in pool.agreement
+    }
+    return {
+        "right": promoted == (pool.share > 0.5),
+        "trust_right": {j: trusted[j] == (pool.agreement[j] >= BAR) for j in pool.agreement},
+        "people_error": abs(rate - pool.share) if human else None,
+    }
+
+
+def measure(found: list[Pool], config: Any, arm: str, budget: int, draws: int, prefer: Any) -> dict[str, Any]:
+    """An arm at a budget over every pool: the share of right verdicts (per pool, and their mean), of right trust
+    calls per judge, and people's weighted win-rate's mean absolute error."""
+    share, name = ARMS[arm]
+    per_pool = []
+    trust: dict[str, list[int]] = {}
+    errors = []
+    with rule(name):
+        for pool in found:
+            got = [one_draw(pool, config, share, budget, seed, prefer) for seed in range(draws)]
+            for g in got:
+                for judge, ok in g["trust_right"].items():
+                    trust.setdefault(judge, []).append(ok)
+            errors += [g["people_error"] for g in got if g["people_error"] is not None]
+            per_pool.append(sum(g["right"] for g in got) / len(got))
+    return {
+        "right": sum(per_pool) / len(per_pool),
+        "trust_right": {j: sum(v) / len(v) for j, v in trust.items()},
+        "people_mean_abs_error": sum(errors) / len(errors) if errors else math.nan,
+        "per_pool": per_pool,
+    }
+
+
+def against_random(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each arm against the random one at each budget, paired by pool (the same seeds): the mean difference in
+    right verdicts and the pools where the arm did better, the same, worse."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm, budgets in results.items():
+        if arm == "random":
+            continue
+        for budget, got in budgets.items():
+            base = results["random"][budget]["per_pool"]
+            diff = [a - b for a, b in zip(got["per_pool"], base, strict=True)]
+            out.setdefault(arm, {})[budget] = {
+                "mean_difference": sum(diff) / len(diff),
+                "pools_better": sum(d > 0 for d in diff),
+                "pools_same": sum(d == 0 for d in diff),
+                "pools_worse": sum(d < 0 for d in diff),
+            }
+    return out
+
+
+def picture(record: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = record["budgets"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for arm in record["arms"]:
+        got = [record["results"][arm][str(b)] for b in budgets]
+        left.plot(budgets, [g["right"] for g in got], marker="o", label=arm)
+        right.plot(budgets, [g["people_mean_abs_error"] for g in got], marker="o", label=arm)
+    left.set(xlabel="labels a round (feedback.budget)", ylabel="right verdicts", title="the online gate's verdicts")
+    right.set(xlabel="labels a round (feedback.budget)", ylabel="mean |error|", title="people's weighted win-rate")
+    for ax in (left, right):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{len(record['pools'])} served pools, {record['draws']} draws each; the same seeds in every arm")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    from kubealign.config import load_config
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pools", type=Path, required=True, help="feedback_rounds.py --keep's folder")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 12, 16, 24])
+    parser.add_argument("--draws", type=int, default=200, help="rounds of people replayed per pool, arm and budget")
+    parser.add_argument("--person", choices=sorted(PEOPLE), default="opener")
+    parser.add_argument("--label", default="feedback-choice-tiny-cpu")
+    args = parser.parse_args()
+    prefer = PEOPLE[args.person]
+    found = pools(args.pools, prefer)
+    if not found:
+        raise SystemExit(f"{args.pools}: no judge output (answers.json) under it")
+    config = load_config("tiny-cpu", [*SETTINGS, *JUDGE_SETTINGS])
+    results: dict[str, dict[str, Any]] = {}
+    for arm in ARMS:
+        for budget in args.budgets:
+            got = measure(found, config, arm, budget, args.draws, prefer)
+            results.setdefault(arm, {})[str(budget)] = got
+            error = got["people_mean_abs_error"]
+            print(f"{arm:<8} budget {budget:>3}: right verdicts {got['right']:.3f}, people's error {error:.3f}")
+    record = {
+        "person": args.person,
+        "budgets": args.budgets,
+        "draws": args.draws,
+        "arms": {
+            a: {"feedback.random_share": share, "priority": name or "spread"} for a, (share, name) in ARMS.items()
+        },
+        "against_random": against_random(results),
+        "pools": [
+            {
+                "pool": str(p.where.relative_to(args.pools)),
+                "served": len(p.rows),
+                "share": p.share,
+                "agreement": p.agreement,
+            }
+            for p in found
+        ],
+        "results": results,
+        **provenance("feedback_choice.py"),
+    }
+    out = HERE / "results" / f"{args.label}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    picture(record, out.with_suffix(".png"))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
