@@ -47,6 +47,12 @@ MODEL = "kubealign-actor"
 # feedback.random_share of each arm, and the priority its certain pairs are taken by: the product's
 # (kubealign.feedback.choice.priority: 4 p (1 - p) of the judges' mean probability), or one tried here ("spread")
 ARMS = {"disagree": (0.25, None), "half": (0.5, None), "random": (1.0, None), "spread": (0.25, "spread")}
+# the gates a draw's figures are decided by: the rehearsal's (people's own check beside the judges they trust), and
+# the judges alone (people's choices only decide which judge is trusted: all distrusted, the champion stays)
+GATES = {
+    "people": JUDGE_SETTINGS,
+    "judges": [s for s in JUDGE_SETTINGS if not s.startswith("canary.min_human_win_rate")],
+}
 
 
 def spread(probabilities: dict[str, float]) -> float:
@@ -104,8 +110,9 @@ def pools(found: Path, prefer: Any) -> list[Pool]:
     return out
 
 
-def one_draw(pool: Pool, config: Any, share: float, budget: int, seed: int, prefer: Any) -> dict[str, Any]:
-    """One round's people on `pool`: the push's choice, the scripted person, the pull's figures, the gate."""
+def one_draw(pool: Pool, gates: dict[str, Any], share: float, budget: int, seed: int, prefer: Any) -> dict[str, Any]:
+    """One round's people on `pool`: the push's choice, the scripted person, the pull's figures, each gate (GATES)
+    deciding on them."""
     from kubealign.feedback import agreement, served
     from kubealign.serving.verdict import HumanFeedback, decide
     from tests.feedback.standin import annotate
@@ -120,34 +127,39 @@ def one_draw(pool: Pool, config: Any, share: float, budget: int, seed: int, pref
     human = HumanFeedback(rate, len(decided), "replayed") if decided and rate == rate else None
     canary = {"error_rate": pool.online.get("error_rate", 0.0), "latency_p95_s": 0.0}
     pairs = int(pool.online["prompts"])
-    promoted, lines = decide({**pool.online, **figures}, pairs, canary, config.promote, config.canary, human)
+    right, lines = {}, []
+    for gate, config in gates.items():
+        promoted, lines = decide({**pool.online, **figures}, pairs, canary, config.promote, config.canary, human)
+        right[gate] = promoted == (pool.share > 0.5)
+    # the trust calls are the same in every gate (promote.guards.min_judge_agreement)
     trusted = {
         j: not any(line.startswith("not trusted") and f"[{j} " in line for line in lines) for j in pool.agreement
     }
     return {
-        "right": promoted == (pool.share > 0.5),
+        "right": right,
         "trust_right": {j: trusted[j] == (pool.agreement[j] >= BAR) for j in pool.agreement},
         "people_error": abs(rate - pool.share) if human else None,
     }
 
 
-def measure(found: list[Pool], config: Any, arm: str, budget: int, draws: int, prefer: Any) -> dict[str, Any]:
-    """An arm at a budget over every pool: the share of right verdicts (per pool, and their mean), of right trust
-    calls per judge, and people's weighted win-rate's mean absolute error."""
+def measure(found: list[Pool], gates: dict[str, Any], arm: str, budget: int, draws: int, prefer: Any) -> dict[str, Any]:
+    """An arm at a budget over every pool: each gate's share of right verdicts (per pool, and their mean), the share
+    of right trust calls per judge, and people's weighted win-rate's mean absolute error."""
     share, name = ARMS[arm]
-    per_pool = []
+    per_pool: dict[str, list[float]] = {gate: [] for gate in gates}
     trust: dict[str, list[int]] = {}
     errors = []
     with rule(name):
         for pool in found:
-            got = [one_draw(pool, config, share, budget, seed, prefer) for seed in range(draws)]
+            got = [one_draw(pool, gates, share, budget, seed, prefer) for seed in range(draws)]
             for g in got:
                 for judge, ok in g["trust_right"].items():
                     trust.setdefault(judge, []).append(ok)
             errors += [g["people_error"] for g in got if g["people_error"] is not None]
-            per_pool.append(sum(g["right"] for g in got) / len(got))
+            for gate in gates:
+                per_pool[gate].append(sum(g["right"][gate] for g in got) / len(got))
     return {
-        "right": sum(per_pool) / len(per_pool),
+        "right": {gate: sum(v) / len(v) for gate, v in per_pool.items()},
         "trust_right": {j: sum(v) / len(v) for j, v in trust.items()},
         "people_mean_abs_error": sum(errors) / len(errors) if errors else math.nan,
         "per_pool": per_pool,
@@ -155,21 +167,22 @@ def measure(found: list[Pool], config: Any, arm: str, budget: int, draws: int, p
 
 
 def against_random(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each arm against the random one at each budget, paired by pool (the same seeds): the mean difference in
-    right verdicts and the pools where the arm did better, the same, worse."""
+    """Each arm against the random one at each budget and gate, paired by pool (the same seeds): the mean difference
+    in right verdicts and the pools where the arm did better, the same, worse."""
     out: dict[str, dict[str, Any]] = {}
     for arm, budgets in results.items():
         if arm == "random":
             continue
         for budget, got in budgets.items():
-            base = results["random"][budget]["per_pool"]
-            diff = [a - b for a, b in zip(got["per_pool"], base, strict=True)]
-            out.setdefault(arm, {})[budget] = {
-                "mean_difference": sum(diff) / len(diff),
-                "pools_better": sum(d > 0 for d in diff),
-                "pools_same": sum(d == 0 for d in diff),
-                "pools_worse": sum(d < 0 for d in diff),
-            }
+            for gate, mine in got["per_pool"].items():
+                base = results["random"][budget]["per_pool"][gate]
+                diff = [a - b for a, b in zip(mine, base, strict=True)]
+                out.setdefault(arm, {}).setdefault(budget, {})[gate] = {
+                    "mean_difference": sum(diff) / len(diff),
+                    "pools_better": sum(d > 0 for d in diff),
+                    "pools_same": sum(d == 0 for d in diff),
+                    "pools_worse": sum(d < 0 for d in diff),
+                }
     return out
 
 
@@ -180,14 +193,17 @@ def picture(record: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     budgets = record["budgets"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for arm in record["arms"]:
         got = [record["results"][arm][str(b)] for b in budgets]
-        left.plot(budgets, [g["right"] for g in got], marker="o", label=arm)
-        right.plot(budgets, [g["people_mean_abs_error"] for g in got], marker="o", label=arm)
-    left.set(xlabel="labels a round (feedback.budget)", ylabel="right verdicts", title="the online gate's verdicts")
-    right.set(xlabel="labels a round (feedback.budget)", ylabel="mean |error|", title="people's weighted win-rate")
-    for ax in (left, right):
+        for ax, gate in zip(axes, GATES, strict=False):
+            ax.plot(budgets, [g["right"][gate] for g in got], marker="o", label=arm)
+        axes[2].plot(budgets, [g["people_mean_abs_error"] for g in got], marker="o", label=arm)
+    for ax, gate in zip(axes, GATES, strict=False):
+        title = {"people": "gate: people's check + trusted judges", "judges": "gate: trusted judges alone"}[gate]
+        ax.set(xlabel="labels a round (feedback.budget)", ylabel="right verdicts", title=title)
+    axes[2].set(xlabel="labels a round (feedback.budget)", ylabel="mean |error|", title="people's weighted win-rate")
+    for ax in axes:
         ax.legend()
         ax.grid(alpha=0.3)
     fig.suptitle(f"{len(record['pools'])} served pools, {record['draws']} draws each; the same seeds in every arm")
@@ -209,21 +225,24 @@ def main() -> None:
     found = pools(args.pools, prefer)
     if not found:
         raise SystemExit(f"{args.pools}: no judge output (answers.json) under it")
-    config = load_config("tiny-cpu", [*SETTINGS, *JUDGE_SETTINGS])
+    gates = {gate: load_config("tiny-cpu", [*SETTINGS, *sets]) for gate, sets in GATES.items()}
     results: dict[str, dict[str, Any]] = {}
     for arm in ARMS:
         for budget in args.budgets:
-            got = measure(found, config, arm, budget, args.draws, prefer)
+            got = measure(found, gates, arm, budget, args.draws, prefer)
             results.setdefault(arm, {})[str(budget)] = got
+            right = ", ".join(f"{gate} {v:.3f}" for gate, v in got["right"].items())
             error = got["people_mean_abs_error"]
-            print(f"{arm:<8} budget {budget:>3}: right verdicts {got['right']:.3f}, people's error {error:.3f}")
+            print(f"{arm:<8} budget {budget:>3}: right verdicts {right}; people's error {error:.3f}")
     record = {
         "person": args.person,
         "budgets": args.budgets,
         "draws": args.draws,
         "arms": {
-            a: {"feedback.random_share": share, "priority": name or "spread"} for a, (share, name) in ARMS.items()
+            a: {"feedback.random_share": v, "priority": r or ("product" if v < 1 else None)}
+            for a, (v, r) in ARMS.items()
         },
+        "gates": GATES,
         "against_random": against_random(results),
         "pools": [
             {
