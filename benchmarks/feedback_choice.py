@@ -23,8 +23,10 @@ right verdicts (per pool, and their mean: each pool alike), the share of right t
 weighted win-rate's mean absolute error against the pool's truth; and each arm against the random one, paired by
 pool.
 
-  python benchmarks/feedback_rounds.py --seeds 0 1 2 --arms disagree --label feedback-rounds-pools --keep /tmp/pools
-  python benchmarks/feedback_choice.py --pools /tmp/pools   # -> results/feedback-choice-tiny-cpu.{json,png}
+  python benchmarks/feedback_choice.py   # the recorded pools -> results/feedback-choice-tiny-cpu.{json,png}
+  # new pools: the rehearsal keeping them, then the replay on them
+  python benchmarks/feedback_rounds.py --seeds 0 1 2 3 4 --arms disagree --label feedback-rounds-pools --keep /tmp/pools
+  python benchmarks/feedback_choice.py --pools /tmp/pools
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ import contextlib
 import json
 import math
 import sys
+import tarfile
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -43,6 +47,8 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 from feedback_rounds import JUDGE_SETTINGS, PEOPLE, SETTINGS, provenance  # noqa: E402
 
 BAR = 0.6  # promote.guards.min_judge_agreement in JUDGE_SETTINGS
+# the served pools of the recorded run: 5 seeds x 3 rounds of the rehearsal (answers.json and result.json of each)
+POOLS = HERE / "results" / "feedback-choice-pools.tar.gz"
 MODEL = "kubealign-actor"
 # feedback.random_share of each arm, and the priority its certain pairs are taken by: the product's
 # (kubealign.feedback.choice.priority: 4 p (1 - p) of the judges' mean probability), or one tried here ("spread")
@@ -212,19 +218,31 @@ def picture(record: dict[str, Any], path: Path) -> None:
 
 
 def main() -> None:
-    from kubealign.config import load_config
-
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pools", type=Path, required=True, help="feedback_rounds.py --keep's folder")
+    parser.add_argument(
+        "--pools", type=Path, default=POOLS, help="feedback_rounds.py --keep's folder, or a .tar.gz of one"
+    )
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 12, 16, 24])
     parser.add_argument("--draws", type=int, default=200, help="rounds of people replayed per pool, arm and budget")
     parser.add_argument("--person", choices=sorted(PEOPLE), default="opener")
     parser.add_argument("--label", default="feedback-choice-tiny-cpu")
     args = parser.parse_args()
     prefer = PEOPLE[args.person]
-    found = pools(args.pools, prefer)
-    if not found:
-        raise SystemExit(f"{args.pools}: no judge output (answers.json) under it")
+    with tempfile.TemporaryDirectory(prefix="pools-") as tmp:
+        where = args.pools
+        if where.is_file():
+            with tarfile.open(where) as packed:
+                packed.extractall(tmp, filter="data")
+            where = Path(tmp)
+        found = pools(where, prefer)
+        if not found:
+            raise SystemExit(f"{args.pools}: no judge output (answers.json) under it")
+        run(args, found, where, prefer)
+
+
+def run(args: argparse.Namespace, found: list[Pool], where: Path, prefer: Any) -> None:
+    from kubealign.config import load_config
+
     gates = {gate: load_config("tiny-cpu", [*SETTINGS, *sets]) for gate, sets in GATES.items()}
     results: dict[str, dict[str, Any]] = {}
     for arm in ARMS:
@@ -246,7 +264,7 @@ def main() -> None:
         "against_random": against_random(results),
         "pools": [
             {
-                "pool": str(p.where.relative_to(args.pools)),
+                "pool": str(p.where.relative_to(where)),
                 "served": len(p.rows),
                 "share": p.share,
                 "agreement": p.agreement,
