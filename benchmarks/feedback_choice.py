@@ -6,9 +6,9 @@ canary's answers to the same held-out prompts, each reward model's scores and th
 served pools this replays a round's people many times over, through the code a round runs:
 
 * the push's choice of `budget` pairs (kubealign.feedback.served.served_tasks), the draw's seed as evaluate.seed,
-  in four arms: "disagree" (feedback.random_share 0.25, the rest by kubealign.feedback.choice.priority: the
-  judges' mean probability nearest 0.5, where they split or are all unsure), "half" (0.5), "random" (1.0) and
-  "spread" (0.25, the rest where the judges' probabilities are furthest apart, a rule tried here);
+  in four arms: "disagree" (feedback.random_share 0.25, the rest by kubealign.feedback.choice.priority: where the
+  judges' probabilities are furthest apart), "half" (0.5), "random" (1.0) and "unsure" (0.25, the rest by the first
+  rule: the judges' mean probability nearest 0.5, where they split or all are unsure);
 * the scripted person of the rehearsal annotating them (tests/feedback/standin.annotate: its hidden preference, 10 %
   noise, 10 % skips, a pair it finds equally good skipped), the draw's seed;
 * the pull's figures (kubealign.feedback.agreement: each judge's agreement with people, people's weighted win-rate);
@@ -51,8 +51,8 @@ BAR = 0.6  # promote.guards.min_judge_agreement in JUDGE_SETTINGS
 POOLS = HERE / "results" / "feedback-choice-pools.tar.gz"
 MODEL = "kubealign-actor"
 # feedback.random_share of each arm, and the priority its certain pairs are taken by: the product's
-# (kubealign.feedback.choice.priority: 4 p (1 - p) of the judges' mean probability), or one tried here ("spread")
-ARMS = {"disagree": (0.25, None), "half": (0.5, None), "random": (1.0, None), "spread": (0.25, "spread")}
+# (kubealign.feedback.choice.priority: how far apart the judges are), or the first rule's, kept here to compare
+ARMS = {"disagree": (0.25, None), "half": (0.5, None), "random": (1.0, None), "unsure": (0.25, "unsure")}
 # the gates a draw's figures are decided by: the rehearsal's (people's own check beside the judges they trust), and
 # the judges alone (people's choices only decide which judge is trusted: all distrusted, the champion stays)
 GATES = {
@@ -61,22 +61,22 @@ GATES = {
 }
 
 
-def spread(probabilities: dict[str, float]) -> float:
-    """A priority tried against the product's: how far apart the judges are (the highest probability less the
-    lowest) with two judges or more, so that "all unsure" no longer ranks with "split"; one judge: 4 p (1 - p)."""
-    if len(probabilities) < 2:
-        p = next(iter(probabilities.values()), 0.5)
-        return 4.0 * p * (1.0 - p)
-    return max(probabilities.values()) - min(probabilities.values())
+def unsure(probabilities: dict[str, float]) -> float:
+    """The first rule's priority: 4 p (1 - p) of the judges' mean probability p (1.0 with no judge): a pair where
+    the judges split ranks with one where they all are unsure."""
+    if not probabilities:
+        return 1.0
+    p = sum(probabilities.values()) / len(probabilities)
+    return 4.0 * p * (1.0 - p)
 
 
 @contextlib.contextmanager
 def rule(name: str | None) -> Iterator[None]:
-    """The push's priority for the arm: the product's (None) or the one tried here ("spread")."""
+    """The push's priority for the arm: the product's (None) or the first rule's ("unsure")."""
     from kubealign.feedback import choice
 
     kept = choice.priority
-    choice.priority = spread if name == "spread" else kept
+    choice.priority = unsure if name == "unsure" else kept
     try:
         yield
     finally:

@@ -66,9 +66,9 @@ class FeedbackConfig(Section):
         ge=0,
         le=1,
         description="The share of `budget` drawn at random from the served pairs left once the pairs where the "
-        "automatic judges disagree most (or are least sure) are taken; each random task is weighted by the pairs "
-        "it stands for, so the weighted human win-rate stays unbiased (docs/feedback.md 'Rounds'). 0 = disagreement "
-        "only (the win-rate is then of those pairs), 1 = all at random.",
+        "automatic judges disagree most (one judge alone: where it is least sure) are taken; each random task is "
+        "weighted by the pairs it stands for, so the weighted human win-rate stays unbiased (docs/feedback.md "
+        "'Rounds'). 0 = disagreement only (the win-rate is then of those pairs), 1 = all at random.",
     )
     round: int = Field(
         0,

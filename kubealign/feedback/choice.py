@@ -3,8 +3,9 @@
 Every automatic judge of a served pair (the training reward model, the held-out one, the LLM judge) says how likely
 the canary's answer is the better one: a reward model by the Bradley-Terry probability of its two scores,
 sigmoid(canary - champion) (the loss it was trained with, InstructGPT eq. 1); the LLM judge by its verdict in both
-orders (canary 1, champion 0, tie 0.5; no verdict: no vote). A pair's **priority** is 4 p(1 - p) of the judges'
-mean probability p: 1 when they split evenly or are all unsure, 0 when they all agree and are sure.
+orders (canary 1, champion 0, tie 0.5; no verdict: no vote). A pair's **priority** is, with two judges or more, how
+far apart they are (the highest probability less the lowest: 1 when one is sure of the canary and another of the
+champion, 0 when they say the same); with one judge, how unsure it is, 4 p (1 - p) (1 at p = 0.5, 0 when sure).
 
 A round's **budget** of tasks is spent in two strata: the `budget - round(budget * random_share)` pairs of highest
 priority (ties: the earlier prompt) are taken for certain, the rest of the budget is a simple random sample of the
@@ -43,11 +44,18 @@ def canary_probabilities(scores: dict[str, tuple[float, float]], llm_verdict: st
 
 
 def priority(probabilities: dict[str, float]) -> float:
-    """4 p (1 - p) of the judges' mean probability p; 1.0 (ask) for a pair no judge voted on."""
+    """The spread of the judges' probabilities (max - min) with two judges or more; 4 p (1 - p) of one judge's p;
+    1.0 (ask) for a pair no judge voted on."""
     if not probabilities:
         return 1.0
-    p = sum(probabilities.values()) / len(probabilities)
-    return 4.0 * p * (1.0 - p)
+    if len(probabilities) == 1:
+        (p,) = probabilities.values()
+        return 4.0 * p * (1.0 - p)
+    # Where the judges disagree, people's choice says which of them to trust (the gate's min_judge_agreement); where
+    # they agree, however unsure (the mean probability near 0.5, the first rule), it tells the judges apart no more
+    # than a random pair. Replayed on 15 of the rehearsal's served pools (benchmarks/feedback_choice.py), the spread
+    # made the online gate right as often as random pairs did, the mean near 0.5 less often (docs/feedback.md).
+    return max(probabilities.values()) - min(probabilities.values())
 
 
 def choose(priorities: list[float], budget: int, random_share: float, seed: int) -> list[Chosen]:

@@ -1,10 +1,10 @@
 """Pairs from what was served: the online judge's answers (its output's answers.json: the champion's and the
 canary's answers to the same prompts, each judge's scores and the LLM judge's verdict) as pairwise Label Studio
 tasks, nothing regenerated; a pair of identical answers is never pushed (a tie, known without asking). Up to
-`feedback.budget` pairs a round, chosen by feedback.choice (where the judges disagree or are least sure, the rest
-at random: `feedback.random_share`); each task's meta names the versions (champion:V, challenger:V: the canary is
-the registry's challenger), the prompt's sha256, the judge's MLflow run and output, the round, the stratum and
-weight of its choice and each judge's probability that answer1 is better.
+`feedback.budget` pairs a round, chosen by feedback.choice (where the judges disagree most, a lone judge where it is
+least sure, the rest at random: `feedback.random_share`); each task's meta names the versions (champion:V,
+challenger:V: the canary is the registry's challenger), the prompt's sha256, the judge's MLflow run and output, the
+round, the stratum and weight of its choice and each judge's probability that answer1 is better.
 
 The judge's files are read as input: answers.json a list of {prompt, champion, canary} objects, result.json the
 judge stage's with both versions (stages/judge.py writes them); anything else is one line naming the file and field.
@@ -91,8 +91,8 @@ def served_tasks(
     """The tasks of one round's push (module docstring), in the order feedback.choice chose them."""
     rows, result = read_judged(judge_dir)
     both = [r for r in rows if r["champion"]["text"] is not None and r["canary"]["text"] is not None]
-    # the same answer twice is no choice: every judge scores it level (priority 1, "least sure"), and asking would
-    # spend people's time on pairs whose outcome, a tie, is known
+    # the same answer twice is no choice: every judge scores it level (a lone judge's priority 1, "least sure"), and
+    # asking would spend people's time on pairs whose outcome, a tie, is known
     answered = [r for r in both if r["champion"]["text"] != r["canary"]["text"]]
     judged = [probabilities(r) for r in answered]
     chosen = choice.choose([choice.priority(p) for p in judged], budget, random_share, seed)

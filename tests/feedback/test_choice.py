@@ -23,12 +23,17 @@ def test_each_judge_says_how_likely_the_canary_is_better():
     assert choice.sigmoid(-800.0) == 0.0 and choice.sigmoid(800.0) == 1.0  # no overflow either way
 
 
-def test_priority_is_highest_where_the_judges_split_or_are_unsure():
-    assert choice.priority({"reward": 0.9, "llm_judge": 0.1}) == pytest.approx(1.0)  # they split: mean 0.5
-    assert choice.priority({"reward": 0.5}) == 1.0  # unsure
-    assert choice.priority({"reward": 0.9}) == pytest.approx(4 * 0.9 * 0.1)  # 0.36
-    assert choice.priority({"reward": 0.9, "heldout": 0.7}) == pytest.approx(4 * 0.8 * 0.2)  # 0.64
+def test_priority_is_how_far_apart_the_judges_are_or_how_unsure_a_lone_one_is():
+    assert choice.priority({"reward": 0.9, "llm_judge": 0.1}) == pytest.approx(0.8)  # they split
+    assert choice.priority({"reward": 1.0, "heldout": 0.0, "llm_judge": 0.5}) == 1.0  # sure of opposite sides
+    assert choice.priority({"reward": 0.9, "heldout": 0.7}) == pytest.approx(0.2)  # the same side, apart by 0.2
+    assert choice.priority({"heldout": 0.3, "reward": 0.9, "llm_judge": 0.6}) == pytest.approx(0.6)  # max - min
+    # both unsure and alike: nothing tells them apart (the mean near 0.5 ranked this first)
+    assert choice.priority({"reward": 0.52, "heldout": 0.48}) == pytest.approx(0.04)
     assert choice.priority({"reward": 1.0, "llm_judge": 1.0}) == 0.0  # agree and sure: nothing to learn
+    assert choice.priority({"reward": 0.5}) == 1.0  # one judge: how unsure it is
+    assert choice.priority({"reward": 0.9}) == pytest.approx(4 * 0.9 * 0.1)  # 0.36
+    assert choice.priority({"llm_judge": 0.0}) == 0.0
     assert choice.priority({}) == 1.0  # nobody voted: ask
 
 

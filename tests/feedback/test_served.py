@@ -48,8 +48,8 @@ def judge_dir(root: Path, rows: list[dict] = ROWS, versions: dict | None = None)
 def test_served_pairs_become_tasks_without_regenerating(tmp_path):
     got = served.served_tasks(judge_dir(tmp_path), "actor", budget=3, random_share=1 / 3, seed=5, round_number=2)
     assert got.served == 4 and got.versions == ("3", "4") and got.judge_run == "run-j1"
-    # priorities: p0 4p(1-p) of sigmoid(4) = 0.07, p1 1.0 (level), p3 sigmoid(-2) -> 0.42, p4 mean 0.5 -> 1.0
-    # 3 - round(1) = 2 certain: p1 and p4 (1.0 each, the earlier first); 1 drawn from p0 and p3, standing for 2
+    # priorities: p0 4p(1-p) of sigmoid(4) = 0.07, p1 1.0 (level), p3 sigmoid(-2) -> 0.42, p4 two judges apart:
+    # sigmoid(3) - sigmoid(-3) = 0.905; 3 - round(1) = 2 certain: p1 then p4; 1 drawn from p0 and p3, standing for 2
     strata = [
         (t["data"]["prompt"], t["meta"]["kubealign"]["stratum"], t["meta"]["kubealign"]["weight"]) for t in got.tasks
     ]
@@ -69,7 +69,8 @@ def test_served_pairs_become_tasks_without_regenerating(tmp_path):
         left_is_canary = meta["answer1"] == "challenger:4"
         assert meta["judges"]["reward"] == pytest.approx(p_canary if left_is_canary else 1 - p_canary)
     p4 = next(t["meta"]["kubealign"] for t in got.tasks if t["data"]["prompt"] == "p4")
-    assert p4["priority"] == pytest.approx(1.0) and set(p4["judges"]) == {"reward", "heldout"}
+    spread = 1 / (1 + math.exp(-3)) - 1 / (1 + math.exp(3))
+    assert p4["priority"] == pytest.approx(spread, abs=1e-6) and set(p4["judges"]) == {"reward", "heldout"}
 
 
 def test_identical_answers_are_never_pushed_though_every_judge_is_level_on_them(tmp_path):
