@@ -13,7 +13,8 @@ served pools this replays a round's people many times over, through the code a r
   noise, 10 % skips, a pair it finds equally good skipped), the draw's seed;
 * the pull's figures (kubealign.feedback.agreement: each judge's agreement with people, people's weighted win-rate);
 * the online gate on the pool's own figures with those (kubealign.serving.verdict.decide, the rehearsal's
-  JUDGE_SETTINGS: promote.guards.min_judge_agreement 0.6, canary.min_human_win_rate 0.5).
+  JUDGE_SETTINGS: promote.guards.min_judge_agreement 0.6), in two forms (GATES): "people", with people's own check
+  (canary.min_human_win_rate 0.5) as in the rehearsal, and "judges", the trusted judges alone.
 
 Every arm uses the same seeds. A verdict is **right** when it promotes a canary the person prefers over the whole
 pool (noise free: its share of the pairs, ties half, above 0.5) or keeps the champion otherwise. A judge's trust is
