@@ -26,8 +26,8 @@ pool.
 
   python benchmarks/feedback_choice.py   # the recorded pools -> results/feedback-choice-tiny-cpu.{json,png}
   # new pools: the rehearsal keeping them, then the replay on them
-  python benchmarks/feedback_rounds.py --seeds 0 1 2 3 4 --arms disagree --label feedback-rounds-pools --keep /tmp/pools
-  python benchmarks/feedback_choice.py --pools /tmp/pools
+  python benchmarks/feedback_rounds.py --seeds 0 1 2 3 4 --arms disagree --label feedback-rounds-pools --keep DIR
+  python benchmarks/feedback_choice.py --pools DIR
 """
 
 from __future__ import annotations
