@@ -88,3 +88,25 @@ def test_weighted_rate_by_hand():
     assert choice.weighted_rate([(True, 1.0), (False, 1.0), (True, 2.0)]) == 0.75
     assert choice.weighted_rate([(False, 3.0), (True, 1.0)]) == 0.25
     assert math.isnan(choice.weighted_rate([]))
+
+
+def test_a_canary_that_fools_every_judge_still_meets_people_through_the_random_share():
+    """Adversary: the canary's answers fool both reward models (both sure it is better) on 30 pairs people give to
+    the champion; on 10 the judges split and people prefer the canary. Asked about 10 pairs only where the judges
+    disagree (random_share 0), people see the 10 and the canary wins them all. With a random share, the 30 are seen through
+    the random draws, each standing for the pairs left: by hand, budget 12 at 0.25 takes 9 of the 10 split pairs for
+    certain and draws 3 of the 31 left, each standing for 31 / 3; the canary's weighted rate is 9 / 40 when no split
+    pair is drawn, (9 + 31 / 3) / 40 when the tenth is: below 0.5 either way, 0.25 on average."""
+    judged = [{"reward": 0.99, "heldout": 0.98}] * 30 + [{"reward": 0.9, "heldout": 0.1}] * 10
+    canary_won = [False] * 30 + [True] * 10
+    priorities = [choice.priority(p) for p in judged]
+
+    def rate(chosen: list[choice.Chosen]) -> float:
+        return choice.weighted_rate([(canary_won[c.index], c.weight) for c in chosen])
+
+    only = choice.choose(priorities, 10, 0.0, 0)
+    assert {c.index for c in only} == set(range(30, 40)) and rate(only) == 1.0  # fooled with the judges
+    assert rate(choice.choose(priorities, 12, 0.0, 0)) == pytest.approx(10 / 12)  # 2 fooled pairs, standing alone
+    rates = [rate(choice.choose(priorities, 12, 0.25, seed)) for seed in range(2000)]
+    assert sorted({round(r, 9) for r in rates}) == [round(9 / 40, 9), round((9 + 31 / 3) / 40, 9)]
+    assert sum(rates) / len(rates) == pytest.approx(0.25, abs=0.01)
