@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
-from feedback_rounds import JUDGE_SETTINGS, PEOPLE, SETTINGS, provenance  # noqa: E402
+from feedback_rounds import JUDGE_SETTINGS, PEOPLE, SETTINGS, provenance, truth  # noqa: E402
 
 BAR = 0.6  # promote.guards.min_judge_agreement in JUDGE_SETTINGS
 # the served pools of the recorded run: 5 seeds x 3 rounds of the rehearsal (answers.json and result.json of each)
@@ -100,11 +100,9 @@ def pools(found: Path, prefer: Any) -> list[Pool]:
     for answers in sorted(found.rglob("answers.json")):
         rows, result = served.read_judged(answers.parent)
         online = {k: v for k, v in result["metrics"].items() if "/" not in k and not k.startswith("agreement_")}
-        wins = ties = 0
         agreed: dict[str, list[int]] = {}
         for row in rows:
             champion, canary = (prefer(row["prompt"], row[w]["text"] or "") for w in ("champion", "canary"))
-            wins, ties = wins + (canary > champion), ties + (canary == champion)
             if canary == champion or row["champion"]["text"] == row["canary"]["text"]:
                 continue
             for judge, p in served.probabilities(row).items():
@@ -113,7 +111,7 @@ def pools(found: Path, prefer: Any) -> list[Pool]:
                     count[0] += (p > 0.5) == (canary > champion)
                     count[1] += 1
         truths = {judge: a / n for judge, (a, n) in agreed.items()}
-        out.append(Pool(answers.parent, rows, online, (wins + ties / 2) / len(rows), truths))
+        out.append(Pool(answers.parent, rows, online, truth(rows, prefer)["canary_share"], truths))
     return out
 
 
