@@ -22,6 +22,7 @@ from kubealign.components.stages import (
     push,
     reward,
     serve,
+    settle,
     sft,
     wait,
 )
@@ -40,6 +41,7 @@ __all__ = [
     "push",
     "reward",
     "serve",
+    "settle",
     "sft",
     "wait",
 ]

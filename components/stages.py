@@ -243,6 +243,21 @@ def act(config_json: str, judgement: Input[Artifact], acted: Output[Artifact], m
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def settle(config_json: str, settled: Output[Artifact], metrics: Output[Metrics]) -> str:
+    """settle (canary.await_people): the canary the previous run's judge left waiting for people, decided on the
+    choices the feedback task pulled and carried out as the act task does (the registry's aliases under promote's
+    lease, then the InferenceService). No user code runs here: the task of the pipeline identity.
+
+    Returns the verdict line, or why nothing was settled."""
+    from kubealign import tasks
+    from kubealign.tasks import artifacts
+
+    result = tasks.settle(config_json, [], settled.path)
+    artifacts.to_kfp(result, metrics, settled)
+    return result.get("verdict") or result.get("why") or ""
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def push(config_json: str, judgement: Input[Artifact], pushed: Output[Artifact], metrics: Output[Metrics]):
     """push: the pairs the canary served (judgement's answers.json) to people, as pairwise tasks in the Label
     Studio project feedback.project (feedback.budget of them, the most disputed first); the next round pulls them."""

@@ -17,6 +17,7 @@ SHARED = ("data-split", "sft", "reward")  # upstream of every route (reward: onl
 STAGES = ("data-split", "sft", "reward", "ppo", "evaluate", "promote")
 SUMMARY_STAGES = (
     "feedback",
+    "settle",
     "data-split",
     "sft",
     "reward",
@@ -37,6 +38,9 @@ FEEDBACK = "feedback"
 # after judge, with canary.act too: the verdict carried out (registry aliases, then the InferenceService); no
 # user code, so it alone gets the pipeline identity (kubealign.cluster.secrets)
 ACT = "act"
+# after feedback and before promote, with canary.await_people: the canary the previous run left waiting for people,
+# decided on their choices and carried out as act does (the pipeline identity; kubealign.stages.settle)
+SETTLE = "settle"
 # stage -> the stages whose outputs it reads. "candidate": the route's training task (ppo or dpo);
 # "scorer": the reward model, or with reward functions alone the SFT model (the critic's start; not read
 # by evaluate then).
@@ -51,6 +55,7 @@ UPSTREAM = {
     "serve": ("promote",),
     "judge": ("data-split", "sft", "scorer", "serve"),
     "act": ("judge",),  # the verdict names the version and the InferenceService
+    "settle": (),  # reads the registry and MLflow, no task's directory
 }
 # The KFP output each task's directory is in: shared tasks by name; a several-route run's route tasks are
 # named after their route (grpo, evaluate-grpo, promote-grpo) and found by prefix.
@@ -63,13 +68,14 @@ OUTPUT_KEYS = {
     "serve": "serving",
     "judge": "judgement",
     "act": "acted",
+    "settle": "settled",
 }
 ROUTE_TASK_KEYS = (("", "model"), ("evaluate-", "evaluation"), ("promote-", "promotion"))
 # With pipeline.parallelism, the candidates past the first `parallelism` each wait for a slot: a no-op task
 # wait-NAME that runs once an earlier candidate's branch has ended (kubealign.pipelines.sweep).
 WAIT_PREFIX = "wait-"
 # names a candidate may not take: the DAG's own tasks (candidates.check_names also refuses the prefixes)
-RESERVED_TASKS = (*SHARED, FEEDBACK, "compare", SERVE, JUDGE, ACT, "evaluate", "promote", "wait")
+RESERVED_TASKS = (*SHARED, FEEDBACK, "compare", SERVE, JUDGE, ACT, SETTLE, "evaluate", "promote", "wait")
 
 
 def route_task(route: str) -> str:

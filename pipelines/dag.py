@@ -1,7 +1,9 @@
 """The kubealign DAG: data-split -> sft || reward -> (ppo | dpo) -> evaluate -> promote [-> serve [-> judge [-> act]]],
 with a feedback task before data-split where feedback.project is set (people's choices pulled from Label Studio),
 and then a push task after judge and act: what the canary served, to people. The feedback task's output is the run's
-config with its round counted from the project (kubealign.feedback.rounds): every later task reads that one.
+config with its round counted from the project (kubealign.feedback.rounds): every later task reads that one. With
+canary.await_people a settle task follows the feedback task and comes before promote: the canary the previous run's
+judge left waiting for people, decided on their choices (kubealign.stages.settle).
 
 The pipeline parameter `algorithm` (default: the route of the config's one candidate) picks the route with KFP
 conditions, all in one compiled pipeline: `ppo`, `grpo` or `rloo` run the ppo task with ppo.algorithm set
@@ -139,6 +141,7 @@ class Tasks:
         self.cpu_image = self.k8s.cpu_image or cpu_image()
         self.with_model = config.rewards.uses_model
         self.settings = settings or {}
+        self.settled: dsl.PipelineTask | None = None  # the settle task, once data() made it (canary.await_people)
 
     def place(
         self,
@@ -175,8 +178,25 @@ class Tasks:
             people = {"feedback": pulled.outputs["dataset"]}
             # every later task reads the run's config as the pull counted its round (a scheduled run's own round)
             p["config_json"] = pulled.outputs["Output"]
+        if self.settles():
+            self.settled = self.settle(p["config_json"])
         split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"], **people)
         return self.place(split, "data split", 0, training=False).outputs["dataset"]
+
+    def settles(self) -> bool:
+        """Whether the run has a settle task: a canary judged online and acted on, its verdict held for people."""
+        c = self.config
+        return c.canary.await_people and c.serve.enabled and c.promote.mode == "canary" and c.canary.act
+
+    def settle(self, config_json: Any) -> dsl.PipelineTask:
+        """After the feedback task (canary.await_people): the canary the previous run left waiting for people,
+        decided on the choices just pulled and carried out as the pipeline identity (no user code runs here);
+        promote waits for it, so this run's candidate meets the champion as it now stands."""
+        task = stages.settle(config_json=config_json)
+        self.place(task, "settle (the waiting canary)", 0, training=False)
+        # the registry, MLflow and the cluster are outside KFP's view: a cached settle would decide nothing
+        task.set_caching_options(False)
+        return task
 
     def label_studio(self, task: dsl.PipelineTask) -> None:
         """The token from feedback.token_secret; where it goes pinned here, not read from config_json, which any run
@@ -334,6 +354,8 @@ def _one_route(builder: Tasks, d: dict[str, Any]) -> Callable[..., Any]:
             config_json=config_json, evaluation=evaluation.outputs["evaluation"], candidate=candidate
         )
         builder.promote(promote, "promote (MLflow registry)")
+        if builder.settled is not None:  # the waiting canary decided first: promote gates against that champion
+            promote.after(builder.settled)
         if builder.config.serve.enabled:
             serve = builder.serve(promote, config_json)
             if builder.config.promote.mode == "canary":

@@ -236,7 +236,9 @@ def judge_command(args: argparse.Namespace) -> None:
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")
     if not args.act:
         return
-
+    if result.get("awaiting_people"):  # canary.await_people: nothing moves until people decide
+        print("  registry and serving unchanged: judge --act again once people have decided on it")
+        return
     after = carry_out.in_registry(config, uri, result["promoted"], version)
     print(f"  registry: {', '.join(f'{a} = {v}' for a, v in after.items())}")
     if args.front:

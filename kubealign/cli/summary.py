@@ -59,7 +59,7 @@ def _headline(stage: str, r: dict[str, Any], label: str = "PPO") -> str:
         return feedback_lines(m)
     if stage == "judge":  # the verdict line, or why there was nothing to judge
         return r.get("why") or r.get("verdict", "")
-    if stage == "act":  # what carrying the verdict out did, or why nothing was done
+    if stage in ("act", "settle"):  # what carrying the verdict out did, or why nothing was done
         return r.get("why") or r.get("summary", "")
     aliases = ", ".join(f"{k}={v}" for k, v in r.get("aliases", {}).items())
     verdict = {1.0: "gate passed", 0.0: "gate refused"}.get(m.get("gate_passed"), "")

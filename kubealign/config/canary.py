@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kubealign.config.base import Section
 
@@ -41,3 +41,16 @@ class CanaryConfig(Section):
         description="The pipeline's act task, after its judge task, carries the judge's verdict out (registry, "
         "then the InferenceService) as the pipeline identity; false: no act task, the judge only reports.",
     )
+    await_people: bool = Field(
+        False,
+        description="With canary.min_human_win_rate: a canary that passes every other check while people have not "
+        "decided on its version yet is neither promoted nor rolled back; it keeps serving canary.percent % and the "
+        "pipeline's next run settles it once its feedback task has pulled their choices (docs/feedback.md, "
+        '"Holding the canary for people"); false: no choices yet is a failed check, rolled back at once.',
+    )
+
+    @model_validator(mode="after")
+    def _check_await(self) -> CanaryConfig:
+        if self.await_people and self.min_human_win_rate is None:
+            raise ValueError("canary.await_people needs canary.min_human_win_rate (the people's check it waits for)")
+        return self

@@ -126,6 +126,31 @@ def decide(
     return all(ok for ok, _ in checks) and passed, [*lines, *gated]
 
 
+def awaits_people(
+    online: dict[str, float] | None,
+    pairs: int,
+    canary_figures: dict[str, float],
+    promote: PromoteConfig,
+    cfg: CanaryConfig,
+    human: HumanFeedback | None,
+) -> bool:
+    """Whether the verdict waits for people (canary.await_people): they have not decided on the canary yet, and
+    their approval is all it lacks, decide() passing it with any win-rate at the bar. A canary that fails a check
+    people cannot mend (errors, latency, too few answers, the gate without them) is rolled back now."""
+    if not cfg.await_people or cfg.min_human_win_rate is None or (human is not None and human.decided > 0):
+        return False
+    approval = HumanFeedback(cfg.min_human_win_rate, 1, "people, once they decide")
+    return decide(online, pairs, canary_figures, promote, cfg, approval)[0]
+
+
+def awaiting_line(version: str, alias: str = "challenger") -> str:
+    """The line of a verdict that waits for people."""
+    return (
+        f"judge: {alias} (version {version}) awaits people's choices (canary.await_people): it keeps serving its "
+        "share until the pipeline's next run settles it"
+    )
+
+
 def verdict_line(promoted: bool, lines: Sequence[str], alias: str, version: str) -> str:
     """The one line a person reads: what happened and, for a rollback, the first reason."""
     if promoted:

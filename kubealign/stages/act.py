@@ -58,6 +58,8 @@ def verdict_problem(verdict: Any, registered_model: str) -> str | None:
         return f'"judged" is {verdict.get("judged")!r}, not true or false'
     if not verdict["judged"]:
         return None
+    if not isinstance(verdict.get("awaiting_people", False), bool):
+        return f'"awaiting_people" is {verdict.get("awaiting_people")!r}, not true or false'
     if not isinstance(verdict.get("promoted"), bool):
         return f'"promoted" is {verdict.get("promoted")!r}, not true or false'
     version = verdict.get("version")
@@ -84,17 +86,22 @@ def pod_namespace() -> str | None:
         return None
 
 
-def own_service(config: KubealignConfig, judgement: Path, named: str) -> tuple[str, str]:
-    """(namespace, NAMESPACE/NAME) of the InferenceService this run's serve task makes (serve.namespace or the
-    pod's own, serve.name or the registered model's DNS name), refused when the verdict names another: the judge
-    runs user code, so its verdict may say anything."""
+def served_service(config: KubealignConfig) -> tuple[str, str]:
+    """(namespace, NAMESPACE/NAME) of the InferenceService this run's serve task makes: serve.namespace or the pod's
+    own, serve.name or the registered model's DNS name."""
     from kubealign.serving.manifest import dns_name
 
     namespace = config.serve.namespace or pod_namespace()
     if not namespace:
         where = f"${NAMESPACE_ENV}, {SERVICE_ACCOUNT_NAMESPACE}"
         raise UserError(f"serve.namespace: not set, and the pod's namespace is unknown ({where})")
-    ours = f"{namespace}/{config.serve.name or dns_name(config.promote.registered_model)}"
+    return namespace, f"{namespace}/{config.serve.name or dns_name(config.promote.registered_model)}"
+
+
+def own_service(config: KubealignConfig, judgement: Path, named: str) -> tuple[str, str]:
+    """served_service(), refused when the verdict names another InferenceService: the judge
+    runs user code, so its verdict may say anything."""
+    namespace, ours = served_service(config)
     if named != ours:
         raise UserError(
             f"{judgement / VERDICT_FILE}: the verdict is about InferenceService {named}, but this run serves "
@@ -106,7 +113,6 @@ def own_service(config: KubealignConfig, judgement: Path, named: str) -> tuple[s
 def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = None) -> dict[str, Any]:
     """judgement: the judge task's output; custom: a kubernetes CustomObjectsApi (default: the cluster this pod
     runs in)."""
-    from kubealign.serving import carry_out
     from kubealign.tracking.runs import resolve_uri
 
     check_output_path(output, STAGE)
@@ -116,6 +122,11 @@ def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = No
         why = f"nothing to carry out: {verdict.get('why') or 'nothing was judged'}"
     elif not config.canary.act:  # the run's config_json says so, whatever the pipeline was compiled with
         why = "canary.act is false: the verdict is reported, not carried out"
+    elif verdict.get("awaiting_people"):
+        why = (
+            f"version {verdict['version']} awaits people's choices (canary.await_people): it keeps serving its share; "
+            "the pipeline's next run settles it"
+        )
     if why is not None:
         print(f"act: {why}", flush=True)
         with atomic_dir(output) as tmp:
@@ -125,17 +136,42 @@ def run(config: KubealignConfig, judgement: Path, output: Path, custom: Any = No
         raise UserError("act: no registry (MLFLOW_TRACKING_URI, tracking.uri) to carry the verdict out in")
     namespace, service = own_service(config, judgement, verdict["inference_service"])
     promoted, version = verdict["promoted"], verdict["version"]
+    details = carry(config, uri, namespace, service, promoted, version, custom)
+    details["verdict"] = verdict.get("verdict", "")
+    with atomic_dir(output) as tmp:
+        return write_result(tmp, STAGE, {"acted": 1.0, "promoted": float(promoted)}, {}, acted=True, **details)
+
+
+def carry(
+    config: KubealignConfig,
+    uri: str,
+    namespace: str,
+    service: str,
+    promoted: bool,
+    version: str,
+    custom: Any,
+    stage: str = STAGE,
+) -> dict[str, Any]:
+    """A verdict on `version` carried out: the registry's aliases, then the InferenceService `service` in
+    `namespace` (custom: a CustomObjectsApi, None: this pod's cluster; stage: the task that says so, as
+    kubealign.stages.settle carries verdicts out too); what was done, as result.json says it."""
+    from kubealign.serving import carry_out
+
     after = carry_out.in_registry(config, uri, promoted, version)
     registry = ", ".join(f"{alias} = {value}" for alias, value in after.items())
-    print(f"act: registry {registry}", flush=True)
+    print(f"{stage}: registry {registry}", flush=True)
     if custom is None:
         from kubealign.cluster.trainjob import connect
 
         custom, _ = connect()
     action = carry_out.in_serving(config, uri, namespace, custom)
     summary = f"registry {registry}; InferenceService {service} {action}, Ready"
-    print(f"act: InferenceService {service} {action}, Ready", flush=True)
-    details = {"promoted": promoted, "version": version, "verdict": verdict.get("verdict", "")}
-    details.update(registry=after, inference_service=service, action=action, summary=summary)
-    with atomic_dir(output) as tmp:
-        return write_result(tmp, STAGE, {"acted": 1.0, "promoted": float(promoted)}, {}, acted=True, **details)
+    print(f"{stage}: InferenceService {service} {action}, Ready", flush=True)
+    return {
+        "promoted": promoted,
+        "version": version,
+        "registry": after,
+        "inference_service": service,
+        "action": action,
+        "summary": summary,
+    }

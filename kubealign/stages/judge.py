@@ -41,7 +41,7 @@ from kubealign.promotion.guards import LLM_JUDGE_FIGURES
 from kubealign.rewards.scorer import Scorer
 from kubealign.rl.experience import response_masks
 from kubealign.selection.comparison import compare, degeneration, function_means_by_model
-from kubealign.serving import ask
+from kubealign.serving import ask, pending
 from kubealign.serving import verdict as rules  # the online verdict's pure rules
 from kubealign.tracking.runs import stage_run
 from kubealign.usercode import definitions
@@ -195,6 +195,21 @@ def plot(path: Path, answers: dict[str, list[rules.Answer]], rows: dict[str, lis
     plt.close(fig)
 
 
+def decided(
+    config: KubealignConfig,
+    online: dict[str, float] | None,
+    pairs: int,
+    canary: dict[str, float],
+    human: Any,
+    version: str,
+) -> tuple[bool, list[str], str, bool]:
+    """(promoted, the checks, the verdict line, whether it waits for people: canary.await_people)."""
+    promoted, lines = rules.decide(online, pairs, canary, config.promote, config.canary, human)
+    awaiting = rules.awaits_people(online, pairs, canary, config.promote, config.canary, human)
+    line = rules.awaiting_line(version) if awaiting else rules.verdict_line(promoted, lines, "challenger", version)
+    return promoted, lines, line, awaiting
+
+
 def run(
     config: KubealignConfig,
     prompts: Path,
@@ -250,12 +265,13 @@ def run(
         metrics.update(agreement or {})  # the judges checked against people: the gate's min_judge_agreement
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
-    promoted, lines = rules.decide(metrics or None, len(pairs), served["canary"], config.promote, cfg, human)
-    verdict = rules.verdict_line(promoted, lines, "challenger", canary_version)
+    figures = (metrics or None, len(pairs), served["canary"])
+    promoted, lines, verdict, awaiting = decided(config, *figures, human, canary_version)
     lines = [*served_versions, *lines]
     for who, figures in served.items():
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})
     metrics["promoted"], metrics["wall_time_s"] = float(promoted), time.perf_counter() - started
+    metrics["awaiting_people"] = float(awaiting)
     table = answers_table(config, data.prompts, answers, verdicts, pairs, rows)
     outputs = {"answers": "answers.json", "report": "judge.md", "plot": "judge.png"}
     versions = {"champion": champion_version, "canary": canary_version}  # what feedback.served names on its tasks
@@ -265,8 +281,11 @@ def run(
             (tmp / "judge.md").write_text(figures_table(metrics, served, lines, verdict), encoding="utf-8")
             plot(tmp / "judge.png", answers, rows)
             more = {"versions": versions, "judge_run": tracker.run_id, "registered_model": one, "checks": lines}
+            more["awaiting_people"] = awaiting
             result = write_result(tmp, STAGE, metrics, outputs, promoted=promoted, verdict=verdict, **more)
         tracker.log_metrics(metrics)
+        if awaiting:  # what the next run's settle task finds (kubealign.serving.pending)
+            tracker.set_tags(pending.tags(config.promote.registered_model, canary_version, champion_version))
         for name in outputs.values():
             tracker.log_artifact(output / name, STAGE)
     print(verdict, flush=True)

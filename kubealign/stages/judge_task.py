@@ -23,7 +23,8 @@ from kubealign.outputs import atomic_dir, check_output_path, read_result, write_
 STAGE = "judge"
 # the verdict as the act task reads it: {"judged": false, "why"} when nothing was judged, else {"judged": true,
 # "promoted", "version" (the judged canary's), "registered_model", "inference_service" ("NAMESPACE/NAME"),
-# "verdict" (the line)}
+# "verdict" (the line), "awaiting_people" (canary.await_people: nothing to carry out yet, the next run's settle
+# task decides)}
 VERDICT_FILE = "verdict.json"
 
 
@@ -80,6 +81,7 @@ def run(
         config, prompts, tokenizer_dir, reward, *inputs, champion_version=str(serving["version"]), agreement=agreement
     )
     verdict = {"judged": True, "promoted": bool(result["promoted"]), "version": version}
+    verdict["awaiting_people"] = bool(result.get("awaiting_people"))  # canary.await_people: the next run settles it
     verdict.update(registered_model=registered, inference_service=f"{namespace}/{name}", verdict=result["verdict"])
     write_json(output / VERDICT_FILE, verdict)  # last: a judge that stopped before it has no verdict to act on
     return result

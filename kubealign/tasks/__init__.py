@@ -208,6 +208,14 @@ def act(config_json: str, overrides: list[str], judgement: str, output: str) -> 
     return stage.run(load(config_json, overrides), Path(judgement), Path(output))
 
 
+def settle(config_json: str, overrides: list[str], output: str) -> dict[str, Any]:
+    """The canary the previous run left waiting for people (canary.await_people), decided on their choices and
+    carried out: the registry, then serving."""
+    from kubealign.stages import settle as stage
+
+    return stage.run(load(config_json, overrides), Path(output))
+
+
 def push(config_json: str, judgement: str, output: str) -> dict[str, Any]:
     """judgement: the judge task's output; the pairs its canary served, to people (feedback.project)."""
     from kubealign.stages import push as stage

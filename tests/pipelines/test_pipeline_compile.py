@@ -343,6 +343,24 @@ def test_the_serve_task_follows_promote_only_when_asked(tmp_path: Path) -> None:
     assert not {"serve", "judge", "act"} & set(spec.root.dag.tasks)
 
 
+def test_a_canary_held_for_people_is_settled_after_the_pull_and_before_promote(tmp_path: Path) -> None:
+    canary = ["serve.enabled=true", "promote.mode=canary", "canary.min_human_win_rate=0.5", "canary.await_people=true"]
+    spec, platform = compiled(tmp_path, [*canary, "feedback.project=prefs"])
+    tasks = spec.root.dag.tasks
+    settle = tasks["settle"]
+    assert set(settle.dependent_tasks) == {"feedback"} and not settle.caching_options.enable_cache
+    given = settle.inputs.parameters["config_json"].task_output_parameter  # the round as the pull counted it
+    assert (given.producer_task, given.output_parameter_key) == ("feedback", "Output")
+    assert "settle" in tasks["promote"].dependent_tasks and "settle" not in tasks["data-split"].dependent_tasks
+    assert [s.secret_name for s in platform["exec-settle"].secret_as_env][0] == "kubealign-mlflow"  # moves aliases
+    spec, _ = compiled(tmp_path, canary)  # no project: first of all, on the run's own config
+    assert set(spec.root.dag.tasks["settle"].dependent_tasks) == set()
+    assert "settle" in spec.root.dag.tasks["promote"].dependent_tasks
+    for off in ("canary.await_people=false", "canary.act=false", "promote.mode=direct"):
+        spec, _ = compiled(tmp_path, [*canary, off])
+        assert "settle" not in spec.root.dag.tasks, off
+
+
 def test_serve_takes_one_route(cli, tmp_path: Path) -> None:
     done = cli(
         "compile",
