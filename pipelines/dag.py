@@ -178,20 +178,15 @@ class Tasks:
             people = {"feedback": pulled.outputs["dataset"]}
             # every later task reads the run's config as the pull counted its round (a scheduled run's own round)
             p["config_json"] = pulled.outputs["Output"]
-        if self.settles():
+        c = self.config  # a canary judged online and acted on, its verdict held for people: settled first
+        if c.canary.await_people and c.serve.enabled and c.promote.mode == "canary" and c.canary.act:
             self.settled = self.settle(p["config_json"])
         split = stages.data_split(config_json=p["config_json"], data_fingerprint=p["data_fingerprint"], **people)
         return self.place(split, "data split", 0, training=False).outputs["dataset"]
 
-    def settles(self) -> bool:
-        """Whether the run has a settle task: a canary judged online and acted on, its verdict held for people."""
-        c = self.config
-        return c.canary.await_people and c.serve.enabled and c.promote.mode == "canary" and c.canary.act
-
     def settle(self, config_json: Any) -> dsl.PipelineTask:
-        """After the feedback task (canary.await_people): the canary the previous run left waiting for people,
-        decided on the choices just pulled and carried out as the pipeline identity (no user code runs here);
-        promote waits for it, so this run's candidate meets the champion as it now stands."""
+        """After the feedback task (canary.await_people): the canary the previous run held for people, decided on
+        their choices and carried out as the pipeline identity (no user code); promote waits for it."""
         task = stages.settle(config_json=config_json)
         self.place(task, "settle (the waiting canary)", 0, training=False)
         # the registry, MLflow and the cluster are outside KFP's view: a cached settle would decide nothing

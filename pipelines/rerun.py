@@ -49,8 +49,6 @@ def _run_stage(
         return tasks.judge(config_json, [], d["data-split"], d["sft"], scorer, d["serve"], str(out))
     if stage == "act":  # the judge's verdict carried out again: a rerun finishes one carried out halfway
         return tasks.act(config_json, [], d["judge"], str(out))
-    if stage == "settle":  # the waiting canary decided again from the registry and MLflow as they are now
-        return tasks.settle(config_json, [], str(out))
     return tasks.promote(config_json, [], d["evaluate"], d[candidate], str(out))
 
 

@@ -221,7 +221,7 @@ def test_the_components_package_exports_every_component():
     from kubealign.components import stages
 
     declared = {name for name, value in vars(stages).items() if isinstance(value, BaseComponent)}
-    assert set(components.__all__) == declared and len(declared) == 15
+    assert set(components.__all__) == declared and len(declared) == 16
 
 
 def test_tests_are_laid_out_like_the_library() -> None:

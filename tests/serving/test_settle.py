@@ -37,6 +37,7 @@ def test_the_verdict_waits_only_for_what_people_alone_can_mend() -> None:
     assert awaits_people(online(0.7, 0.3), 8, QUIET, promote, waits, HumanFeedback(0.9, 0, "r"))  # none decided
     # people decided (either way): the verdict is theirs now, nothing waits
     assert not awaits_people(online(0.7, 0.3), 8, QUIET, promote, waits, HumanFeedback(0.1, 3, "r"))
+    assert not awaits_people(online(0.7, 0.3), 8, QUIET, promote, waits, HumanFeedback(0.9, 1, "r"))
     assert not awaits_people(
         online(0.7, 0.3), 8, QUIET, promote, waits.model_copy(update={"await_people": False}), None
     )
@@ -130,6 +131,11 @@ def test_a_judge_that_waits_moves_nothing_and_the_next_run_settles_it_once_peopl
     waited = settle.run(cfg, tmp_path / "s1", custom=kube.client())
     assert waited["why"] == "people have not decided on version 3 yet: it keeps serving its share"
     assert not waited["acted"] and kube.requests == [] and aliases(client) == {"champion": "1", "challenger": "3"}
+    # a pull whose tasks on it were all tied (no win-rate: NaN) has decided nothing either
+    people_said(client, "3", float("nan"), 2)
+    waited = settle.run(cfg, tmp_path / "s1b", custom=kube.client())
+    assert waited["why"] == "people have not decided on version 3 yet: it keeps serving its share"
+    assert kube.requests == [] and aliases(client) == {"champion": "1", "challenger": "3"}
 
     # they decide for it (6 of 8), and find both automatic judges wrong: the recorded figures with their verdict
     source = people_said(client, "3", 0.75, 8, agreement=0.25)
