@@ -226,11 +226,12 @@ def judge_command(args: argparse.Namespace) -> None:
     champion, canary, version, uri = _judged_urls(args, config)
     checked = _served_versions(args, config, {"champion": champion, "canary": canary}, version, uri)
     inputs = (args.prompts, args.tokenizer, args.reward, champion, canary, args.output, args.served_name)
-    from kubealign.feedback import lookup
+    from kubealign.feedback import fresh, lookup
     from kubealign.tracking.runs import resolve_uri
 
     # people's verdict (canary.min_human_win_rate) and the judges' agreement with them (min_judge_agreement)
     human, agreement = lookup.people(uri or resolve_uri(config), config, version)
+    agreement = {**agreement, **fresh.of_reward_dir(args.reward)}  # the scorer's own check against people, if any
     more = {"champion_version": _champion_version(args, config, version, uri), "agreement": agreement}
     result = judge.run(config, *inputs, version, tuple(checked), human, **more)
     print(f"  checks and figures: {Path(result['output']) / 'judge.md'}")

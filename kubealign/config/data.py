@@ -75,6 +75,15 @@ class DataConfig(Section):
         "task trains it beside the main one; evaluate and promote.guards.min_heldout_win_rate use it as a "
         "scorer the policy was not optimized against). 0 = none (then set that guard to null).",
     )
+    people_check_fraction: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Share of the prompts of `phase: reward` sources (people's choices, feedback.project) kept out "
+        "of training, by a seeded hash of the prompt (kept out once, kept out as the project grows): the reward task "
+        "checks its new model against people on them (people_agreement), and the online judge and promote read that "
+        "as the reward model's agreement (promote.guards.min_judge_agreement). 0 = none.",
+    )
     seed: int = Field(1234, description="Seed of the split permutation and of the synthetic generator.")
     on_error: Literal["raise", "skip"] = Field(
         "raise",

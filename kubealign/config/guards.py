@@ -98,7 +98,9 @@ class GuardsConfig(Section):
         "judge) whose agreement with people's choices on the served pairs (agreement_<judge> of the latest "
         "`feedback` run of this registered model: kubealign.feedback.agreement) is below this share is not "
         "trusted: its checks are reported as 'not trusted', not counted; with every judge that checked not "
-        "trusted the gate refuses. A judge people have not been asked about stays trusted. None = not applied.",
+        "trusted the gate refuses. A judge people have not been asked about stays trusted. A reward model checked on "
+        "people's pairs it never trained on (data.people_check_fraction) is judged by that check instead. None = not "
+        "applied.",
     )
 
     @model_validator(mode="after")

@@ -14,16 +14,23 @@ two phases (the reward model and PPO would see the same prompts). Here the unit 
    (prompt_only_outside_phase3) when they land in phase 1 or 2.
 4. Train splits are reweighted per source (DataSource.weight); eval splits never are.
 5. Prompts in `to_reward` (those a `phase: reward` source has a pair for: people's choices) are cut as all others,
-   then moved into phase 2 whatever phase the cut gave them, and into its train split (never eval or heldout):
+   then moved into phase 2 whatever phase the cut gave them, and into its train split (never eval or heldout; rule 7):
    the other prompts keep their phases, and each phase's eval split is drawn from what it then holds.
 6. With `heldout_fraction` > 0, that share of phase 2's train prompts (seeded; at least one, never all)
    forms phase 2's "heldout" split instead: the pairs the held-out reward model trains on (an
    independent scorer, docs/guards.md). Disjoint from what the reward model the policy is optimized against sees, so an
    exploit of that model's blind spots is not an exploit of this one's. Reweighted like train.
+7. With `people_fraction` > 0, the `to_reward` prompts whose seeded hash falls below it (never all of them) form
+   phase 2's "people" split instead of training: people's own pairs (rows of `people_sources`), on which the reward
+   task checks its new model against people (kubealign.stages.reward); another source's pairs on such a prompt are
+   dropped (people_checked_prompt), so the model never trains on it. By hash, not by draw: a prompt kept out once
+   stays out as the project grows, so each round's check holds the earlier rounds' and the new model never trained
+   on any of it. Not reweighted (a check, like eval).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 from collections.abc import Mapping, Sequence
@@ -32,6 +39,7 @@ from typing import Any, NamedTuple
 PHASES = ("phase1_sft", "phase2_reward", "phase3_prompts")
 SPLITS = ("train", "eval")
 HELDOUT = "heldout"  # phase 2's third split (rule 6), present only when reserved
+PEOPLE = "people"  # phase 2's split of people's pairs kept out of training (rule 7), present only when asked
 Row = dict[str, Any]  # keys: prompt, chosen (None: prompt-only), rejected (str | None), columns, source, origin
 
 
@@ -74,6 +82,20 @@ def holdout(prompts: Sequence[str], fraction: float, rng: random.Random) -> set[
     return set(rng.sample(list(prompts), eval_count(len(prompts), fraction)))
 
 
+def people_check(prompts: Sequence[str], fraction: float, seed: int) -> set[str]:
+    """Rule 7: the prompts whose sha256 with the seed, read as a share of 2**64, is below `fraction`; never all of
+    them (the one of highest hash trains then)."""
+    if fraction <= 0:
+        return set()
+    share = {
+        p: int.from_bytes(hashlib.sha256(f"{seed}-{PEOPLE}-{p}".encode()).digest()[:8], "big") / 2**64 for p in prompts
+    }
+    kept = {p for p, h in share.items() if h < fraction}
+    if kept and len(kept) == len(share):
+        kept.discard(max(share, key=share.__getitem__))
+    return kept
+
+
 def reweight(rows: list[Row], weights: Mapping[str, float], rng: random.Random) -> list[Row]:
     """Subsample (weight < 1) or repeat (weight > 1) each source's rows to round(weight * count)."""
     by_source: dict[str, list[int]] = {}
@@ -106,6 +128,8 @@ def split_rows(
     weights: Mapping[str, float] | None = None,
     heldout_fraction: float = 0.0,
     to_reward: frozenset[str] = frozenset(),
+    people_fraction: float = 0.0,
+    people_sources: frozenset[str] = frozenset(),
 ) -> SplitPlan:
     """Assign every row to a phase and split (see the module docstring for the rules)."""
     groups: dict[str, list[Row]] = {}
@@ -131,6 +155,9 @@ def split_rows(
         held = holdout([p for p in prompts if p not in to_reward], eval_fraction, rng)
         out: dict[str, list[Row]] = {"train": [], "eval": []}
         reserved: set[str] = set()
+        checked = people_check([p for p in prompts if p in to_reward], people_fraction, seed) if k == 1 else set()
+        if checked:
+            out[PEOPLE] = []
         if k == 1 and heldout_fraction > 0:  # its own seed: the eval split stays what it was without it
             trained = [p for p in prompts if p not in held and p not in to_reward]
             reserved = holdout(trained, heldout_fraction, random.Random(f"{seed}-{phase}-{HELDOUT}"))
@@ -146,10 +173,16 @@ def split_rows(
             elif k == 2:  # PPO needs each prompt once: a prompt-only row (its columns), else one with a pair
                 paired = next((r for r in group if r["rejected"] is not None), group[0])
                 group = [next((r for r in group if r["chosen"] is None), paired)]
+            if prompt in checked:  # rule 7: people's own pairs check the model; no other pair on it trains it
+                dropped += [("people_checked_prompt", r) for r in group if r["source"] not in people_sources]
+                out[PEOPLE].extend(r for r in group if r["source"] in people_sources)
+                continue
             out["eval" if prompt in held else HELDOUT if prompt in reserved else "train"].extend(group)
-        counts[phase] = {"train": len(prompts) - len(held) - len(reserved), "eval": len(held)}
+        counts[phase] = {"train": len(prompts) - len(held) - len(reserved) - len(checked), "eval": len(held)}
         if HELDOUT in out:
             counts[phase][HELDOUT] = len(reserved)
+        if PEOPLE in out:
+            counts[phase][PEOPLE] = len(checked)
         if weights and any(w != 1.0 for w in weights.values()):
             out["train"] = reweight(out["train"], weights, rng)
             if HELDOUT in out:

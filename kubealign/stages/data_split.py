@@ -214,7 +214,8 @@ def build(config: KubealignConfig, sources: list[SourceRead], key: str, output: 
     rewarded = {s.label for c, s in zip(data.sources, sources, strict=True) if c.phase == "reward"}
     to_reward = frozenset(r["prompt"] for r in rows if r["source"] in rewarded and r["rejected"] is not None)
     ratios, fraction, seed = data.split_ratios, data.eval_fraction, data.seed
-    plan = split_rows(rows, ratios, fraction, seed, weights, data.heldout_reward_fraction, to_reward)
+    people = (data.people_check_fraction, frozenset(rewarded))
+    plan = split_rows(rows, ratios, fraction, seed, weights, data.heldout_reward_fraction, to_reward, *people)
     for reason, row in plan.dropped:
         report.drop(reason, row["origin"])
     total = sum(data.split_ratios)

@@ -31,6 +31,7 @@ from kubealign.config import KubealignConfig
 from kubealign.data import phases
 from kubealign.data.tokenize import cut_left, encode_prompt
 from kubealign.errors import UserError
+from kubealign.feedback import fresh
 from kubealign.models import loading
 from kubealign.models.value_head import load_reward_model
 from kubealign.outputs import atomic_dir, check_output_path, write_json, write_result
@@ -151,6 +152,7 @@ def figures(
     metrics = compare(base, cand, cfg.seed)
     metrics.update(turns.turn_figures(base, cand))
     metrics.update(heldout_figures(reward, tokenizer, base, cand, cfg.batch_size))
+    metrics.update(fresh.of_reward_dir(reward))  # the reward models' check against people, for promote's gate
     metrics.update(function_means_by_model(base, cand))
     metrics["kl_to_baseline"] = kl_to(models["candidate"], models["baseline"], cand, cfg.batch_size, Sampling.of(cfg))
     pairs = {"baseline": (models["baseline"], base), "candidate": (models["candidate"], cand)}

@@ -72,10 +72,11 @@ def run(
     else:
         checked = identity.unchecked("no registry (MLFLOW_TRACKING_URI, tracking.uri) to read")
         print(f"judge: {checked[0]}", flush=True)
-    from kubealign.feedback import lookup
+    from kubealign.feedback import fresh, lookup
 
     # people's verdict (canary.min_human_win_rate) and the judges' agreement with them (min_judge_agreement)
     human, agreement = lookup.people(uri, config, version)
+    agreement = {**agreement, **fresh.of_reward_dir(reward)}  # the scorer's own check against people, if it had one
     inputs = (stable, other, output, names, version, tuple(checked), human)
     result = judge.run(
         config, prompts, tokenizer_dir, reward, *inputs, champion_version=str(serving["version"]), agreement=agreement

@@ -175,7 +175,8 @@ def promote_in_registry(
             from kubealign.feedback.lookup import agreement
 
             found = agreement(client, client.get_run(tracker.run_id).info.experiment_id, name)
-            metrics = {**metrics, **found}
+            # a reward model checked on people's kept-out pairs (evaluate's agreement_*: feedback.fresh) has its own
+            metrics = {**found, **metrics}
         passed, checks = gate(metrics, cfg, champion_metrics)
         proven, line = manifest_check(version, version.source, uri)  # a version that cannot be verified or remade
         passed, checks = passed and proven, [*checks, ("pass: " if proven else "FAIL: ") + line]

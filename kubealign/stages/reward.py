@@ -19,7 +19,7 @@ import torch
 from kubealign import ranks
 from kubealign.config import KubealignConfig
 from kubealign.data import phases
-from kubealign.data.split import HELDOUT
+from kubealign.data.split import HELDOUT, PEOPLE
 from kubealign.data.tokenize import encode_preference, pad_batch
 from kubealign.models.value_head import last_token_scores, load_reward_model, token_values
 from kubealign.outputs import check_output_path, output_stage, read_result
@@ -100,6 +100,21 @@ def evaluate(engine: Any, pairs: list[Any], pad_id: int, batch_size: int) -> tup
     return metrics, roc
 
 
+def people_agreement(accuracy: float, pairs: int) -> dict[str, float]:
+    """people_agreement (the share of people's kept-out pairs the model scores their choice higher on; a tie is not
+    agreeing), its Wilson 95 % interval (_low, _high) and _n: what kubealign.feedback.fresh hands the gate."""
+    from kubealign.feedback.annotations import wilson
+
+    agreed = round(accuracy * pairs)
+    low, high = wilson(agreed, pairs)
+    return {
+        "people_agreement": agreed / pairs,
+        "people_agreement_low": low,
+        "people_agreement_high": high,
+        "people_agreement_n": float(pairs),
+    }
+
+
 def run(
     config: KubealignConfig,
     data: Path,
@@ -142,7 +157,9 @@ def train_heldout(
         print(f"reward: the held-out reward model first, on {len(dataset[HELDOUT])} reserved pairs", flush=True)
     import datasets
 
-    pairs = datasets.DatasetDict({"train": dataset[HELDOUT], "eval": dataset["eval"]})
+    # people's kept-out pairs check it too: it never trains on a `phase: reward` source's pairs (split rule 5)
+    people = {PEOPLE: dataset[PEOPLE]} if PEOPLE in dataset else {}
+    pairs = datasets.DatasetDict({"train": dataset[HELDOUT], "eval": dataset["eval"], **people})
     untracked = config.model_copy(update={"tracking": config.tracking.model_copy(update={"enabled": False})})
     where = None if location is None else location.with_name(f"{location.name}-{HELDOUT}")
     return train(untracked, cfg, lambda: pairs, sibling, resume, where)["metrics"]
@@ -166,6 +183,7 @@ def train(
 
         train = tokenize(dataset["train"], tokenizer, cfg.max_seq_len)
         evals = tokenize(dataset["eval"], tokenizer, cfg.max_seq_len)
+        people = tokenize(dataset[PEOPLE], tokenizer, cfg.max_seq_len) if PEOPLE in dataset else []
         with zero3_loading(ds_config(cfg, world, torch.cuda.is_available())):
             pad = tokenizer.pad_token_id
             model = load_reward_model(cfg.model, cfg.trust_remote_code, pad, cfg.dtype, cfg.revision)
@@ -174,6 +192,9 @@ def train(
 
         def evaluate_with_roc(engine: Any) -> loop.Evaluation:
             metrics, roc = evaluate(engine, evals, pad, cfg.micro_batch_size)
+            if people:  # the check against people on their pairs it never trained on (data.people_check_fraction)
+                checked, _ = evaluate(engine, people, pad, cfg.micro_batch_size)
+                metrics.update(people_agreement(checked["accuracy"], len(people)))
             return loop.Evaluation(metrics, {SCORES_FILE: roc})
 
         return stage.Built(

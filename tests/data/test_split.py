@@ -227,3 +227,42 @@ def test_prompts_people_chose_on_train_the_reward_model_wherever_the_cut_put_the
     plain = split_rows([*rows, *people], (2, 4, 4), 0.1, seed=3)
     assert not [r for ph in PHASES for s in ("train", "eval") for r in plain.phases[ph][s] if r["source"] == "people"
                 and phase_of[r["prompt"]] == "phase3_prompts"]  # fmt: skip
+
+
+def test_people_s_checked_pairs_never_train_and_stay_checked_as_the_project_grows():
+    """Rule 7: of 30 prompts people chose on (each also has a synthetic pair), those whose seeded sha256 share is below
+    0.3 hold people's pairs in phase 2's "people" split, their synthetic pairs dropped; the rest train. A project
+    grown to 45 prompts keeps every one of the first check's prompts in its check."""
+    import hashlib
+
+    from kubealign.data.split import PEOPLE, people_check
+
+    def share(prompt: str) -> float:  # the rule as documented: sha256 of "SEED-people-PROMPT", 8 bytes of 2**64
+        return int.from_bytes(hashlib.sha256(f"3-people-{prompt}".encode()).digest()[:8], "big") / 2**64
+
+    rows = rows_for(200)
+    chosen = [f"p{i}" for i in range(30)]
+    people = [{"prompt": p, "chosen": f"yes{p}", "rejected": f"no{p}", "source": "people", "origin": f"h:{i}"}
+              for i, p in enumerate(chosen)]  # fmt: skip
+    plan = split_rows([*rows, *people], (2, 4, 4), 0.1, 3, None, 0.25, frozenset(chosen), 0.3, frozenset({"people"}))
+    reward = plan.phases["phase2_reward"]
+    expected = {p for p in chosen if share(p) < 0.3}
+    assert 0 < len(expected) < 30 and [r["prompt"] for r in reward[PEOPLE]] == [p for p in chosen if p in expected]
+    assert {r["source"] for r in reward[PEOPLE]} == {"people"} and plan.prompts["phase2_reward"][PEOPLE] == len(
+        expected
+    )
+    trained = {r["prompt"] for split in ("train", "eval", "heldout") for r in reward[split]}
+    assert not trained & expected and set(chosen) - expected <= trained
+    assert sorted(row["origin"] for reason, row in plan.dropped if reason == "people_checked_prompt") == sorted(
+        f"f:{p[1:]}" for p in expected
+    )
+    assert plan.prompts["phase2_reward"]["train"] == len({r["prompt"] for r in reward["train"]})
+    grown = [f"p{i}" for i in range(45)]
+    assert expected <= people_check(grown, 0.3, 3) and people_check(chosen, 0.3, 3) == expected
+    assert people_check(chosen, 0.0, 3) == set()
+    # never all: with the bar above every share, the prompt of the highest share trains
+    assert people_check(chosen, 1.0, 3) == set(chosen) - {max(chosen, key=share)}
+    assert (
+        PEOPLE
+        not in split_rows([*rows, *people], (2, 4, 4), 0.1, 3, None, 0.25, frozenset(chosen)).phases["phase2_reward"]
+    )

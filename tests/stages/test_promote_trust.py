@@ -52,3 +52,24 @@ def test_promote_reads_the_judges_agreement_and_leans_on_the_trusted_ones(cli, t
     again = promote(cli, evaluation(evals, "again", win=0.3, gain=0.3, reward=0.8), root / "p3", *TRUST)
     assert again.code == 0 and aliases(root / "p3")["champion"] == 2
     assert json.loads((root / "p3" / "result.json").read_text())["gate"][0] == "FAIL: win_rate: needs >= 0.5, got 0.300"
+
+
+def test_a_reward_model_checked_on_people_s_kept_out_pairs_is_judged_by_its_own_check(cli, tmp_path: Path):
+    """evaluate's agreement_reward* (the reward model's check on people's pairs it never trained on: feedback.fresh)
+    take the place of the older pull's record: the pull distrusts the reward model (0.40), its own check trusts it
+    (0.90 over 12), so its failed win-rate counts and the candidate is refused; without the check it would not."""
+    from kubealign.config import load_config
+
+    evals, root = tmp_path / "evals", tmp_path / "runs"
+    evals.mkdir()
+    assert promote(cli, evaluation(evals, "first", win=0.7, gain=0.3, reward=1.0), root / "p1", *TRUST).code == 0
+    uri, experiment = f"sqlite:///{root / 'mlflow.db'}", load_config(None, []).tracking.experiment
+    pulled(uri, experiment, 0.4)
+    checked = evaluation(evals, "checked", win=0.3, gain=0.3, reward=0.9)
+    result = json.loads((checked / "result.json").read_text())
+    own = {"agreement_reward": 0.9, "agreement_reward_low": 0.62, "agreement_reward_high": 0.98}
+    result["metrics"].update(own, agreement_reward_n=12.0)
+    (checked / "result.json").write_text(json.dumps(result))
+    done = promote(cli, checked, root / "p2", *TRUST)
+    assert done.code == 0 and aliases(root / "p2")["champion"] == 1
+    assert json.loads((root / "p2" / "result.json").read_text())["gate"][0] == "FAIL: win_rate: needs >= 0.5, got 0.300"
