@@ -265,8 +265,8 @@ def run(
         metrics.update(agreement or {})  # the judges checked against people: the gate's min_judge_agreement
     judged, verdicts = llm_judge_verdicts(config, data.prompts, answers, pairs)
     metrics.update(judged)  # the LLM judge's figures (promote.guards.min_llm_judge_win_rate), when one is set
-    figures = (metrics or None, len(pairs), served["canary"])
-    promoted, lines, verdict, awaiting = decided(config, *figures, human, canary_version)
+    judged_on = (metrics or None, len(pairs), served["canary"])
+    promoted, lines, verdict, awaiting = decided(config, *judged_on, human, canary_version)
     lines = [*served_versions, *lines]
     for who, figures in served.items():
         metrics.update({f"{who}/{key}": value for key, value in figures.items()})
