@@ -800,6 +800,7 @@ def test_the_verdict_is_carried_out_in_the_registry_then_in_serving_and_a_rerun_
     assert verdict == {
         "judged": True,
         "promoted": False,
+        "awaiting_people": False,  # canary.await_people unset: the verdict is final
         "version": "2",
         "registered_model": name,
         "inference_service": f"team-a/{name}",
