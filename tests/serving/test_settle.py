@@ -214,3 +214,27 @@ def test_the_act_task_carries_out_nothing_while_the_verdict_waits(setup, kube, t
     (waiting / "verdict.json").write_text(json.dumps({**body, "awaiting_people": "yes"}), encoding="utf-8")
     with pytest.raises(Exception, match="\"awaiting_people\" is 'yes', not true or false"):
         act_task.run(config("serve.namespace=team-a", *WAITS), waiting, tmp_path / "b", custom=kube.client())
+
+
+def test_a_record_with_no_comparison_in_it_rolls_the_canary_back_whatever_people_say(
+    setup,  # noqa: F811
+    kube,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """As an adversary with the tracking identity would write one: tagged as a waiting judge run of the challenger,
+    but holding no online comparison. People approve (8 of 8); the decision still fails on the missing answers."""
+    uri, client, config = setup
+    cfg = config("serve.namespace=team-a", *WAITS, "canary.min_answers=8")
+    client.set_registered_model_alias(NAME, "champion", "1")
+    client.set_registered_model_alias(NAME, "challenger", "3")
+    experiment = client.get_experiment_by_name(EXPERIMENT) or client.get_experiment(
+        client.create_experiment(EXPERIMENT)
+    )
+    run = client.create_run(experiment.experiment_id, tags={"kubealign.stage": "judge", **pending.tags(NAME, "3", "1")})
+    client.log_metric(run.info.run_id, "canary/error_rate", 0.0)
+    client.set_terminated(run.info.run_id)
+    people_said(client, "3", 1.0, 8)
+    done = settle.run(cfg, tmp_path / "s", custom=kube.client())
+    assert done["acted"] and not done["promoted"]
+    assert "FAIL: prompts answered by both: needs >= canary.min_answers 8, got 0" in done["checks"]
+    assert aliases(client) == {"champion": "1"} and rejected(client) == ["3"]
