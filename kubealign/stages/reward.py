@@ -157,7 +157,7 @@ def train_heldout(
         print(f"reward: the held-out reward model first, on {len(dataset[HELDOUT])} reserved pairs", flush=True)
     import datasets
 
-    # people's kept-out pairs check it too: it never trains on a `phase: reward` source's pairs (split rule 5)
+    # people's kept-out pairs check it too: it never trains on a `phase: reward` source's pairs (split rules 5 and 6)
     people = {PEOPLE: dataset[PEOPLE]} if PEOPLE in dataset else {}
     pairs = datasets.DatasetDict({"train": dataset[HELDOUT], "eval": dataset["eval"], **people})
     untracked = config.model_copy(update={"tracking": config.tracking.model_copy(update={"enabled": False})})
